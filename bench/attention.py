@@ -1,0 +1,89 @@
+"""Attention kernel microbenchmark: achieved TFLOP/s of the Triton HSTU attention per config.
+
+    python -m bench.attention            # on a CUDA device
+
+Two shapes of the bench preset (4 heads x 256): the cached ranking call (320 suffix tokens per user
+against an 8k prefix) and the full sequence (8k causal). Prints one row per kernel configuration
+and bias setting; used to choose the defaults in kernels/hstu_attention/triton_impl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+import triton.testing
+
+from kernels.hstu_attention import AttentionParams, PrefixKV, SeqLayout
+from kernels.hstu_attention.triton_impl import KernelConfig, hstu_attention_triton
+
+
+def make_case(batch: int, new_len: int, n_hist: int, prefix_len: int, heads: int = 4, dim: int = 256):
+    dev = "cuda"
+    total = batch * new_len
+    uvqk = torch.randn(total, 4, heads, dim, device=dev, dtype=torch.bfloat16)
+    q, k, v = uvqk[:, 0], uvqk[:, 1], uvqk[:, 2]
+    ts = torch.sort(torch.randint(0, 10**7, (total,), device=dev)).values
+    seq = SeqLayout.build([new_len] * batch, [n_hist] * batch, ts)
+    prefix = None
+    if prefix_len:
+        kv = [
+            torch.randn(8, 2, prefix_len, heads * dim, device=dev, dtype=torch.bfloat16) for _ in range(batch)
+        ]
+        pts = [torch.sort(torch.randint(0, 10**7, (prefix_len,), device=dev)).values for _ in range(batch)]
+        prefix = PrefixKV.build(kv, pts)
+    pos = torch.randn(heads, 160, device=dev)
+    tim = torch.randn(heads, 96, device=dev)
+    flops = 0
+    for i in range(new_len):
+        keys = prefix_len + (min(i, n_hist - 1) + 1 if i < n_hist else n_hist + 1)
+        flops += keys
+    flops *= 4 * dim * heads * batch
+    return q, k, v, seq, prefix, pos, tim, flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prefix", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args()
+    params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
+    cases = {
+        "cached": make_case(args.batch, 320, 64, args.prefix),
+        "full": make_case(max(1, args.batch // 4), args.prefix + 320, args.prefix + 64, 0),
+    }
+    configs = [
+        KernelConfig(bm, bn, w, st, fast)
+        for (bm, bn, w, st), fast in itertools.product(
+            [
+                (64, 64, 4, 2),
+                (64, 64, 8, 2),
+                (64, 64, 4, 3),
+                (128, 64, 8, 2),
+                (64, 32, 4, 3),
+                (128, 32, 8, 3),
+            ],
+            [False, True],
+        )
+    ]
+    for name, (q, k, v, seq, prefix, pos, tim, flops) in cases.items():
+        for cfg in configs:
+            for bias in (True, False):
+                pb, tb = (pos, tim) if bias else (None, None)
+                try:
+                    call = functools.partial(
+                        hstu_attention_triton, q, k, v, seq, prefix, 3, pb, tb, params, config=cfg
+                    )
+                    ms = triton.testing.do_bench(call, warmup=5, rep=30)
+                except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
+                    print(f"{name:6s} {cfg} bias={bias}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                    continue
+                print(
+                    f"{name:6s} {cfg} bias={bias}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Microbenchmark of the relay-race core: full vs preinfer vs rank_cached, with a roofline floor.
+
+    python -m bench.core                      # bench preset on the GPU (the issue's grid)
+    python -m bench.core --preset tiny --prefix-lens 256 512 --batches 1 --reps 3   # CPU smoke run
+
+Times are wall-clock per call as the caller sees it (host-side assembly and the input copy
+included), medians over --reps after --warmup calls, with the device synchronised around each.
+The floor for rank_cached is max(FLOPs / measured matmul peak, bytes / measured copy bandwidth),
+both peaks measured in the same run; its FLOP/byte model is `cached_rank_cost` below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.report import median, write_result
+from bench.synthetic import Shape, batch
+from kernels.device import accelerator
+from services.ranker.model import HSTURanker
+from shared.modelspec import ModelSpec, preset
+
+PROFILE_TOKENS = 16
+
+
+def cached_rank_cost(
+    spec: ModelSpec, prefix_len: int, batch_size: int, recent: int, candidates: int
+) -> tuple[int, int]:
+    """(FLOPs, bytes) of one rank_cached call: the work that cannot be avoided.
+
+    FLOPs: UVQK and output projections of every suffix token, the scoring head on candidates, and
+    attention (QK^T and AV, 4*D per visible key per head per layer).
+    Bytes: the weights read once, psi (K and V of every layer) read once, and each layer's
+    hidden state read and written once per suffix token. Embedding rows and biases are negligible.
+    """
+    d, layers, heads, dim = spec.hidden, spec.num_layers, spec.num_heads, spec.head_dim
+    el = spec.dtype_bytes
+    tokens = batch_size * (recent + candidates)
+    linear = tokens * spec.linear_flops_per_token()
+    head = batch_size * candidates * 2 * (d * spec.head_hidden + spec.head_hidden)
+    keys_recent = sum(prefix_len + i + 1 for i in range(recent))
+    keys_cands = candidates * (prefix_len + recent + 1)
+    attention = batch_size * layers * heads * 4 * dim * (keys_recent + keys_cands)
+    weights = layers * (d * 4 * d + d * d) * el + (d * spec.head_hidden + spec.head_hidden) * el
+    psi = batch_size * spec.psi_bytes(prefix_len)
+    activations = layers * tokens * 2 * d * el
+    return linear + head + attention, weights + psi + activations
+
+
+def time_call(fn: Callable[[], Any], sync: Callable[[], None], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return median(samples)
+
+
+def measure_peaks(device: torch.device, sync: Callable[[], None]) -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s, copy GB/s counting bytes read and written), measured now."""
+    if device.type == "cpu":
+        n, dtype = 1024, torch.float32
+    else:
+        n, dtype = 8192, torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm_ms = time_call(lambda: a @ b, sync, reps=10, warmup=3)
+    tflops = 2 * n**3 / (mm_ms * 1e-3) / 1e12
+    numel = (1 << 28) if device.type != "cpu" else (1 << 24)
+    src = torch.empty(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    cp_ms = time_call(lambda: dst.copy_(src), sync, reps=10, warmup=3)
+    gbps = 2 * src.numel() * 4 / (cp_ms * 1e-3) / 1e9
+    return tflops, gbps
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    acc = accelerator(args.device)
+    spec = preset(args.preset)
+    model = HSTURanker.from_seed(spec, seed=0, device=acc.device)
+    peak_tflops, peak_gbps = measure_peaks(acc.device, acc.synchronize)
+    print(f"device {acc.name}: matmul {peak_tflops:.0f} TFLOP/s, copy {peak_gbps:.0f} GB/s")
+    results = []
+    for prefix_len in args.prefix_lens:
+        for batch_size in args.batches:
+            shape = Shape(PROFILE_TOKENS, prefix_len - PROFILE_TOKENS, args.recent, args.candidates)
+            prefixes, suffixes = batch(prefix_len * 31 + batch_size, [shape] * batch_size)
+            keys = [model.psi_key(p.user_id, p.prefix_version) for p in prefixes]
+            sync, reps, warm = acc.synchronize, args.reps, args.warmup
+            full_ms = time_call(lambda p=prefixes, s=suffixes: model.full(p, s), sync, reps, warm)
+            preinfer_ms = time_call(lambda p=prefixes: model.preinfer(p), sync, reps, warm)
+            psis = model.preinfer(prefixes)
+            cached_ms = time_call(
+                lambda s=suffixes, c=psis, k=keys: model.rank_cached(s, c, k), sync, reps, warm
+            )
+            full = model.full(prefixes, suffixes)
+            cached = model.rank_cached(suffixes, psis, keys)
+            eps = max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True))
+            flops, nbytes = cached_rank_cost(spec, prefix_len, batch_size, args.recent, args.candidates)
+            floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (peak_gbps * 1e9)) * 1e3
+            row = {
+                "prefix_len": prefix_len,
+                "batch": batch_size,
+                "candidates": args.candidates,
+                "suffix_len": args.recent,
+                "full_ms": full_ms,
+                "preinfer_ms": preinfer_ms,
+                "cached_rank_ms": cached_ms,
+                "psi_bytes_per_user": spec.psi_bytes(prefix_len),
+                "cached_rank_flops": flops,
+                "cached_rank_bytes": nbytes,
+                "cached_floor_ms": floor_ms,
+                "peak_tflops_measured": peak_tflops,
+                "peak_gbps_measured": peak_gbps,
+                "full_over_cached": full_ms / cached_ms,
+                "cached_over_floor": cached_ms / floor_ms,
+                "eps_max": eps,
+            }
+            results.append(row)
+            print(
+                f"P={prefix_len:6d} B={batch_size}: full {full_ms:8.2f} ms  preinfer {preinfer_ms:8.2f} ms  "
+                f"cached {cached_ms:7.3f} ms  floor {floor_ms:6.3f} ms  full/cached {full_ms / cached_ms:5.1f}x  "
+                f"cached/floor {cached_ms / floor_ms:4.2f}  eps {eps:.2e}",
+                flush=True,
+            )
+            del psis, full, cached
+            if acc.backend == "cuda":
+                torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | npu")
+    parser.add_argument("--prefix-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--recent", type=int, default=64)
+    parser.add_argument("--candidates", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--out-dir", default=None, help="where to write core-<device>.json (default bench/results)"
+    )
+    args = parser.parse_args(argv)
+    results = run(args)
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    config["profile_tokens"] = PROFILE_TOKENS
+    config["spec"] = preset(args.preset).to_json()
+    config["timing"] = "wall-clock per call, device synchronised, median of reps"
+    config["floor"] = "max(flops / peak_tflops_measured, bytes / peak_gbps_measured); see bench/core.py"
+    columns = ["prefix_len", "batch", "full_ms", "preinfer_ms", "cached_rank_ms", "cached_floor_ms",
+               "full_over_cached", "cached_over_floor", "psi_bytes_per_user", "eps_max"]  # fmt: skip
+    kwargs = {"out_dir": __import__("pathlib").Path(args.out_dir)} if args.out_dir else {}
+    paths = write_result("core", config, results, columns, **kwargs)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

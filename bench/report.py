@@ -1,0 +1,98 @@
+"""Result files shared by every benchmark (schema: ../shared/EVALUATION.md).
+
+`{"machine": {...}, "config": {...}, "results": [...]}` as JSON, plus a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import socket
+import statistics
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def device_slug(name: str | None = None) -> str:
+    name = name or device_name()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "device": device_name(),
+        "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": __import__("os").cpu_count(),
+        "commit": _commit(),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_result(
+    name: str,
+    config: dict[str, Any],
+    results: list[dict[str, Any]],
+    columns: Sequence[str],
+    out_dir: Path = RESULTS_DIR,
+    header: str = "",
+) -> tuple[Path, Path]:
+    """Writes <name>-<device>.json and .md; returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    stem = f"{name}-{device_slug(info['device'])}"
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps({"machine": info, "config": config, "results": results}, indent=2) + "\n")
+    title = f"# {name} on {info['device']} (commit {info['commit']})\n\n"
+    md_path.write_text(title + header + markdown_table(results, columns))
+    return json_path, md_path

@@ -1,0 +1,325 @@
+"""HSTU generative-recommendation ranking model with relay-race (cached-prefix) inference.
+
+Token sequence of one ranking call: [U | S_l | eS_l | I]. Three entry points share the weights
+and the attention kernels:
+
+  full(prefixes, suffixes)            scores [U, S_l, eS_l, I] from scratch (the baseline)
+  preinfer(prefixes)                  runs [U, S_l] and returns psi (per-layer K/V + timestamps)
+  rank_cached(suffixes, psis, keys)   scores [eS_l, I] against psi
+
+HSTU layer (Zhai et al., arXiv 2402.17152):  U, V, Q, K = split(SiLU(W1 LN(x)));
+A = SiLU(QK^T / sqrt(d) + rab_pos + rab_time) / attn_norm, masked;  x += W2 (LN(A V) * U).
+Every layer is causal over the history; a candidate sees the whole history and itself only.
+Because attn_norm is a constant and attention is causal, the prefix's K/V (psi) are the same
+whatever follows it, which is what makes rank_cached(preinfer(p), s) == full(p + s).
+
+All entry points take batches of users with different lengths, concatenated without padding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernels.hstu_attention import AttentionImpl, AttentionParams, PrefixKV, SeqLayout, hstu_attention
+from services.ranker.psi import Psi, PsiKey
+from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
+from shared.modelspec import ModelSpec
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = spec.hidden
+        self.spec = spec
+        self.norm_in = nn.LayerNorm(d, eps=spec.layer_norm_eps, dtype=dtype)
+        self.uvqk = nn.Linear(d, 4 * d, dtype=dtype)
+        self.norm_attn = nn.LayerNorm(d, eps=spec.layer_norm_eps, dtype=dtype)
+        self.out = nn.Linear(d, d, dtype=dtype)
+        # Relative attention bias per head, kept in float32 (read by the kernels as such).
+        self.pos_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_pos_buckets))
+        self.time_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_time_buckets))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u, v, q, k as [T, H*D] views of one SiLU(W1 LN(x)) tensor."""
+        uvqk = F.silu(self.uvqk(self.norm_in(x)))
+        u, v, q, k = uvqk.split(self.spec.hidden, dim=1)
+        return u, v, q, k
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.norm_attn(attn) * u)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """A jagged batch ready for the layers: embeddings' indices and layout, on the model's device."""
+
+    item_idx: torch.Tensor
+    aux_idx: torch.Tensor
+    seq: SeqLayout
+    candidate_rows: torch.Tensor  # global row of every candidate token, in request order
+    candidate_counts: tuple[int, ...]
+
+
+class HSTURanker(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model_version: str,
+        device: torch.device | str = "cpu",
+        attention_impl: AttentionImpl = AttentionImpl.AUTO,
+    ) -> None:
+        super().__init__()
+        spec.validate()
+        self.spec = spec
+        self.model_version = model_version
+        self.attention_impl = attention_impl
+        dtype = _TORCH_DTYPES[spec.dtype]
+        d = spec.hidden
+        self.item_emb = nn.Embedding(spec.num_items, d, padding_idx=0, dtype=dtype)
+        # aux rows: actions, then the candidate marker, then user-profile features.
+        self.aux_emb = nn.Embedding(spec.num_actions + 1 + spec.num_profile_features, d, dtype=dtype)
+        self.layers = nn.ModuleList(HSTULayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm_out = nn.LayerNorm(d, eps=spec.layer_norm_eps, dtype=dtype)
+        self.head = nn.Sequential(
+            nn.Linear(d, spec.head_hidden, dtype=dtype),
+            nn.SiLU(),
+            nn.Linear(spec.head_hidden, 1, dtype=dtype),
+        )
+        self.params = AttentionParams(
+            alpha=spec.head_dim**-0.5,
+            inv_norm=1.0 / spec.attn_norm,
+            pos_mantissa_bits=spec.pos_mantissa_bits,
+            time_mantissa_bits=spec.time_mantissa_bits,
+        )
+        self.to(device)
+        self.eval()
+
+    # ------------------------------------------------------------------ construction and storage
+
+    @classmethod
+    def from_seed(
+        cls,
+        spec: ModelSpec,
+        seed: int,
+        device: torch.device | str = "cpu",
+        attention_impl: AttentionImpl = AttentionImpl.AUTO,
+    ) -> HSTURanker:
+        """Deterministic weights from a seed (drawn on the CPU, so every device gets the same)."""
+        spec_hash = hashlib.sha256(spec.to_json().encode()).hexdigest()[:10]
+        model = cls(spec, f"{spec.name}-seed{seed}-{spec_hash}", "cpu", attention_impl)
+        gen = torch.Generator().manual_seed(seed)
+        d = spec.hidden
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("pos_bias") or name.endswith("time_bias"):
+                    values = torch.randn(p.shape, generator=gen) * 0.5
+                elif "norm" in name:
+                    values = (1.0 if name.endswith("weight") else 0.0) + 0.05 * torch.randn(
+                        p.shape, generator=gen
+                    )
+                elif name.endswith("bias"):
+                    values = 0.02 * torch.randn(p.shape, generator=gen)
+                elif p.dim() == 2 and ("emb" in name):
+                    values = torch.randn(p.shape, generator=gen) * 0.5
+                else:
+                    values = torch.randn(p.shape, generator=gen) * (
+                        p.shape[1] ** -0.5 if p.dim() == 2 else d**-0.5
+                    )
+                p.copy_(values.to(p.dtype))
+            model.item_emb.weight[0].zero_()
+        return model.to(device)
+
+    def save(self, path: str | Path) -> None:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(
+            tensors, str(path), metadata={"model_version": self.model_version, "spec": self.spec.to_json()}
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        attention_impl: AttentionImpl = AttentionImpl.AUTO,
+    ) -> HSTURanker:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "model_version" not in meta or "spec" not in meta:
+            raise ValueError(f"{path}: not a RelayGR checkpoint (no model_version/spec metadata)")
+        model = cls(ModelSpec.from_json(meta["spec"]), meta["model_version"], "cpu", attention_impl)
+        model.load_state_dict(load_file(str(path)))
+        return model.to(device)
+
+    def _stack(self) -> list[HSTULayer]:
+        return [cast(HSTULayer, layer) for layer in self.layers]
+
+    @property
+    def device(self) -> torch.device:
+        return self.item_emb.weight.device
+
+    def psi_key(self, user_id: int, prefix_version: int) -> PsiKey:
+        return PsiKey(user_id, prefix_version, self.model_version)
+
+    # ------------------------------------------------------------------ entry points
+
+    @torch.inference_mode()
+    def full(self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]) -> list[torch.Tensor]:
+        """Scores of every candidate, computing the whole [U, S_l, eS_l, I] sequence."""
+        if len(prefixes) != len(suffixes):
+            raise InvalidSequenceError("full() needs one suffix per prefix")
+        tokens = self._tokens(
+            [
+                [self._profile_part(p), self._behavior_part(p.long_term), self._behavior_part(s.recent)]
+                for p, s in zip(prefixes, suffixes, strict=True)
+            ],
+            suffixes,
+        )
+        x = self._embed(tokens)
+        x = self._layers(x, tokens.seq, prefix=None)
+        return self._score(x, tokens)
+
+    @torch.inference_mode()
+    def preinfer(self, prefixes: Sequence[UserPrefix]) -> list[Psi]:
+        """psi for each user's prefix [U, S_l]: per-layer K/V and the prefix timestamps."""
+        tokens = self._tokens(
+            [[self._profile_part(p), self._behavior_part(p.long_term)] for p in prefixes], None
+        )
+        x = self._embed(tokens)
+        seq = tokens.seq
+        num_layers, total = self.spec.num_layers, seq.total_tokens
+        kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
+        for index, layer in enumerate(self._stack()):
+            u, v, q, k = layer.project(x)
+            kv_all[index, 0].copy_(k)
+            kv_all[index, 1].copy_(v)
+            if index + 1 == num_layers:
+                break  # the last layer's output is never needed: the suffix reads only its K/V
+            attn = self._attention(q, k, v, seq, None, index, layer)
+            x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+        psis = []
+        for b, p in enumerate(prefixes):
+            start, end = seq.offsets_host[b], seq.offsets_host[b + 1]
+            block = kv_all if len(prefixes) == 1 else kv_all[:, :, start:end].contiguous()
+            psis.append(
+                Psi(self.psi_key(p.user_id, p.prefix_version), block, seq.timestamps[start:end].clone())
+            )
+        return psis
+
+    @torch.inference_mode()
+    def rank_cached(
+        self, suffixes: Sequence[RankingSuffix], psis: Sequence[Psi], keys: Sequence[PsiKey]
+    ) -> list[torch.Tensor]:
+        """Scores of [eS_l, I] against each user's psi. Raises PsiMismatchError on a foreign psi."""
+        if not len(suffixes) == len(psis) == len(keys):
+            raise InvalidSequenceError("rank_cached() needs one psi and one key per suffix")
+        for psi, key in zip(psis, keys, strict=True):
+            psi.require_match(key)
+            if psi.kv.device != self.device:
+                raise ValueError(f"psi of {key} is on {psi.kv.device}, the model on {self.device}")
+        tokens = self._tokens([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
+        prefix = PrefixKV.build([p.kv for p in psis], [p.timestamps for p in psis])
+        x = self._embed(tokens)
+        x = self._layers(x, tokens.seq, prefix)
+        return self._score(x, tokens)
+
+    # ------------------------------------------------------------------ internals
+
+    def _profile_part(self, p: UserPrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Profile tokens carry no item, timestamp 0; aux rows after actions and the candidate marker.
+        n = p.profile.numel()
+        aux = self.spec.num_actions + 1 + p.profile % self.spec.num_profile_features
+        return torch.zeros(n, dtype=torch.int64), aux, torch.zeros(n, dtype=torch.int64)
+
+    def _behavior_part(self, b: Behaviors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return 1 + b.items % (self.spec.num_items - 1), b.actions % self.spec.num_actions, b.timestamps
+
+    def _tokens(
+        self,
+        history_parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+        suffixes: Sequence[RankingSuffix] | None,
+    ) -> _Tokens:
+        """Concatenates every user's [history..., candidates] on the host, then one copy to the device."""
+        columns: list[torch.Tensor] = []
+        lengths, n_hist, cand_rows, counts = [], [], [], []
+        row = 0
+        for b, parts in enumerate(history_parts):
+            hist = sum(p[0].numel() for p in parts)
+            if suffixes is not None:
+                s = suffixes[b]
+                c = s.candidates.numel()
+                parts = [
+                    *parts,
+                    (
+                        1 + s.candidates % (self.spec.num_items - 1),
+                        torch.full((c,), self.spec.num_actions, dtype=torch.int64),
+                        torch.full((c,), s.query_time, dtype=torch.int64),
+                    ),
+                ]
+                cand_rows.append(torch.arange(row + hist, row + hist + c))
+                counts.append(c)
+            columns.extend(torch.stack(p) for p in parts)
+            lengths.append(sum(p[0].numel() for p in parts))
+            n_hist.append(hist)
+            row += lengths[-1]
+        too_long = [n for n in lengths if n > self.spec.max_sequence_len]
+        if too_long:
+            raise InvalidSequenceError(
+                f"sequence of {too_long[0]} tokens exceeds {self.spec.max_sequence_len}"
+            )
+        host = torch.cat([*columns, torch.empty(3, 0, dtype=torch.int64)], dim=1)
+        rows = torch.cat([*cand_rows, torch.empty(0, dtype=torch.int64)])
+        packed = torch.cat([host.reshape(-1), rows]).to(self.device, non_blocking=True)
+        item_idx, aux_idx, ts = packed[: 3 * row].view(3, row)
+        seq = SeqLayout.build(lengths, n_hist, ts)
+        return _Tokens(item_idx, aux_idx, seq, packed[3 * row :], tuple(counts))
+
+    def _embed(self, tokens: _Tokens) -> torch.Tensor:
+        return self.item_emb(tokens.item_idx) + self.aux_emb(tokens.aux_idx)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq: SeqLayout,
+        prefix: PrefixKV | None,
+        index: int,
+        layer: HSTULayer,
+    ) -> torch.Tensor:
+        shape = (q.shape[0], self.spec.num_heads, self.spec.head_dim)
+        return hstu_attention(
+            q.view(shape),
+            k.view(shape),
+            v.view(shape),
+            seq,
+            prefix,
+            index,
+            layer.pos_bias,
+            layer.time_bias,
+            self.params,
+            self.attention_impl,
+        )
+
+    def _layers(self, x: torch.Tensor, seq: SeqLayout, prefix: PrefixKV | None) -> torch.Tensor:
+        for index, layer in enumerate(self._stack()):
+            u, v, q, k = layer.project(x)
+            attn = self._attention(q, k, v, seq, prefix, index, layer)
+            x = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u)
+        return x
+
+    def _score(self, x: torch.Tensor, tokens: _Tokens) -> list[torch.Tensor]:
+        logits = self.head(self.norm_out(x.index_select(0, tokens.candidate_rows))).squeeze(-1).float()
+        return list(logits.split(list(tokens.candidate_counts)))

@@ -1,0 +1,96 @@
+"""Internal, validated inputs of the ranking model (tensors on the host).
+
+The wire formats (protobuf, Kafka events) are converted into these at the service edge; nothing
+past the edge passes dicts or protobuf messages around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class InvalidSequenceError(ValueError):
+    """A request's token sequence is malformed (a per-request error, never fatal)."""
+
+
+def _as_ids(values: object, name: str) -> torch.Tensor:
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=torch.int64)
+    if t.dim() != 1:
+        raise InvalidSequenceError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}")
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t
+
+
+@dataclass(frozen=True)
+class Behaviors:
+    """A run of behaviour tokens: item id, action type and event time (epoch seconds) each."""
+
+    items: torch.Tensor
+    actions: torch.Tensor
+    timestamps: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n = self.items.numel()
+        if self.actions.numel() != n or self.timestamps.numel() != n:
+            raise InvalidSequenceError(
+                f"behaviours need as many actions and timestamps as items "
+                f"({n} items, {self.actions.numel()} actions, {self.timestamps.numel()} timestamps)"
+            )
+        if n and (bool((self.items < 0).any()) or bool((self.actions < 0).any())):
+            raise InvalidSequenceError("item ids and actions must be non-negative")
+        if n and bool((self.timestamps < 0).any()):
+            raise InvalidSequenceError("timestamps must be non-negative")
+
+    @staticmethod
+    def of(items: object, actions: object, timestamps: object) -> Behaviors:
+        return Behaviors(
+            _as_ids(items, "items"), _as_ids(actions, "actions"), _as_ids(timestamps, "timestamps")
+        )
+
+    @staticmethod
+    def empty() -> Behaviors:
+        z = torch.zeros(0, dtype=torch.int64)
+        return Behaviors(z, z, z)
+
+    def __len__(self) -> int:
+        return self.items.numel()
+
+
+@dataclass(frozen=True)
+class UserPrefix:
+    """The cacheable prefix [U, S_l] of one user: profile tokens and long-term behaviours."""
+
+    user_id: int
+    prefix_version: int
+    profile: torch.Tensor  # profile feature ids
+    long_term: Behaviors
+
+    def __post_init__(self) -> None:
+        if self.profile.dim() != 1 or (self.profile.numel() and bool((self.profile < 0).any())):
+            raise InvalidSequenceError("profile must be a 1-D tensor of non-negative ids")
+
+    @property
+    def length(self) -> int:
+        return self.profile.numel() + len(self.long_term)
+
+
+@dataclass(frozen=True)
+class RankingSuffix:
+    """What a ranking call adds after the prefix: recent behaviours eS_l and candidates I."""
+
+    recent: Behaviors
+    candidates: torch.Tensor  # item ids
+    query_time: int  # epoch seconds; the candidates' timestamp
+
+    def __post_init__(self) -> None:
+        if self.candidates.dim() != 1 or (self.candidates.numel() and bool((self.candidates < 0).any())):
+            raise InvalidSequenceError("candidates must be a 1-D tensor of non-negative item ids")
+        if self.query_time < 0:
+            raise InvalidSequenceError("query_time must be non-negative")
+
+    @property
+    def length(self) -> int:
+        return len(self.recent) + self.candidates.numel()

@@ -1,0 +1,93 @@
+"""Triton attention vs the reference, and the model on CUDA (run on the device machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.synthetic import Shape, batch
+from kernels.hstu_attention import (
+    AttentionImpl,
+    AttentionParams,
+    PrefixKV,
+    SeqLayout,
+    hstu_attention_reference,
+)
+from services.ranker.model import HSTURanker
+from shared.modelspec import preset
+
+pytestmark = pytest.mark.gpu
+
+
+def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    # A strided q/k/v, as the model passes them (views of one UVQK tensor).
+    uvqk = torch.randn(total, 4, heads, dim, generator=gen).to("cuda", dtype)
+    q, k, v = uvqk[:, 0], uvqk[:, 1], uvqk[:, 2]
+    ts = torch.randint(0, 10**6, (total,), generator=gen).cuda()
+    prefix = None
+    if plens is not None:
+        kv = [torch.randn(layers, 2, p, heads * dim, generator=gen).to("cuda", dtype) for p in plens]
+        pts = [torch.randint(0, 10**6, (p,), generator=gen).cuda() for p in plens]
+        prefix = PrefixKV.build(kv, pts)
+    pos_bias = torch.randn(heads, 160, generator=gen).cuda()
+    time_bias = torch.randn(heads, 96, generator=gen).cuda()
+    params = AttentionParams(alpha=dim**-0.5, inv_norm=1 / 512, pos_mantissa_bits=3, time_mantissa_bits=2)
+    return q, k, v, SeqLayout.build(lengths, n_hist, ts), prefix, pos_bias, time_bias, params
+
+
+def assert_bf16_close(got, want):
+    scale = float(want.float().abs().max()) + 1e-6
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= 2e-2 * scale, f"max error {err:.3e} vs output scale {scale:.3e}"
+
+
+CASES = [
+    # lengths, n_hist, prefix lengths (None: no prefix)
+    ([300, 0, 65, 1], [200, 0, 65, 0], None),
+    ([300, 0, 65, 1], [200, 0, 65, 0], [1000, 5, 0, 130]),
+    ([320] * 3, [64] * 3, [4096, 777, 1]),
+    ([0, 0], [0, 0], [10, 0]),
+    ([1], [1], [0]),
+    ([257], [0], [63]),  # candidates only
+]
+
+
+@pytest.mark.parametrize("dim", [16, 64, 256])
+@pytest.mark.parametrize(("lengths", "n_hist", "plens"), CASES)
+def test_triton_matches_reference(dim, lengths, n_hist, plens):
+    from kernels.hstu_attention.triton_impl import hstu_attention_triton
+
+    case = random_case(len(lengths) + dim, lengths, n_hist, plens, heads=2 if dim == 256 else 4, dim=dim)
+    q, k, v, seq, prefix, pb, tb, params = case
+    want = hstu_attention_reference(q, k, v, seq, prefix, 1, pb, tb, params)
+    got = hstu_attention_triton(q, k, v, seq, prefix, 1, pb, tb, params)
+    assert got.shape == want.shape
+    if got.numel():
+        assert_bf16_close(got, want)
+    if prefix is not None and max(prefix.lens_host) > 256:
+        split = hstu_attention_triton(q, k, v, seq, prefix, 1, pb, tb, params, splits=3)
+        assert_bf16_close(split, want)
+
+
+def test_model_on_cuda_cached_equals_full_bf16():
+    spec = preset("bench").with_overrides(name="bench-small", num_layers=2, num_items=1000)
+    model = HSTURanker.from_seed(spec, seed=0, device="cuda")
+    prefixes, suffixes = batch(1, [Shape(16, 2000, 64, 256), Shape(0, 0, 3, 1), Shape(4, 500, 0, 20)])
+    full = model.full(prefixes, suffixes)
+    psis = model.preinfer(prefixes)
+    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1) for p in prefixes])
+    for f, c in zip(full, cached, strict=True):
+        assert_bf16_close(c, f)
+
+
+def test_model_on_cuda_float32_reference_is_exact():
+    model = HSTURanker.from_seed(
+        preset("tiny"), seed=0, device="cuda", attention_impl=AttentionImpl.REFERENCE
+    )
+    prefixes, suffixes = batch(2, [Shape(3, 1500, 10, 50), Shape(0, 7, 0, 1)])
+    full = model.full(prefixes, suffixes)
+    psis = model.preinfer(prefixes)
+    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1) for p in prefixes])
+    assert max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True)) <= 1e-5
