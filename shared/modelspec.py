@@ -79,6 +79,8 @@ class ModelSpec:
             problems.append("bucket mantissa bits must be within 0..8")
         if self.num_pos_buckets < 1 or self.num_time_buckets < 1:
             problems.append("bucket counts must be >= 1")
+        if self.num_pos_buckets * self.num_time_buckets > 32_767:
+            problems.append("num_pos_buckets * num_time_buckets must be <= 32767 (int16 bias index)")
         if problems:
             raise ModelSpecError(f"invalid model spec {self.name!r}: " + "; ".join(problems))
         return self

@@ -4,7 +4,8 @@ A batch holds B sequences of *new* tokens (concatenated, no padding) and, option
 prefix per sequence. Within sequence b, new token i has position P_b + min(i, n_hist_b): the
 history tokens (everything that is not a candidate) count up from the end of the prefix, and all
 candidates share the position right after the history (M-FALCON style), so a candidate's score
-does not depend on how many other candidates the request holds.
+does not depend on how many other candidates the request holds. All candidates of a sequence also
+carry one timestamp (the query time), so they share their relative-bias row; build() checks it.
 
 Masking rule for new token i against new token j:  j <= i  and  (j < n_hist  or  j == i).
 Every new token sees every prefix token.
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Kernels read psi with 16-byte vector loads: each block must start 16-byte aligned (the caching
+# allocators of torch align every allocation to 512 bytes).
+PSI_ALIGNMENT_BYTES = 16
+
 
 @dataclass(frozen=True)
 class AttentionParams:
@@ -29,6 +34,13 @@ class AttentionParams:
     inv_norm: float  # 1 / attn_norm: a constant, never the sequence length
     pos_mantissa_bits: int
     time_mantissa_bits: int
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,14 @@ class SeqLayout:
         return self.offsets_host[b + 1] - self.offsets_host[b]
 
     @staticmethod
-    def build(lengths: list[int], n_hist: list[int], timestamps: torch.Tensor) -> SeqLayout:
+    def build(
+        lengths: list[int],
+        n_hist: list[int],
+        timestamps: torch.Tensor,
+        host_timestamps: torch.Tensor | None = None,
+    ) -> SeqLayout:
+        """timestamps: [T] on the compute device. host_timestamps (a CPU copy, when the caller has
+        one) lets the candidate-timestamp contract be checked without a device round trip."""
         if len(lengths) != len(n_hist):
             raise ValueError("lengths and n_hist must have one entry per sequence")
         offsets = [0]
@@ -68,10 +87,15 @@ class SeqLayout:
             offsets.append(offsets[-1] + n)
         if timestamps.numel() != offsets[-1]:
             raise ValueError(f"timestamps hold {timestamps.numel()} tokens, the layout {offsets[-1]}")
-        dev = timestamps.device
+        check = host_timestamps if host_timestamps is not None else timestamps.cpu()
+        for b, h in enumerate(n_hist):
+            candidates = check[offsets[b] + h : offsets[b + 1]]
+            if candidates.numel() > 1 and bool((candidates != candidates[0]).any()):
+                raise ValueError(f"sequence {b}: all candidates must carry one timestamp (the query time)")
+        packed = _to_device(offsets + list(n_hist), timestamps.device)
         return SeqLayout(
-            offsets=torch.tensor(offsets, dtype=torch.int64, device=dev),
-            n_hist=torch.tensor(n_hist, dtype=torch.int64, device=dev),
+            offsets=packed[: len(offsets)],
+            n_hist=packed[len(offsets) :],
             timestamps=timestamps,
             offsets_host=tuple(offsets),
             n_hist_host=tuple(n_hist),
@@ -80,41 +104,50 @@ class SeqLayout:
 
 @dataclass(frozen=True)
 class PrefixKV:
-    """The cached prefixes (psi) of a batch, one per sequence, in the layout documented above."""
+    """The cached prefixes (psi) of a batch, one per sequence, in the layout documented above.
+
+    Kernels read the blocks in place: `kv_base` is one of them and `kv_offsets[b]` is block b's
+    start relative to it, in elements (blocks live in separate allocations of one address space).
+    """
 
     kv: tuple[torch.Tensor, ...]  # per sequence [L, 2, P_b, H*D]
     lens: torch.Tensor  # [B] int64
     timestamps: torch.Tensor  # [sum P_b] int64
     ts_offsets: torch.Tensor  # [B + 1] int64
+    kv_offsets: torch.Tensor  # [B] int64
+    kv_base: torch.Tensor
     lens_host: tuple[int, ...]
-    # Base address of each block, for kernels that read the blocks in place (accelerators only).
-    pointers: torch.Tensor | None
 
     @staticmethod
     def build(kv: list[torch.Tensor], timestamps: list[torch.Tensor]) -> PrefixKV:
-        if len(kv) != len(timestamps):
-            raise ValueError("one timestamp vector per prefix is required")
-        lens = []
+        if not kv or len(kv) != len(timestamps):
+            raise ValueError("one psi block and one timestamp vector per sequence are required")
+        base = kv[0]
+        lens, offsets = [], []
         for block, ts in zip(kv, timestamps, strict=True):
             if block.dim() != 4 or block.shape[1] != 2:
                 raise ValueError(f"psi block must be [L, 2, P, H*D], got {tuple(block.shape)}")
-            if not block.is_contiguous():
-                raise ValueError("psi block must be contiguous")
+            if not block.is_contiguous() or block.dtype != base.dtype or block.device != base.device:
+                raise ValueError("psi blocks must be contiguous, of one dtype and on one device")
             if ts.numel() != block.shape[2]:
                 raise ValueError(f"psi holds {block.shape[2]} tokens but {ts.numel()} timestamps")
+            delta = block.data_ptr() - base.data_ptr()
+            if block.numel() and (block.data_ptr() % PSI_ALIGNMENT_BYTES or delta % block.element_size()):
+                raise ValueError(f"psi blocks must start {PSI_ALIGNMENT_BYTES}-byte aligned")
             lens.append(int(block.shape[2]))
-        dev = kv[0].device if kv else torch.device("cpu")
+            offsets.append(delta // block.element_size() if block.numel() else 0)
         ts_offsets = [0]
         for n in lens:
             ts_offsets.append(ts_offsets[-1] + n)
-        all_ts = torch.cat([t.to(dev, torch.int64) for t in timestamps]) if timestamps else torch.empty(0)
+        dev = base.device
+        packed = _to_device(lens + ts_offsets + offsets, dev)
+        b = len(lens)
         return PrefixKV(
             kv=tuple(kv),
-            lens=torch.tensor(lens, dtype=torch.int64, device=dev),
-            timestamps=all_ts.to(torch.int64),
-            ts_offsets=torch.tensor(ts_offsets, dtype=torch.int64, device=dev),
+            lens=packed[:b],
+            timestamps=torch.cat([t.to(dev, torch.int64) for t in timestamps]),
+            ts_offsets=packed[b : 2 * b + 1],
+            kv_offsets=packed[2 * b + 1 :],
+            kv_base=base,
             lens_host=tuple(lens),
-            pointers=None
-            if dev.type == "cpu"
-            else torch.tensor([b.data_ptr() for b in kv], dtype=torch.int64, device=dev),
         )

@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernels.hstu_attention import AttentionImpl, AttentionParams, PrefixKV, SeqLayout, hstu_attention
+from kernels.hstu_attention import (
+    AttentionBatch,
+    AttentionImpl,
+    AttentionParams,
+    PrefixKV,
+    SeqLayout,
+    hstu_attention,
+    prepare_attention,
+)
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.modelspec import ModelSpec
@@ -188,7 +196,7 @@ class HSTURanker(nn.Module):
             suffixes,
         )
         x = self._embed(tokens)
-        x = self._layers(x, tokens.seq, prefix=None)
+        x = self._layers(x, self._prepare(tokens.seq, None))
         return self._score(x, tokens)
 
     @torch.inference_mode()
@@ -199,6 +207,7 @@ class HSTURanker(nn.Module):
         )
         x = self._embed(tokens)
         seq = tokens.seq
+        attention = self._prepare(seq, None)
         num_layers, total = self.spec.num_layers, seq.total_tokens
         kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
         for index, layer in enumerate(self._stack()):
@@ -207,7 +216,7 @@ class HSTURanker(nn.Module):
             kv_all[index, 1].copy_(v)
             if index + 1 == num_layers:
                 break  # the last layer's output is never needed: the suffix reads only its K/V
-            attn = self._attention(q, k, v, seq, None, index, layer)
+            attn = self._attention(q, k, v, attention, index)
             x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
         psis = []
         for b, p in enumerate(prefixes):
@@ -232,7 +241,7 @@ class HSTURanker(nn.Module):
         tokens = self._tokens([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
         prefix = PrefixKV.build([p.kv for p in psis], [p.timestamps for p in psis])
         x = self._embed(tokens)
-        x = self._layers(x, tokens.seq, prefix)
+        x = self._layers(x, self._prepare(tokens.seq, prefix))
         return self._score(x, tokens)
 
     # ------------------------------------------------------------------ internals
@@ -281,42 +290,33 @@ class HSTURanker(nn.Module):
             )
         host = torch.cat([*columns, torch.empty(3, 0, dtype=torch.int64)], dim=1)
         rows = torch.cat([*cand_rows, torch.empty(0, dtype=torch.int64)])
-        packed = torch.cat([host.reshape(-1), rows]).to(self.device, non_blocking=True)
+        packed = torch.cat([host.reshape(-1), rows])
+        if self.device.type != "cpu":
+            packed = packed.pin_memory()  # so the copy below is truly asynchronous
+        packed = packed.to(self.device, non_blocking=True)
         item_idx, aux_idx, ts = packed[: 3 * row].view(3, row)
-        seq = SeqLayout.build(lengths, n_hist, ts)
+        seq = SeqLayout.build(lengths, n_hist, ts, host_timestamps=host[2])
         return _Tokens(item_idx, aux_idx, seq, packed[3 * row :], tuple(counts))
 
     def _embed(self, tokens: _Tokens) -> torch.Tensor:
         return self.item_emb(tokens.item_idx) + self.aux_emb(tokens.aux_idx)
 
+    def _prepare(self, seq: SeqLayout, prefix: PrefixKV | None) -> AttentionBatch:
+        layers = self._stack()
+        pos = torch.stack([layer.pos_bias for layer in layers])
+        time = torch.stack([layer.time_bias for layer in layers])
+        return prepare_attention(seq, prefix, pos, time, self.params, self.spec.head_dim, self.attention_impl)
+
     def _attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seq: SeqLayout,
-        prefix: PrefixKV | None,
-        index: int,
-        layer: HSTULayer,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionBatch, index: int
     ) -> torch.Tensor:
         shape = (q.shape[0], self.spec.num_heads, self.spec.head_dim)
-        return hstu_attention(
-            q.view(shape),
-            k.view(shape),
-            v.view(shape),
-            seq,
-            prefix,
-            index,
-            layer.pos_bias,
-            layer.time_bias,
-            self.params,
-            self.attention_impl,
-        )
+        return hstu_attention(q.view(shape), k.view(shape), v.view(shape), attention, index)
 
-    def _layers(self, x: torch.Tensor, seq: SeqLayout, prefix: PrefixKV | None) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, attention: AttentionBatch) -> torch.Tensor:
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x)
-            attn = self._attention(q, k, v, seq, prefix, index, layer)
+            attn = self._attention(q, k, v, attention, index)
             x = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u)
         return x
 

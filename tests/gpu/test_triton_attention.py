@@ -17,6 +17,9 @@ from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 
 pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from kernels.hstu_attention.triton_impl import hstu_attention_triton, plan_triton  # noqa: E402
 
 
 def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.bfloat16):
@@ -25,14 +28,19 @@ def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.
     # A strided q/k/v, as the model passes them (views of one UVQK tensor).
     uvqk = torch.randn(total, 4, heads, dim, generator=gen).to("cuda", dtype)
     q, k, v = uvqk[:, 0], uvqk[:, 1], uvqk[:, 2]
-    ts = torch.randint(0, 10**6, (total,), generator=gen).cuda()
+    ts = torch.randint(0, 10**6, (total,), generator=gen)
+    start = 0
+    for n, h in zip(lengths, n_hist, strict=True):  # candidates carry one timestamp (the query time)
+        ts[start + h : start + n] = ts[start + h : start + n].max() if n > h else 0
+        start += n
+    ts = ts.cuda()
     prefix = None
     if plens is not None:
         kv = [torch.randn(layers, 2, p, heads * dim, generator=gen).to("cuda", dtype) for p in plens]
         pts = [torch.randint(0, 10**6, (p,), generator=gen).cuda() for p in plens]
         prefix = PrefixKV.build(kv, pts)
-    pos_bias = torch.randn(heads, 160, generator=gen).cuda()
-    time_bias = torch.randn(heads, 96, generator=gen).cuda()
+    pos_bias = torch.randn(layers, heads, 160, generator=gen).cuda()
+    time_bias = torch.randn(layers, heads, 96, generator=gen).cuda()
     params = AttentionParams(alpha=dim**-0.5, inv_norm=1 / 512, pos_mantissa_bits=3, time_mantissa_bits=2)
     return q, k, v, SeqLayout.build(lengths, n_hist, ts), prefix, pos_bias, time_bias, params
 
@@ -57,17 +65,17 @@ CASES = [
 @pytest.mark.parametrize("dim", [16, 64, 256])
 @pytest.mark.parametrize(("lengths", "n_hist", "plens"), CASES)
 def test_triton_matches_reference(dim, lengths, n_hist, plens):
-    from kernels.hstu_attention.triton_impl import hstu_attention_triton
-
     case = random_case(len(lengths) + dim, lengths, n_hist, plens, heads=2 if dim == 256 else 4, dim=dim)
     q, k, v, seq, prefix, pb, tb, params = case
-    want = hstu_attention_reference(q, k, v, seq, prefix, 1, pb, tb, params)
-    got = hstu_attention_triton(q, k, v, seq, prefix, 1, pb, tb, params)
-    assert got.shape == want.shape
-    if got.numel():
-        assert_bf16_close(got, want)
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    for layer in (0, 1, 2):
+        want = hstu_attention_reference(q, k, v, seq, prefix, layer, pb[layer], tb[layer], params)
+        got = hstu_attention_triton(q, k, v, seq, prefix, plan, layer, params)
+        assert got.shape == want.shape
+        if got.numel():
+            assert_bf16_close(got, want)
     if prefix is not None and max(prefix.lens_host) > 256:
-        split = hstu_attention_triton(q, k, v, seq, prefix, 1, pb, tb, params, splits=3)
+        split = hstu_attention_triton(q, k, v, seq, prefix, plan, 2, params, splits=3)
         assert_bf16_close(split, want)
 
 

@@ -50,6 +50,7 @@ def test_reference_matches_brute_force(with_prefix):
     total = sum(lengths)
     q, k, v = (torch.randn(total, heads, dim, generator=gen, dtype=torch.float64) for _ in range(3))
     ts = torch.randint(0, 5000, (total,), generator=gen)
+    ts[[3, 4]] = 4000  # sequence 0's candidates share the query time
     plens = [3, 2, 0, 4]
     prefix_kv = [torch.randn(layers, 2, p, heads * dim, generator=gen, dtype=torch.float64) for p in plens]
     prefix_ts = [torch.randint(0, 5000, (p,), generator=gen) for p in plens]
