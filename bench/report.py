@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import socket
@@ -30,6 +31,9 @@ def device_slug(name: str | None = None) -> str:
 
 
 def _commit() -> str:
+    """The checked-out commit; RELAYGR_COMMIT where the tree travels without .git (device runs)."""
+    if os.environ.get("RELAYGR_COMMIT"):
+        return os.environ["RELAYGR_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -50,7 +54,7 @@ def machine() -> dict[str, Any]:
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "commit": _commit(),
     }
 

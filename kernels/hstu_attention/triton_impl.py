@@ -230,15 +230,17 @@ def _hstu_attention_fwd(
 
 @dataclass(frozen=True)
 class KernelConfig:
-    # Defaults measured best on H200 for head_dim 256 (python -m bench.attention).
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
     fast_silu: bool = True
 
 
-DEFAULT_CONFIG = KernelConfig()
+# Measured on H200, bench preset (python -m bench.attention): against a cached prefix, narrower key
+# tiles with a deeper pipeline win; without one (full / preinfer), 64-wide key tiles.
+PREFIX_CONFIG = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
+NO_PREFIX_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 _RAB_BLOCK = 64
 _ALIGN = 8  # int16 elements: bias-index rows and the history columns start 16-byte aligned
 # Unmasked tile loads may run past a sequence's matrix (rows past its end, columns past a row):
@@ -331,7 +333,7 @@ def hstu_attention_triton(
     layer: int,
     params: AttentionParams,
     splits: int | None = None,
-    config: KernelConfig = DEFAULT_CONFIG,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Same contract as hstu_attention_reference.
 
@@ -348,10 +350,12 @@ def hstu_attention_triton(
             raise ValueError("q, k, v must be [T, H, D] rows of one stride, contiguous within a row")
         if t.data_ptr() % 16 or (stride_t * t.element_size()) % 16:
             raise ValueError("q, k, v rows must be 16-byte aligned")
+    has_prefix = prefix is not None and max(prefix.lens_host, default=0) > 0
+    if config is None:
+        config = PREFIX_CONFIG if has_prefix else NO_PREFIX_CONFIG
     bm, bn = config.block_m, config.block_n
     if max(bm, bn) > _MAX_BLOCK:
         raise ValueError(f"block sizes above {_MAX_BLOCK} overrun the bias-index slack")
-    has_prefix = prefix is not None and max(prefix.lens_host, default=0) > 0
     if splits is None:
         splits = 1
         if has_prefix:
