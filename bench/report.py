@@ -10,13 +10,16 @@ import os
 import platform
 import re
 import socket
-import statistics
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shared.stats import median, percentile
+
+__all__ = ["machine", "markdown_table", "median", "percentile", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -57,19 +60,6 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "commit": _commit(),
     }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -19,7 +19,7 @@ All entry points take batches of users with different lengths, concatenated with
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -199,32 +199,46 @@ class HSTURanker(nn.Module):
         x = self._layers(x, self._prepare(tokens.seq, None))
         return self._score(x, tokens)
 
-    @torch.inference_mode()
     def preinfer(self, prefixes: Sequence[UserPrefix]) -> list[Psi]:
         """psi for each user's prefix [U, S_l]: per-layer K/V and the prefix timestamps."""
-        tokens = self._tokens(
-            [[self._profile_part(p), self._behavior_part(p.long_term)] for p in prefixes], None
-        )
-        x = self._embed(tokens)
-        seq = tokens.seq
-        attention = self._prepare(seq, None)
-        num_layers, total = self.spec.num_layers, seq.total_tokens
-        kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
-        for index, layer in enumerate(self._stack()):
-            u, v, q, k = layer.project(x)
-            kv_all[index, 0].copy_(k)
-            kv_all[index, 1].copy_(v)
-            if index + 1 == num_layers:
-                break  # the last layer's output is never needed: the suffix reads only its K/V
-            attn = self._attention(q, k, v, attention, index)
-            x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
-        psis = []
-        for b, p in enumerate(prefixes):
-            start, end = seq.offsets_host[b], seq.offsets_host[b + 1]
-            block = kv_all if len(prefixes) == 1 else kv_all[:, :, start:end].contiguous()
-            psis.append(
-                Psi(self.psi_key(p.user_id, p.prefix_version), block, seq.timestamps[start:end].clone())
+        steps = self.preinfer_steps(prefixes)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return list(done.value)
+
+    def preinfer_steps(self, prefixes: Sequence[UserPrefix]) -> Generator[int, None, list[Psi]]:
+        """preinfer() one layer at a time: yields the layer index just finished, returns the psis.
+
+        Lets the engine interleave ranking batches between the layers of a long pre-inference.
+        Each step runs under inference mode on its own (generators cannot hold the context).
+        """
+        with torch.inference_mode():
+            tokens = self._tokens(
+                [[self._profile_part(p), self._behavior_part(p.long_term)] for p in prefixes], None
             )
+            x = self._embed(tokens)
+            seq = tokens.seq
+            attention = self._prepare(seq, None)
+            num_layers, total = self.spec.num_layers, seq.total_tokens
+            kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
+        for index, layer in enumerate(self._stack()):
+            with torch.inference_mode():
+                u, v, q, k = layer.project(x)
+                kv_all[index, 0].copy_(k)
+                kv_all[index, 1].copy_(v)
+                if index + 1 < num_layers:  # the last layer's output is never needed: psi is its K/V
+                    attn = self._attention(q, k, v, attention, index)
+                    x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+            yield index
+        psis = []
+        with torch.inference_mode():
+            for b, p in enumerate(prefixes):
+                start, end = seq.offsets_host[b], seq.offsets_host[b + 1]
+                block = kv_all if len(prefixes) == 1 else kv_all[:, :, start:end].contiguous()
+                key = self.psi_key(p.user_id, p.prefix_version)
+                psis.append(Psi(key, block, seq.timestamps[start:end].clone()))
         return psis
 
     @torch.inference_mode()

@@ -1,0 +1,75 @@
+"""Reload-or-recompute: the cost model that decides how a psi found in host DRAM comes back.
+
+Both sides are measured while running: reload time from observed host->device copies (bytes /
+bandwidth + a fixed overhead), recompute time from observed pre-inferences, fitted as
+a * tokens + b * tokens^2 (projections are linear in the prefix length, attention quadratic).
+Until enough samples exist, the estimates come from the model's FLOPs and an assumed device rate.
+
+Under compute load the copy engine is preferred even at somewhat higher latency: a reload uses
+the copy engine, a recompute takes the same compute that ranking batches are waiting for.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.modelspec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ReloadDecision:
+    reload: bool
+    reload_ms: float
+    recompute_ms: float
+    reason: str  # "cheaper", "copy_engine_under_load", "recompute_cheaper"
+
+
+@dataclass
+class CostModel:
+    spec: ModelSpec
+    assumed_tflops: float  # effective device rate before any pre-inference was measured
+    h2d_gbps: float  # host->device bandwidth before any reload was measured
+    copy_overhead_ms: float = 0.2
+    busy_copy_preference: float = 1.5  # under load, reload while reload_ms <= 1.5 x recompute_ms
+    _preinfers: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=64)
+    )
+    _coef: tuple[float, float] | None = None
+
+    def observe_reload(self, nbytes: int, ms: float) -> None:
+        if nbytes > 0 and ms > self.copy_overhead_ms:
+            measured = nbytes / ((ms - self.copy_overhead_ms) * 1e-3) / 1e9
+            self.h2d_gbps = 0.8 * self.h2d_gbps + 0.2 * measured
+
+    def observe_preinfer(self, tokens: int, ms: float) -> None:
+        if tokens <= 0 or ms <= 0:
+            return
+        self._preinfers.append((tokens, ms))
+        if len({t for t, _ in self._preinfers}) >= 2:
+            t = np.array([p[0] for p in self._preinfers], dtype=np.float64)
+            y = np.array([p[1] for p in self._preinfers], dtype=np.float64)
+            (a, b), *_ = np.linalg.lstsq(np.stack([t, t * t], axis=1), y, rcond=None)
+            self._coef = (max(float(a), 0.0), max(float(b), 0.0))
+
+    def reload_ms(self, nbytes: int) -> float:
+        return self.copy_overhead_ms + nbytes / (self.h2d_gbps * 1e9) * 1e3
+
+    def recompute_ms(self, tokens: int) -> float:
+        if self._coef is not None:
+            a, b = self._coef
+            return a * tokens + b * tokens * tokens
+        s = self.spec
+        attention = s.num_layers * s.num_heads * 2 * s.head_dim * tokens * tokens  # causal: half of 4*D
+        flops = tokens * s.linear_flops_per_token() + attention
+        return flops / (self.assumed_tflops * 1e12) * 1e3
+
+    def choose(self, nbytes: int, tokens: int, compute_busy: bool) -> ReloadDecision:
+        reload_ms, recompute_ms = self.reload_ms(nbytes), self.recompute_ms(tokens)
+        if reload_ms <= recompute_ms:
+            return ReloadDecision(True, reload_ms, recompute_ms, "cheaper")
+        if compute_busy and reload_ms <= self.busy_copy_preference * recompute_ms:
+            return ReloadDecision(True, reload_ms, recompute_ms, "copy_engine_under_load")
+        return ReloadDecision(False, reload_ms, recompute_ms, "recompute_cheaper")

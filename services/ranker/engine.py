@@ -1,0 +1,344 @@
+"""The engine: one thread owns the accelerator; asyncio only submits work and awaits results.
+
+Work, in priority order each time the thread looks for something to do:
+  1. ranking batches: jobs of one kind (against psi, or in full) from different users, batched
+     dynamically: up to `max_batch` jobs / `max_batch_tokens` tokens, waiting at most `max_wait_s`
+     after the oldest job arrived for the batch to fill;
+  2. host <-> device copies of psi (demotions and reloads): issued on a copy stream on CUDA, so the
+     copy engine runs them beside the compute; completions are polled, never waited on;
+  3. pre-inference, one layer at a time (`HSTURanker.preinfer_steps`): a long prefix never holds a
+     ranking batch back by more than one layer's compute.
+A job whose caller has gone (its future cancelled) is dropped before it runs.
+
+Blocking: `submit_*` never block the event loop (a lock held for microseconds); results arrive on
+the loop via call_soon_threadsafe. Errors in one job fail that job's future only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels.device import Accelerator
+from services.ranker.model import HSTURanker
+from services.ranker.psi import Psi, PsiKey
+from services.ranker.sequences import RankingSuffix, UserPrefix
+
+
+class EngineStopped(RuntimeError):
+    """The engine shut down before the job ran."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8
+    max_batch_tokens: int = 65_536
+    max_wait_s: float = 0.001
+    preinfer_max_batch: int = 4
+    preinfer_max_tokens: int = 65_536
+
+
+@dataclass(frozen=True)
+class RankResult:
+    scores: torch.Tensor  # float32 on the host
+    queue_ms: float  # submit -> batch start
+    compute_ms: float  # the batch's compute (scores on the host)
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class BatchSample:
+    """One measured ranking batch (feeds Stats and the trigger's latency model)."""
+
+    full: bool
+    batch: int
+    tokens: int
+    prefix_len: int  # longest prefix computed in full in this batch (0 against psi)
+    compute_ms: float
+
+
+@dataclass
+class _Job:
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+    tokens: int
+
+    def alive(self) -> bool:
+        return not self.future.cancelled()
+
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+@dataclass
+class _RankJob(_Job):
+    suffix: RankingSuffix = field(kw_only=True)
+    prefix: UserPrefix | None = field(kw_only=True, default=None)  # full recompute
+    psi: Psi | None = field(kw_only=True, default=None)  # against psi
+    key: PsiKey | None = field(kw_only=True, default=None)
+
+    @property
+    def full(self) -> bool:
+        return self.psi is None
+
+
+@dataclass
+class _PreInferJob(_Job):
+    prefix: UserPrefix = field(kw_only=True)
+
+
+@dataclass
+class _CopyJob(_Job):
+    issue: Callable[[], Any] = field(kw_only=True)  # issues the copy, returns the result value
+    event: Any = None
+    value: Any = None
+
+
+class Engine:
+    def __init__(self, model: HSTURanker, accel: Accelerator, config: EngineConfig) -> None:
+        self.model = model
+        self.accel = accel
+        self.config = config
+        self._cv = threading.Condition()
+        self._ranks: collections.deque[_RankJob] = collections.deque()
+        self._preinfers: collections.deque[_PreInferJob] = collections.deque()
+        self._copies: collections.deque[_CopyJob] = collections.deque()
+        self._copies_in_flight: list[_CopyJob] = []
+        self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]]] | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._copy_stream = torch.cuda.Stream(accel.device) if accel.backend == "cuda" else None
+        self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="relaygr-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops after the work in hand; queued jobs fail with CancelledError."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ submission (event loop)
+
+    def _job_args(self, tokens: int) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        return {
+            "future": loop.create_future(),
+            "loop": loop,
+            "submitted": time.perf_counter(),
+            "tokens": tokens,
+        }
+
+    def _push(self, queue: collections.deque[Any], job: _Job) -> asyncio.Future[Any]:
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the engine is stopping")
+            queue.append(job)
+            self._cv.notify()
+        return job.future
+
+    async def rank_cached(self, suffix: RankingSuffix, psi: Psi, key: PsiKey) -> RankResult:
+        job = _RankJob(**self._job_args(suffix.length), suffix=suffix, psi=psi, key=key)
+        return await self._push(self._ranks, job)
+
+    async def rank_full(self, prefix: UserPrefix, suffix: RankingSuffix) -> RankResult:
+        job = _RankJob(**self._job_args(prefix.length + suffix.length), suffix=suffix, prefix=prefix)
+        return await self._push(self._ranks, job)
+
+    async def preinfer(self, prefix: UserPrefix) -> Psi:
+        return await self._push(self._preinfers, _PreInferJob(**self._job_args(prefix.length), prefix=prefix))
+
+    async def copy(self, issue: Callable[[], Any]) -> Any:
+        """Runs `issue` on the engine thread (on the copy stream on CUDA) and resolves once the
+        copies it enqueued have completed. `issue` returns the value to resolve with."""
+        return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue))
+
+    def recent_batches(self) -> list[BatchSample]:
+        with self._cv:
+            return list(self._samples)
+
+    @property
+    def rank_queue_depth(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def preinfer_backlog(self) -> int:
+        active = len(self._active[0]) if self._active else 0
+        return len(self._preinfers) + active
+
+    # ------------------------------------------------------------------ the device thread
+
+    def _run(self) -> None:
+        if self.accel.backend == "cuda":
+            torch.cuda.set_device(self.accel.device)
+        while True:
+            with self._cv:
+                while not (
+                    self._ranks or self._preinfers or self._copies or self._active or self._copies_in_flight
+                ):
+                    if self._stopping:
+                        self._fail_all()
+                        return
+                    self._cv.wait()
+                if self._stopping:
+                    self._fail_all()
+                    return
+            self._poll_copies()
+            batch = self._take_rank_batch()
+            if batch:
+                self._run_rank_batch(batch)
+                continue
+            if self._issue_copy():
+                continue
+            if self._step_preinfer():
+                continue
+            if self._copies_in_flight:
+                time.sleep(50e-6)  # copies still running on the copy engine
+
+    def _take_rank_batch(self) -> list[_RankJob]:
+        cfg = self.config
+        with self._cv:
+            while self._ranks and not self._ranks[0].alive():
+                self._ranks.popleft()
+            if not self._ranks:
+                return []
+            oldest = self._ranks[0]
+            deadline = oldest.submitted + cfg.max_wait_s
+            while len(self._ranks) < cfg.max_batch and time.perf_counter() < deadline and not self._stopping:
+                self._cv.wait(max(0.0, deadline - time.perf_counter()))
+            batch: list[_RankJob] = []
+            keep: collections.deque[_RankJob] = collections.deque()
+            tokens = 0
+            while self._ranks:
+                job = self._ranks.popleft()
+                if not job.alive():
+                    continue
+                fits = len(batch) < cfg.max_batch and (
+                    not batch or tokens + job.tokens <= cfg.max_batch_tokens
+                )
+                if fits and job.full == oldest.full:
+                    batch.append(job)
+                    tokens += job.tokens
+                else:
+                    keep.append(job)
+            self._ranks.extendleft(reversed(keep))
+        return batch
+
+    def _run_rank_batch(self, batch: list[_RankJob]) -> None:
+        started = time.perf_counter()
+        try:
+            suffixes = [j.suffix for j in batch]
+            if batch[0].full:
+                prefixes = [j.prefix for j in batch]
+                scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
+                prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
+            else:
+                scores = self.model.rank_cached(suffixes, [j.psi for j in batch], [j.key for j in batch])  # type: ignore[misc]
+                prefix_len = 0
+            host = [s.cpu() for s in scores]  # waits for the device: the batch is done
+        except Exception as exc:  # a bad batch fails its jobs, never the engine
+            for j in batch:
+                j.resolve(error=exc)
+            return
+        done = time.perf_counter()
+        compute_ms = (done - started) * 1e3
+        sample = BatchSample(batch[0].full, len(batch), sum(j.tokens for j in batch), prefix_len, compute_ms)
+        with self._cv:
+            self._samples.append(sample)
+        for j, s in zip(batch, host, strict=True):
+            j.resolve(RankResult(s, (started - j.submitted) * 1e3, compute_ms, len(batch)))
+
+    def _issue_copy(self) -> bool:
+        with self._cv:
+            job = self._copies.popleft() if self._copies else None
+        if job is None:
+            return False
+        if not job.alive():
+            return True
+        try:
+            if self._copy_stream is not None:
+                # Copies read psi that compute just produced: order after it, on the copy stream.
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.accel.device))
+                with torch.cuda.stream(self._copy_stream):
+                    job.value = job.issue()
+                    job.event = torch.cuda.Event()
+                    job.event.record(self._copy_stream)
+                self._copies_in_flight.append(job)
+            else:
+                job.resolve(job.issue())
+        except Exception as exc:
+            job.resolve(error=exc)
+        return True
+
+    def _poll_copies(self) -> None:
+        still = []
+        for job in self._copies_in_flight:
+            if job.event.query():
+                job.resolve(job.value)
+            else:
+                still.append(job)
+        self._copies_in_flight = still
+
+    def _step_preinfer(self) -> bool:
+        if self._active is None:
+            with self._cv:
+                jobs: list[_PreInferJob] = []
+                tokens = 0
+                while self._preinfers and len(jobs) < self.config.preinfer_max_batch:
+                    job = self._preinfers[0]
+                    if jobs and tokens + job.tokens > self.config.preinfer_max_tokens:
+                        break
+                    self._preinfers.popleft()
+                    if job.alive():
+                        jobs.append(job)
+                        tokens += job.tokens
+            if not jobs:
+                return False
+            self._active = (jobs, self.model.preinfer_steps([j.prefix for j in jobs]))
+        jobs, steps = self._active
+        try:
+            next(steps)
+        except StopIteration as done:
+            self._active = None
+            self.accel.synchronize()  # psi is complete before anyone reads or copies it
+            for j, psi in zip(jobs, done.value, strict=True):
+                j.resolve(psi)
+        except Exception as exc:
+            self._active = None
+            for j in jobs:
+                j.resolve(error=exc)
+        return True
+
+    def _fail_all(self) -> None:
+        pending: list[_Job] = [*self._ranks, *self._preinfers, *self._copies, *self._copies_in_flight]
+        if self._active:
+            pending.extend(self._active[0])
+        for job in pending:
+            job.resolve(error=EngineStopped("the engine stopped before this job ran"))
+        self._ranks.clear()
+        self._preinfers.clear()
+        self._copies.clear()
+        self._copies_in_flight.clear()
+        self._active = None

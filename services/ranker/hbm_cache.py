@@ -1,0 +1,308 @@
+"""The HBM relay cache: byte budget, leases, entry states and eviction. Bookkeeping only.
+
+Holds psi handles as opaque objects (it never touches tensors), is driven from one asyncio loop
+(not thread-safe by design), and takes time from an injected clock, so it is testable on the CPU
+without a device.
+
+Entry lifecycle (transitions asserted in `_move`):
+
+    PRODUCING --produced--> RESIDENT --claimed by its ranking call--> CONSUMED --demoted--> DEMOTED
+        |                      |                                        |   ^
+        +--failed--> FREED     +--lease deadline passed--> EXPIRED      |   +--re-leased (new signal)
+                                                                        +--evicted / dropped--> FREED
+
+* PRODUCING and RESIDENT entries are leased: a lease has an owner (the pending ranking request)
+  and a deadline. A leased entry is never evicted; when the budget is full, new admissions are
+  refused (and counted) rather than evicting psi that a ranking call is about to use.
+* `lookup` has no side effects: it never extends a lease, pins, or reorders anything.
+* CONSUMED entries are unleased: their bytes stay until demotion to host DRAM completes, or they
+  are evicted (least recently consumed first) to admit new work. An entry pinned by a running
+  computation or copy is never freed.
+* DEMOTED, EXPIRED and FREED are terminal: the entry leaves the table and its bytes are released.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EntryState(enum.Enum):
+    PRODUCING = "producing"
+    RESIDENT = "resident"
+    CONSUMED = "consumed"
+    DEMOTED = "demoted"
+    EXPIRED = "expired"
+    FREED = "freed"
+
+
+_TRANSITIONS: dict[EntryState, frozenset[EntryState]] = {
+    EntryState.PRODUCING: frozenset({EntryState.RESIDENT, EntryState.FREED}),
+    EntryState.RESIDENT: frozenset({EntryState.CONSUMED, EntryState.EXPIRED}),
+    EntryState.CONSUMED: frozenset({EntryState.DEMOTED, EntryState.FREED, EntryState.RESIDENT}),
+}
+_TERMINAL = frozenset({EntryState.DEMOTED, EntryState.EXPIRED, EntryState.FREED})
+_LEASED = frozenset({EntryState.PRODUCING, EntryState.RESIDENT})
+
+
+class InvalidTransition(RuntimeError):
+    """A caller asked for a state change the lifecycle does not allow (a bug, not a request error)."""
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"  # a new entry in PRODUCING: the caller must produce it
+    ALREADY_RESIDENT = "already_resident"  # lease taken over by the new owner
+    ALREADY_PRODUCING = "already_producing"  # lease taken over; production in flight
+    REFUSED = "refused"
+
+
+class Claim(enum.Enum):
+    HIT = "hit"  # usable now: pinned for the caller, which must unpin()
+    IN_FLIGHT = "in_flight"  # being produced: wait, then claim again
+    MISS = "miss"
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    deadline: float
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """A read-only snapshot of an entry, as lookup() returns it."""
+
+    key: Hashable
+    state: EntryState
+    nbytes: int
+    lease: Lease | None
+    pins: int
+    source: str
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    outcome: Admission
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    outcome: Claim
+    handle: Any = None
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    nbytes: int
+    state: EntryState
+    source: str  # "compute" or "reload"
+    lease: Lease | None
+    pins: int = 0
+    handle: Any = None
+    last_used: float = 0.0
+
+
+@dataclass
+class CacheCounters:
+    admitted: int = 0
+    refused: int = 0
+    produced: int = 0
+    failed: int = 0
+    hits: int = 0
+    joins: int = 0
+    misses: int = 0
+    expired: int = 0  # pre-inferred, never consumed before the lease deadline: wasted
+    demoted: int = 0
+    evicted: int = 0
+    released: int = 0  # consumed entries dropped without a host copy
+
+
+@dataclass
+class HbmCache:
+    budget_bytes: int
+    clock: Callable[[], float]
+    counters: CacheCounters = field(default_factory=CacheCounters)
+    _entries: dict[Hashable, _Entry] = field(default_factory=dict)
+    _used: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError("budget_bytes must be > 0")
+
+    # ------------------------------------------------------------------ queries (no side effects)
+
+    def lookup(self, key: Hashable) -> EntryView | None:
+        e = self._entries.get(key)
+        return None if e is None else EntryView(e.key, e.state, e.nbytes, e.lease, e.pins, e.source)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def leased_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.state in _LEASED)
+
+    @property
+    def producing(self) -> int:
+        return sum(1 for e in self._entries.values() if e.state is EntryState.PRODUCING)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether nbytes could be admitted now (counting evictable entries). No side effects."""
+        return nbytes <= self.budget_bytes - self._used + self._evictable_bytes()
+
+    # ------------------------------------------------------------------ admission and production
+
+    def admit(self, key: Hashable, nbytes: int, lease: Lease, source: str = "compute") -> AdmitResult:
+        """Claims room for a psi (a pre-inference or a reload) under `lease`.
+
+        An existing entry keeps its bytes and takes the new lease (a new ranking call is now the
+        one waiting for it); its deadline never moves earlier.
+        """
+        e = self._entries.get(key)
+        if e is not None:
+            if e.state is EntryState.CONSUMED:
+                self._move(e, EntryState.RESIDENT)
+                e.lease = lease
+                return AdmitResult(Admission.ALREADY_RESIDENT)
+            assert e.lease is not None
+            e.lease = Lease(lease.owner, max(lease.deadline, e.lease.deadline))
+            outcome = (
+                Admission.ALREADY_RESIDENT if e.state is EntryState.RESIDENT else Admission.ALREADY_PRODUCING
+            )
+            return AdmitResult(outcome)
+        if nbytes > self.budget_bytes:
+            self.counters.refused += 1
+            return AdmitResult(Admission.REFUSED, "too_large")
+        if not self._make_room(nbytes):
+            self.counters.refused += 1
+            return AdmitResult(Admission.REFUSED, "hbm_budget")
+        self._entries[key] = _Entry(key, nbytes, EntryState.PRODUCING, source, lease, last_used=self.clock())
+        self._used += nbytes
+        self.counters.admitted += 1
+        return AdmitResult(Admission.ADMITTED)
+
+    def produced(self, key: Hashable, handle: Any) -> bool:
+        """PRODUCING -> RESIDENT with its psi. False when the entry is gone (then drop the handle)."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.PRODUCING:
+            return False
+        e.handle = handle
+        self._move(e, EntryState.RESIDENT)
+        self.counters.produced += 1
+        return True
+
+    def production_failed(self, key: Hashable) -> None:
+        e = self._entries.get(key)
+        if e is not None and e.state is EntryState.PRODUCING:
+            self.counters.failed += 1
+            self._move(e, EntryState.FREED)
+
+    # ------------------------------------------------------------------ ranking
+
+    def claim(self, key: Hashable) -> ClaimResult:
+        """For a ranking call: a HIT pins the psi (call unpin() after the compute) and consumes it."""
+        e = self._entries.get(key)
+        if e is None:
+            self.counters.misses += 1
+            return ClaimResult(Claim.MISS)
+        if e.state is EntryState.PRODUCING:
+            return ClaimResult(Claim.IN_FLIGHT)
+        if e.state is EntryState.RESIDENT:
+            self._move(e, EntryState.CONSUMED)
+            e.lease = None
+        e.pins += 1
+        e.last_used = self.clock()
+        self.counters.hits += 1
+        return ClaimResult(Claim.HIT, e.handle)
+
+    def unpin(self, key: Hashable) -> None:
+        e = self._entries.get(key)
+        if e is None or e.pins <= 0:
+            raise InvalidTransition(f"unpin of {key!r} without a pin")
+        e.pins -= 1
+
+    def pin_for_copy(self, key: Hashable) -> Any:
+        """Pins a CONSUMED entry for its demotion copy; returns its handle, or None if not demotable."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.CONSUMED:
+            return None
+        e.pins += 1
+        return e.handle
+
+    def demoted(self, key: Hashable, ok: bool) -> None:
+        """The demotion copy finished (ok) or failed. Unpins; frees the HBM copy when it succeeded
+        and nothing else uses it. A failed demotion leaves the entry CONSUMED (evictable)."""
+        e = self._entries.get(key)
+        if e is None:
+            return
+        self.unpin(key)
+        if ok and e.state is EntryState.CONSUMED and e.pins == 0:
+            self.counters.demoted += 1
+            self._move(e, EntryState.DEMOTED)
+
+    def release(self, key: Hashable) -> None:
+        """Drops a CONSUMED, unpinned entry now (no host tier to demote to)."""
+        e = self._entries.get(key)
+        if e is not None and e.state is EntryState.CONSUMED and e.pins == 0:
+            self.counters.released += 1
+            self._move(e, EntryState.FREED)
+
+    # ------------------------------------------------------------------ time
+
+    def expire(self) -> list[Hashable]:
+        """RESIDENT entries past their lease deadline become EXPIRED (wasted pre-inferences)."""
+        now = self.clock()
+        gone = []
+        for e in list(self._entries.values()):
+            if (
+                e.state is EntryState.RESIDENT
+                and e.pins == 0
+                and e.lease is not None
+                and e.lease.deadline < now
+            ):
+                self.counters.expired += 1
+                self._move(e, EntryState.EXPIRED)
+                gone.append(e.key)
+        return gone
+
+    # ------------------------------------------------------------------ internals
+
+    def _evictable(self) -> list[_Entry]:
+        return sorted(
+            (e for e in self._entries.values() if e.state is EntryState.CONSUMED and e.pins == 0),
+            key=lambda e: e.last_used,
+        )
+
+    def _evictable_bytes(self) -> int:
+        return sum(e.nbytes for e in self._evictable())
+
+    def _make_room(self, nbytes: int) -> bool:
+        if self._used + nbytes <= self.budget_bytes:
+            return True
+        if nbytes > self.budget_bytes - self._used + self._evictable_bytes():
+            return False
+        for e in self._evictable():
+            if self._used + nbytes <= self.budget_bytes:
+                break
+            self.counters.evicted += 1
+            self._move(e, EntryState.FREED)
+        return self._used + nbytes <= self.budget_bytes
+
+    def _move(self, e: _Entry, to: EntryState) -> None:
+        if to not in _TRANSITIONS.get(e.state, frozenset()):
+            raise InvalidTransition(f"{e.key!r}: {e.state.value} -> {to.value} is not allowed")
+        e.state = to
+        if to in _TERMINAL:
+            if e.pins:
+                raise InvalidTransition(f"{e.key!r}: cannot leave the cache while pinned")
+            del self._entries[e.key]
+            self._used -= e.nbytes
+            e.handle = None

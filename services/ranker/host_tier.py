@@ -1,0 +1,212 @@
+"""The ranker's side of the host-DRAM tier: a reconnecting expander client plus psi copies.
+
+The expander daemon owns the shared-memory arena and its bookkeeping; this module maps the
+arena (registered as pinned memory on CUDA, so copies run at full PCIe speed on the copy engine),
+and turns demote / reload into reserve -> copy -> commit and acquire -> copy -> release.
+
+The tier is an optimisation: when the daemon is gone every call returns "not available"
+(None / False) at once, the ranker goes on with HBM only, and a background task reconnects
+(with backoff) and re-maps the arena of the new daemon generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels.device import Accelerator
+from services.expander.client import ExpanderClient, ExpanderRefused, ExpanderUnavailable
+from services.expander.store import EntryKey
+from services.ranker.engine import Engine
+from services.ranker.psi import Psi, PsiKey
+from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from shared.logging import get_logger
+
+log = get_logger("ranker.host_tier")
+_LEASE_S = 10.0
+
+
+def _entry_key(key: PsiKey) -> EntryKey:
+    return EntryKey(key.user_id, key.prefix_version, key.model_version)
+
+
+class HostTier:
+    def __init__(
+        self,
+        socket_path: str,
+        accel: Accelerator,
+        on_change: Callable[[bool], None] | None = None,
+        owner: str = "ranker",
+        connect_timeout_s: float = 2.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self.accel = accel
+        self.owner = owner
+        self._on_change = on_change
+        self._timeout = connect_timeout_s
+        self._client: ExpanderClient | None = None
+        self._arena: torch.Tensor | None = None
+        self._pinned_at: int | None = None
+        self._users = 0  # copies in flight against the current mapping
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._reconnect: asyncio.Task[None] | None = None
+        self._retiring: asyncio.Future[None] | None = None
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def start(self) -> None:
+        """Connects now if the daemon is up, else keeps trying in the background. Never raises."""
+        if not await self._connect():
+            self._schedule_reconnect()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnect
+        await self._drop()
+
+    # ------------------------------------------------------------------ operations
+
+    async def lookup(self, key: PsiKey) -> int | None:
+        """Bytes of the psi held in host DRAM, or None. No side effects on the tier."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            info = await client.lookup(_entry_key(key))
+        except ExpanderUnavailable:
+            await self._lost()
+            return None
+        return None if info is None else int(info.nbytes)
+
+    async def demote(self, key: PsiKey, psi: Psi, engine: Engine) -> bool:
+        """Copies psi into the arena (reserve -> copy -> commit). False when not stored."""
+        client, arena = self._client, self._arena
+        if client is None or arena is None:
+            return False
+        meta = host_meta(psi)
+        nbytes = host_nbytes(meta)
+        try:
+            reservation = await client.reserve(_entry_key(key), nbytes, meta, self.owner, _LEASE_S)
+        except ExpanderRefused as exc:
+            log.debug("demotion_refused", user=key.user_id, reason=str(exc))
+            return False
+        except ExpanderUnavailable:
+            await self._lost()
+            return False
+        dest = arena[reservation.offset : reservation.offset + nbytes]
+        self._use(+1)
+        try:
+            await engine.copy(lambda: issue_to_host(psi, dest))
+            await client.commit(reservation.lease_id)
+            return True
+        except ExpanderUnavailable:
+            await self._lost()
+            return False
+        except BaseException:
+            with contextlib.suppress(ExpanderUnavailable, ExpanderRefused):
+                await client.abort(reservation.lease_id)
+            raise
+        finally:
+            self._use(-1)
+
+    async def reload(self, key: PsiKey, engine: Engine) -> Psi | None:
+        """psi back from the arena (acquire -> copy -> release), or None when not there."""
+        client, arena = self._client, self._arena
+        if client is None or arena is None:
+            return None
+        try:
+            acquired = await client.acquire(_entry_key(key), self.owner, _LEASE_S)
+        except ExpanderUnavailable:
+            await self._lost()
+            return None
+        if acquired is None:
+            return None
+        src = arena[acquired.offset : acquired.offset + acquired.nbytes]
+        meta: dict[str, Any] = dict(acquired.meta)
+        self._use(+1)
+        try:
+            return await engine.copy(lambda: issue_from_host(src, meta, key, self.accel.device))
+        finally:
+            self._use(-1)
+            with contextlib.suppress(ExpanderUnavailable, ExpanderRefused):
+                await client.release(acquired.lease_id)
+
+    # ------------------------------------------------------------------ connection management
+
+    def _use(self, delta: int) -> None:
+        self._users += delta
+        if self._users:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    async def _connect(self) -> bool:
+        try:
+            client = await ExpanderClient.connect(self.socket_path, self._timeout)
+        except (ExpanderUnavailable, OSError) as exc:
+            log.debug("expander_unreachable", socket=self.socket_path, error=repr(exc))
+            return False
+        mapping = client.arena
+        self._client = client
+        self._arena = mapping.tensor(0, mapping.nbytes)
+        if self.accel.pin_host_range(mapping.base_address, mapping.nbytes):
+            self._pinned_at = mapping.base_address
+        log.info("expander_connected", socket=self.socket_path, arena_bytes=mapping.nbytes,
+                 generation=mapping.generation, pinned=self._pinned_at is not None)  # fmt: skip
+        if self._on_change:
+            self._on_change(True)
+        return True
+
+    async def _lost(self) -> None:
+        """The daemon is gone: stop using it now; unmap once copies against it have finished."""
+        if self._client is None:
+            return
+        log.warning("expander_lost", socket=self.socket_path)
+        self._retire()
+        if self._on_change:
+            self._on_change(False)
+        self._schedule_reconnect()
+
+    async def _drop(self) -> None:
+        self._retire()
+        if self._retiring is not None:
+            await self._retiring
+
+    def _retire(self) -> None:
+        client, pinned = self._client, self._pinned_at
+        self._client, self._arena, self._pinned_at = None, None, None
+        if client is None:
+            return
+
+        async def release_mapping() -> None:
+            await self._idle.wait()  # copies may still target the old mapping
+            if pinned is not None:
+                self.accel.unpin_host_range(pinned)
+            with contextlib.suppress(Exception):
+                await client.close()
+
+        self._retiring = asyncio.ensure_future(release_mapping())
+
+    def _schedule_reconnect(self) -> None:
+        if self._closing or (self._reconnect is not None and not self._reconnect.done()):
+            return
+        self._reconnect = asyncio.ensure_future(self._reconnect_loop())
+
+    async def _reconnect_loop(self) -> None:
+        delay = 0.05
+        while not self._closing and self._client is None:
+            await asyncio.sleep(delay)
+            if await self._connect():
+                return
+            delay = min(delay * 2, 2.0)

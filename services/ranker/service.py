@@ -1,0 +1,450 @@
+"""The ranker instance: gRPC PreInfer / Rank / Stats over one accelerator.
+
+One owner object, `RankerService`, with `run()` / `shutdown()`. The asyncio loop does routing and
+bookkeeping only (HBM cache, leases, host tier); the engine thread does every tensor operation.
+
+Rank always answers with scores: psi in HBM (HBM_HIT), psi being produced and awaited within the
+deadline (INFLIGHT_JOIN), psi reloaded from host DRAM when the cost model says that beats
+recomputing (DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE). Any failure on a cached path
+falls back to full inference; only bad input (INVALID_ARGUMENT) and overload
+(RESOURCE_EXHAUSTED, refused at once) are not answered with scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kernels.device import Accelerator, accelerator
+from services.ranker.config import RankerConfig
+from services.ranker.cost_model import CostModel
+from services.ranker.engine import Engine, EngineConfig, RankResult
+from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
+from services.ranker.model import HSTURanker
+from services.ranker.psi import Psi, PsiKey
+from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
+from services.ranker.wire import prefix_from_proto, rank_inputs
+from shared.logging import get_logger
+from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
+from shared.modelspec import preset
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.stats import percentile
+from shared.wire import WireError
+
+if TYPE_CHECKING:
+    from services.ranker.host_tier import HostTier
+
+log = get_logger("ranker")
+SERVICE_NAME = "relaygr.v1.Ranker"
+_SERVED = {
+    "hbm_hit": pb.HBM_HIT,
+    "inflight_join": pb.INFLIGHT_JOIN,
+    "dram_reload": pb.DRAM_RELOAD,
+    "full_recompute": pb.FULL_RECOMPUTE,
+}
+_OUTCOME: dict[Admission, pb.PreInferReply.Outcome] = {
+    Admission.ADMITTED: pb.PreInferReply.ACCEPTED,
+    Admission.ALREADY_RESIDENT: pb.PreInferReply.ALREADY_RESIDENT,
+    Admission.ALREADY_PRODUCING: pb.PreInferReply.ALREADY_PRODUCING,
+    Admission.REFUSED: pb.PreInferReply.REFUSED,
+}
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rank_ms = Histogram(
+            "relaygr_ranker_rank_latency_ms", "Rank handler latency", ["served_by"],
+            registry=registry, buckets=LATENCY_MS_BUCKETS,
+        )  # fmt: skip
+        self.rank_errors = Counter("relaygr_ranker_rank_errors_total", "Rank calls not answered", ["code"],
+                                   registry=registry)  # fmt: skip
+        self.preinfers = Counter(
+            "relaygr_ranker_preinfer_total", "PreInfer outcomes", ["outcome"], registry=registry
+        )
+        self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
+                                        ["decision"], registry=registry)  # fmt: skip
+        self.demotions = Counter("relaygr_ranker_demotions_total", "psi demotions to host DRAM", ["result"],
+                                 registry=registry)  # fmt: skip
+        self.fallbacks = Counter("relaygr_ranker_fallbacks_total", "cached paths that fell back to full",
+                                 ["reason"], registry=registry)  # fmt: skip
+        self.hbm_bytes = Gauge("relaygr_ranker_hbm_bytes", "psi bytes in accelerator memory", ["kind"],
+                               registry=registry)  # fmt: skip
+        self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
+                                 registry=registry)  # fmt: skip
+
+
+@dataclass
+class _Production:
+    """A psi being produced (pre-inference or reload); ranking calls wait on `done`."""
+
+    done: asyncio.Event
+    task: asyncio.Task[None] | None = None
+
+
+class RankerService(pb_grpc.RankerServicer):
+    def __init__(self, config: RankerConfig) -> None:
+        self.config = config
+        self.accel: Accelerator = accelerator(config.device, config.device_index)
+        spec = preset(config.preset)
+        if config.checkpoint:
+            self.model = HSTURanker.load(config.checkpoint, self.accel.device)
+        else:
+            self.model = HSTURanker.from_seed(spec, config.seed, self.accel.device)
+        self.spec = self.model.spec
+        self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic)
+        self.engine = Engine(
+            self.model,
+            self.accel,
+            EngineConfig(
+                max_batch=config.max_batch,
+                max_batch_tokens=config.max_batch_tokens,
+                max_wait_s=config.max_wait_ms / 1e3,
+                preinfer_max_batch=config.preinfer_max_batch,
+            ),
+        )
+        self.costs = CostModel(
+            self.spec,
+            assumed_tflops=200.0 if self.accel.backend == "cuda" else 0.05,
+            h2d_gbps=20.0 if self.accel.backend == "cuda" else 5.0,
+        )
+        self.host: HostTier | None = None
+        self.registry = CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self._productions: dict[PsiKey, _Production] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
+        self._inflight_ranks = 0
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stopped = asyncio.Event()
+        self.port = 0
+        self.metrics_port = 0
+        self.instance_id = config.instance_id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Warms the model up, starts the engine, binds gRPC, connects the host tier (optional)."""
+        self.engine.start()
+        await self._warm_up()
+        opts = [
+            ("grpc.max_receive_message_length", int(self.config.max_message_mb * 2**20)),
+            ("grpc.max_send_message_length", int(self.config.max_message_mb * 2**20)),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(options=opts)
+        pb_grpc.add_RankerServicer_to_server(self, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self._server)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        self.instance_id = self.config.instance_id or f"{socket.gethostname()}:{self.port}"
+        await self._server.start()
+        self.metrics_port = serve_metrics(self.registry, self.config.metrics_port, self.config.host)
+        if self.config.expander_socket:
+            from services.ranker.host_tier import HostTier
+
+            self.host = HostTier(self.config.expander_socket, self.accel, on_change=self._host_changed)
+            await self.host.start()
+        self._spawn(self._expire_loop(), "expire")
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("ranker_ready", port=self.port, metrics_port=self.metrics_port, instance=self.instance_id,
+                 model_version=self.model.model_version, device=self.accel.name,
+                 hbm_budget_mb=self.config.hbm_budget_mb)  # fmt: skip
+
+    async def run(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
+        await self._stopped.wait()
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stops intake, drains in-flight calls (up to grace_s), stops the engine and the host tier."""
+        if self._stopped.is_set():
+            return
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self.engine.stop()
+        if self.host is not None:
+            await self.host.close()
+        log.info("ranker_stopped", instance=self.instance_id)
+        self._stopped.set()
+
+    async def _warm_up(self) -> None:
+        """Compiles the kernels before the first real request (Triton JIT takes seconds)."""
+        ids = torch.arange(64, dtype=torch.int64)
+        prefix = UserPrefix(0, 0, ids[:2], Behaviors(ids, ids % 4, ids))
+        suffix = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 64), ids[:4], 100)
+        psi = await self.engine.preinfer(prefix)
+        await self.engine.rank_cached(suffix, psi, psi.key)
+        await self.engine.rank_full(prefix, suffix)
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for key in self.cache.expire():
+                log.debug("psi_expired", key=str(key))
+            self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)
+            self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
+            self.metrics.expander_up.set(1 if self.host is not None and self.host.connected else 0)
+
+    def _host_changed(self, connected: bool) -> None:
+        log.info("host_tier", connected=connected)
+
+    # ------------------------------------------------------------------ PreInfer
+
+    async def PreInfer(
+        self, request: pb.PreInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreInferReply:
+        try:
+            if not request.request_id:
+                raise WireError("request_id is required")
+            prefix = prefix_from_proto(request.prefix, self.config.limits)
+        except WireError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
+        lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
+        result = self.cache.admit(key, self.spec.psi_bytes(prefix.length), lease)
+        outcome = _OUTCOME[result.outcome]
+        if result.outcome is Admission.ADMITTED:
+            outcome = await self._start_production(key, prefix)
+        self.metrics.preinfers.labels(pb.PreInferReply.Outcome.Name(outcome).lower()).inc()
+        return pb.PreInferReply(outcome=outcome, reason=result.reason, instance_id=self.instance_id)
+
+    def _lease_deadline(self, unix_ms: int) -> float:
+        now_ms = time.time() * 1e3
+        remaining = unix_ms - now_ms if unix_ms > 0 else self.config.default_lease_ms
+        remaining = min(max(remaining, 0.0), self.config.max_lease_ms)
+        return time.monotonic() + remaining / 1e3
+
+    async def _start_production(self, key: PsiKey, prefix: UserPrefix) -> pb.PreInferReply.Outcome:
+        """Starts producing an admitted psi: reload from host DRAM when that is cheaper, else compute."""
+        reload = False
+        if self.host is not None and self.host.connected:
+            nbytes = await self.host.lookup(key)
+            if nbytes is not None:
+                busy = self.engine.rank_queue_depth > 0 or self.engine.preinfer_backlog > 0
+                decision = self.costs.choose(nbytes, prefix.length, busy)
+                self.metrics.reload_decisions.labels(decision.reason).inc()
+                reload = decision.reload
+        production = _Production(asyncio.Event())
+        self._productions[key] = production
+        production.task = self._spawn(
+            self._produce(key, prefix, reload, production), f"produce-{key.user_id}"
+        )
+        return pb.PreInferReply.RELOAD_SCHEDULED if reload else pb.PreInferReply.ACCEPTED
+
+    async def _produce(self, key: PsiKey, prefix: UserPrefix, reload: bool, production: _Production) -> None:
+        psi: Psi | None = None
+        try:
+            if reload and self.host is not None:
+                t0 = time.perf_counter()
+                psi = await self.host.reload(key, self.engine)
+                if psi is not None:
+                    self.costs.observe_reload(
+                        self.spec.psi_bytes(prefix.length), (time.perf_counter() - t0) * 1e3
+                    )
+                else:
+                    self.metrics.fallbacks.labels("reload_failed").inc()
+            if psi is None:
+                t0 = time.perf_counter()
+                psi = await self.engine.preinfer(prefix)
+                self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
+            if not self.cache.produced(key, psi):
+                log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
+        except Exception as exc:
+            log.warning("production_failed", user=key.user_id, error=repr(exc))
+            self.cache.production_failed(key)
+        finally:
+            production.done.set()
+            if self._productions.get(key) is production:
+                del self._productions[key]
+
+    # ------------------------------------------------------------------ Rank
+
+    async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankReply:
+        started = time.perf_counter()
+        try:
+            prefix, suffix = rank_inputs(request, self.config.limits)
+        except WireError as exc:
+            self.metrics.rank_errors.labels("invalid_argument").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._inflight_ranks >= self.config.max_inflight_ranks:
+            self.metrics.rank_errors.labels("resource_exhausted").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ranker {self.instance_id} overloaded: {self._inflight_ranks} ranking calls in flight",
+            )
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
+        self._inflight_ranks += 1
+        try:
+            key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
+            served, result, cache_ms = await self._rank(key, request.request_id, prefix, suffix, deadline)
+        finally:
+            self._inflight_ranks -= 1
+        total_ms = (time.perf_counter() - started) * 1e3
+        self._rank_ms.append(total_ms)
+        self.metrics.rank_ms.labels(served).observe(total_ms)
+        return pb.RankReply(
+            scores=result.scores.tolist(),
+            served_by=_SERVED[served],
+            timings=pb.StageTimings(
+                cache_ms=cache_ms, queue_ms=result.queue_ms, compute_ms=result.compute_ms, total_ms=total_ms
+            ),
+            model_version=self.model.model_version,
+            instance_id=self.instance_id,
+        )
+
+    async def _rank(
+        self, key: PsiKey, request_id: str, prefix: UserPrefix, suffix: RankingSuffix, deadline: float
+    ) -> tuple[str, RankResult, float]:
+        t0 = time.perf_counter()
+        served = "hbm_hit"
+        claim = self.cache.claim(key)
+        if claim.outcome is Claim.IN_FLIGHT:
+            served = "inflight_join"
+            claim = await self._join(key, deadline, prefix.length)
+        elif claim.outcome is Claim.MISS and await self._reload_on_miss(key, request_id, prefix, deadline):
+            served = "dram_reload"
+            claim = await self._join(key, deadline, prefix.length)
+        cache_ms = (time.perf_counter() - t0) * 1e3
+        if claim.outcome is Claim.HIT:
+            try:
+                result = await self.engine.rank_cached(suffix, claim.handle, key)
+                return served, result, cache_ms
+            except Exception as exc:  # the cached path is an optimisation: never an error
+                log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
+                self.metrics.fallbacks.labels("cached_rank_failed").inc()
+            finally:
+                self.cache.unpin(key)
+                self._after_consume(key)
+        return "full_recompute", await self.engine.rank_full(prefix, suffix), cache_ms
+
+    async def _join(self, key: PsiKey, deadline: float, prefix_len: int) -> ClaimResult:
+        """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
+        production = self._productions.get(key)
+        if production is not None:
+            full_ms = self.costs.recompute_ms(prefix_len) + self.config.join_margin_ms
+            budget = deadline - time.monotonic() - full_ms / 1e3
+            if budget > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(production.done.wait(), budget)
+            if not production.done.is_set():
+                self.metrics.fallbacks.labels("join_timeout").inc()
+        return self.cache.claim(key)
+
+    async def _reload_on_miss(
+        self, key: PsiKey, request_id: str, prefix: UserPrefix, deadline: float
+    ) -> bool:
+        """On a miss, starts a reload from host DRAM if that beats recomputing the prefix."""
+        if self.host is None or not self.host.connected:
+            return False
+        nbytes = await self.host.lookup(key)
+        if nbytes is None:
+            return False
+        decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
+        self.metrics.reload_decisions.labels(decision.reason).inc()
+        if not decision.reload:
+            return False
+        admitted = self.cache.admit(
+            key, self.spec.psi_bytes(prefix.length), Lease(request_id, deadline), "reload"
+        )
+        if admitted.outcome is Admission.REFUSED:
+            return False
+        if admitted.outcome is Admission.ADMITTED:
+            production = _Production(asyncio.Event())
+            self._productions[key] = production
+            production.task = self._spawn(
+                self._produce(key, prefix, True, production), f"reload-{key.user_id}"
+            )
+        return True
+
+    def _after_consume(self, key: PsiKey) -> None:
+        """Demotes a consumed psi to host DRAM off the critical path; without a host tier it stays
+        in HBM as an evictable hot copy."""
+        view = self.cache.lookup(key)
+        if view is None or view.pins or self.host is None or not self.host.connected:
+            return
+        handle = self.cache.pin_for_copy(key)
+        if handle is not None:
+            self._spawn(self._demote(key, handle), f"demote-{key.user_id}")
+
+    async def _demote(self, key: PsiKey, psi: Psi) -> None:
+        ok = False
+        try:
+            assert self.host is not None
+            ok = await self.host.demote(key, psi, self.engine)
+        except Exception as exc:
+            log.warning("demotion_failed", user=key.user_id, error=repr(exc))
+        finally:
+            self.metrics.demotions.labels("ok" if ok else "failed").inc()
+            self.cache.demoted(key, ok)
+
+    # ------------------------------------------------------------------ Stats
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        window = list(self._rank_ms)
+        samples = [
+            pb.LatencySample(
+                prefix_len=s.prefix_len, tokens=s.tokens, batch=s.batch, compute_ms=s.compute_ms, full=s.full
+            )
+            for s in self.engine.recent_batches()[-64:]
+        ]
+        return pb.StatsReply(
+            instance_id=self.instance_id,
+            model_version=self.model.model_version,
+            hbm_budget_bytes=self.cache.budget_bytes,
+            hbm_resident_bytes=self.cache.used_bytes,
+            hbm_leased_bytes=self.cache.leased_bytes,
+            preinfer_backlog=self.engine.preinfer_backlog + self.cache.producing,
+            rank_queue_depth=self.engine.rank_queue_depth,
+            preinfers_refused=self.cache.counters.refused,
+            rank_p50_ms=percentile(window, 50) if window else 0.0,
+            rank_p99_ms=percentile(window, 99) if window else 0.0,
+            recent_batches=samples,
+            expander_connected=self.host is not None and self.host.connected,
+            psi_bytes_per_token=self.spec.psi_bytes(1),
+        )
+
+
+def serve(config: RankerConfig) -> None:
+    import uvloop
+
+    async def main() -> None:
+        await RankerService(config).run()
+
+    uvloop.run(main())

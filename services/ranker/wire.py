@@ -1,0 +1,94 @@
+"""The ranker's edge: protobuf messages -> validated internal inputs (and back, for clients).
+
+Everything past this module sees only UserPrefix / RankingSuffix / Psi types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
+from shared.protos import ranker_pb2 as pb
+from shared.wire import (
+    I32,
+    I64,
+    MAX_TIMESTAMP,
+    RequestLimits,
+    WireError,
+    decode,
+    prefix_message,
+    require_non_negative,
+)
+
+
+def behaviors_from_proto(msg: pb.Behaviors, field: str, max_len: int) -> Behaviors:
+    items = decode(msg.items_le, I64, f"{field}.items", max_len)
+    actions = decode(msg.actions_le, I32, f"{field}.actions", max_len)
+    timestamps = decode(msg.timestamps_le, I64, f"{field}.timestamps", max_len)
+    if not len(items) == len(actions) == len(timestamps):
+        raise WireError(
+            f"{field}: {len(items)} items, {len(actions)} actions and {len(timestamps)} timestamps must match"
+        )
+    require_non_negative(items, f"{field}.items")
+    require_non_negative(actions, f"{field}.actions")
+    require_non_negative(timestamps, f"{field}.timestamps", MAX_TIMESTAMP)
+    return Behaviors(torch.from_numpy(items), torch.from_numpy(actions), torch.from_numpy(timestamps))
+
+
+def prefix_from_proto(msg: pb.UserPrefix, limits: RequestLimits) -> UserPrefix:
+    profile = decode(msg.profile_le, I64, "prefix.profile", limits.max_profile_tokens)
+    require_non_negative(profile, "prefix.profile")
+    long_term = behaviors_from_proto(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
+    try:
+        return UserPrefix(msg.user_id, msg.prefix_version, torch.from_numpy(profile), long_term)
+    except InvalidSequenceError as exc:
+        raise WireError(str(exc)) from None
+
+
+def suffix_from_proto(req: pb.RankRequest, limits: RequestLimits) -> RankingSuffix:
+    recent = behaviors_from_proto(req.recent, "recent", limits.max_recent_tokens)
+    candidates = decode(req.candidates_le, I64, "candidates", limits.max_candidates)
+    require_non_negative(candidates, "candidates")
+    if not len(candidates):
+        raise WireError("candidates: at least one candidate is required")
+    if not 0 <= req.query_time < MAX_TIMESTAMP:
+        raise WireError("query_time: out of range")
+    return RankingSuffix(recent, torch.from_numpy(candidates), int(req.query_time))
+
+
+def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[UserPrefix, RankingSuffix]:
+    """Validates a RankRequest: ids, the fallback prefix (required, same user and version), sizes."""
+    if not req.request_id:
+        raise WireError("request_id is required (Rank is idempotent by request id)")
+    if not req.HasField("prefix"):
+        raise WireError("prefix is required: without it a cache miss could not be ranked")
+    if req.prefix.user_id != req.user_id or req.prefix.prefix_version != req.prefix_version:
+        raise WireError("prefix.user_id / prefix_version must equal the request's")
+    return prefix_from_proto(req.prefix, limits), suffix_from_proto(req, limits)
+
+
+def prefix_to_proto(prefix: UserPrefix) -> pb.UserPrefix:
+    lt = prefix.long_term
+    return prefix_message(
+        prefix.user_id,
+        prefix.prefix_version,
+        prefix.profile.numpy(),
+        lt.items.numpy(),
+        lt.actions.numpy(),
+        lt.timestamps.numpy(),
+    )
+
+
+def suffix_fields(suffix: RankingSuffix) -> dict[str, object]:
+    """Keyword arguments of a RankRequest for this suffix."""
+    r = suffix.recent
+    return {
+        "recent": pb.Behaviors(
+            items_le=r.items.numpy().astype(np.int64).tobytes(),
+            actions_le=r.actions.numpy().astype(I32).tobytes(),
+            timestamps_le=r.timestamps.numpy().astype(np.int64).tobytes(),
+        ),
+        "candidates_le": suffix.candidates.numpy().astype(np.int64).tobytes(),
+        "query_time": suffix.query_time,
+    }

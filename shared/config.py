@@ -1,0 +1,133 @@
+"""One typed, validated configuration per service, from CLI flags over env vars over defaults.
+
+A service declares a frozen dataclass whose fields carry `setting(...)` metadata (env var, help,
+validator). `load_config(Cls, argv)` reads every field, converts it to the field's type, validates
+it, and raises ConfigError listing every problem at once, so a bad start-up fails with one clear
+message instead of a stack trace halfway through.
+
+    @dataclass(frozen=True)
+    class RankerConfig:
+        port: int = setting(50051, env="RELAYGR_RANKER_PORT", help="gRPC port", check=port_number)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+Check = Callable[[Any], str | None]  # returns a problem description, or None when the value is fine
+
+
+class ConfigError(ValueError):
+    """Start-up configuration is invalid (fatal: the service does not start)."""
+
+
+def setting(default: Any, *, env: str, help: str, check: Check | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"env": env, "help": help, "check": check})
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: float) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def port_number(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port (0-65535; 0 picks a free one)"
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: str) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be within (0, 1]"
+
+
+def _parse(raw: str, kind: Any) -> Any:
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if kind is int:
+        return int(raw)
+    if kind is float:
+        return float(raw)
+    if kind is str:
+        return raw
+    if origin in (tuple, Sequence) or kind is tuple:
+        (item,) = typing.get_args(kind)[:1] or (str,)
+        return tuple(_parse(part, item) for part in raw.split(",") if part.strip())
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if raw.strip().lower() in ("", "none"):
+            return None
+        return _parse(raw, args[0])
+    raise TypeError(f"unsupported config type {kind}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> T:
+    """Builds cls from argv (flags), then env, then defaults. Raises ConfigError."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser(prog=cls.__name__, add_help=True, exit_on_error=False)
+    for f in fields:
+        parser.add_argument(_flag(f.name), dest=f.name, default=None, help=f"{f.metadata.get('help', '')} "
+                            f"(env {f.metadata.get('env')}, default {f.default!r})")  # fmt: skip
+    try:
+        parsed = parser.parse_args(list(argv or []))
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for f in fields:
+        raw, source = getattr(parsed, f.name), _flag(f.name)
+        if raw is None and f.metadata.get("env") in env:
+            raw, source = env[f.metadata["env"]], f.metadata["env"]
+        if raw is None:
+            values[f.name] = f.default
+        else:
+            try:
+                values[f.name] = _parse(raw, hints[f.name])
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{source}={raw!r}: {exc}")
+                continue
+        check = f.metadata.get("check")
+        problem = check(values[f.name]) if check is not None and values[f.name] is not None else None
+        if problem:
+            problems.append(f"{f.name} ({f.metadata.get('env')}) = {values[f.name]!r}: {problem}")
+    if problems:
+        raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(problems))
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        validate()
+    return config
+
+
+def describe(cls: type) -> list[tuple[str, str, str, str]]:
+    """(flag, env var, default, help) of every setting: for docs and --help tables."""
+    return [
+        (_flag(f.name), str(f.metadata.get("env")), repr(f.default), str(f.metadata.get("help", "")))
+        for f in dataclasses.fields(cls)
+    ]

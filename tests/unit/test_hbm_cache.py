@@ -1,0 +1,208 @@
+"""The HBM relay cache's lifecycle, leases, budget and eviction (bookkeeping only, no tensors)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.ranker.hbm_cache import Admission, Claim, EntryState, HbmCache, InvalidTransition, Lease
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make(clock: Clock, budget: int = 100) -> HbmCache:
+    return HbmCache(budget_bytes=budget, clock=clock)
+
+
+def lease(owner: str = "r1", deadline: float = 10.0) -> Lease:
+    return Lease(owner, deadline)
+
+
+def test_happy_path_produce_consume_demote(clock):
+    c = make(clock)
+    assert c.admit("u", 40, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("u").state is EntryState.PRODUCING
+    assert c.claim("u").outcome is Claim.IN_FLIGHT
+    assert c.produced("u", "psi")
+    assert c.lookup("u").state is EntryState.RESIDENT
+    hit = c.claim("u")
+    assert hit.outcome is Claim.HIT and hit.handle == "psi"
+    assert c.lookup("u").state is EntryState.CONSUMED and c.lookup("u").lease is None
+    c.unpin("u")
+    assert c.pin_for_copy("u") == "psi"
+    c.demoted("u", ok=True)
+    assert c.lookup("u") is None and c.used_bytes == 0
+    assert c.counters.demoted == 1 and c.counters.produced == 1
+
+
+def test_lookup_has_no_side_effects(clock):
+    c = make(clock)
+    c.admit("u", 10, lease(deadline=5.0))
+    c.produced("u", "psi")
+    before = c.lookup("u")
+    for _ in range(10):
+        c.lookup("u")
+    clock.now = 6.0
+    assert c.lookup("u") == before  # neither the lease nor the pins moved
+    assert c.expire() == ["u"]  # and lookups did not keep it alive
+
+
+def test_expired_lease_frees_and_counts_as_wasted(clock):
+    c = make(clock)
+    c.admit("u", 30, lease(deadline=1.0))
+    c.produced("u", "psi")
+    clock.now = 0.5
+    assert c.expire() == []
+    clock.now = 1.5
+    assert c.expire() == ["u"]
+    assert c.used_bytes == 0 and c.counters.expired == 1
+
+
+def test_leased_entries_are_never_evicted_budget_refuses_instead(clock):
+    c = make(clock, budget=100)
+    assert c.admit("a", 60, lease()).outcome is Admission.ADMITTED
+    c.produced("a", "psi-a")
+    refused = c.admit("b", 50, lease("r2"))
+    assert refused.outcome is Admission.REFUSED and refused.reason == "hbm_budget"
+    assert c.lookup("a").state is EntryState.RESIDENT and c.counters.refused == 1
+    assert c.admit("huge", 101, lease()).reason == "too_large"
+
+
+def test_consumed_unpinned_entries_are_evicted_lru_first(clock):
+    c = make(clock, budget=100)
+    for i, key in enumerate(["a", "b", "c"]):
+        clock.now = float(i)
+        c.admit(key, 30, lease(deadline=100))
+        c.produced(key, key)
+        c.claim(key)
+        c.unpin(key)
+    clock.now = 10.0
+    c.claim("a")  # a becomes most recently used (and is pinned: not evictable)
+    c.unpin("a")
+    assert c.admit("d", 40, lease(deadline=100)).outcome is Admission.ADMITTED
+    assert c.lookup("b") is None  # least recently consumed went first
+    assert c.lookup("a") is not None and c.lookup("c") is not None
+    assert c.counters.evicted == 1
+
+
+def test_pinned_entries_survive_eviction_and_demotion(clock):
+    c = make(clock, budget=50)
+    c.admit("a", 40, lease())
+    c.produced("a", "psi")
+    c.claim("a")  # pinned by the running rank
+    assert c.admit("b", 20, lease()).outcome is Admission.REFUSED
+    assert c.pin_for_copy("a") == "psi"
+    c.demoted("a", ok=True)  # the rank still holds its pin: HBM copy stays
+    assert c.lookup("a").state is EntryState.CONSUMED
+    c.unpin("a")
+    assert c.lookup("a").pins == 0
+
+
+def test_new_signal_releases_consumed_entry_without_recompute(clock):
+    c = make(clock)
+    c.admit("u", 10, lease(deadline=5))
+    c.produced("u", "psi")
+    c.claim("u")
+    c.unpin("u")
+    again = c.admit("u", 10, lease("r2", deadline=20))
+    assert again.outcome is Admission.ALREADY_RESIDENT
+    view = c.lookup("u")
+    assert view.state is EntryState.RESIDENT and view.lease == Lease("r2", 20)
+
+
+def test_second_signal_takes_over_lease_but_never_shortens_it(clock):
+    c = make(clock)
+    c.admit("u", 10, lease("r1", deadline=9))
+    assert c.admit("u", 10, lease("r2", deadline=3)).outcome is Admission.ALREADY_PRODUCING
+    assert c.lookup("u").lease == Lease("r2", 9)
+    c.produced("u", "psi")
+    assert c.admit("u", 10, lease("r3", deadline=12)).outcome is Admission.ALREADY_RESIDENT
+    assert c.lookup("u").lease == Lease("r3", 12)
+
+
+def test_failed_production_frees(clock):
+    c = make(clock)
+    c.admit("u", 10, lease())
+    c.production_failed("u")
+    assert c.lookup("u") is None and c.used_bytes == 0 and c.counters.failed == 1
+    assert not c.produced("u", "late psi")  # a late result is refused: the caller drops it
+
+
+def test_invalid_transitions_raise(clock):
+    c = make(clock)
+    with pytest.raises(InvalidTransition):
+        c.unpin("nothing")
+    c.admit("u", 10, lease())
+    c.produced("u", "psi")
+    e = c._entries["u"]
+    with pytest.raises(InvalidTransition):
+        c._move(e, EntryState.DEMOTED)  # resident psi cannot be demoted before it is consumed
+
+
+def test_release_without_host_tier(clock):
+    c = make(clock)
+    c.admit("u", 10, lease())
+    c.produced("u", "psi")
+    c.claim("u")
+    c.release("u")  # pinned: stays
+    assert c.lookup("u") is not None
+    c.unpin("u")
+    c.release("u")
+    assert c.lookup("u") is None and c.counters.released == 1
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "produce", "fail", "claim", "unpin", "copy", "demote", "release", "tick"]),
+        st.integers(0, 4),
+        st.integers(1, 60),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_invariants_under_random_operations(sequence):
+    clock = Clock()
+    c = make(clock, budget=100)
+    pins: dict[int, int] = {}
+    for op, key, size in sequence:
+        if op == "admit":
+            c.admit(key, size, Lease("o", clock.now + 3))
+        elif op == "produce":
+            c.produced(key, f"psi{key}")
+        elif op == "fail":
+            c.production_failed(key)
+        elif op == "claim":
+            if c.claim(key).outcome is Claim.HIT:
+                pins[key] = pins.get(key, 0) + 1
+        elif op == "unpin" and pins.get(key):
+            c.unpin(key)
+            pins[key] -= 1
+        elif op == "copy":
+            if c.pin_for_copy(key) is not None:
+                c.demoted(key, ok=size % 2 == 0)
+        elif op == "release":
+            c.release(key)
+        elif op == "tick":
+            clock.now += size / 10
+            c.expire()
+        entries = c._entries.values()
+        assert c.used_bytes == sum(e.nbytes for e in entries) <= c.budget_bytes
+        assert all(e.state not in (EntryState.DEMOTED, EntryState.EXPIRED, EntryState.FREED) for e in entries)
+        for k, n in pins.items():
+            if n:  # a pinned entry is never gone
+                assert c.lookup(k) is not None and c.lookup(k).pins >= n
