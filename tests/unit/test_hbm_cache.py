@@ -38,13 +38,17 @@ def test_happy_path_produce_consume_demote(clock):
     assert c.produced("u", "psi")
     assert c.lookup("u").state is EntryState.RESIDENT
     hit = c.claim("u")
-    assert hit.outcome is Claim.HIT and hit.handle == "psi"
-    assert c.lookup("u").state is EntryState.CONSUMED and c.lookup("u").lease is None
+    assert hit.outcome is Claim.HIT
+    assert hit.handle == "psi"
+    assert c.lookup("u").state is EntryState.CONSUMED
+    assert c.lookup("u").lease is None
     c.unpin("u")
     assert c.pin_for_copy("u") == "psi"
     c.demoted("u", ok=True)
-    assert c.lookup("u") is None and c.used_bytes == 0
-    assert c.counters.demoted == 1 and c.counters.produced == 1
+    assert c.lookup("u") is None
+    assert c.used_bytes == 0
+    assert c.counters.demoted == 1
+    assert c.counters.produced == 1
 
 
 def test_lookup_has_no_side_effects(clock):
@@ -67,7 +71,8 @@ def test_expired_lease_frees_and_counts_as_wasted(clock):
     assert c.expire() == []
     clock.now = 1.5
     assert c.expire() == ["u"]
-    assert c.used_bytes == 0 and c.counters.expired == 1
+    assert c.used_bytes == 0
+    assert c.counters.expired == 1
 
 
 def test_leased_entries_are_never_evicted_budget_refuses_instead(clock):
@@ -75,8 +80,10 @@ def test_leased_entries_are_never_evicted_budget_refuses_instead(clock):
     assert c.admit("a", 60, lease()).outcome is Admission.ADMITTED
     c.produced("a", "psi-a")
     refused = c.admit("b", 50, lease("r2"))
-    assert refused.outcome is Admission.REFUSED and refused.reason == "hbm_budget"
-    assert c.lookup("a").state is EntryState.RESIDENT and c.counters.refused == 1
+    assert refused.outcome is Admission.REFUSED
+    assert refused.reason == "hbm_budget"
+    assert c.lookup("a").state is EntryState.RESIDENT
+    assert c.counters.refused == 1
     assert c.admit("huge", 101, lease()).reason == "too_large"
 
 
@@ -93,7 +100,8 @@ def test_consumed_unpinned_entries_are_evicted_lru_first(clock):
     c.unpin("a")
     assert c.admit("d", 40, lease(deadline=100)).outcome is Admission.ADMITTED
     assert c.lookup("b") is None  # least recently consumed went first
-    assert c.lookup("a") is not None and c.lookup("c") is not None
+    assert c.lookup("a") is not None
+    assert c.lookup("c") is not None
     assert c.counters.evicted == 1
 
 
@@ -119,7 +127,8 @@ def test_new_signal_releases_consumed_entry_without_recompute(clock):
     again = c.admit("u", 10, lease("r2", deadline=20))
     assert again.outcome is Admission.ALREADY_RESIDENT
     view = c.lookup("u")
-    assert view.state is EntryState.RESIDENT and view.lease == Lease("r2", 20)
+    assert view.state is EntryState.RESIDENT
+    assert view.lease == Lease("r2", 20)
 
 
 def test_second_signal_takes_over_lease_but_never_shortens_it(clock):
@@ -136,7 +145,9 @@ def test_failed_production_frees(clock):
     c = make(clock)
     c.admit("u", 10, lease())
     c.production_failed("u")
-    assert c.lookup("u") is None and c.used_bytes == 0 and c.counters.failed == 1
+    assert c.lookup("u") is None
+    assert c.used_bytes == 0
+    assert c.counters.failed == 1
     assert not c.produced("u", "late psi")  # a late result is refused: the caller drops it
 
 
@@ -160,7 +171,8 @@ def test_release_without_host_tier(clock):
     assert c.lookup("u") is not None
     c.unpin("u")
     c.release("u")
-    assert c.lookup("u") is None and c.counters.released == 1
+    assert c.lookup("u") is None
+    assert c.counters.released == 1
 
 
 ops = st.lists(
@@ -205,4 +217,5 @@ def test_invariants_under_random_operations(sequence):
         assert all(e.state not in (EntryState.DEMOTED, EntryState.EXPIRED, EntryState.FREED) for e in entries)
         for k, n in pins.items():
             if n:  # a pinned entry is never gone
-                assert c.lookup(k) is not None and c.lookup(k).pins >= n
+                assert c.lookup(k) is not None
+                assert c.lookup(k).pins >= n

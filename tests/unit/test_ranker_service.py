@@ -1,0 +1,172 @@
+"""The ranker's gRPC surface, in process on the CPU (no host tier): every served-by path,
+equality with full inference, admission bounds, bad input and overload."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.ranker.config import RankerConfig
+from services.ranker.service import RankerService
+from shared.config import load_config
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from tests.rankers import preinfer_request, rank_request, users
+
+TOL = 1e-5
+
+
+@pytest.fixture
+async def ranker(request):
+    extra = getattr(request, "param", [])
+    service = RankerService(load_config(RankerConfig, ["--device", "cpu", *extra]))
+    await service.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    yield service, pb_grpc.RankerStub(channel), channel
+    await channel.close()
+    await service.shutdown(grace_s=0.5)
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def test_miss_preinfer_join_hit_all_equal_full(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(1, 1, prefix_len=2500)
+    req = rank_request(prefixes[0], suffixes[0], "r1")
+    full = await stub.Rank(req, timeout=30)
+    assert full.served_by == pb.FULL_RECOMPUTE
+    assert len(full.scores) == 16
+    accepted = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
+    assert accepted.outcome == pb.PreInferReply.ACCEPTED
+    joined = await stub.Rank(req, timeout=30)  # pre-inference of 2.5k tokens is still running
+    assert joined.served_by == pb.INFLIGHT_JOIN
+    again = await stub.PreInfer(preinfer_request(prefixes[0], "p2"), timeout=5)
+    assert again.outcome == pb.PreInferReply.ALREADY_RESIDENT  # consumed, still in HBM: re-leased
+    hit = await stub.Rank(req, timeout=30)
+    assert hit.served_by == pb.HBM_HIT
+    assert max_diff(joined.scores, full.scores) <= TOL
+    assert max_diff(hit.scores, full.scores) <= TOL
+    assert hit.timings.total_ms > 0
+    assert hit.model_version
+
+
+async def test_batch_of_users_each_equal_to_full(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(2, 6, prefix_len=300)
+    reqs = [rank_request(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True))]
+    full = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
+    await asyncio.gather(
+        *(stub.PreInfer(preinfer_request(p, f"p{i}"), timeout=5) for i, p in enumerate(prefixes))
+    )
+    await asyncio.sleep(0.5)
+    cached = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
+    for f, c in zip(full, cached, strict=True):
+        assert c.served_by == pb.HBM_HIT
+        assert max_diff(f.scores, c.scores) <= TOL
+
+
+@pytest.mark.parametrize("ranker", [["--hbm-budget-mb", "0.5"]], indirect=True)
+async def test_preinfer_refused_when_hbm_budget_is_full(ranker):
+    _, stub, _ = ranker
+    prefixes, _ = users(3, 2, prefix_len=600)  # ~0.3 MB of psi each (tiny preset, float32)
+    first = await stub.PreInfer(preinfer_request(prefixes[0], "a"), timeout=5)
+    second = await stub.PreInfer(preinfer_request(prefixes[1], "b"), timeout=5)
+    assert first.outcome == pb.PreInferReply.ACCEPTED
+    assert second.outcome == pb.PreInferReply.REFUSED
+    assert second.reason == "hbm_budget"
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.preinfers_refused == 1
+    assert stats.hbm_leased_bytes > 0
+
+
+async def test_unconsumed_psi_expires_at_its_lease_deadline(ranker):
+    _, stub, _ = ranker
+    prefixes, _ = users(4, 1, prefix_len=200)
+    deadline = int(time.time() * 1e3) + 300
+    await stub.PreInfer(preinfer_request(prefixes[0], "a", deadline), timeout=5)
+    await asyncio.sleep(0.15)
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_resident_bytes > 0
+    await asyncio.sleep(0.5)
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_resident_bytes == 0
+
+
+async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(5, 1, prefix_len=50)
+    good = rank_request(prefixes[0], suffixes[0], "ok")
+    bad = []
+    no_prefix = pb.RankRequest()
+    no_prefix.CopyFrom(good)
+    no_prefix.ClearField("prefix")
+    bad.append((no_prefix, "prefix is required"))
+    other_user = pb.RankRequest()
+    other_user.CopyFrom(good)
+    other_user.user_id += 1
+    bad.append((other_user, "must equal"))
+    ragged = pb.RankRequest()
+    ragged.CopyFrom(good)
+    ragged.candidates_le = b"\x01\x02\x03"
+    bad.append((ragged, "whole number"))
+    empty = pb.RankRequest()
+    empty.CopyFrom(good)
+    empty.candidates_le = b""
+    bad.append((empty, "at least one candidate"))
+    negative = pb.RankRequest()
+    negative.CopyFrom(good)
+    negative.candidates_le = (-5).to_bytes(8, "little", signed=True)
+    bad.append((negative, "non-negative"))
+    mismatched = pb.RankRequest()
+    mismatched.CopyFrom(good)
+    mismatched.recent.actions_le = b""
+    bad.append((mismatched, "must match"))
+    no_id = pb.RankRequest()
+    no_id.CopyFrom(good)
+    no_id.request_id = ""
+    bad.append((no_id, "request_id"))
+    for request, reason in bad:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Rank(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PreInfer(pb.PreInferRequest(prefix=good.prefix), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
+
+
+@pytest.mark.parametrize("ranker", [["--max-inflight-ranks", "1"]], indirect=True)
+async def test_overload_is_refused_fast_with_resource_exhausted(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(6, 6, prefix_len=1500)
+    reqs = [rank_request(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True))]
+    results = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    served = [r for r in results if isinstance(r, pb.RankReply)]
+    assert served
+    assert refused
+    assert all(
+        r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in r.details() for r in refused
+    )
+
+
+async def test_health_and_stats(ranker):
+    service, stub, channel = ranker
+    check = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="relaygr.v1.Ranker"), timeout=5
+    )
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    prefixes, suffixes = users(7, 1, prefix_len=100)
+    await stub.Rank(rank_request(prefixes[0], suffixes[0], "r"), timeout=30)
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.instance_id == service.instance_id
+    assert stats.model_version == service.model.model_version
+    assert stats.rank_p99_ms > 0
+    assert stats.psi_bytes_per_token == service.spec.psi_bytes(1)
+    assert any(s.full and s.prefix_len == prefixes[0].length for s in stats.recent_batches)
