@@ -92,3 +92,22 @@ def suffix_fields(suffix: RankingSuffix) -> dict[str, object]:
         "candidates_le": suffix.candidates.numpy().astype(np.int64).tobytes(),
         "query_time": suffix.query_time,
     }
+
+
+def rank_request(prefix: UserPrefix, suffix: RankingSuffix, request_id: str) -> pb.RankRequest:
+    """A RankRequest carrying the prefix (the fallback) and the suffix (for clients and tools)."""
+    return pb.RankRequest(
+        request_id=request_id,
+        user_id=prefix.user_id,
+        prefix_version=prefix.prefix_version,
+        prefix=prefix_to_proto(prefix),
+        **suffix_fields(suffix),  # type: ignore[arg-type]
+    )
+
+
+def preinfer_request(
+    prefix: UserPrefix, request_id: str, lease_deadline_unix_ms: int = 0
+) -> pb.PreInferRequest:
+    return pb.PreInferRequest(
+        request_id=request_id, prefix=prefix_to_proto(prefix), lease_deadline_unix_ms=lease_deadline_unix_ms
+    )

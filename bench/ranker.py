@@ -1,0 +1,185 @@
+"""Ranker benchmark: psi demote / reload through the expander's shared-memory arena, recompute,
+and Rank through gRPC on an HBM hit at a light steady load.
+
+    python -m bench.ranker                          # bench preset on the GPU, prefixes 1k..16k
+    python -m bench.ranker --preset tiny --device cpu --prefix-lens 512 1024 --samples 10   # CPU smoke run
+
+Starts a real expander daemon (subprocess) and one ranker (in process, gRPC on loopback).
+Per prefix length: recompute_ms (pre-inference), demote_ms (HBM -> arena, reserve to commit),
+reload_ms and reload_gbps (arena -> HBM, acquire to release), and rank_p50/p99_ms: client-side
+latency of Rank calls that hit psi in HBM, one at a time (each preceded by its PreInfer, which
+reloads psi from the arena, and a pause until it is resident). 64 recent tokens, 256 candidates.
+Writes bench/results/ranker-<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.report import median, percentile, write_result
+from bench.synthetic import Shape, batch
+from services.ranker.config import RankerConfig
+from services.ranker.hbm_cache import EntryState
+from services.ranker.service import RankerService
+from services.ranker.transfer import host_meta, host_nbytes
+from services.ranker.wire import preinfer_request, rank_request
+from shared.config import load_config
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+
+
+def start_expander(socket_path: str, arena_bytes: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.expander",
+            "--socket-path",
+            socket_path,
+            "--arena-bytes",
+            str(arena_bytes),
+        ],
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 120
+    for line in proc.stderr:
+        if b"expander_ready" in line:
+            return proc
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError("the expander did not start")
+
+
+async def wait_resident(service: RankerService, key: Any, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        view = service.cache.lookup(key)
+        if view is not None and view.state is EntryState.RESIDENT:
+            return
+        await asyncio.sleep(0.0005)
+    raise TimeoutError(f"psi of {key} never became resident")
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    tmp = tempfile.mkdtemp(prefix="relaygr-bench-")
+    socket_path = os.path.join(tmp, "expander.sock")
+    expander = start_expander(socket_path, args.arena_gb * 2**30)
+    flags = ["--preset", args.preset, "--device", args.device, "--expander-socket", socket_path,
+             "--hbm-budget-mb", str(args.hbm_budget_mb), "--max-wait-ms", "0", "--log-level", "warning"]  # fmt: skip
+    service = RankerService(load_config(RankerConfig, flags))
+    await service.start()
+    channel = grpc.aio.insecure_channel(
+        f"127.0.0.1:{service.port}", options=[("grpc.max_send_message_length", 64 << 20)]
+    )
+    stub = pb_grpc.RankerStub(channel)
+    engine, host = service.engine, service.host
+    if host is None or not host.connected:
+        raise RuntimeError("the ranker could not reach the expander")
+    results = []
+    try:
+        for prefix_len in args.prefix_lens:
+            prefixes, suffixes = batch(prefix_len, [Shape(16, prefix_len - 16, args.recent, args.candidates)])
+            prefix, suffix = prefixes[0], suffixes[0]
+            key = service.model.psi_key(prefix.user_id, prefix.prefix_version)
+            recompute, demote, reload = [], [], []
+            psi = None
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                psi = await engine.preinfer(prefix)
+                recompute.append((time.perf_counter() - t0) * 1e3)
+            assert psi is not None
+            nbytes = host_nbytes(host_meta(psi))
+            for i in range(args.reps):
+                probe = service.model.psi_key(prefix.user_id, 10_000 + i)  # a fresh arena entry each time
+                t0 = time.perf_counter()
+                ok = await host.demote(probe, psi, engine)
+                demote.append((time.perf_counter() - t0) * 1e3)
+                if not ok:
+                    raise RuntimeError("demotion refused: is the arena large enough?")
+                t0 = time.perf_counter()
+                back = await host.reload(probe, engine)
+                reload.append((time.perf_counter() - t0) * 1e3)
+                if back is None or back.kv.shape != psi.kv.shape:
+                    raise RuntimeError("the reload did not return the demoted psi")
+            # Rank on an HBM hit, one call at a time.
+            request = rank_request(prefix, suffix, "bench")
+            await stub.Rank(request, timeout=60)  # full: warms the path
+            rank_ms: list[float] = []
+            served: dict[int, int] = {}
+            for i in range(args.samples + 3):
+                await stub.PreInfer(preinfer_request(prefix, f"p{i}"), timeout=10)
+                await wait_resident(service, key)
+                t0 = time.perf_counter()
+                reply = await stub.Rank(request, timeout=60)
+                ms = (time.perf_counter() - t0) * 1e3
+                served[reply.served_by] = served.get(reply.served_by, 0) + 1
+                if i >= 3 and reply.served_by == pb.HBM_HIT:
+                    rank_ms.append(ms)
+                await asyncio.sleep(args.gap_ms / 1e3)
+            row = {
+                "prefix_len": prefix_len,
+                "psi_bytes": nbytes,
+                "reload_ms": median(reload),
+                "reload_gbps": nbytes / (median(reload) * 1e-3) / 1e9,
+                "recompute_ms": median(recompute),
+                "demote_ms": median(demote),
+                "demote_gbps": nbytes / (median(demote) * 1e-3) / 1e9,
+                "rank_p50_ms": percentile(rank_ms, 50),
+                "rank_p99_ms": percentile(rank_ms, 99),
+                "rank_samples": len(rank_ms),
+                "served_by": {pb.ServedBy.Name(k): v for k, v in served.items()},
+            }
+            results.append(row)
+            print(
+                f"P={prefix_len:6d}  psi {nbytes / 2**20:7.1f} MiB  recompute {row['recompute_ms']:8.2f} ms  "
+                f"demote {row['demote_ms']:7.2f} ms  reload {row['reload_ms']:7.2f} ms "
+                f"({row['reload_gbps']:5.1f} GB/s)  rank p50 {row['rank_p50_ms']:6.2f} / p99 {row['rank_p99_ms']:6.2f} ms",
+                flush=True,
+            )
+    finally:
+        await channel.close()
+        await service.shutdown(grace_s=1.0)
+        expander.terminate()
+        expander.wait(10)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prefix-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--recent", type=int, default=64)
+    parser.add_argument("--candidates", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=5, help="demote / reload / recompute repetitions")
+    parser.add_argument("--samples", type=int, default=50, help="Rank calls per prefix length")
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="pause between Rank calls (light load)")
+    parser.add_argument("--arena-gb", type=int, default=8)
+    parser.add_argument("--hbm-budget-mb", type=float, default=16384)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    results = asyncio.run(run(args))
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    config["rank_timing"] = "client-side Rank latency over gRPC loopback on HBM hits, one call at a time"
+    columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
+               "rank_p50_ms", "rank_p99_ms", "rank_samples"]  # fmt: skip
+    kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
+    print("wrote", *write_result("ranker", config, results, columns, **kwargs))
+
+
+if __name__ == "__main__":
+    main()
