@@ -1,0 +1,117 @@
+"""The trigger's admission policy and its per-instance ledger. Pure: no I/O, clock passed in.
+
+A retrieval event is pre-inferred only if (in this order):
+  1. the same (user, prefix version) is not already admitted and still leased  -> ALREADY_RESIDENT
+  2. its full ranking is predicted to take more than risk_fraction x SLO         -> else NOT_AT_RISK
+  3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
+  4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
+  -> ADMITTED.
+
+Between Stats updates from the rankers, the ledger counts what this trigger admitted on top of the
+last reported figures (conservative: an admission counts until its lease ends or a Stats report
+taken after it arrives).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Reason(enum.Enum):
+    NOT_AT_RISK = "not_at_risk"
+    FOOTPRINT_BOUND = "footprint_bound"
+    LOAD_BOUND = "load_bound"
+    ALREADY_RESIDENT = "already_resident"
+    ADMITTED = "admitted"
+
+
+class Policy(enum.Enum):
+    SEQUENCE_AWARE = "sequence"  # the trigger as designed
+    ALL = "all"  # pre-infer every request (ablation: no trigger)
+    OFF = "off"  # never pre-infer (baseline)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    slo_ms: float
+    risk_fraction: float  # at risk when predicted full latency > risk_fraction x slo_ms
+    footprint_fraction: float  # of each instance's HBM budget that admitted psi may fill
+    max_backlog: int  # pre-inferences queued or running per instance
+
+
+@dataclass
+class _Admitted:
+    psi_bytes: int
+    admitted_at: float
+    lease_deadline: float
+
+
+@dataclass
+class InstanceLedger:
+    """What the trigger believes about one ranker: last Stats report plus its own admissions since."""
+
+    budget_bytes: int = 0
+    reported_resident_bytes: int = 0
+    reported_backlog: int = 0
+    reported_queue_depth: int = 0
+    reported_at: float = float("-inf")
+    _admitted: dict[tuple[int, int], _Admitted] = field(default_factory=dict)
+
+    def report(
+        self, now: float, budget_bytes: int, resident_bytes: int, backlog: int, queue_depth: int
+    ) -> None:
+        self.budget_bytes, self.reported_at = budget_bytes, now
+        self.reported_resident_bytes, self.reported_backlog, self.reported_queue_depth = (
+            resident_bytes,
+            backlog,
+            queue_depth,
+        )
+
+    def forget_expired(self, now: float) -> None:
+        for key in [k for k, a in self._admitted.items() if a.lease_deadline < now]:
+            del self._admitted[key]
+
+    def _pending(self) -> list[_Admitted]:
+        # Admissions made after the last report are not in it yet.
+        return [a for a in self._admitted.values() if a.admitted_at >= self.reported_at]
+
+    def resident_bytes(self) -> int:
+        return self.reported_resident_bytes + sum(a.psi_bytes for a in self._pending())
+
+    def backlog(self) -> int:
+        return self.reported_backlog + len(self._pending())
+
+    def is_admitted(self, key: tuple[int, int], now: float) -> bool:
+        a = self._admitted.get(key)
+        return a is not None and a.lease_deadline >= now
+
+    def admit(self, key: tuple[int, int], psi_bytes: int, now: float, lease_deadline: float) -> None:
+        self._admitted[key] = _Admitted(psi_bytes, now, lease_deadline)
+
+
+def decide(
+    policy: Policy,
+    bounds: Bounds,
+    predicted_full_ms: float,
+    psi_bytes: int,
+    ledger: InstanceLedger,
+    key: tuple[int, int],
+    now: float,
+) -> Reason:
+    if policy is Policy.OFF:
+        return Reason.NOT_AT_RISK
+    if ledger.is_admitted(key, now):
+        return Reason.ALREADY_RESIDENT
+    if policy is Policy.ALL:
+        return Reason.ADMITTED
+    if predicted_full_ms <= bounds.risk_fraction * bounds.slo_ms:
+        return Reason.NOT_AT_RISK
+    if (
+        ledger.budget_bytes
+        and ledger.resident_bytes() + psi_bytes > bounds.footprint_fraction * ledger.budget_bytes
+    ):
+        return Reason.FOOTPRINT_BOUND
+    if ledger.backlog() >= bounds.max_backlog:
+        return Reason.LOAD_BOUND
+    return Reason.ADMITTED
