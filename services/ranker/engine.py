@@ -62,6 +62,7 @@ class BatchSample:
     tokens: int
     prefix_len: int  # longest prefix computed in full in this batch (0 against psi)
     compute_ms: float
+    seq: int  # increasing per engine
 
 
 @dataclass
@@ -125,6 +126,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._copy_stream = torch.cuda.Stream(accel.device) if accel.backend == "cuda" else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
+        self._batches_run = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,9 +266,12 @@ class Engine:
             return
         done = time.perf_counter()
         compute_ms = (done - started) * 1e3
-        sample = BatchSample(batch[0].full, len(batch), sum(j.tokens for j in batch), prefix_len, compute_ms)
         with self._cv:
-            self._samples.append(sample)
+            self._batches_run += 1
+            tokens = sum(j.tokens for j in batch)
+            self._samples.append(
+                BatchSample(batch[0].full, len(batch), tokens, prefix_len, compute_ms, self._batches_run)
+            )
         for j, s in zip(batch, host, strict=True):
             j.resolve(RankResult(s, (started - j.submitted) * 1e3, compute_ms, len(batch)))
 

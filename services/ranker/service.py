@@ -420,7 +420,12 @@ class RankerService(pb_grpc.RankerServicer):
         window = list(self._rank_ms)
         samples = [
             pb.LatencySample(
-                prefix_len=s.prefix_len, tokens=s.tokens, batch=s.batch, compute_ms=s.compute_ms, full=s.full
+                prefix_len=s.prefix_len,
+                tokens=s.tokens,
+                batch=s.batch,
+                compute_ms=s.compute_ms,
+                full=s.full,
+                seq=s.seq,
             )
             for s in self.engine.recent_batches()[-64:]
         ]

@@ -125,18 +125,20 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LatencySample(_message.Message):
-    __slots__ = ("prefix_len", "tokens", "batch", "compute_ms", "full")
+    __slots__ = ("prefix_len", "tokens", "batch", "compute_ms", "full", "seq")
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     prefix_len: int
     tokens: int
     batch: int
     compute_ms: float
     full: bool
-    def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[int] = ..., batch: _Optional[int] = ..., compute_ms: _Optional[float] = ..., full: _Optional[bool] = ...) -> None: ...
+    seq: int
+    def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[int] = ..., batch: _Optional[int] = ..., compute_ms: _Optional[float] = ..., full: _Optional[bool] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token")

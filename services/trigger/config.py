@@ -1,0 +1,62 @@
+"""Trigger configuration: every setting, its env var and CLI flag, validated at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import ConfigError, fraction, non_negative, one_of, port_number, positive, setting
+from shared.kafka import KafkaSettings
+from shared.modelspec import PRESETS
+
+
+@dataclass(frozen=True)
+class TriggerConfig(KafkaSettings):
+    rankers: tuple[str, ...] = setting((), env="RELAYGR_TRIGGER_RANKERS",
+                                       help="ranker instances host:port, comma-separated (the router's membership)")  # fmt: skip
+    retrieval_topic: str = setting(
+        "relaygr.retrieval", env="RELAYGR_RETRIEVAL_TOPIC", help="retrieval events topic"
+    )
+    signal_topic: str = setting(
+        "relaygr.preinfer-signals", env="RELAYGR_SIGNAL_TOPIC", help="pre-infer signals topic"
+    )
+    dlq_topic: str = setting(
+        "relaygr.dlq", env="RELAYGR_DLQ_TOPIC", help="dead-letter topic for malformed events"
+    )
+    topic_partitions: int = setting(8, env="RELAYGR_TOPIC_PARTITIONS", help="partitions of topics created at start",
+                                    check=positive)  # fmt: skip
+    group_id: str = setting("relaygr-trigger", env="RELAYGR_TRIGGER_GROUP", help="consumer group")
+    policy: str = setting("sequence", env="RELAYGR_TRIGGER_POLICY",
+                          help="sequence (the trigger) | all (pre-infer everything) | off (never)",
+                          check=one_of("sequence", "all", "off"))  # fmt: skip
+    slo_ms: float = setting(50.0, env="RELAYGR_SLO_MS", help="ranking P99 SLO", check=positive)
+    risk_fraction: float = setting(0.5, env="RELAYGR_RISK_FRACTION",
+                                   help="at risk when predicted full ranking > this x SLO", check=fraction)  # fmt: skip
+    footprint_fraction: float = setting(0.9, env="RELAYGR_FOOTPRINT_FRACTION",
+                                        help="share of each ranker's HBM budget that admitted psi may fill",
+                                        check=fraction)  # fmt: skip
+    max_backlog: int = setting(8, env="RELAYGR_MAX_PREINFER_BACKLOG",
+                               help="pre-inferences queued or running per ranker", check=positive)  # fmt: skip
+    lease_slack_ms: float = setting(500.0, env="RELAYGR_LEASE_SLACK_MS",
+                                    help="lease = ranking deadline + this", check=non_negative)  # fmt: skip
+    load_factor: float = setting(0.25, env="RELAYGR_LOAD_FACTOR", help="bounded-load hashing slack (as the router)",
+                                 check=non_negative)  # fmt: skip
+    stats_interval_s: float = setting(0.2, env="RELAYGR_STATS_INTERVAL_S", help="ranker Stats polling period",
+                                      check=positive)  # fmt: skip
+    preset: str = setting("tiny", env="RELAYGR_MODEL_PRESET", help="model preset (for the uncalibrated estimate)",
+                          check=one_of(*PRESETS))  # fmt: skip
+    assumed_tflops: float = setting(0.05, env="RELAYGR_ASSUMED_TFLOPS",
+                                    help="device rate assumed until the rankers report measurements",
+                                    check=positive)  # fmt: skip
+    suffix_tokens_estimate: int = setting(320, env="RELAYGR_SUFFIX_TOKENS",
+                                          help="recent + candidate tokens added to the prefix in the estimate",
+                                          check=non_negative)  # fmt: skip
+    metrics_port: int = setting(0, env="RELAYGR_TRIGGER_METRICS_PORT", help="Prometheus port (0: pick)",
+                                check=port_number)  # fmt: skip
+    log_level: str = setting("info", env="RELAYGR_LOG_LEVEL", help="log level",
+                             check=one_of("debug", "info", "warning", "error"))  # fmt: skip
+
+    def validate(self) -> None:
+        if not self.rankers and self.policy != "off":
+            raise ConfigError(
+                "RELAYGR_TRIGGER_RANKERS: at least one ranker is needed unless the policy is off"
+            )
