@@ -1,0 +1,361 @@
+"""ExpanderClient: a ranker's async handle on its host's expander daemon.
+
+    client = await ExpanderClient.connect("/run/user/1000/expander.sock", owner="ranker-gpu0")
+    # demote: reserve, copy psi bytes into the arena, commit
+    r = await client.reserve(key, nbytes, meta={"prefix_len": P})
+    client.arena.view(r.offset, r.nbytes)[:] = psi_bytes   # or .tensor(...).copy_(gpu_tensor)
+    await client.commit(r.lease_id)
+    # reload: acquire (pins the entry), copy out, release
+    a = await client.acquire(key)
+    if a is not None:
+        gpu.copy_(client.arena.tensor(a.offset, a.nbytes)); await client.release(a.lease_id)
+
+Errors, two kinds (both subclass ExpanderError):
+
+- ExpanderUnavailable: the daemon cannot be reached or its state is gone: socket missing or
+  refused, connection lost, no reply within the call's timeout, a reply that breaks the protocol,
+  or a daemon restart (new generation). After a failure during a request the client is broken
+  (every later call raises it too): close it, connect again, and treat every lease taken over it
+  as lost. Callers should fall back to recomputing psi.
+- ExpanderRefused(reason): the daemon is fine and said no. reserve: "too_large", "no_space",
+  "exists"; commit/abort/release: "unknown_lease", "lease_expired", "wrong_lease_kind"; a request
+  the daemon rejects (a bug or version skew): "invalid", "unknown_op", "bad_frame"; a daemon bug:
+  "internal". The connection stays usable.
+
+acquire() and lookup() report absence as None, not as an error.
+
+Leases taken over this client end (writes aborted, pins released) when its connection closes.
+One connection per client; requests are serialised with an asyncio lock, so a client may be shared
+by the tasks of one event loop (not across threads or loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from services.expander import protocol as p
+from services.expander.arena import ArenaHandshakeError, ArenaMapping, receive_arena
+from services.expander.store import Acquired, EntryInfo, EntryKey, Reservation, StoreStats
+
+__all__ = [
+    "ExpanderClient",
+    "ExpanderError",
+    "ExpanderRefused",
+    "ExpanderUnavailable",
+    "KeyLike",
+]
+
+T = TypeVar("T")
+
+
+class ExpanderError(Exception):
+    """Base of the client's errors."""
+
+
+class ExpanderUnavailable(ExpanderError):
+    """The daemon cannot serve this client (see the module docstring)."""
+
+
+class ExpanderRefused(ExpanderError):
+    """The daemon answered no; `reason` is machine-readable, `detail` for humans."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class KeyLike(Protocol):
+    """Anything keyed like a psi: EntryKey, services.ranker.psi.PsiKey."""
+
+    @property
+    def user_id(self) -> int: ...
+    @property
+    def prefix_version(self) -> int: ...
+    @property
+    def model_version(self) -> str: ...
+
+
+def _key(key: KeyLike) -> EntryKey:
+    if isinstance(key, EntryKey):
+        return key
+    return EntryKey(int(key.user_id), int(key.prefix_version), str(key.model_version))
+
+
+class ExpanderClient:
+    """One control connection plus the mapped arena. Build it with `await ExpanderClient.connect(...)`.
+
+    Every method waits at most `call_timeout_s` (including waiting for another task's request on
+    this client) and raises ExpanderUnavailable or ExpanderRefused as described in the module
+    docstring. Methods never block the event loop.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        arena: ArenaMapping,
+        *,
+        owner: str,
+        call_timeout_s: float,
+        lease_s: float,
+        ttl_s: float,
+        max_lease_s: float,
+    ) -> None:
+        """Internal: use connect()."""
+        self._socket_path = socket_path
+        self._reader = reader
+        self._writer = writer
+        self._arena = arena
+        self._owner = owner
+        self._call_timeout_s = call_timeout_s
+        self._lease_s = min(lease_s, max_lease_s)
+        self._ttl_s = ttl_s
+        self._max_lease_s = max_lease_s
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._broken: str | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str,
+        timeout_s: float = 2.0,
+        *,
+        owner: str | None = None,
+        call_timeout_s: float | None = None,
+        lease_s: float = 10.0,
+    ) -> ExpanderClient:
+        """Receives and maps the arena (fd socket `socket_path + ".fd"`, in a thread), opens the
+        control connection and checks with hello that both belong to the same daemon start.
+
+        timeout_s bounds each connection step; call_timeout_s (default timeout_s) bounds every later
+        call. owner names this client in the daemon's logs (default "pid<N>"). lease_s is the default
+        lease for reserve/acquire (capped at the daemon's max_lease_s). Raises ExpanderUnavailable.
+        """
+        owner = owner or f"pid{os.getpid()}"
+        loop = asyncio.get_running_loop()
+        try:
+            arena = await asyncio.wait_for(
+                loop.run_in_executor(None, receive_arena, socket_path + ".fd", timeout_s), timeout_s + 0.5
+            )
+        except (OSError, TimeoutError) as exc:  # ArenaHandshakeError is a ConnectionError
+            raise ExpanderUnavailable(f"cannot get the arena from {socket_path}.fd: {exc!r}") from exc
+        writer: asyncio.StreamWriter | None = None
+        try:
+            reader, opened = await asyncio.wait_for(
+                asyncio.open_unix_connection(socket_path, limit=p.MAX_FRAME + 16), timeout_s
+            )
+            writer = opened
+            client = cls(
+                socket_path,
+                reader,
+                opened,
+                arena,
+                owner=owner,
+                call_timeout_s=call_timeout_s or timeout_s,
+                lease_s=lease_s,
+                ttl_s=1.0,
+                max_lease_s=lease_s,
+            )
+            hello = p.hello_from_wire(await client._call(p.Hello(owner)))
+            if hello.generation != arena.generation or hello.arena_bytes != arena.nbytes:
+                raise ArenaHandshakeError(
+                    f"daemon restarted during connect (arena generation {arena.generation}, "
+                    f"control {hello.generation})"
+                )
+            client._ttl_s = hello.ttl_s
+            client._max_lease_s = hello.max_lease_s
+            client._lease_s = min(lease_s, hello.max_lease_s)
+            return client
+        except BaseException as exc:
+            if writer is not None:
+                writer.close()
+            arena.close()
+            if isinstance(exc, ExpanderUnavailable):
+                raise
+            if isinstance(exc, (OSError, TimeoutError, p.ProtocolError)):
+                raise ExpanderUnavailable(f"cannot connect to {socket_path}: {exc!r}") from exc
+            raise
+
+    # ----- properties -----
+
+    @property
+    def arena(self) -> ArenaMapping:
+        """The mapped arena: copy psi bytes in and out through it (valid until close())."""
+        return self._arena
+
+    @property
+    def generation(self) -> str:
+        return self._arena.generation
+
+    @property
+    def socket_path(self) -> str:
+        return self._socket_path
+
+    @property
+    def ttl_s(self) -> float:
+        """The daemon's idle TTL for READY entries."""
+        return self._ttl_s
+
+    @property
+    def max_lease_s(self) -> float:
+        return self._max_lease_s
+
+    @property
+    def broken(self) -> str | None:
+        """Why this client can no longer be used, or None while it is healthy."""
+        return self._broken
+
+    # ----- operations -----
+
+    async def ping(self) -> None:
+        """Round trip; raises ExpanderUnavailable if the daemon is gone or has restarted."""
+        reply = await self._call(p.Ping())
+        if reply.get("generation") != self.generation:
+            self._break("daemon generation changed")
+            raise ExpanderUnavailable("daemon restarted (generation changed)")
+
+    async def lookup(self, key: KeyLike) -> EntryInfo | None:
+        """The live entry under key (WRITING or READY), or None. Changes nothing in the daemon."""
+        reply = await self._call(p.Lookup(_key(key)))
+        found = reply.get("found")
+        return self._parse(lambda: p.entry_from_wire(reply.get("entry")) if found else None)
+
+    async def reserve(
+        self,
+        key: KeyLike,
+        nbytes: int,
+        meta: dict[str, Any] | None = None,
+        owner: str | None = None,
+        lease_s: float | None = None,
+    ) -> Reservation:
+        """A block of nbytes in the arena under a write lease of lease_s (default: the client's).
+        Fill `arena.view(r.offset, r.nbytes)`, then commit(r.lease_id) before the lease runs out
+        (or abort). meta (JSON-able, <= 16 KiB encoded) is handed to readers unchanged; owner
+        (default: the client's) names the lease in the daemon's logs. Raises
+        ExpanderRefused("too_large" | "no_space" | "exists"), ValueError for nbytes <= 0."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        request = p.Reserve(_key(key), nbytes, dict(meta or {}), owner or self._owner, self._lease(lease_s))
+        reply = await self._call(request)
+        return self._parse(lambda: p.reservation_from_wire(reply))
+
+    async def commit(self, lease_id: int) -> None:
+        """Publishes a reserved block (WRITING -> READY). Raises ExpanderRefused("unknown_lease" |
+        "lease_expired" | "wrong_lease_kind")."""
+        await self._call(p.Commit(lease_id))
+
+    async def abort(self, lease_id: int) -> None:
+        """Gives a reserved block back unpublished. Raises ExpanderRefused like commit."""
+        await self._call(p.Abort(lease_id))
+
+    async def acquire(
+        self, key: KeyLike, owner: str | None = None, lease_s: float | None = None
+    ) -> Acquired | None:
+        """Pins the READY entry under key for lease_s (default: the client's; never evicted
+        meanwhile) and returns where its bytes are and its meta; None if there is none. release()
+        it once copied out. owner as in reserve."""
+        reply = await self._call(p.Acquire(_key(key), owner or self._owner, self._lease(lease_s)))
+        if not reply.get("found"):
+            return None
+        return self._parse(lambda: p.acquired_from_wire(reply))
+
+    async def release(self, lease_id: int) -> None:
+        """Unpins. Raises ExpanderRefused("unknown_lease" | "wrong_lease_kind"); unknown_lease also
+        when the pin was dropped after its deadline."""
+        await self._call(p.Release(lease_id))
+
+    async def stats(self) -> StoreStats:
+        reply = await self._call(p.Stats())
+        return self._parse(lambda: p.stats_from_wire(reply.get("stats")))
+
+    async def close(self) -> None:
+        """Closes the connection (the daemon ends this client's leases) and the arena mapping
+        (deferred while views or tensors of it are alive, see ArenaMapping.close). Idempotent."""
+        if self._broken is None:
+            self._broken = "closed"
+        self._writer.close()
+        with contextlib.suppress(OSError, RuntimeError):
+            await self._writer.wait_closed()
+        self._arena.close()
+
+    async def __aenter__(self) -> ExpanderClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----- internals -----
+
+    async def _call(self, request: p.Request) -> dict[str, Any]:
+        """Sends one request and returns the ok reply. A failure while the request is on the wire
+        (timeout, cancellation, connection error, garbled reply) breaks the client: the reply may
+        still arrive later and would be taken for the next request's."""
+        if self._broken is not None:
+            raise ExpanderUnavailable(f"client unusable: {self._broken}")
+        request_id = next(self._ids)
+        frame = p.encode_frame(p.request_to_wire(request, request_id))  # FrameTooLarge: caller's bug
+        on_wire = False
+        try:
+            async with asyncio.timeout(self._call_timeout_s), self._lock:
+                if self._broken is not None:
+                    raise ExpanderUnavailable(f"client unusable: {self._broken}")
+                on_wire = True
+                self._writer.write(frame)
+                await self._writer.drain()
+                body = await p.read_frame(self._reader)
+                on_wire = False
+        except TimeoutError:
+            if on_wire:
+                self._break("timed out waiting for a reply")
+            raise ExpanderUnavailable(f"no reply within {self._call_timeout_s}s") from None
+        except (OSError, asyncio.IncompleteReadError, p.ProtocolError) as exc:
+            self._break(f"connection lost: {exc!r}")
+            raise ExpanderUnavailable(f"connection to the expander lost: {exc!r}") from exc
+        except BaseException:
+            if on_wire:  # cancelled mid-request
+                self._break("cancelled while a request was in flight")
+            raise
+        if body is None:
+            self._break("daemon closed the connection")
+            raise ExpanderUnavailable("daemon closed the connection")
+        try:
+            reply = p.decode_message(body)
+        except p.ProtocolError as exc:
+            self._break(f"garbled reply: {exc.reason}")
+            raise ExpanderUnavailable(f"garbled reply: {exc.reason}") from exc
+        if reply.get("id") != request_id:
+            self._break("reply id mismatch")
+            raise ExpanderUnavailable(f"reply id {reply.get('id')!r} for request {request_id}")
+        if reply.get("ok") is True:
+            return reply
+        kind, reason = str(reply.get("error")), str(reply.get("reason", ""))
+        if kind == "frame_too_large":  # the daemon closes the connection after this one
+            self._break("daemon rejected a frame")
+            raise ExpanderUnavailable(f"daemon rejected a frame: {reason}")
+        if kind in ("refused", "lease"):
+            raise ExpanderRefused(reason)
+        raise ExpanderRefused(kind, reason)
+
+    def _parse(self, build: Callable[[], T]) -> T:
+        """Runs a reply parser; a malformed reply means a broken daemon or stream."""
+        try:
+            return build()
+        except p.ProtocolError as exc:
+            self._break(f"malformed reply: {exc.reason}")
+            raise ExpanderUnavailable(f"malformed reply: {exc.reason}") from exc
+
+    def _lease(self, lease_s: float | None) -> float:
+        return self._lease_s if lease_s is None else lease_s
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+        self._writer.close()
