@@ -9,6 +9,7 @@ group.min.session.timeout.ms (6000 by default).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,22 +31,33 @@ class KafkaSettings:
     ssl_cafile: str = setting("", env="RELAYGR_KAFKA_SSL_CAFILE", help="CA bundle for TLS")
     ssl_certfile: str = setting("", env="RELAYGR_KAFKA_SSL_CERTFILE", help="client certificate for TLS")
     ssl_keyfile: str = setting("", env="RELAYGR_KAFKA_SSL_KEYFILE", help="client key for TLS")
-    sasl_mechanism: str = setting("", env="RELAYGR_KAFKA_SASL_MECHANISM", help="PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512")
+    sasl_mechanism: str = setting(
+        "", env="RELAYGR_KAFKA_SASL_MECHANISM", help="PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512"
+    )
     sasl_username: str = setting("", env="RELAYGR_KAFKA_SASL_USERNAME", help="SASL user")
     sasl_password: str = field(
         default="",
         repr=False,
-        metadata={"env": "RELAYGR_KAFKA_SASL_PASSWORD", "help": "SASL password (never logged)", "check": None},
+        metadata={
+            "env": "RELAYGR_KAFKA_SASL_PASSWORD",
+            "help": "SASL password (never logged)",
+            "check": None,
+        },
     )
     session_timeout_ms: int = setting(2000, env="RELAYGR_KAFKA_SESSION_TIMEOUT_MS",
                                       help="consumer group session timeout (real Kafka: >= 6000)")  # fmt: skip
     heartbeat_interval_ms: int = setting(300, env="RELAYGR_KAFKA_HEARTBEAT_MS", help="consumer heartbeat")
 
     def client_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {"bootstrap_servers": self.bootstrap, "security_protocol": self.security_protocol}
+        args: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap,
+            "security_protocol": self.security_protocol,
+        }
         if "SSL" in self.security_protocol:
             args["ssl_context"] = create_ssl_context(
-                cafile=self.ssl_cafile or None, certfile=self.ssl_certfile or None, keyfile=self.ssl_keyfile or None
+                cafile=self.ssl_cafile or None,
+                certfile=self.ssl_certfile or None,
+                keyfile=self.ssl_keyfile or None,
             )
         if "SASL" in self.security_protocol:
             args.update(
@@ -61,7 +73,9 @@ def make_producer(settings: KafkaSettings, **overrides: Any) -> AIOKafkaProducer
     return AIOKafkaProducer(**settings.client_args(), acks="all", linger_ms=1, **overrides)
 
 
-def make_consumer(settings: KafkaSettings, topics: list[str], group_id: str, **overrides: Any) -> AIOKafkaConsumer:
+def make_consumer(
+    settings: KafkaSettings, topics: list[str], group_id: str, **overrides: Any
+) -> AIOKafkaConsumer:
     """Manual commits, from the earliest offset of a new group."""
     return AIOKafkaConsumer(
         *topics,
@@ -86,10 +100,8 @@ async def ensure_topics(settings: KafkaSettings, topics: dict[str, int], timeout
             existing = set(await admin.list_topics())
             new = [NewTopic(n, p, 1) for n, p in topics.items() if n not in existing]
             if new:
-                try:
+                with contextlib.suppress(TopicAlreadyExistsError):  # another service won the race
                     await admin.create_topics(new)
-                except TopicAlreadyExistsError:
-                    pass  # another service won the race
             return
         except KafkaConnectionError:
             if asyncio.get_running_loop().time() > deadline:

@@ -44,6 +44,9 @@ class RankerConfig:
     join_margin_ms: float = setting(2.0, env="RELAYGR_JOIN_MARGIN_MS",
                                     help="an in-flight psi is awaited only while this much deadline remains "
                                     "beyond a full ranking", check=non_negative)  # fmt: skip
+    keep_demoted: bool = setting(True, env="RELAYGR_KEEP_DEMOTED",
+                                 help="keep psi copied to host DRAM in HBM as an evictable hot copy "
+                                 "(false: free it at once)")  # fmt: skip
     expander_socket: str = setting(
         "", env="RELAYGR_EXPANDER_SOCKET", help="host-DRAM expander socket ('': none)"
     )

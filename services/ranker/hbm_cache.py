@@ -6,19 +6,20 @@ without a device.
 
 Entry lifecycle (transitions asserted in `_move`):
 
-    PRODUCING --produced--> RESIDENT --claimed by its ranking call--> CONSUMED --demoted--> DEMOTED
-        |                      |                                        |   ^
-        +--failed--> FREED     +--lease deadline passed--> EXPIRED      |   +--re-leased (new signal)
-                                                                        +--evicted / dropped--> FREED
+    PRODUCING --produced--> RESIDENT --claimed by its ranking call--> CONSUMED --copied to host--> DEMOTED
+        |                      |   ^                                    |                            |
+        +--failed--> FREED     |   +------ re-leased by a new signal ---+----------------------------+
+                               +--lease deadline passed--> EXPIRED      +--evicted / released--> FREED <--+
 
 * PRODUCING and RESIDENT entries are leased: a lease has an owner (the pending ranking request)
   and a deadline. A leased entry is never evicted; when the budget is full, new admissions are
   refused (and counted) rather than evicting psi that a ranking call is about to use.
 * `lookup` has no side effects: it never extends a lease, pins, or reorders anything.
-* CONSUMED entries are unleased: their bytes stay until demotion to host DRAM completes, or they
-  are evicted (least recently consumed first) to admit new work. An entry pinned by a running
-  computation or copy is never freed.
-* DEMOTED, EXPIRED and FREED are terminal: the entry leaves the table and its bytes are released.
+* CONSUMED and DEMOTED entries are unleased and evictable (DEMOTED first: their psi is safe in
+  host DRAM; then least recently used). The caller chooses whether a DEMOTED entry stays as a hot
+  copy (a returning user hits HBM without a reload) or is freed at once. An entry pinned by a
+  running computation or copy is never freed.
+* EXPIRED and FREED are terminal: the entry leaves the table and its bytes are released.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ _TRANSITIONS: dict[EntryState, frozenset[EntryState]] = {
     EntryState.PRODUCING: frozenset({EntryState.RESIDENT, EntryState.FREED}),
     EntryState.RESIDENT: frozenset({EntryState.CONSUMED, EntryState.EXPIRED}),
     EntryState.CONSUMED: frozenset({EntryState.DEMOTED, EntryState.FREED, EntryState.RESIDENT}),
+    EntryState.DEMOTED: frozenset({EntryState.FREED, EntryState.RESIDENT}),
 }
-_TERMINAL = frozenset({EntryState.DEMOTED, EntryState.EXPIRED, EntryState.FREED})
+_TERMINAL = frozenset({EntryState.EXPIRED, EntryState.FREED})
+_UNLEASED = frozenset({EntryState.CONSUMED, EntryState.DEMOTED})
 _LEASED = frozenset({EntryState.PRODUCING, EntryState.RESIDENT})
 
 
@@ -148,6 +151,10 @@ class HbmCache:
         return sum(e.nbytes for e in self._entries.values() if e.state in _LEASED)
 
     @property
+    def evictable_bytes(self) -> int:
+        return self._evictable_bytes()
+
+    @property
     def producing(self) -> int:
         return sum(1 for e in self._entries.values() if e.state is EntryState.PRODUCING)
 
@@ -168,7 +175,7 @@ class HbmCache:
         """
         e = self._entries.get(key)
         if e is not None:
-            if e.state is EntryState.CONSUMED:
+            if e.state in _UNLEASED:
                 self._move(e, EntryState.RESIDENT)
                 e.lease = lease
                 return AdmitResult(Admission.ALREADY_RESIDENT)
@@ -237,21 +244,24 @@ class HbmCache:
         e.pins += 1
         return e.handle
 
-    def demoted(self, key: Hashable, ok: bool) -> None:
-        """The demotion copy finished (ok) or failed. Unpins; frees the HBM copy when it succeeded
-        and nothing else uses it. A failed demotion leaves the entry CONSUMED (evictable)."""
+    def demoted(self, key: Hashable, ok: bool, keep: bool) -> None:
+        """The demotion copy finished (ok) or failed; unpins. On success the entry is DEMOTED and,
+        unless `keep` (stay as an evictable hot copy), freed once nothing else uses it. A failed
+        demotion leaves the entry CONSUMED (evictable)."""
         e = self._entries.get(key)
         if e is None:
             return
         self.unpin(key)
-        if ok and e.state is EntryState.CONSUMED and e.pins == 0:
+        if ok and e.state is EntryState.CONSUMED:
             self.counters.demoted += 1
             self._move(e, EntryState.DEMOTED)
+            if not keep and e.pins == 0:
+                self._move(e, EntryState.FREED)
 
     def release(self, key: Hashable) -> None:
-        """Drops a CONSUMED, unpinned entry now (no host tier to demote to)."""
+        """Drops an unleased, unpinned entry now."""
         e = self._entries.get(key)
-        if e is not None and e.state is EntryState.CONSUMED and e.pins == 0:
+        if e is not None and e.state in _UNLEASED and e.pins == 0:
             self.counters.released += 1
             self._move(e, EntryState.FREED)
 
@@ -276,9 +286,10 @@ class HbmCache:
     # ------------------------------------------------------------------ internals
 
     def _evictable(self) -> list[_Entry]:
+        # Demoted psi first (a copy is safe in host DRAM), then least recently used.
         return sorted(
-            (e for e in self._entries.values() if e.state is EntryState.CONSUMED and e.pins == 0),
-            key=lambda e: e.last_used,
+            (e for e in self._entries.values() if e.state in _UNLEASED and e.pins == 0),
+            key=lambda e: (e.state is not EntryState.DEMOTED, e.last_used),
         )
 
     def _evictable_bytes(self) -> int:

@@ -56,6 +56,7 @@ class HostTier:
         self._idle.set()
         self._reconnect: asyncio.Task[None] | None = None
         self._retiring: asyncio.Future[None] | None = None
+        self._watch: asyncio.Future[None] | None = None
         self._closing = False
 
     @property
@@ -66,9 +67,14 @@ class HostTier:
         """Connects now if the daemon is up, else keeps trying in the background. Never raises."""
         if not await self._connect():
             self._schedule_reconnect()
+        self._watch = asyncio.ensure_future(self._watch_loop())
 
     async def close(self) -> None:
         self._closing = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self._reconnect is not None:
             self._reconnect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -99,8 +105,9 @@ class HostTier:
         try:
             reservation = await client.reserve(_entry_key(key), nbytes, meta, self.owner, _LEASE_S)
         except ExpanderRefused as exc:
-            log.debug("demotion_refused", user=key.user_id, reason=str(exc))
-            return False
+            # "exists": an earlier demotion of this very psi is already there; the HBM copy can go.
+            log.debug("demotion_refused", user=key.user_id, reason=exc.reason)
+            return exc.reason == "exists"
         except ExpanderUnavailable:
             await self._lost()
             return False
@@ -197,6 +204,19 @@ class HostTier:
                 await client.close()
 
         self._retiring = asyncio.ensure_future(release_mapping())
+
+    async def _watch_loop(self, interval_s: float = 0.25) -> None:
+        """Pings the daemon, so a dead one is noticed (and reported in Stats) without waiting for
+        the next demotion or reload to fail."""
+        while not self._closing:
+            await asyncio.sleep(interval_s)
+            client = self._client
+            if client is None:
+                continue
+            try:
+                await client.ping()
+            except ExpanderUnavailable:
+                await self._lost()
 
     def _schedule_reconnect(self) -> None:
         if self._closing or (self._reconnect is not None and not self._reconnect.done()):

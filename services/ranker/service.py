@@ -77,6 +77,8 @@ class _Metrics:
         )
         self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
                                         ["decision"], registry=registry)  # fmt: skip
+        self.reloads = Counter("relaygr_ranker_reloads_total", "psi reloads from host DRAM", ["result"],
+                               registry=registry)  # fmt: skip
         self.demotions = Counter("relaygr_ranker_demotions_total", "psi demotions to host DRAM", ["result"],
                                  registry=registry)  # fmt: skip
         self.fallbacks = Counter("relaygr_ranker_fallbacks_total", "cached paths that fell back to full",
@@ -128,6 +130,7 @@ class RankerService(pb_grpc.RankerServicer):
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._inflight_ranks = 0
+        self._reloads = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
@@ -273,6 +276,8 @@ class RankerService(pb_grpc.RankerServicer):
             if reload and self.host is not None:
                 t0 = time.perf_counter()
                 psi = await self.host.reload(key, self.engine)
+                self.metrics.reloads.labels("ok" if psi is not None else "failed").inc()
+                self._reloads += psi is not None
                 if psi is not None:
                     self.costs.observe_reload(
                         self.spec.psi_bytes(prefix.length), (time.perf_counter() - t0) * 1e3
@@ -338,9 +343,12 @@ class RankerService(pb_grpc.RankerServicer):
         if claim.outcome is Claim.IN_FLIGHT:
             served = "inflight_join"
             claim = await self._join(key, deadline, prefix.length)
-        elif claim.outcome is Claim.MISS and await self._reload_on_miss(key, request_id, prefix, deadline):
-            served = "dram_reload"
-            claim = await self._join(key, deadline, prefix.length)
+        elif claim.outcome is Claim.MISS:
+            started = await self._reload_on_miss(key, request_id, prefix, deadline)
+            if started is not None:
+                # Another call may have started the same reload meanwhile: then this one joined it.
+                served = "dram_reload" if started else "inflight_join"
+                claim = await self._join(key, deadline, prefix.length)
         cache_ms = (time.perf_counter() - t0) * 1e3
         if claim.outcome is Claim.HIT:
             try:
@@ -412,7 +420,7 @@ class RankerService(pb_grpc.RankerServicer):
             log.warning("demotion_failed", user=key.user_id, error=repr(exc))
         finally:
             self.metrics.demotions.labels("ok" if ok else "failed").inc()
-            self.cache.demoted(key, ok)
+            self.cache.demoted(key, ok, keep=self.config.keep_demoted)
 
     # ------------------------------------------------------------------ Stats
 
@@ -443,6 +451,9 @@ class RankerService(pb_grpc.RankerServicer):
             recent_batches=samples,
             expander_connected=self.host is not None and self.host.connected,
             psi_bytes_per_token=self.spec.psi_bytes(1),
+            demotions=self.cache.counters.demoted,
+            reloads=self._reloads,
+            hbm_evictable_bytes=self.cache.evictable_bytes,
         )
 
 

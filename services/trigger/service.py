@@ -297,7 +297,7 @@ class TriggerService:
     def _absorb(self, target: str, stats: pb.StatsReply) -> None:
         ledger = self.ledgers[target]
         backlog = stats.preinfer_backlog
-        ledger.report(time.monotonic(), stats.hbm_budget_bytes, stats.hbm_resident_bytes, backlog,
+        ledger.report(time.monotonic(), stats.hbm_budget_bytes, stats.hbm_leased_bytes, backlog,
                       stats.rank_queue_depth)  # fmt: skip
         self._queue_depth[target] = stats.rank_queue_depth
         if stats.psi_bytes_per_token:

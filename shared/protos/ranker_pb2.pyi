@@ -141,7 +141,7 @@ class LatencySample(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[int] = ..., batch: _Optional[int] = ..., compute_ms: _Optional[float] = ..., full: _Optional[bool] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token")
+    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HBM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,9 @@ class StatsReply(_message.Message):
     RECENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     EXPANDER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     PSI_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    HBM_EVICTABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_version: str
     hbm_budget_bytes: int
@@ -168,4 +171,7 @@ class StatsReply(_message.Message):
     recent_batches: _containers.RepeatedCompositeFieldContainer[LatencySample]
     expander_connected: bool
     psi_bytes_per_token: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ...) -> None: ...
+    demotions: int
+    reloads: int
+    hbm_evictable_bytes: int
+    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ...) -> None: ...

@@ -44,7 +44,7 @@ def test_happy_path_produce_consume_demote(clock):
     assert c.lookup("u").lease is None
     c.unpin("u")
     assert c.pin_for_copy("u") == "psi"
-    c.demoted("u", ok=True)
+    c.demoted("u", ok=True, keep=False)
     assert c.lookup("u") is None
     assert c.used_bytes == 0
     assert c.counters.demoted == 1
@@ -112,10 +112,30 @@ def test_pinned_entries_survive_eviction_and_demotion(clock):
     c.claim("a")  # pinned by the running rank
     assert c.admit("b", 20, lease()).outcome is Admission.REFUSED
     assert c.pin_for_copy("a") == "psi"
-    c.demoted("a", ok=True)  # the rank still holds its pin: HBM copy stays
-    assert c.lookup("a").state is EntryState.CONSUMED
+    c.demoted("a", ok=True, keep=False)  # the rank still holds its pin: HBM copy stays
+    assert c.lookup("a").state is EntryState.DEMOTED
     c.unpin("a")
     assert c.lookup("a").pins == 0
+
+
+def test_demoted_hot_copies_are_hits_evicted_first_and_re_leasable(clock):
+    c = make(clock, budget=100)
+    for i, key in enumerate(["hot", "cold"]):
+        clock.now = float(i)
+        c.admit(key, 40, lease(deadline=100))
+        c.produced(key, key)
+        c.claim(key)
+        c.unpin(key)
+    c.pin_for_copy("hot")
+    c.demoted("hot", ok=True, keep=True)
+    assert c.lookup("hot").state is EntryState.DEMOTED
+    assert c.claim("hot").outcome is Claim.HIT  # a returning user: no reload
+    c.unpin("hot")
+    assert c.admit("new", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("hot") is None  # demoted copies go first: their psi is safe in host DRAM
+    assert c.lookup("cold") is not None
+    c.admit("cold", 40, lease("r9", deadline=50))
+    assert c.lookup("cold").state is EntryState.RESIDENT
 
 
 def test_new_signal_releases_consumed_entry_without_recompute(clock):
@@ -206,7 +226,7 @@ def test_invariants_under_random_operations(sequence):
             pins[key] -= 1
         elif op == "copy":
             if c.pin_for_copy(key) is not None:
-                c.demoted(key, ok=size % 2 == 0)
+                c.demoted(key, ok=size % 2 == 0, keep=size % 3 == 0)
         elif op == "release":
             c.release(key)
         elif op == "tick":

@@ -1,0 +1,170 @@
+"""One expander and two ranker processes on loopback: psi produced on one ranker comes back from
+host DRAM on the other with scores equal to full inference; concurrent wants cause one reload;
+the expander dying never fails a ranking call; nothing is left in /dev/shm."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bench.synthetic import Shape, batch
+from services.ranker.model import HSTURanker
+from shared.modelspec import preset
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from tests.procs import ServiceProcess
+from tests.rankers import preinfer_request, rank_request
+
+pytestmark = pytest.mark.integration
+TOL = 1e-5
+
+
+def start_expander(sock: Path) -> ServiceProcess:
+    p = ServiceProcess("services.expander", "--socket-path", str(sock), "--arena-bytes", str(256 << 20))
+    p.wait_event("expander_ready")
+    return p
+
+
+class Ranker:
+    def __init__(self, sock: Path) -> None:
+        self.proc = ServiceProcess("services.ranker", "--device", "cpu", "--expander-socket", str(sock))
+        ready = self.proc.wait_event("ranker_ready", timeout_s=120)
+        self.port, self.metrics_port = ready["port"], ready["metrics_port"]
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.RankerStub(self.channel)
+
+    async def stats(self) -> pb.StatsReply:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=5)
+
+    async def wait(self, predicate, timeout_s: float = 20.0) -> pb.StatsReply:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            stats = await self.stats()
+            if predicate(stats):
+                return stats
+            assert asyncio.get_running_loop().time() < deadline, f"condition never met; last stats: {stats}"
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    sock = tmp_path / "run" / "expander.sock"
+    expander = start_expander(sock)
+    rankers = [Ranker(sock) for _ in range(2)]
+    holder = {"expander": expander}
+    try:
+        for r in rankers:
+            await r.wait(lambda s: s.expander_connected)
+        yield holder, rankers, sock
+    finally:
+        for r in rankers:
+            await r.channel.close()
+            r.proc.stop()
+        holder["expander"].stop()
+    assert set(os.listdir("/dev/shm")) <= shm_before  # the arena is a memfd: nothing named is left
+
+
+@pytest.fixture(scope="module")
+def reference() -> HSTURanker:
+    return HSTURanker.from_seed(preset("tiny"), seed=0)  # the rankers' weights (same preset, same seed)
+
+
+def full_scores(model: HSTURanker, prefix, suffix) -> list[float]:
+    return model.full([prefix], [suffix])[0].tolist()
+
+
+def close(a, b) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
+
+
+async def produce_and_consume_on(ranker: Ranker, prefix, suffix, tag: str) -> pb.RankReply:
+    await ranker.stub.PreInfer(preinfer_request(prefix, f"{tag}-p"), timeout=10)
+    reply = await ranker.stub.Rank(rank_request(prefix, suffix, f"{tag}-r"), timeout=30)
+    assert reply.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN)
+    return reply
+
+
+async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
+    _, (a, b), _ = stack
+    prefixes, suffixes = batch(11, [Shape(3, 1200, 8, 24), Shape(2, 900, 4, 12)])
+    want = [full_scores(reference, p, s) for p, s in zip(prefixes, suffixes, strict=True)]
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        assert close((await produce_and_consume_on(a, p, s, f"a{i}")).scores, want[i])
+    await a.wait(lambda st: st.demotions == 2)  # both copied to host DRAM
+
+    # User 0: a pre-infer signal on B reloads psi instead of recomputing it.
+    reply = await b.stub.PreInfer(preinfer_request(prefixes[0], "b0-p"), timeout=10)
+    assert reply.outcome == pb.PreInferReply.RELOAD_SCHEDULED
+    ranked = await b.stub.Rank(rank_request(prefixes[0], suffixes[0], "b0-r"), timeout=30)
+    assert ranked.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN)
+    assert close(ranked.scores, want[0])
+    # User 1: no signal at all; the ranking call itself reloads from host DRAM.
+    ranked = await b.stub.Rank(rank_request(prefixes[1], suffixes[1], "b1-r"), timeout=30)
+    assert ranked.served_by == pb.DRAM_RELOAD
+    assert close(ranked.scores, want[1])
+    assert b.proc.metric(b.metrics_port, "relaygr_ranker_reloads_total") == 2
+    assert (await b.stats()).reloads == 2
+
+
+async def test_fifty_concurrent_wants_cause_one_reload(stack, reference):
+    _, (a, b), _ = stack
+    prefixes, suffixes = batch(12, [Shape(3, 1500, 8, 16)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    want = full_scores(reference, prefix, suffix)
+    await produce_and_consume_on(a, prefix, suffix, "seed")
+    await a.wait(lambda st: st.demotions == 1)
+    replies = await asyncio.gather(
+        *(b.stub.Rank(rank_request(prefix, suffix, f"c{i}"), timeout=60) for i in range(50))
+    )
+    served = [r.served_by for r in replies]
+    assert served.count(pb.DRAM_RELOAD) == 1
+    assert pb.FULL_RECOMPUTE not in served
+    assert all(close(r.scores, want) for r in replies)
+    assert b.proc.metric(b.metrics_port, "relaygr_ranker_reloads_total") == 1
+
+
+async def test_expander_kill_never_fails_a_ranking_call(stack, reference):
+    holder, rankers, sock = stack
+    prefixes, suffixes = batch(13, [Shape(2, 400, 4, 8)] * 6)
+    failures: list[BaseException] = []
+    calls = {"before": 0, "after": 0}
+    killed = asyncio.Event()
+    done = asyncio.Event()
+
+    async def traffic(ranker: Ranker, tag: str) -> None:
+        r = 0
+        while not done.is_set():
+            for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+                try:
+                    await ranker.stub.PreInfer(preinfer_request(p, f"{tag}{r}-{i}-p"), timeout=10)
+                    reply = await ranker.stub.Rank(rank_request(p, s, f"{tag}{r}-{i}-r"), timeout=30)
+                    assert len(reply.scores) == s.candidates.numel()
+                    calls["after" if killed.is_set() else "before"] += 1
+                except Exception as exc:  # any failed call fails the test
+                    failures.append(exc)
+            r += 1
+
+    async def kill_midway() -> None:
+        await asyncio.sleep(0.5)
+        holder["expander"].kill()
+        killed.set()
+        await asyncio.sleep(1.5)
+        done.set()
+
+    await asyncio.gather(*(traffic(r, f"t{n}-") for n, r in enumerate(rankers)), kill_midway())
+    assert not failures
+    assert calls["before"] > 0
+    assert calls["after"] > 0
+    for r in rankers:
+        await r.wait(lambda s: not s.expander_connected)
+    # A new daemon on the same socket: the rankers reconnect by themselves.
+    holder["expander"] = start_expander(sock)
+    for r in rankers:
+        await r.wait(lambda s: s.expander_connected)
+    reply = await rankers[0].stub.Rank(rank_request(prefixes[0], suffixes[0], "after"), timeout=30)
+    assert close(reply.scores, full_scores(reference, prefixes[0], suffixes[0]))

@@ -1,0 +1,91 @@
+"""Real service processes for integration tests: started, awaited on their ready log line, stopped.
+
+Every service logs JSON lines on stderr; `ServiceProcess` collects them in a thread and waits for
+an event (e.g. "ranker_ready") to learn ports. Teardown always kills what is still running.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServiceProcess:
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.module = module
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        self.log: list[dict[str, Any]] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self._lines.put(raw.decode(errors="replace"))
+
+    def wait_event(self, event: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The first log record with this event; AssertionError if the process exits or stays silent."""
+        for record in self.log:
+            if record.get("event") == event:
+                return record
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None and self._lines.empty():
+                    break
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = {"raw": line.rstrip()}
+            self.log.append(record)
+            if record.get("event") == event:
+                return record
+        tail = [r for r in self.log[-20:]]
+        raise AssertionError(f"{self.module}: no {event!r} (exit {self.proc.poll()}); last log: {tail}")
+
+    def metric(self, port: int, name: str) -> float:
+        """Sum of a Prometheus metric's samples (all label sets) from the process's /metrics."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                head, value = line.rsplit(" ", 1)
+                if head == name or head.startswith(name + "{"):
+                    total += float(value)
+        return total
+
+    def kill(self) -> None:
+        """kill -9."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(5)
+        return int(self.proc.returncode)
