@@ -40,6 +40,8 @@ class TriggerConfig(KafkaSettings):
                                     help="lease = ranking deadline + this", check=non_negative)  # fmt: skip
     load_factor: float = setting(0.25, env="RELAYGR_LOAD_FACTOR", help="bounded-load hashing slack (as the router)",
                                  check=non_negative)  # fmt: skip
+    load_slack: float = setting(4.0, env="RELAYGR_LOAD_SLACK", help="bounded-load absolute slack (as the router)",
+                                check=non_negative)  # fmt: skip
     stats_interval_s: float = setting(0.2, env="RELAYGR_STATS_INTERVAL_S", help="ranker Stats polling period",
                                       check=positive)  # fmt: skip
     preset: str = setting("tiny", env="RELAYGR_MODEL_PRESET", help="model preset (for the uncalibrated estimate)",

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -134,7 +133,11 @@ class TriggerService:
         self.latency = LatencyModel(self.spec, config.assumed_tflops)
         self.limits = RequestLimits()
         self.ledgers: dict[str, InstanceLedger] = {t: InstanceLedger() for t in config.rankers}
-        self.membership = Membership(list(config.rankers)) if config.rankers else None
+        self.membership = (
+            Membership(list(config.rankers), check_interval_s=config.stats_interval_s)
+            if config.rankers
+            else None
+        )
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
         self.counts: dict[str, int] = {r.value: 0 for r in Reason} | {"dead_letter": 0}
@@ -263,7 +266,7 @@ class TriggerService:
         instances = self.membership.healthy() if self.membership is not None else []
         if not instances:
             return Reason.LOAD_BOUND, None  # no ranker to pre-infer on
-        target = preference(meta.user_id, instances, self.config.load_factor)[0]
+        target = preference(meta.user_id, instances, self.config.load_factor, slack=self.config.load_slack)[0]
         ledger = self.ledgers[target]
         now = time.monotonic()
         ledger.forget_expired(now)
@@ -283,14 +286,11 @@ class TriggerService:
     # ------------------------------------------------------------------ rankers' Stats
 
     async def _poll_stats(self) -> None:
+        """Absorbs the rankers' Stats, which the membership polls with its health checks."""
         assert self.membership is not None
         while True:
-            for instance in self.membership.healthy():
-                try:
-                    stats = await self.membership.stub(instance.id).Stats(pb.StatsRequest(), timeout=1.0)
-                except grpc.aio.AioRpcError:
-                    continue
-                self._absorb(instance.id, stats)
+            for target, stats in self.membership.stats().items():
+                self._absorb(target, stats)
             self.metrics.calibrated.set(1 if self.latency.calibrated else 0)
             await asyncio.sleep(self.config.stats_interval_s)
 

@@ -1,0 +1,140 @@
+"""RouterConfig: the router's settings (flags over RELAYGR_ROUTER_* env vars over defaults).
+
+Kafka settings (bootstrap, TLS, SASL, session timing) are inherited from KafkaSettings and read
+from the RELAYGR_KAFKA_* variables every service shares. A few settings deliberately use variables
+shared with other services instead of RELAYGR_ROUTER_*: the prefix limit (RELAYGR_MAX_PREFIX_TOKENS,
+as the rankers: the router must not accept signals they would reject, nor reject ones they would
+accept) and the load bound (RELAYGR_LOAD_FACTOR and RELAYGR_LOAD_SLACK, as the trigger: placement
+agrees across router replicas and the trigger only when they all use the same values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import ConfigError, non_negative, one_of, port_number, positive, setting
+from shared.kafka import KafkaSettings
+from shared.wire import RequestLimits
+
+
+def _targets(value: tuple[str, ...]) -> str | None:
+    if not value:
+        return "required: at least one ranker target host:port (comma-separated)"
+    bad = []
+    for target in value:
+        host, sep, port = target.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            bad.append(target)
+    if bad:
+        return f"not host:port: {', '.join(bad)}"
+    if len(set(value)) != len(value):
+        return "targets must be distinct"
+    return None
+
+
+def _positive_int(value: int) -> str | None:
+    return None if value >= 1 else "must be >= 1"
+
+
+@dataclass(frozen=True)
+class RouterConfig(KafkaSettings):
+    host: str = setting("127.0.0.1", env="RELAYGR_ROUTER_HOST", help="gRPC bind address")
+    port: int = setting(
+        0, env="RELAYGR_ROUTER_PORT", help="gRPC port (0: pick a free one)", check=port_number
+    )
+    rankers: tuple[str, ...] = setting(
+        (), env="RELAYGR_ROUTER_RANKERS", help="ranker targets host:port, comma-separated (required)",
+        check=_targets,
+    )  # fmt: skip
+    signal_topic: str = setting(
+        "relaygr.preinfer-signals", env="RELAYGR_ROUTER_SIGNAL_TOPIC", help="PreInferSignal topic"
+    )
+    dlq_topic: str = setting("relaygr.dlq", env="RELAYGR_ROUTER_DLQ_TOPIC", help="dead-letter topic")
+    group_id: str = setting("relaygr-router", env="RELAYGR_ROUTER_GROUP_ID", help="Kafka consumer group")
+    consume_signals: bool = setting(
+        True, env="RELAYGR_ROUTER_CONSUME_SIGNALS", help="consume pre-infer signals from Kafka"
+    )
+    topic_partitions: int = setting(
+        8, env="RELAYGR_ROUTER_TOPIC_PARTITIONS", help="partitions of the signal / DLQ topics when created here",
+        check=_positive_int,
+    )  # fmt: skip
+    signal_concurrency: int = setting(
+        64, env="RELAYGR_ROUTER_SIGNAL_CONCURRENCY", help="signals forwarded at once (distinct users)",
+        check=_positive_int,
+    )  # fmt: skip
+    signal_batch: int = setting(
+        500, env="RELAYGR_ROUTER_SIGNAL_BATCH", help="most signals per consumed batch (one commit each)",
+        check=_positive_int,
+    )  # fmt: skip
+    signal_retries: int = setting(
+        3, env="RELAYGR_ROUTER_SIGNAL_RETRIES",
+        help="tries to forward a signal while no instance takes it, before it is counted lost",
+        check=_positive_int,
+    )  # fmt: skip
+    load_factor: float = setting(
+        0.25, env="RELAYGR_LOAD_FACTOR",
+        help="bounded load: an instance above (1 + this) x mean load is tried last", check=non_negative,
+    )  # fmt: skip
+    # Loads are queue depths (small integers): without an absolute allowance one queued call on an
+    # otherwise idle fleet makes an instance "overloaded" and moves its users off their psi.
+    load_slack: float = setting(
+        4.0, env="RELAYGR_LOAD_SLACK",
+        help="bounded load: absolute load allowed above (1 + load_factor) x mean before users move",
+        check=non_negative,
+    )  # fmt: skip
+    check_interval_s: float = setting(
+        0.2,
+        env="RELAYGR_ROUTER_CHECK_INTERVAL_S",
+        help="health / load poll period per ranker",
+        check=positive,
+    )
+    check_timeout_ms: float = setting(
+        250.0, env="RELAYGR_ROUTER_CHECK_TIMEOUT_MS", help="deadline of one health check / Stats poll",
+        check=positive,
+    )  # fmt: skip
+    fail_after: int = setting(
+        2, env="RELAYGR_ROUTER_FAIL_AFTER", help="consecutive failed checks before a ranker is dropped",
+        check=_positive_int,
+    )  # fmt: skip
+    rank_attempt_timeout_ms: float = setting(
+        0.0, env="RELAYGR_ROUTER_RANK_ATTEMPT_TIMEOUT_MS",
+        help="cap on one forwarding attempt (0: an attempt may use the caller's whole remaining deadline)",
+        check=non_negative,
+    )  # fmt: skip
+    default_timeout_ms: float = setting(
+        10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
+        check=positive,
+    )  # fmt: skip
+    preinfer_timeout_ms: float = setting(
+        1_000.0, env="RELAYGR_ROUTER_PREINFER_TIMEOUT_MS", help="deadline of a PreInfer forwarded from a signal",
+        check=positive,
+    )  # fmt: skip
+    default_lease_ms: float = setting(
+        2_000.0, env="RELAYGR_ROUTER_DEFAULT_LEASE_MS",
+        help="residency kept for a PreInfer that names no lease deadline (match the rankers' RELAYGR_LEASE_MS)",
+        check=positive,
+    )  # fmt: skip
+    residency_max_entries: int = setting(
+        1_000_000, env="RELAYGR_ROUTER_RESIDENCY_MAX_ENTRIES", help="users tracked in the residency map",
+        check=_positive_int,
+    )  # fmt: skip
+    max_prefix_tokens: int = setting(
+        65536, env="RELAYGR_MAX_PREFIX_TOKENS", help="longest accepted prefix (same variable as the rankers)",
+        check=positive,
+    )  # fmt: skip
+    metrics_port: int = setting(
+        0, env="RELAYGR_ROUTER_METRICS_PORT", help="Prometheus port (0: pick)", check=port_number
+    )
+    log_level: str = setting("info", env="RELAYGR_ROUTER_LOG_LEVEL", help="log level",
+                             check=one_of("debug", "info", "warning", "error"))  # fmt: skip
+    max_message_mb: float = setting(
+        64.0, env="RELAYGR_ROUTER_MAX_MESSAGE_MB", help="gRPC message size limit", check=positive
+    )
+
+    def validate(self) -> None:
+        if self.consume_signals and self.signal_topic == self.dlq_topic:
+            raise ConfigError("RELAYGR_ROUTER_SIGNAL_TOPIC and RELAYGR_ROUTER_DLQ_TOPIC must differ")
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_prefix_tokens=self.max_prefix_tokens)

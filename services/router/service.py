@@ -1,0 +1,572 @@
+"""The affinity router: the Ranker gRPC API as a front door, and the pre-infer signal consumer.
+
+One owner object, `RouterService`, with `start()` / `run()` / `shutdown()` and named background
+tasks ("membership-health", "residency-expire", "signals").
+
+Placement (the same for a user's pre-inference and its ranking call, so both find one psi):
+  1. the residency map: where this router forwarded an accepted PreInfer for this user and prefix
+     version, while its lease has not passed and that instance is healthy;
+  2. otherwise `placement.preference` (rendezvous hashing with bounded load) over the healthy
+     instances; the rest of that order is the retry order.
+
+Forwarding (Rank and PreInfer are both idempotent, so retrying is safe): each attempt gets the
+caller's remaining deadline (capped by rank_attempt_timeout_ms when set). UNAVAILABLE marks the
+instance failed (it leaves membership until a health check passes) and retries on the next one;
+RESOURCE_EXHAUSTED (overloaded), CANCELLED (server going away) and an attempt's own
+DEADLINE_EXCEEDED (only when the cap, not the caller's deadline, ran out) retry on the next one
+without marking it. Any other status (INVALID_ARGUMENT, ...) is the caller's answer and passes
+through unchanged. No healthy instance: UNAVAILABLE "no healthy ranker instance".
+
+Signals (Kafka, consumer group, manual commits): every record of a batch is forwarded as a
+PreInfer, dead-lettered (malformed: a JSON record on the DLQ topic), or counted lost (no instance
+took it after a few tries); only then is the batch's offset committed. At-least-once: PreInfer
+is idempotent, so a redelivered signal is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.ranker.wire import prefix_from_proto
+from services.router.config import RouterConfig
+from services.router.membership import Membership
+from services.router.placement import preference
+from services.router.residency import ResidencyMap
+from shared.kafka import ensure_topics, make_consumer, make_producer
+from shared.logging import get_logger
+from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
+from shared.protos import events_pb2, ranker_pb2_grpc
+from shared.protos import ranker_pb2 as pb
+from shared.stats import percentile
+from shared.wire import WireError
+
+log = get_logger("router")
+SERVICE_NAME = "relaygr.v1.Router"
+SIGNAL_SCHEMA_VERSION = 1
+_ACCEPTED = frozenset(
+    {
+        pb.PreInferReply.ACCEPTED,
+        pb.PreInferReply.ALREADY_RESIDENT,
+        pb.PreInferReply.ALREADY_PRODUCING,
+        pb.PreInferReply.RELOAD_SCHEDULED,
+    }
+)
+# Statuses after which the same call may go to the next instance (the calls are idempotent).
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+Reply = TypeVar("Reply", pb.RankReply, pb.PreInferReply)
+
+
+class ForwardError(Exception):
+    """A forwarded call got no answer from any instance, or a non-retryable status from one.
+    `code` is what the router's caller gets; `client_error` marks a status passed through."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, client_error: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.client_error = client_error
+
+
+class _Malformed(ValueError):
+    """A signal that can never be forwarded: it goes to the DLQ with this reason."""
+
+
+@dataclass(frozen=True)
+class _Placement:
+    order: list[str]
+    source: str  # "residency" | "hash"
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.latency_ms = Histogram(
+            "relaygr_router_latency_ms", "routed call latency (entry to reply)", ["method", "result"],
+            registry=registry, buckets=LATENCY_MS_BUCKETS,
+        )  # fmt: skip
+        self.attempts = Counter("relaygr_router_attempts_total", "forwarding attempts by result",
+                                ["method", "result"], registry=registry)  # fmt: skip
+        self.retries = Counter("relaygr_router_retries_total", "attempts after the first", ["method"],
+                               registry=registry)  # fmt: skip
+        self.placement = Counter("relaygr_router_placement_total", "placement decisions by source",
+                                 ["method", "source"], registry=registry)  # fmt: skip
+        self.members = Gauge(
+            "relaygr_router_healthy_instances", "healthy ranker instances", registry=registry
+        )
+        self.residency = Gauge("relaygr_router_residency_entries", "users in the residency map",
+                               registry=registry)  # fmt: skip
+        self.signals = Counter("relaygr_router_signals_total", "pre-infer signals by outcome "
+                               "(forwarded, refused, dlq, lost, stale)", ["outcome"], registry=registry)  # fmt: skip
+
+
+class RouterService(ranker_pb2_grpc.RankerServicer):
+    def __init__(self, config: RouterConfig) -> None:
+        if not config.rankers:
+            raise ValueError("RouterConfig.rankers is empty: load it with load_config (it validates)")
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self.membership = Membership(
+            config.rankers,
+            check_interval_s=config.check_interval_s,
+            check_timeout_s=config.check_timeout_ms / 1e3,
+            fail_after=config.fail_after,
+            max_message_mb=config.max_message_mb,
+            on_change=lambda members: self.metrics.members.set(len(members)),
+        )
+        self.residency = ResidencyMap(config.residency_max_entries)
+        self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._background: dict[str, asyncio.Task[None]] = {}
+        self._stop_intake = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._started = False
+        self.port = 0
+        self.metrics_port = 0
+
+    @property
+    def instance_id(self) -> str:
+        return f"router@{self.config.host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Checks the rankers once, binds gRPC, starts metrics and (when enabled) the consumer."""
+        self._started = True
+        await self.membership.start()
+        self.metrics.members.set(len(self.membership.healthy()))
+        size = int(self.config.max_message_mb * 2**20)
+        opts = [
+            ("grpc.max_receive_message_length", size),
+            ("grpc.max_send_message_length", size),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.aio.server(options=opts)
+        ranker_pb2_grpc.add_RankerServicer_to_server(self, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = (
+            pb.DESCRIPTOR.services_by_name["Ranker"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self._server)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if not self.port:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        if self.config.consume_signals:
+            await self._start_kafka()
+        await self._server.start()
+        self.metrics_port = serve_metrics(self.registry, self.config.metrics_port, self.config.host)
+        self._spawn(self._expire_loop(), "residency-expire")
+        if self._consumer is not None:
+            self._spawn(self._consume_loop(self._consumer), "signals")
+        # Not "relaygr.v1.Ranker": membership only admits rankers, so routers never forward in a loop.
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
+                 healthy=len(self.membership.healthy()), consume_signals=self.config.consume_signals)  # fmt: skip
+
+    async def _start_kafka(self) -> None:
+        await ensure_topics(
+            self.config,
+            {
+                self.config.signal_topic: self.config.topic_partitions,
+                self.config.dlq_topic: self.config.topic_partitions,
+            },
+        )
+        self._producer = make_producer(self.config)
+        await self._producer.start()
+        self._consumer = make_consumer(self.config, [self.config.signal_topic], self.config.group_id)
+        await self._consumer.start()
+
+    async def run(self) -> None:
+        """Starts, serves until SIGTERM / SIGINT, shuts down. A failed start cleans up and raises."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown(grace_s=0)
+            raise
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
+        await self._stopped.wait()
+
+    async def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stops intake (health NOT_SERVING, no new batches), lets the current signal batch finish
+        and commit, drains in-flight calls (up to grace_s), then closes the Kafka clients and the
+        ranker channels. Idempotent."""
+        if self._stopped.is_set() or self._stop_intake.is_set():
+            return
+        self._stop_intake.set()
+        await self._health.enter_graceful_shutdown()
+        consumer_task = self._background.get("signals")
+        if consumer_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(consumer_task), grace_s)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for task in list(self._background.values()):
+            task.cancel()
+        await asyncio.gather(*self._background.values(), return_exceptions=True)
+        if self._consumer is not None:
+            with contextlib.suppress(KafkaError):
+                await self._consumer.stop()
+        if self._producer is not None:
+            with contextlib.suppress(KafkaError):
+                await self._producer.stop()
+        if self._started:
+            await self.membership.close()
+        log.info("router_stopped", port=self.port)
+        self._stopped.set()
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        task.add_done_callback(_log_unexpected_exit)
+        self._background[name] = task
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            self.residency.expire(time.monotonic())
+            self.metrics.residency.set(len(self.residency))
+
+    # ------------------------------------------------------------------ placement and forwarding
+
+    def place(self, user_id: int, prefix_version: int, method: str) -> _Placement:
+        """The instance order for this user: a live residency entry on a healthy instance first,
+        then the rendezvous / bounded-load order. Empty when no instance is healthy."""
+        instances = self.membership.healthy()
+        if not instances:
+            return _Placement([], "none")
+        order = preference(user_id, instances, self.config.load_factor, slack=self.config.load_slack)
+        entry = self.residency.lookup(user_id, prefix_version, time.monotonic())
+        source = "hash"
+        if entry is not None and entry.instance in order:
+            order.remove(entry.instance)
+            order.insert(0, entry.instance)
+            source = "residency"
+        self.metrics.placement.labels(method, source).inc()
+        return _Placement(order, source)
+
+    async def forward(
+        self,
+        method: str,
+        user_id: int,
+        prefix_version: int,
+        call: Callable[[ranker_pb2_grpc.RankerStub, float], Awaitable[Reply]],
+        deadline: float,
+    ) -> tuple[str, Reply]:
+        """Sends one idempotent call along the user's placement order until an instance answers.
+
+        `call(stub, timeout_s)` makes one attempt; `deadline` is on time.monotonic(). Returns
+        (target, reply); raises ForwardError with the status the caller should get.
+        """
+        placement = self.place(user_id, prefix_version, method)
+        if not placement.order:
+            raise ForwardError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no healthy ranker instance (0 of {len(self.membership.targets)} up)",
+            )
+        cap = self.config.rank_attempt_timeout_ms / 1e3
+        failures: list[str] = []
+        last_code = grpc.StatusCode.UNAVAILABLE
+        attempt = 0
+        for target in placement.order:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                last_code = grpc.StatusCode.DEADLINE_EXCEEDED
+                break
+            if attempt and not self.membership.is_healthy(target):
+                continue  # dropped since the order was computed (e.g. by a concurrent call)
+            if attempt:
+                self.metrics.retries.labels(method).inc()
+            attempt += 1
+            timeout = min(remaining, cap) if cap > 0 else remaining
+            try:
+                with self.membership.track(target):
+                    reply = await call(self.membership.stub(target), timeout)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                self.metrics.attempts.labels(method, code.name.lower()).inc()
+                if code not in _RETRYABLE:
+                    raise ForwardError(code, exc.details() or code.name, client_error=True) from None
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= remaining:
+                    last_code = code  # the caller's own deadline ran out, not just this attempt's
+                    failures.append(f"{target}: {code.name}")
+                    break
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self.membership.mark_failed(target, f"{method} UNAVAILABLE")
+                last_code = code
+                failures.append(f"{target}: {code.name} {exc.details() or ''}".rstrip())
+                log.debug("attempt_failed", method=method, target=target, code=code.name, user=user_id)
+                continue
+            self.metrics.attempts.labels(method, "ok").inc()
+            return target, reply
+        detail = "; ".join(failures) if failures else "no attempt made"
+        if last_code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise ForwardError(last_code, f"deadline exceeded after {attempt} attempt(s): {detail}")
+        raise ForwardError(last_code, f"no ranker instance answered ({attempt} attempt(s)): {detail}")
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            remaining = self.config.default_timeout_ms / 1e3
+        return time.monotonic() + remaining
+
+    def _lease_deadline(self, lease_deadline_unix_ms: int) -> float:
+        """A lease on the wall clock -> time.monotonic() (the residency map's clock)."""
+        if lease_deadline_unix_ms <= 0:
+            return time.monotonic() + self.config.default_lease_ms / 1e3
+        return time.monotonic() + (lease_deadline_unix_ms - time.time() * 1e3) / 1e3
+
+    def _record(self, target: str, request: pb.PreInferRequest, reply: pb.PreInferReply) -> None:
+        if reply.outcome in _ACCEPTED:
+            prefix = request.prefix
+            self.residency.record(
+                prefix.user_id,
+                prefix.prefix_version,
+                target,
+                self._lease_deadline(request.lease_deadline_unix_ms),
+                time.monotonic(),
+            )
+
+    async def _preinfer(self, request: pb.PreInferRequest, deadline: float) -> tuple[str, pb.PreInferReply]:
+        def call(stub: ranker_pb2_grpc.RankerStub, timeout: float) -> Awaitable[pb.PreInferReply]:
+            return stub.PreInfer(request, timeout=timeout)
+
+        prefix = request.prefix
+        target, reply = await self.forward("preinfer", prefix.user_id, prefix.prefix_version, call, deadline)
+        self._record(target, request, reply)
+        return target, reply
+
+    # ------------------------------------------------------------------ gRPC handlers
+
+    async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankReply:
+        """Forwards to the user's instance (residency, else hash), retrying as the module says."""
+        started = time.perf_counter()
+
+        def call(stub: ranker_pb2_grpc.RankerStub, timeout: float) -> Awaitable[pb.RankReply]:
+            return stub.Rank(request, timeout=timeout)
+
+        try:
+            _, reply = await self.forward(
+                "rank", request.user_id, request.prefix_version, call, self._deadline(context)
+            )
+        except ForwardError as exc:
+            self._observe("rank", exc.code.name.lower(), started)
+            await _abort(context, exc)
+        self._observe("rank", "ok", started)
+        return reply
+
+    async def PreInfer(
+        self, request: pb.PreInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PreInferReply:
+        """Forwards with the same placement as Rank; an accepted PreInfer is recorded in the
+        residency map so the user's ranking call follows it."""
+        started = time.perf_counter()
+        try:
+            _, reply = await self._preinfer(request, self._deadline(context))
+        except ForwardError as exc:
+            self._observe("preinfer", exc.code.name.lower(), started)
+            await _abort(context, exc)
+        self._observe("preinfer", "ok", started)
+        return reply
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        """The router's view: instance_id "router@host:port"; the HBM, backlog, queue-depth and
+        refusal fields are sums over the healthy rankers' last polled Stats; model_version is the
+        rankers' common version ("" when they differ); rank_p50/p99 are this router's own
+        end-to-end Rank latencies (recent window); recent_batches is empty; expander_connected is
+        true only if every healthy ranker has its host tier."""
+        stats = list(self.membership.stats().values())
+        versions = {s.model_version for s in stats}
+        window = list(self._rank_ms)
+        return pb.StatsReply(
+            instance_id=self.instance_id,
+            model_version=versions.pop() if len(versions) == 1 else "",
+            hbm_budget_bytes=sum(s.hbm_budget_bytes for s in stats),
+            hbm_resident_bytes=sum(s.hbm_resident_bytes for s in stats),
+            hbm_leased_bytes=sum(s.hbm_leased_bytes for s in stats),
+            preinfer_backlog=sum(s.preinfer_backlog for s in stats),
+            rank_queue_depth=sum(s.rank_queue_depth for s in stats),
+            preinfers_refused=sum(s.preinfers_refused for s in stats),
+            rank_p50_ms=percentile(window, 50) if window else 0.0,
+            rank_p99_ms=percentile(window, 99) if window else 0.0,
+            expander_connected=bool(stats) and all(s.expander_connected for s in stats),
+            psi_bytes_per_token=stats[0].psi_bytes_per_token if stats else 0,
+        )
+
+    def _observe(self, method: str, result: str, started: float) -> None:
+        ms = (time.perf_counter() - started) * 1e3
+        self.metrics.latency_ms.labels(method, result).observe(ms)
+        if method == "rank" and result == "ok":
+            self._rank_ms.append(ms)
+
+    # ------------------------------------------------------------------ signals
+
+    async def _consume_loop(self, consumer: AIOKafkaConsumer) -> None:
+        """Batch by batch until intake stops. Nothing that goes wrong in a batch ends the loop."""
+        while not self._stop_intake.is_set():
+            try:
+                await self._consume_batch(consumer)
+            except Exception as exc:
+                log.error("signal_consumer_error", error=repr(exc))
+                await asyncio.sleep(0.5)
+
+    async def _consume_batch(self, consumer: AIOKafkaConsumer) -> None:
+        """Forwards or dead-letters every record of one batch, then commits its offsets. A batch
+        that could not be finished (e.g. the DLQ unwritable) is re-read from its first offsets."""
+        try:
+            batch = await consumer.getmany(timeout_ms=200, max_records=self.config.signal_batch)
+        except KafkaError as exc:
+            log.warning("signal_fetch_failed", error=repr(exc))
+            await asyncio.sleep(0.5)
+            return
+        if not batch:
+            return
+        try:
+            await self._handle_batch(batch)
+        except Exception as exc:
+            log.error("signal_batch_failed", error=repr(exc), records=sum(map(len, batch.values())))
+            for tp, records in batch.items():
+                with contextlib.suppress(Exception):  # the partition may have been revoked meanwhile
+                    consumer.seek(tp, records[0].offset)
+            await asyncio.sleep(0.5)
+            return
+        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+        try:
+            await consumer.commit(offsets)
+        except KafkaError as exc:  # e.g. a rebalance: the records come again (at-least-once)
+            log.warning("signal_commit_failed", error=repr(exc))
+
+    async def _handle_batch(self, batch: dict[TopicPartition, list[ConsumerRecord[Any, Any]]]) -> None:
+        """Records of one user (one key) in order; different users concurrently, bounded."""
+        by_key: dict[bytes | None, list[ConsumerRecord[Any, Any]]] = collections.defaultdict(list)
+        for records in batch.values():
+            for record in records:
+                by_key[record.key].append(record)
+        limit = asyncio.Semaphore(self.config.signal_concurrency)
+
+        async def run(records: list[ConsumerRecord[Any, Any]]) -> None:
+            async with limit:
+                for record in records:
+                    outcome = await self._handle_signal(record)
+                    self.metrics.signals.labels(outcome).inc()
+
+        await asyncio.gather(*(run(records) for records in by_key.values()))
+
+    def _decode_signal(self, record: ConsumerRecord[Any, Any]) -> events_pb2.PreInferSignal:
+        if record.value is None:
+            raise _Malformed("empty value")
+        signal_msg = events_pb2.PreInferSignal()
+        try:
+            signal_msg.ParseFromString(record.value)
+        except DecodeError as exc:
+            raise _Malformed(f"undecodable PreInferSignal: {exc}") from None
+        if signal_msg.schema_version != SIGNAL_SCHEMA_VERSION:
+            raise _Malformed(f"schema_version {signal_msg.schema_version} is not {SIGNAL_SCHEMA_VERSION}")
+        if not signal_msg.request_id:
+            raise _Malformed("request_id is required")
+        if not signal_msg.HasField("prefix"):
+            raise _Malformed("prefix is required")
+        try:
+            prefix_from_proto(signal_msg.prefix, self.config.limits)
+        except WireError as exc:
+            raise _Malformed(f"invalid prefix: {exc}") from None
+        return signal_msg
+
+    async def _handle_signal(self, record: ConsumerRecord[Any, Any]) -> str:
+        """One signal -> "forwarded" | "refused" | "dlq" | "lost" | "stale". Raises only when the
+        DLQ itself cannot be written (the batch is then retried)."""
+        try:
+            signal_msg = self._decode_signal(record)
+        except _Malformed as exc:
+            await self._dead_letter(record, str(exc))
+            return "dlq"
+        lease_ms = signal_msg.lease_deadline_unix_ms
+        if 0 < lease_ms <= time.time() * 1e3:
+            log.info("signal_stale", request_id=signal_msg.request_id, user=signal_msg.prefix.user_id)
+            return "stale"  # its ranking call is over: pre-inferring now would only waste work
+        request = pb.PreInferRequest(
+            request_id=signal_msg.request_id, prefix=signal_msg.prefix, lease_deadline_unix_ms=lease_ms
+        )
+        error: ForwardError | None = None
+        for attempt in range(self.config.signal_retries):
+            if attempt:
+                await asyncio.sleep(min(self.config.check_interval_s, 0.5) * attempt)
+            try:
+                _, reply = await self._preinfer(
+                    request, time.monotonic() + self.config.preinfer_timeout_ms / 1e3
+                )
+            except ForwardError as exc:
+                if exc.client_error:
+                    await self._dead_letter(record, f"ranker rejected: {exc.code.name}: {exc.message}")
+                    return "dlq"
+                error = exc
+                continue
+            return "forwarded" if reply.outcome in _ACCEPTED else "refused"
+        log.warning("signal_lost", request_id=signal_msg.request_id, user=signal_msg.prefix.user_id,
+                    error=error.message if error else "")  # fmt: skip
+        return "lost"
+
+    async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
+        assert self._producer is not None
+        key = record.key.decode("utf-8", "replace") if record.key is not None else None
+        payload = {
+            "reason": reason,
+            "source_topic": record.topic,
+            "partition": record.partition,
+            "offset": record.offset,
+            "key": key,
+            "value_b64": base64.b64encode(record.value).decode() if record.value is not None else None,
+            "service": "router",
+        }
+        await self._producer.send_and_wait(self.config.dlq_topic, orjson.dumps(payload), key=record.key)
+        log.warning("signal_dead_lettered", reason=reason, topic=record.topic, partition=record.partition,
+                    offset=record.offset)  # fmt: skip
+
+
+def _log_unexpected_exit(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background_task_died", task=task.get_name(), error=repr(task.exception()))
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ForwardError) -> NoReturn:
+    await context.abort(exc.code, exc.message)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+
+def serve(config: RouterConfig) -> None:
+    import uvloop
+
+    async def main() -> None:
+        await RouterService(config).run()
+
+    uvloop.run(main())

@@ -1,0 +1,324 @@
+"""The router in process on the CPU: affinity (PreInfer and Rank on one instance, cached scores
+equal to full inference), residency precedence, pass-through of client errors, retries on the next
+instance (dead, overloaded, hung), membership loss, and no instance at all.
+
+Real rankers (tiny preset) where scores matter; small fake rankers where only status codes do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.ranker.config import RankerConfig
+from services.ranker.service import RankerService
+from services.router.config import RouterConfig
+from services.router.membership import Membership
+from services.router.placement import Instance, preference
+from services.router.service import RouterService
+from shared.broker import free_port
+from shared.config import load_config
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from tests.rankers import preinfer_request, rank_request, users
+
+TOL = 1e-5
+BOUND_S = 20.0  # generous upper bound for "eventually" (membership changes): never a speed claim
+
+
+def target(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+async def start_router(targets: list[str], *extra: str) -> RouterService:
+    config = load_config(
+        RouterConfig,
+        ["--rankers", ",".join(targets), "--consume-signals", "false", "--check-interval-s", "0.1", *extra],
+    )
+    router = RouterService(config)
+    await router.start()
+    return router
+
+
+def idle(router: RouterService) -> list[Instance]:
+    """The healthy instances with their loads zeroed: the pure rendezvous order."""
+    return [Instance(i.id, 0.0) for i in router.membership.healthy()]
+
+
+async def eventually(predicate, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {BOUND_S}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def rankers():
+    services = [RankerService(load_config(RankerConfig, ["--device", "cpu"])) for _ in range(2)]
+    for service in services:
+        await service.start()
+    yield services
+    for service in services:
+        await service.shutdown(grace_s=0.5)
+
+
+@pytest.fixture
+async def routed(rankers):
+    # A large slack makes placement pure rendezvous hashing here, so tests can predict it (the
+    # load bound itself is tested in test_placement.py).
+    router = await start_router([target(r.port) for r in rankers], "--load-slack", "1000")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    yield router, pb_grpc.RankerStub(channel), channel
+    await channel.close()
+    await router.shutdown(grace_s=0.5)
+
+
+async def test_preinfer_then_rank_land_on_one_instance_and_equal_full(routed, rankers):
+    router, stub, _ = routed
+    by_id = {r.instance_id: target(r.port) for r in rankers}
+    prefixes, suffixes = users(11, 6, prefix_len=800)
+    for p, s in zip(prefixes, suffixes, strict=True):
+        full = await stub.Rank(rank_request(p, s, f"f{p.user_id}"), timeout=30)
+        assert full.served_by == pb.FULL_RECOMPUTE
+        pre = await stub.PreInfer(preinfer_request(p, f"p{p.user_id}"), timeout=5)
+        assert pre.outcome == pb.PreInferReply.ACCEPTED
+        assert by_id[pre.instance_id] == preference(p.user_id, idle(router))[0]
+        resident = router.residency.lookup(p.user_id, p.prefix_version, time.monotonic())
+        assert resident is not None
+        assert resident.instance == by_id[pre.instance_id]
+        cached = await stub.Rank(rank_request(p, s, f"r{p.user_id}"), timeout=30)
+        assert cached.instance_id == pre.instance_id
+        assert cached.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN)
+        assert max_diff(cached.scores, full.scores) <= TOL
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.instance_id == router.instance_id
+    assert stats.model_version == rankers[0].model.model_version
+    assert stats.rank_p99_ms > 0
+
+
+async def test_residency_takes_precedence_over_the_hash(routed, rankers):
+    router, stub, _ = routed
+    by_target = {target(r.port): r.instance_id for r in rankers}
+    prefixes, suffixes = users(12, 1, prefix_len=100)
+    p, s = prefixes[0], suffixes[0]
+    hashed = preference(p.user_id, idle(router))
+    router.residency.record(p.user_id, p.prefix_version, hashed[1], time.monotonic() + 60, time.monotonic())
+    reply = await stub.Rank(rank_request(p, s, "a"), timeout=30)
+    assert reply.instance_id == by_target[hashed[1]]
+    # Another prefix version is another psi: the residency entry does not apply to it.
+    other = rank_request(p, s, "b")
+    other.prefix_version = other.prefix.prefix_version = p.prefix_version + 1
+    reply = await stub.Rank(other, timeout=30)
+    assert reply.instance_id == by_target[hashed[0]]
+
+
+async def test_bad_requests_pass_through_as_invalid_argument(routed):
+    _, stub, channel = routed
+    prefixes, suffixes = users(13, 1, prefix_len=50)
+    good = rank_request(prefixes[0], suffixes[0], "ok")
+    ragged = pb.RankRequest()
+    ragged.CopyFrom(good)
+    ragged.candidates_le = b"\x01\x02\x03"
+    no_prefix = pb.RankRequest()
+    no_prefix.CopyFrom(good)
+    no_prefix.ClearField("prefix")
+    for request, reason in ((ragged, "whole number"), (no_prefix, "prefix is required")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Rank(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason in err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PreInfer(pb.PreInferRequest(prefix=good.prefix), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in err.value.details()
+    assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
+    check = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="relaygr.v1.Router"), timeout=5
+    )
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_losing_an_instance_mid_traffic_every_call_still_succeeds(routed, rankers):
+    router, stub, _ = routed
+    victim, survivor = rankers
+    prefixes, suffixes = users(14, 16, prefix_len=200)
+    reqs = [rank_request(p, s, f"r{p.user_id}") for p, s in zip(prefixes, suffixes, strict=True)]
+    before = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
+    assert {r.instance_id for r in before} == {victim.instance_id, survivor.instance_id}
+
+    during = asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
+    await victim.shutdown(grace_s=0.2)
+    assert all(r.scores for r in await during)
+    after = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
+    assert {r.instance_id for r in after} == {survivor.instance_id}
+    for b, a in zip(before, after, strict=True):
+        assert max_diff(a.scores, b.scores) <= TOL
+    await eventually(
+        lambda: [i.id for i in router.membership.healthy()] == [target(survivor.port)],
+        "the stopped ranker leaves membership",
+    )
+
+
+async def test_a_failed_call_drops_the_instance_at_once_and_is_retried(rankers):
+    """Health checks far apart: only the failed real call can tell the router the instance died."""
+    victim, survivor = rankers
+    router = await start_router([target(r.port) for r in rankers], "--check-interval-s", "600")
+    try:
+        channel = grpc.aio.insecure_channel(target(router.port))
+        stub = pb_grpc.RankerStub(channel)
+        prefixes, suffixes = users(16, 24, prefix_len=100)
+        reqs = [rank_request(p, s, f"r{p.user_id}") for p, s in zip(prefixes, suffixes, strict=True)]
+        order = idle(router)
+        reqs.sort(key=lambda r: preference(r.user_id, order)[0] != target(victim.port))  # victim's first
+        await victim.shutdown(grace_s=0.2)
+        assert router.membership.is_healthy(target(victim.port))  # nobody has noticed yet
+        replies = [await stub.Rank(r, timeout=30) for r in reqs]  # one by one: one failure is enough
+        assert {r.instance_id for r in replies} == {survivor.instance_id}
+        assert not router.membership.is_healthy(target(victim.port))
+        assert router.metrics.retries.labels("rank")._value.get() == 1
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
+async def test_no_healthy_instance_is_unavailable_with_a_clear_message():
+    router = await start_router([target(free_port())])
+    try:
+        assert router.membership.healthy() == []
+        channel = grpc.aio.insecure_channel(target(router.port))
+        stub = pb_grpc.RankerStub(channel)
+        prefixes, suffixes = users(15, 1, prefix_len=50)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Rank(rank_request(prefixes[0], suffixes[0], "x"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy ranker instance" in err.value.details()
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
+# ---------------------------------------------------------------------- fake rankers
+
+
+class FakeRanker(pb_grpc.RankerServicer):
+    """Answers Rank per `behavior`: "ok", "exhausted" (RESOURCE_EXHAUSTED) or "hang"."""
+
+    def __init__(self, name: str, behavior: str) -> None:
+        self.name = name
+        self.behavior = behavior
+        self.calls = 0
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self, port: int = 0) -> int:
+        self.server = grpc.aio.server()
+        pb_grpc.add_RankerServicer_to_server(self, self.server)
+        checker = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checker, self.server)
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        await checker.set("relaygr.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.stop(0)
+
+    async def Rank(self, request, context):
+        self.calls += 1
+        if self.behavior == "exhausted":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name} overloaded")
+        if self.behavior == "hang":
+            await asyncio.sleep(60)
+        return pb.RankReply(scores=[1.0], instance_id=self.name)
+
+    async def Stats(self, request, context):
+        return pb.StatsReply(instance_id=self.name, rank_queue_depth=0)
+
+
+@pytest.fixture
+async def fakes(request):
+    started = [FakeRanker(behavior, behavior) for behavior in request.param]
+    for fake in started:
+        await fake.start()
+    yield started
+    for fake in started:
+        await fake.stop()
+
+
+def requests_for(n: int) -> list[pb.RankRequest]:
+    return [pb.RankRequest(request_id=f"r{u}", user_id=u) for u in range(n)]
+
+
+@pytest.mark.parametrize("fakes", [["exhausted", "ok"]], indirect=True)
+async def test_overloaded_instance_is_retried_on_the_next_and_stays_a_member(fakes):
+    exhausted, ok = fakes
+    router = await start_router([target(exhausted.port), target(ok.port)])
+    try:
+        channel = grpc.aio.insecure_channel(target(router.port))
+        stub = pb_grpc.RankerStub(channel)
+        replies = await asyncio.gather(*(stub.Rank(r, timeout=5) for r in requests_for(24)))
+        assert {r.instance_id for r in replies} == {"ok"}
+        assert exhausted.calls > 0
+        assert router.membership.is_healthy(target(exhausted.port))
+        assert router.metrics.retries.labels("rank")._value.get() == exhausted.calls
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
+@pytest.mark.parametrize("fakes", [["hang", "ok"]], indirect=True)
+async def test_hung_attempt_times_out_and_is_retried_within_the_callers_deadline(fakes):
+    hang, ok = fakes
+    router = await start_router([target(hang.port), target(ok.port)], "--rank-attempt-timeout-ms", "200")
+    try:
+        channel = grpc.aio.insecure_channel(target(router.port))
+        stub = pb_grpc.RankerStub(channel)
+        replies = await asyncio.gather(*(stub.Rank(r, timeout=10) for r in requests_for(12)))
+        assert {r.instance_id for r in replies} == {"ok"}
+        assert hang.calls > 0
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
+@pytest.mark.parametrize("fakes", [["ok", "ok"]], indirect=True)
+async def test_membership_drops_a_silent_instance_and_readmits_it_after_one_success(fakes):
+    """No traffic at all: health checks alone drop a stopped instance and re-admit it when it is
+    back on the same address."""
+    gone, stays = fakes
+    membership = Membership(
+        [target(gone.port), target(stays.port)], check_interval_s=0.05, check_timeout_s=0.5, fail_after=2
+    )
+    await membership.start()
+    try:
+        assert {i.id for i in membership.healthy()} == {target(gone.port), target(stays.port)}
+        await gone.stop()
+        await eventually(lambda: not membership.is_healthy(target(gone.port)), "stopped instance dropped")
+        assert membership.is_healthy(target(stays.port))
+        gone.port = await gone.start(gone.port)
+        await eventually(lambda: membership.is_healthy(target(gone.port)), "restarted instance re-admitted")
+        with pytest.raises(KeyError):
+            membership.stub("127.0.0.1:1")
+    finally:
+        await membership.close()
+
+
+@pytest.mark.parametrize("fakes", [["ok"]], indirect=True)
+async def test_a_router_listed_as_a_ranker_never_joins(fakes):
+    front = await start_router([target(fakes[0].port)])
+    loop_router = await start_router([target(front.port)])
+    try:
+        assert front.membership.healthy() != []
+        assert loop_router.membership.healthy() == []  # a router is not "relaygr.v1.Ranker"
+    finally:
+        await loop_router.shutdown(grace_s=0.2)
+        await front.shutdown(grace_s=0.2)
