@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from bench.report import median, percentile, write_result
-from bench.synthetic import Shape, batch
+from bench.synthetic import Shape
+from bench.synthetic import request as synthetic_request
 from services.ranker.config import RankerConfig
 from services.ranker.hbm_cache import EntryState
 from services.ranker.service import RankerService
@@ -90,8 +92,11 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     try:
         for prefix_len in args.prefix_lens:
-            prefixes, suffixes = batch(prefix_len, [Shape(16, prefix_len - 16, args.recent, args.candidates)])
-            prefix, suffix = prefixes[0], suffixes[0]
+            # One user per length: (user, prefix version) must name one prefix, or psi would be reused.
+            gen = torch.Generator().manual_seed(prefix_len)
+            prefix, suffix = synthetic_request(
+                gen, prefix_len, Shape(16, prefix_len - 16, args.recent, args.candidates)
+            )
             key = service.model.psi_key(prefix.user_id, prefix.prefix_version)
             recompute, demote, reload = [], [], []
             psi = None
@@ -102,7 +107,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             assert psi is not None
             nbytes = host_nbytes(host_meta(psi))
             for i in range(args.reps):
-                probe = service.model.psi_key(prefix.user_id, 10_000 + i)  # a fresh arena entry each time
+                probe = service.model.psi_key(prefix.user_id, 10_000 + i)  # a fresh arena entry each rep
                 t0 = time.perf_counter()
                 ok = await host.demote(probe, psi, engine)
                 demote.append((time.perf_counter() - t0) * 1e3)
@@ -117,6 +122,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             request = rank_request(prefix, suffix, "bench")
             await stub.Rank(request, timeout=60)  # full: warms the path
             rank_ms: list[float] = []
+            server: dict[str, list[float]] = {"total": [], "compute": [], "queue": [], "cache": []}
             served: dict[int, int] = {}
             for i in range(args.samples + 3):
                 await stub.PreInfer(preinfer_request(prefix, f"p{i}"), timeout=10)
@@ -127,6 +133,10 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 served[reply.served_by] = served.get(reply.served_by, 0) + 1
                 if i >= 3 and reply.served_by == pb.HBM_HIT:
                     rank_ms.append(ms)
+                    t = reply.timings
+                    for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
+                                        ("cache", t.cache_ms)):  # fmt: skip
+                        server[name].append(value)
                 await asyncio.sleep(args.gap_ms / 1e3)
             row = {
                 "prefix_len": prefix_len,
@@ -139,13 +149,20 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "rank_p50_ms": percentile(rank_ms, 50),
                 "rank_p99_ms": percentile(rank_ms, 99),
                 "rank_samples": len(rank_ms),
+                # Where a hit's time goes, server side (p50): handler total, the batch's compute,
+                # waiting for the engine; the rest of rank_p50_ms is gRPC and the client.
+                "server_total_p50_ms": percentile(server["total"], 50),
+                "server_compute_p50_ms": percentile(server["compute"], 50),
+                "server_queue_p50_ms": percentile(server["queue"], 50),
                 "served_by": {pb.ServedBy.Name(k): v for k, v in served.items()},
             }
             results.append(row)
             print(
                 f"P={prefix_len:6d}  psi {nbytes / 2**20:7.1f} MiB  recompute {row['recompute_ms']:8.2f} ms  "
                 f"demote {row['demote_ms']:7.2f} ms  reload {row['reload_ms']:7.2f} ms "
-                f"({row['reload_gbps']:5.1f} GB/s)  rank p50 {row['rank_p50_ms']:6.2f} / p99 {row['rank_p99_ms']:6.2f} ms",
+                f"({row['reload_gbps']:5.1f} GB/s)  rank p50 {row['rank_p50_ms']:6.2f} / p99 {row['rank_p99_ms']:6.2f} ms "
+                f"(server {row['server_total_p50_ms']:.2f}, compute {row['server_compute_p50_ms']:.2f}, "
+                f"queue {row['server_queue_p50_ms']:.2f})",
                 flush=True,
             )
     finally:

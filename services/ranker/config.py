@@ -50,6 +50,9 @@ class RankerConfig:
     expander_socket: str = setting(
         "", env="RELAYGR_EXPANDER_SOCKET", help="host-DRAM expander socket ('': none)"
     )
+    gil_switch_ms: float = setting(0.5, env="RELAYGR_GIL_SWITCH_MS",
+                                   help="Python thread switch interval: how long the event loop may wait "
+                                   "for the engine thread to yield the interpreter", check=positive)  # fmt: skip
     metrics_port: int = setting(0, env="RELAYGR_RANKER_METRICS_PORT", help="Prometheus port (0: pick)",
                                 check=port_number)  # fmt: skip
     log_level: str = setting("info", env="RELAYGR_LOG_LEVEL", help="log level",

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import signal
 import socket
+import sys
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -142,6 +143,9 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def start(self) -> None:
         """Warms the model up, starts the engine, binds gRPC, connects the host tier (optional)."""
+        # The engine thread dispatches kernels in Python; a short switch interval keeps the event
+        # loop (requests in, replies out) from waiting the default 5 ms for the interpreter.
+        sys.setswitchinterval(self.config.gil_switch_ms / 1e3)
         self.engine.start()
         await self._warm_up()
         opts = [
@@ -350,7 +354,14 @@ class RankerService(pb_grpc.RankerServicer):
                 served = "dram_reload" if started else "inflight_join"
                 claim = await self._join(key, deadline, prefix.length)
         cache_ms = (time.perf_counter() - t0) * 1e3
-        if claim.outcome is Claim.HIT:
+        if claim.outcome is Claim.HIT and claim.handle.prefix_len != prefix.length:
+            # (user, prefix version) must name one prefix; a caller that broke that gets full inference.
+            log.warning(
+                "prefix_version_reused", user=key.user_id, psi_len=claim.handle.prefix_len, len=prefix.length
+            )
+            self.metrics.fallbacks.labels("prefix_mismatch").inc()
+            self.cache.unpin(key)
+        elif claim.outcome is Claim.HIT:
             try:
                 result = await self.engine.rank_cached(suffix, claim.handle, key)
                 return served, result, cache_ms
