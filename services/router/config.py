@@ -43,19 +43,19 @@ class RouterConfig(KafkaSettings):
         0, env="RELAYGR_ROUTER_PORT", help="gRPC port (0: pick a free one)", check=port_number
     )
     rankers: tuple[str, ...] = setting(
-        (), env="RELAYGR_ROUTER_RANKERS", help="ranker targets host:port, comma-separated (required)",
+        (), env="RELAYGR_RANKERS", help="ranker targets host:port, comma-separated (required)",
         check=_targets,
     )  # fmt: skip
     signal_topic: str = setting(
-        "relaygr.preinfer-signals", env="RELAYGR_ROUTER_SIGNAL_TOPIC", help="PreInferSignal topic"
+        "relaygr.preinfer-signals", env="RELAYGR_SIGNAL_TOPIC", help="PreInferSignal topic"
     )
-    dlq_topic: str = setting("relaygr.dlq", env="RELAYGR_ROUTER_DLQ_TOPIC", help="dead-letter topic")
+    dlq_topic: str = setting("relaygr.dlq", env="RELAYGR_DLQ_TOPIC", help="dead-letter topic")
     group_id: str = setting("relaygr-router", env="RELAYGR_ROUTER_GROUP_ID", help="Kafka consumer group")
     consume_signals: bool = setting(
         True, env="RELAYGR_ROUTER_CONSUME_SIGNALS", help="consume pre-infer signals from Kafka"
     )
     topic_partitions: int = setting(
-        8, env="RELAYGR_ROUTER_TOPIC_PARTITIONS", help="partitions of the signal / DLQ topics when created here",
+        8, env="RELAYGR_TOPIC_PARTITIONS", help="partitions of the signal / DLQ topics when created here",
         check=_positive_int,
     )  # fmt: skip
     signal_concurrency: int = setting(
@@ -133,7 +133,7 @@ class RouterConfig(KafkaSettings):
 
     def validate(self) -> None:
         if self.consume_signals and self.signal_topic == self.dlq_topic:
-            raise ConfigError("RELAYGR_ROUTER_SIGNAL_TOPIC and RELAYGR_ROUTER_DLQ_TOPIC must differ")
+            raise ConfigError("RELAYGR_SIGNAL_TOPIC and RELAYGR_DLQ_TOPIC must differ")
 
     @property
     def limits(self) -> RequestLimits:

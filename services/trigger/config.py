@@ -11,7 +11,7 @@ from shared.modelspec import PRESETS
 
 @dataclass(frozen=True)
 class TriggerConfig(KafkaSettings):
-    rankers: tuple[str, ...] = setting((), env="RELAYGR_TRIGGER_RANKERS",
+    rankers: tuple[str, ...] = setting((), env="RELAYGR_RANKERS",
                                        help="ranker instances host:port, comma-separated (the router's membership)")  # fmt: skip
     retrieval_topic: str = setting(
         "relaygr.retrieval", env="RELAYGR_RETRIEVAL_TOPIC", help="retrieval events topic"
@@ -60,5 +60,5 @@ class TriggerConfig(KafkaSettings):
     def validate(self) -> None:
         if not self.rankers and self.policy != "off":
             raise ConfigError(
-                "RELAYGR_TRIGGER_RANKERS: at least one ranker is needed unless the policy is off"
+                "RELAYGR_RANKERS: at least one ranker is needed unless the policy is off"
             )
