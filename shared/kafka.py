@@ -70,7 +70,7 @@ class KafkaSettings:
 
 def make_producer(settings: KafkaSettings, **overrides: Any) -> AIOKafkaProducer:
     """acks=all, no idempotence (Tansu rejects the idempotent producer; consumers dedupe by id)."""
-    return AIOKafkaProducer(**settings.client_args(), acks="all", linger_ms=1, **overrides)
+    return AIOKafkaProducer(**(settings.client_args() | {"acks": "all", "linger_ms": 1} | overrides))
 
 
 def make_consumer(

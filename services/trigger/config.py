@@ -59,6 +59,4 @@ class TriggerConfig(KafkaSettings):
 
     def validate(self) -> None:
         if not self.rankers and self.policy != "off":
-            raise ConfigError(
-                "RELAYGR_RANKERS: at least one ranker is needed unless the policy is off"
-            )
+            raise ConfigError("RELAYGR_RANKERS: at least one ranker is needed unless the policy is off")

@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from bench.synthetic import Shape, batch
+from relaygr.processes import ServiceProcess
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
-from tests.procs import ServiceProcess
 from tests.rankers import preinfer_request, rank_request
 
 pytestmark = pytest.mark.integration

@@ -18,13 +18,13 @@ import torch
 from aiokafka import AIOKafkaConsumer
 
 from bench.synthetic import Shape, request
+from relaygr.processes import ServiceProcess
 from services.ranker.wire import prefix_to_proto, rank_request
 from shared.broker import EmbeddedBroker
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
-from tests.procs import ServiceProcess
 
 pytestmark = pytest.mark.integration
 RETRIEVAL, SIGNALS, DLQ = "it.retrieval", "it.signals", "it.dlq"

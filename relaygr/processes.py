@@ -1,4 +1,4 @@
-"""Real service processes for integration tests: started, awaited on their ready log line, stopped.
+"""Service processes: started, awaited on their ready log line, stopped (the launcher and tests).
 
 Every service logs JSON lines on stderr; `ServiceProcess` collects them in a thread and waits for
 an event (e.g. "ranker_ready") to learn ports. Teardown always kills what is still running.

@@ -1,0 +1,175 @@
+"""Router and trigger benchmark (CPU is fine): what the router adds to a ranking call, and how many
+retrieval events per second the trigger decides on one core.
+
+    python -m bench.router [--calls 2000] [--events 50000]
+
+Router: one ranker and one router as real processes on loopback; the same Rank request (a short
+prefix, so the ranker's own time is small) is sent directly and through the router, alternately,
+one call at a time; p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct).
+Trigger: the retrieval topic is filled first (events with the workload's length mix), then a
+trigger runs in this process (uvloop, one thread) against the embedded broker and one ranker;
+events/s = events / time to decide all, decision p99 from per-event timings.
+Writes bench/results/router-<machine>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from bench.report import percentile, write_result
+from bench.synthetic import Shape, request
+from relaygr.processes import ServiceProcess
+from services.ranker.wire import prefix_to_proto, rank_request
+from services.trigger.config import TriggerConfig
+from services.trigger.service import TriggerService
+from shared.broker import EmbeddedBroker
+from shared.config import load_config
+from shared.kafka import KafkaSettings, ensure_topics, make_producer
+from shared.protos import events_pb2 as ev
+from shared.protos import ranker_pb2_grpc as pb_grpc
+
+
+async def time_calls(stub: Any, req: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await stub.Rank(req, timeout=30)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+async def router_overhead(calls: int, broker: EmbeddedBroker) -> dict[str, float]:
+    ranker = ServiceProcess("services.ranker", "--device", "cpu")
+    target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
+    router = ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
+                            "--consume-signals", "false")  # fmt: skip
+    router_port = router.wait_event("router_ready", 120)["port"]
+    try:
+        direct = grpc.aio.insecure_channel(target)
+        routed = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
+        prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
+        req = rank_request(prefix, suffix, "bench")
+        d_stub, r_stub = pb_grpc.RankerStub(direct), pb_grpc.RankerStub(routed)
+        await time_calls(d_stub, req, 50)
+        await time_calls(r_stub, req, 50)
+        d_ms: list[float] = []
+        r_ms: list[float] = []
+        for _ in range(calls // 100):  # alternate in chunks: both see the same machine state
+            d_ms += await time_calls(d_stub, req, 50)
+            r_ms += await time_calls(r_stub, req, 50)
+        await direct.close()
+        await routed.close()
+    finally:
+        router.stop()
+        ranker.stop()
+    return {
+        "rank_p50_ms_direct": percentile(d_ms, 50),
+        "rank_p99_ms_direct": percentile(d_ms, 99),
+        "rank_p50_ms_routed": percentile(r_ms, 50),
+        "rank_p99_ms_routed": percentile(r_ms, 99),
+        "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
+        "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
+        "rank_calls_each": len(d_ms),
+    }
+
+
+def workload_lengths(n: int, seed: int) -> np.ndarray:
+    """Prefix lengths with the ML-100K shape scaled x4 (the trigger sees only the length)."""
+    import json
+
+    shape = json.loads((Path(__file__).parent / "data" / "ml100k_shape.json").read_text())
+    rng = np.random.default_rng(seed)
+    return rng.choice(np.array(shape["history_lengths"]) * 4, size=n)
+
+
+async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, float]:
+    settings = KafkaSettings(bootstrap=broker.bootstrap)
+    topic = "bench.retrieval"
+    await ensure_topics(settings, {topic: 8})
+    producer = make_producer(settings, max_batch_size=1 << 20, linger_ms=5)
+    await producer.start()
+    template_cache: dict[int, bytes] = {}
+    now = int(time.time() * 1e3)
+    for i, length in enumerate(workload_lengths(events, 1)):
+        length = int(length)
+        if length not in template_cache:
+            prefix, _ = request(torch.Generator().manual_seed(length), 0, Shape(8, length - 8, 0, 1))
+            template_cache[length] = prefix_to_proto(prefix).SerializeToString()
+        event = ev.RetrievalEvent(schema_version=1, request_id=f"b{i}", event_time_unix_ms=now, user_id=i,
+                                  prefix_version=1, prefix_len=length, ranking_deadline_unix_ms=now + 60_000)  # fmt: skip
+        prefix_msg = event.prefix
+        prefix_msg.ParseFromString(template_cache[length])
+        prefix_msg.user_id = i
+        await producer.send(topic, event.SerializeToString(), key=str(i).encode())
+    await producer.flush()
+    await producer.stop()
+    ranker = ServiceProcess("services.ranker", "--device", "cpu")
+    target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
+    try:
+        config = load_config(TriggerConfig, ["--bootstrap", broker.bootstrap, "--rankers", target,
+                                             "--retrieval-topic", topic, "--log-level", "warning",
+                                             "--slo-ms", "50", "--suffix-tokens", "320"])  # fmt: skip
+        trigger = TriggerService(config)
+        await trigger.start()
+        start = None
+        while True:
+            decided = sum(trigger.counts.values())
+            if start is None and decided:
+                start = time.perf_counter()
+            if decided >= events:
+                break
+            await asyncio.sleep(0.01)
+        assert start is not None
+        elapsed = time.perf_counter() - start
+        await trigger.shutdown()
+    finally:
+        ranker.stop()
+    ns = trigger.decision_ns
+    return {
+        "trigger_events": events,
+        "trigger_events_per_s": events / elapsed,
+        "trigger_decision_p50_ms": percentile(ns, 50) / 1e6,
+        "trigger_decision_p99_ms": percentile(ns, 99) / 1e6,
+        "trigger_admitted": trigger.counts["admitted"],
+        "trigger_not_at_risk": trigger.counts["not_at_risk"],
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    with EmbeddedBroker.start() as broker:
+        row = await router_overhead(args.calls, broker)
+        row |= await trigger_throughput(args.events, broker)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--events", type=int, default=50_000)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    import uvloop
+
+    row = uvloop.run(run(args))
+    for k, v in row.items():
+        print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    config = vars(args) | {"machine_cores": __import__("os").cpu_count(), "host": socket.gethostname()}
+    columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
+               "router_added_p99_ms", "trigger_events_per_s", "trigger_decision_p99_ms"]  # fmt: skip
+    kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
+    print("wrote", *write_result("router", config, [row], columns, **kwargs))
+
+
+if __name__ == "__main__":
+    main()
