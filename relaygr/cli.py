@@ -13,6 +13,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from relaygr.launcher import StackConfig, run_until_interrupted
+
+    config = StackConfig(
+        rankers=args.rankers,
+        device=args.device,
+        preset=args.preset,
+        kafka_bootstrap=args.kafka,
+        trigger_policy=args.policy,
+        expander=not args.no_expander,
+        placement=args.placement,
+        slo_ms=args.slo_ms,
+        hbm_budget_mb=args.hbm_budget_mb,
+    )
+    return run_until_interrupted(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="relaygr", description="RelayGR: relay-race inference for GR ranking"
@@ -23,6 +40,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prefix-len", type=int, default=2000, help="longest user's prefix length")
     demo.set_defaults(func=_demo)
+    up = sub.add_parser("up", help="start the whole relay (broker, expander, rankers, router, trigger)")
+    up.add_argument(
+        "--rankers", type=int, default=2, help="ranker instances (one per GPU with --device cuda)"
+    )
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument("--preset", default="tiny")
+    up.add_argument(
+        "--kafka", default="", help="Kafka bootstrap servers (default: start the embedded broker)"
+    )
+    up.add_argument("--policy", choices=["sequence", "all", "off"], default="sequence", help="trigger policy")
+    up.add_argument("--no-expander", action="store_true", help="run without the host-DRAM tier")
+    up.add_argument("--placement", choices=["affinity", "round_robin"], default="affinity")
+    up.add_argument("--slo-ms", type=float, default=50.0)
+    up.add_argument("--hbm-budget-mb", type=float, default=512.0)
+    up.set_defaults(func=_up)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

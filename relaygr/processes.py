@@ -7,6 +7,7 @@ an event (e.g. "ranker_ready") to learn ports. Teardown always kills what is sti
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +23,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServiceProcess:
-    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """`python -m <module> <args>`; `echo` (if given) receives every stderr line as it arrives."""
+
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        echo: Callable[[str], None] | None = None,
+        name: str | None = None,
+    ) -> None:
         self.module = module
+        self.name = name or module.rsplit(".", 1)[-1]
+        self._echo = echo
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             cwd=REPO,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env=env,
+            # The child asks for SIGTERM when this process dies (shared/lifecycle.py): no orphans.
+            env={**(env if env is not None else os.environ), "RELAYGR_DIE_WITH_PARENT": str(os.getpid())},
         )
         self._lines: queue.Queue[str] = queue.Queue()
         self.log: list[dict[str, Any]] = []
@@ -38,7 +52,10 @@ class ServiceProcess:
     def _drain(self) -> None:
         assert self.proc.stderr is not None
         for raw in self.proc.stderr:
-            self._lines.put(raw.decode(errors="replace"))
+            line = raw.decode(errors="replace")
+            self._lines.put(line)
+            if self._echo is not None:
+                self._echo(line.rstrip("\n"))
 
     def wait_event(self, event: str, timeout_s: float = 60.0) -> dict[str, Any]:
         """The first log record with this event; AssertionError if the process exits or stays silent."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -50,14 +51,28 @@ class EmbeddedBroker:
 
     @classmethod
     def start(cls, port: int = 0, host: str = "127.0.0.1", timeout_s: float = 15.0) -> EmbeddedBroker:
-        """Starts Tansu on host:port (0: a free port) and waits until it accepts connections."""
+        """Starts Tansu on host:port (0: a free port) and waits until it accepts connections.
+
+        The broker is terminated when the *thread* that started it exits (PR_SET_PDEATHSIG): start
+        it from a thread that lives as long as the broker should (the main thread, normally)."""
         port = port or free_port(host)
         url = f"tcp://{host}:{port}"
         log = tempfile.NamedTemporaryFile(prefix="relaygr-tansu-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
                "--storage-engine", "memory://tansu/"]  # fmt: skip
         env = {**os.environ, "RUST_LOG": os.environ.get("RELAYGR_TANSU_LOG", "warn")}
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # A Python shim asks for SIGTERM on the starter's death, then execs the broker (the request
+        # survives exec): a killed launcher or test run leaves no broker behind.
+        shim = ("import ctypes, os, signal, sys\n"
+                "try:\n    ctypes.CDLL(None).prctl(1, signal.SIGTERM)\nexcept (OSError, AttributeError):\n    pass\n"
+                "os.execv(sys.argv[1], sys.argv[1:])")  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-c", shim, *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         broker = cls(host, port, process, log.name, log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

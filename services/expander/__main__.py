@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from services.expander.config import ExpanderConfig
 from services.expander.server import DaemonStartError, ExpanderDaemon
 from shared.config import ConfigError, load_config
+from shared.lifecycle import die_with_parent
 from shared.logging import configure_logging, get_logger
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()
     try:
         config = load_config(ExpanderConfig, sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:

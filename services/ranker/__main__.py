@@ -7,10 +7,12 @@ import sys
 from services.ranker.config import RankerConfig
 from services.ranker.service import serve
 from shared.config import ConfigError, load_config
+from shared.lifecycle import die_with_parent
 from shared.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     try:
         config = load_config(RankerConfig, sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:

@@ -135,6 +135,7 @@ class RankerService(pb_grpc.RankerServicer):
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
+        self._stopping = False
         self.port = 0
         self.metrics_port = 0
         self.instance_id = config.instance_id
@@ -189,19 +190,22 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stops intake, drains in-flight calls (up to grace_s), stops the engine and the host tier."""
-        if self._stopped.is_set():
+        if self._stopping:
             return
-        await self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(grace_s)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        self.engine.stop()
-        if self.host is not None:
-            await self.host.close()
-        log.info("ranker_stopped", instance=self.instance_id)
-        self._stopped.set()
+        self._stopping = True
+        try:
+            await self._health.enter_graceful_shutdown()
+            if self._server is not None:
+                await self._server.stop(grace_s)
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            self.engine.stop()
+            if self.host is not None:
+                await self.host.close()
+            log.info("ranker_stopped", instance=self.instance_id)
+        finally:
+            self._stopped.set()  # whatever failed above, the process must still exit
 
     async def _warm_up(self) -> None:
         """Compiles the kernels before the first real request (Triton JIT takes seconds)."""

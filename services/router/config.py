@@ -71,6 +71,12 @@ class RouterConfig(KafkaSettings):
         help="tries to forward a signal while no instance takes it, before it is counted lost",
         check=_positive_int,
     )  # fmt: skip
+    placement: str = setting(
+        "affinity", env="RELAYGR_ROUTER_PLACEMENT",
+        help="affinity (residency, then bounded-load rendezvous hashing) | round_robin (ranking calls "
+        "ignore affinity: the no-affinity ablation; pre-infer signals still hash)",
+        check=one_of("affinity", "round_robin"),
+    )  # fmt: skip
     load_factor: float = setting(
         0.25, env="RELAYGR_LOAD_FACTOR",
         help="bounded load: an instance above (1 + this) x mean load is tried last", check=non_negative,

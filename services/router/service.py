@@ -138,6 +138,7 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             on_change=lambda members: self.metrics.members.set(len(members)),
         )
         self.residency = ResidencyMap(config.residency_max_entries)
+        self._round_robin = 0
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -224,26 +225,28 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
         if self._stopped.is_set() or self._stop_intake.is_set():
             return
         self._stop_intake.set()
-        await self._health.enter_graceful_shutdown()
-        consumer_task = self._background.get("signals")
-        if consumer_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(consumer_task), grace_s)
-        if self._server is not None:
-            await self._server.stop(grace_s)
-        for task in list(self._background.values()):
-            task.cancel()
-        await asyncio.gather(*self._background.values(), return_exceptions=True)
-        if self._consumer is not None:
-            with contextlib.suppress(KafkaError):
-                await self._consumer.stop()
-        if self._producer is not None:
-            with contextlib.suppress(KafkaError):
-                await self._producer.stop()
-        if self._started:
-            await self.membership.close()
-        log.info("router_stopped", port=self.port)
-        self._stopped.set()
+        try:
+            await self._health.enter_graceful_shutdown()
+            consumer_task = self._background.get("signals")
+            if consumer_task is not None:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(consumer_task), grace_s)
+            if self._server is not None:
+                await self._server.stop(grace_s)
+            for task in list(self._background.values()):
+                task.cancel()
+            await asyncio.gather(*self._background.values(), return_exceptions=True)
+            if self._consumer is not None:
+                with contextlib.suppress(KafkaError):
+                    await self._consumer.stop()
+            if self._producer is not None:
+                with contextlib.suppress(KafkaError):
+                    await self._producer.stop()
+            if self._started:
+                await self.membership.close()
+            log.info("router_stopped", port=self.port)
+        finally:
+            self._stopped.set()  # whatever failed above, the process must still exit
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)
@@ -265,6 +268,13 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
         instances = self.membership.healthy()
         if not instances:
             return _Placement([], "none")
+        if method == "rank" and self.config.placement == "round_robin":
+            # The no-affinity ablation: ranking calls ignore where psi lives (signals still hash).
+            self._round_robin += 1
+            start = self._round_robin % len(instances)
+            order = [i.id for i in instances[start:] + instances[:start]]
+            self.metrics.placement.labels(method, "round_robin").inc()
+            return _Placement(order, "round_robin")
         order = preference(user_id, instances, self.config.load_factor, slack=self.config.load_slack)
         entry = self.residency.lookup(user_id, prefix_version, time.monotonic())
         source = "hash"

@@ -149,6 +149,7 @@ class TriggerService:
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
         self.metrics_port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -178,19 +179,22 @@ class TriggerService:
 
     async def shutdown(self) -> None:
         """Stops intake; the batch in hand is finished (signals out, offsets committed) first."""
-        if self._stopped.is_set():
+        if self._stopping:
             return
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._consumer is not None:
-            await self._consumer.stop()
-        if self._producer is not None:
-            await self._producer.stop()
-        if self.membership is not None:
-            await self.membership.close()
-        log.info("trigger_stopped", decisions=self.counts)
-        self._stopped.set()
+        self._stopping = True
+        try:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._consumer is not None:
+                await self._consumer.stop()
+            if self._producer is not None:
+                await self._producer.stop()
+            if self.membership is not None:
+                await self.membership.close()
+            log.info("trigger_stopped", decisions=self.counts)
+        finally:
+            self._stopped.set()  # whatever failed above, the process must still exit
 
     # ------------------------------------------------------------------ the consumer loop
 

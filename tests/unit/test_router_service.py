@@ -322,3 +322,13 @@ async def test_a_router_listed_as_a_ranker_never_joins(fakes):
     finally:
         await loop_router.shutdown(grace_s=0.2)
         await front.shutdown(grace_s=0.2)
+
+
+def test_round_robin_placement_ignores_affinity_for_ranking_calls():
+    config = load_config(RouterConfig, ["--rankers", "127.0.0.1:1,127.0.0.1:2", "--placement", "round_robin",
+                                        "--consume-signals", "false"])  # fmt: skip
+    router = RouterService(config)
+    router.membership.healthy = lambda: [Instance("127.0.0.1:1", 0.0), Instance("127.0.0.1:2", 0.0)]  # type: ignore[method-assign]
+    firsts = {router.place(42, 1, "rank").order[0] for _ in range(4)}
+    assert firsts == {"127.0.0.1:1", "127.0.0.1:2"}  # one user, both instances
+    assert len({router.place(42, 1, "preinfer").order[0] for _ in range(4)}) == 1  # signals still hash

@@ -1,0 +1,192 @@
+"""`relaygr up`: the whole relay on one machine, every service a separate process.
+
+Order: the Kafka broker (the embedded Tansu unless a bootstrap is given) and its topics, the
+expander, N rankers (CPU processes, or one per GPU), the router, the trigger; each is awaited on
+its ready log line (which follows its own health checks: the ranker's and router's gRPC health
+report SERVING by then). Stopping goes in reverse: SIGTERM, a grace period, then SIGKILL. Every
+child asks the kernel to be terminated if the launcher dies (shared/lifecycle.py), and the
+expander's arena is a memfd, so nothing is left behind in /dev/shm or the process table.
+
+The switches of StackConfig are the benchmark's configurations:
+  baseline      trigger_policy="off", expander=False
+  preinfer-all  trigger_policy="all"
+  no-affinity   placement="round_robin" (>= 2 rankers)
+  no-expander   expander=False
+  relay         everything on
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from relaygr.processes import ServiceProcess
+from shared.broker import EmbeddedBroker
+from shared.kafka import KafkaSettings, ensure_topics
+
+RETRIEVAL_TOPIC = "relaygr.retrieval"
+SIGNAL_TOPIC = "relaygr.preinfer-signals"
+DLQ_TOPIC = "relaygr.dlq"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    rankers: int = 1
+    device: str = "cpu"  # cpu: ranker processes on the CPU; cuda: ranker i on GPU i
+    preset: str = "tiny"
+    kafka_bootstrap: str = ""  # "" starts the embedded broker
+    partitions: int = 4
+    trigger_policy: str = "sequence"  # sequence | all | off
+    expander: bool = True
+    placement: str = "affinity"  # affinity | round_robin
+    slo_ms: float = 50.0
+    hbm_budget_mb: float = 512.0
+    arena_bytes: int = 1 << 30
+    ranker_args: tuple[str, ...] = ()
+    trigger_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.rankers < 1:
+            raise ValueError("at least one ranker is needed")
+        if self.placement == "round_robin" and self.rankers < 2:
+            raise ValueError("the no-affinity ablation (round_robin) needs >= 2 rankers")
+        if self.trigger_policy not in ("sequence", "all", "off"):
+            raise ValueError(f"unknown trigger policy {self.trigger_policy!r}")
+
+
+class Stack:
+    """A running relay. Use as a context manager, or call start() / stop().
+
+    start() blocks, runs its own event loop for topic creation (call it outside any running loop),
+    and must be called from a thread that outlives the stack (normally the main thread): children
+    are terminated when the thread that started them exits."""
+
+    def __init__(self, config: StackConfig, echo: Callable[[str, str], None] | None = None) -> None:
+        config.validate()
+        self.config = config
+        self._echo = echo
+        self.broker: EmbeddedBroker | None = None
+        self.bootstrap = config.kafka_bootstrap
+        self.processes: list[ServiceProcess] = []
+        self.rankers: list[ServiceProcess] = []
+        self.ranker_targets: list[str] = []
+        self.ranker_metrics_ports: list[int] = []
+        self.router: ServiceProcess | None = None
+        self.router_port = 0
+        self.trigger: ServiceProcess | None = None
+        self._run_dir = tempfile.mkdtemp(prefix="relaygr-")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Stack:
+        c = self.config
+        try:
+            if not self.bootstrap:
+                self.broker = EmbeddedBroker.start()
+                self.bootstrap = self.broker.bootstrap
+            asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap),
+                                      {RETRIEVAL_TOPIC: c.partitions, SIGNAL_TOPIC: c.partitions, DLQ_TOPIC: 1}))  # fmt: skip
+            env = {**os.environ, **c.env}
+            socket_path = os.path.join(self._run_dir, "expander.sock")
+            if c.expander:
+                expander = self._spawn("expander", "services.expander", env, "--socket-path", socket_path,
+                                       "--arena-bytes", str(c.arena_bytes))  # fmt: skip
+                expander.wait_event("expander_ready", c.startup_timeout_s)
+            for i in range(c.rankers):
+                args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
+                        "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb), *c.ranker_args]  # fmt: skip
+                if c.expander:
+                    args += ["--expander-socket", socket_path]
+                self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", env, *args))
+            for ranker in self.rankers:  # they start in parallel
+                ready = ranker.wait_event("ranker_ready", c.startup_timeout_s)
+                self.ranker_targets.append(f"127.0.0.1:{ready['port']}")
+                self.ranker_metrics_ports.append(int(ready["metrics_port"]))
+            common = ["--bootstrap", self.bootstrap, "--rankers", ",".join(self.ranker_targets),
+                      "--signal-topic", SIGNAL_TOPIC, "--dlq-topic", DLQ_TOPIC,
+                      "--topic-partitions", str(c.partitions)]  # fmt: skip
+            self.router = self._spawn("router", "services.router", env, *common, "--placement", c.placement,
+                                      *c.router_args)  # fmt: skip
+            self.trigger = self._spawn("trigger", "services.trigger", env, *common, "--retrieval-topic",
+                                       RETRIEVAL_TOPIC, "--policy", c.trigger_policy, "--slo-ms", str(c.slo_ms),
+                                       "--preset", c.preset, *c.trigger_args)  # fmt: skip
+            self.router_port = int(self.router.wait_event("router_ready", c.startup_timeout_s)["port"])
+            self.trigger.wait_event("trigger_ready", c.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM in reverse start order, SIGKILL after grace_s; then the broker. Idempotent."""
+        for process in reversed(self.processes):
+            process.stop(grace_s)
+        self.processes.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, module: str, env: dict[str, str], *args: str) -> ServiceProcess:
+        echo = None
+        if self._echo is not None:
+            sink = self._echo
+
+            def echo(line: str, name: str = name) -> None:
+                sink(name, line)
+
+        process = ServiceProcess(module, *args, env=env, echo=echo, name=name)
+        self.processes.append(process)
+        return process
+
+    def alive(self) -> Iterator[ServiceProcess]:
+        return (p for p in self.processes if p.proc.poll() is None)
+
+
+def run_until_interrupted(config: StackConfig) -> int:
+    """`relaygr up`: start, stream every service's log lines prefixed by its name, stop on Ctrl-C
+    or SIGTERM. Exits non-zero if a service dies on its own."""
+
+    out = threading.Lock()
+
+    def say(text: str) -> None:
+        with out:  # whole lines only: services log from several threads at once
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    def echo(name: str, line: str) -> None:
+        say(f"{name:>10} | {line}")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Stack(config, echo=echo) as stack:
+        say(
+            f"relaygr up: router on 127.0.0.1:{stack.router_port}, rankers {stack.ranker_targets}, "
+            f"kafka {stack.bootstrap} (topic {RETRIEVAL_TOPIC}); Ctrl-C to stop"
+        )
+        while not stop.wait(0.5):
+            dead = [p.name for p in stack.processes if p.proc.poll() is not None]
+            if dead:
+                say(f"relaygr up: {', '.join(dead)} exited; stopping")
+                return 1
+    return 0
