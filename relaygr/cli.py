@@ -7,10 +7,15 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from relaygr.core_demo import print_core_demo, run_core_demo
+    if args.core_only:
+        from relaygr.core_demo import print_core_demo, run_core_demo
 
-    print_core_demo(run_core_demo(users=args.users, seed=args.seed, prefix_len=args.prefix_len))
-    return 0
+        print_core_demo(run_core_demo(users=4, seed=args.seed, prefix_len=2000))
+        return 0
+    from relaygr.demo import DemoConfig, main
+
+    return main(DemoConfig(duration_s=args.duration_s, rate_rps=args.rate, slo_ms=args.slo_ms, seed=args.seed,
+                           rankers=args.rankers))  # fmt: skip
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -35,10 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="relaygr", description="RelayGR: relay-race inference for GR ranking"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the relay-race core on the CPU: full vs cached scores and times")
-    demo.add_argument("--users", type=int, default=4)
+    demo = sub.add_parser(
+        "demo", help="the relay vs the baseline on the CPU: the whole stack, a replayed workload"
+    )
+    demo.add_argument("--duration-s", type=float, default=60.0, help="replay length per configuration")
+    demo.add_argument("--rate", type=float, default=1.5, help="offered ranking requests per second")
+    demo.add_argument("--slo-ms", type=float, default=150.0)
+    demo.add_argument("--rankers", type=int, default=1)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prefix-len", type=int, default=2000, help="longest user's prefix length")
+    demo.add_argument("--core-only", action="store_true", help="only the model-level comparison (seconds)")
     demo.set_defaults(func=_demo)
     up = sub.add_parser("up", help="start the whole relay (broker, expander, rankers, router, trigger)")
     up.add_argument(

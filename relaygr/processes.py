@@ -80,6 +80,18 @@ class ServiceProcess:
         tail = [r for r in self.log[-20:]]
         raise AssertionError(f"{self.module}: no {event!r} (exit {self.proc.poll()}); last log: {tail}")
 
+    def records(self) -> list[dict[str, Any]]:
+        """Every log record so far (drains what the reader thread collected)."""
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                return self.log
+            try:
+                self.log.append(json.loads(line))
+            except ValueError:
+                self.log.append({"raw": line.rstrip()})
+
     def metric(self, port: int, name: str) -> float:
         """Sum of a Prometheus metric's samples (all label sets) from the process's /metrics."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

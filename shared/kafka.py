@@ -47,6 +47,10 @@ class KafkaSettings:
     session_timeout_ms: int = setting(2000, env="RELAYGR_KAFKA_SESSION_TIMEOUT_MS",
                                       help="consumer group session timeout (real Kafka: >= 6000)")  # fmt: skip
     heartbeat_interval_ms: int = setting(300, env="RELAYGR_KAFKA_HEARTBEAT_MS", help="consumer heartbeat")
+    # Tansu does not answer a waiting fetch when data arrives: a consumer sees each record only
+    # when fetch_max_wait_ms runs out (aiokafka's 500 ms default put ~250 ms on every hop).
+    fetch_max_wait_ms: int = setting(5, env="RELAYGR_KAFKA_FETCH_MAX_WAIT_MS",
+                                     help="longest a fetch waits for data (the signal path's per-hop latency on Tansu)")  # fmt: skip
 
     def client_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -85,6 +89,7 @@ def make_consumer(
         auto_offset_reset="earliest",
         session_timeout_ms=settings.session_timeout_ms,
         heartbeat_interval_ms=settings.heartbeat_interval_ms,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
         **overrides,
     )
 

@@ -16,7 +16,12 @@ import torch
 
 from kernels.device import triton_usable
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
-from kernels.hstu_attention.reference import hstu_attention_reference, log_bucket
+from kernels.hstu_attention.reference import (
+    ReferencePlan,
+    hstu_attention_reference,
+    log_bucket,
+    plan_reference,
+)
 
 if TYPE_CHECKING:
     from kernels.hstu_attention.triton_impl import TritonPlan
@@ -30,6 +35,7 @@ __all__ = [
     "hstu_attention",
     "hstu_attention_reference",
     "log_bucket",
+    "plan_reference",
     "prepare_attention",
 ]
 
@@ -54,6 +60,7 @@ class AttentionBatch:
     time_tables: torch.Tensor  # [L, H, NB_TIME] float32
     params: AttentionParams
     triton_plan: TritonPlan | None  # set when the Triton kernel runs this batch
+    reference_plan: ReferencePlan | None  # set otherwise
 
 
 def prepare_attention(
@@ -69,12 +76,13 @@ def prepare_attention(
     supported = triton_supports(seq.timestamps, head_dim)
     if impl is AttentionImpl.TRITON and not supported:
         raise ValueError("the Triton attention needs CUDA tensors and a power-of-two head_dim >= 16")
-    plan = None
     if impl is AttentionImpl.TRITON or (impl is AttentionImpl.AUTO and supported):
         from kernels.hstu_attention.triton_impl import plan_triton
 
         plan = plan_triton(seq, prefix, pos_tables, time_tables, params)
-    return AttentionBatch(seq, prefix, pos_tables, time_tables, params, plan)
+        return AttentionBatch(seq, prefix, pos_tables, time_tables, params, plan, None)
+    reference = plan_reference(seq, prefix, pos_tables, time_tables, params)
+    return AttentionBatch(seq, prefix, pos_tables, time_tables, params, None, reference)
 
 
 def hstu_attention(
@@ -85,14 +93,5 @@ def hstu_attention(
         from kernels.hstu_attention.triton_impl import hstu_attention_triton
 
         return hstu_attention_triton(q, k, v, batch.seq, batch.prefix, batch.triton_plan, layer, batch.params)
-    return hstu_attention_reference(
-        q,
-        k,
-        v,
-        batch.seq,
-        batch.prefix,
-        layer,
-        batch.pos_tables[layer],
-        batch.time_tables[layer],
-        batch.params,
-    )
+    assert batch.reference_plan is not None
+    return hstu_attention_reference(q, k, v, batch.seq, batch.prefix, layer, batch.reference_plan, batch.params)

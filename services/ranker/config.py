@@ -38,6 +38,9 @@ class RankerConfig:
                                  check=non_negative)  # fmt: skip
     preinfer_max_batch: int = setting(4, env="RELAYGR_PREINFER_MAX_BATCH", help="prefixes per pre-inference",
                                       check=positive)  # fmt: skip
+    preinfer_concurrent: bool = setting(True, env="RELAYGR_PREINFER_CONCURRENT",
+                                        help="pre-infer in a second engine thread (CUDA: low-priority stream) "
+                                        "instead of one layer at a time between ranking batches")  # fmt: skip
     max_inflight_ranks: int = setting(256, env="RELAYGR_MAX_INFLIGHT_RANKS",
                                       help="Rank calls admitted at once; more get RESOURCE_EXHAUSTED",
                                       check=positive)  # fmt: skip

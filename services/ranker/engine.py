@@ -43,6 +43,9 @@ class EngineConfig:
     max_wait_s: float = 0.001
     preinfer_max_batch: int = 4
     preinfer_max_tokens: int = 65_536
+    # Pre-inference in its own thread (on CUDA: on a low-priority stream beside the ranking
+    # stream) instead of between ranking batches one layer at a time.
+    preinfer_concurrent: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,24 +126,33 @@ class Engine:
         self._copies_in_flight: list[_CopyJob] = []
         self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]]] | None = None
         self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._copy_stream = torch.cuda.Stream(accel.device) if accel.backend == "cuda" else None
+        self._threads: list[threading.Thread] = []
+        cuda = accel.backend == "cuda"
+        self._copy_stream = torch.cuda.Stream(accel.device) if cuda else None
+        # Lower number, higher priority: ranking kernels are scheduled before pre-inference ones.
+        self._rank_stream = torch.cuda.Stream(accel.device, priority=-1) if cuda else None
+        self._preinfer_stream = torch.cuda.Stream(accel.device, priority=0) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="relaygr-engine", daemon=True)
-        self._thread.start()
+        targets = [("relaygr-engine", self._run)]
+        if self.config.preinfer_concurrent:
+            targets.append(("relaygr-preinfer", self._run_preinfers))
+        for name, target in targets:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stops after the work in hand; queued jobs fail with CancelledError."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        for thread in self._threads:
+            thread.join(timeout_s)
 
     # ------------------------------------------------------------------ submission (event loop)
 
@@ -158,7 +170,7 @@ class Engine:
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             queue.append(job)
-            self._cv.notify()
+            self._cv.notify_all()  # the ranking and the pre-inference threads share the condition
         return job.future
 
     async def rank_cached(self, suffix: RankingSuffix, psi: Psi, key: PsiKey) -> RankResult:
@@ -193,12 +205,17 @@ class Engine:
     # ------------------------------------------------------------------ the device thread
 
     def _run(self) -> None:
-        if self.accel.backend == "cuda":
+        if self._rank_stream is not None:
             torch.cuda.set_device(self.accel.device)
+            torch.cuda.set_stream(self._rank_stream)
+        inline_preinfers = not self.config.preinfer_concurrent
         while True:
             with self._cv:
                 while not (
-                    self._ranks or self._preinfers or self._copies or self._active or self._copies_in_flight
+                    self._ranks
+                    or self._copies
+                    or self._copies_in_flight
+                    or (inline_preinfers and (self._preinfers or self._active))
                 ):
                     if self._stopping:
                         self._fail_all()
@@ -214,10 +231,25 @@ class Engine:
                 continue
             if self._issue_copy():
                 continue
-            if self._step_preinfer():
+            if inline_preinfers and self._step_preinfer():
                 continue
             if self._copies_in_flight:
                 time.sleep(50e-6)  # copies still running on the copy engine
+
+    def _run_preinfers(self) -> None:
+        """The pre-inference thread (preinfer_concurrent): whole pre-inferences, back to back."""
+        if self._preinfer_stream is not None:
+            torch.cuda.set_device(self.accel.device)
+            torch.cuda.set_stream(self._preinfer_stream)
+        while True:
+            with self._cv:
+                while not (self._preinfers or self._active or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return  # the ranking thread fails what is left
+            while self._step_preinfer():
+                if self._active is None:
+                    break
 
     def _take_rank_batch(self) -> list[_RankJob]:
         cfg = self.config
@@ -327,7 +359,10 @@ class Engine:
             next(steps)
         except StopIteration as done:
             self._active = None
-            self.accel.synchronize()  # psi is complete before anyone reads or copies it
+            if self.accel.backend == "cuda":
+                torch.cuda.current_stream(self.accel.device).synchronize()  # psi complete before use
+            else:
+                self.accel.synchronize()
             for j, psi in zip(jobs, done.value, strict=True):
                 j.resolve(psi)
         except Exception as exc:

@@ -117,6 +117,7 @@ class RankerService(pb_grpc.RankerServicer):
                 max_batch_tokens=config.max_batch_tokens,
                 max_wait_s=config.max_wait_ms / 1e3,
                 preinfer_max_batch=config.preinfer_max_batch,
+                preinfer_concurrent=config.preinfer_concurrent,
             ),
         )
         self.costs = CostModel(
@@ -130,6 +131,8 @@ class RankerService(pb_grpc.RankerServicer):
         self._productions: dict[PsiKey, _Production] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
+        self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
+        self._signal_at: dict[PsiKey, float] = {}  # PreInfer arrival, for the lead time
         self._inflight_ranks = 0
         self._reloads = 0
         self._server: grpc.aio.Server | None = None
@@ -247,6 +250,9 @@ class RankerService(pb_grpc.RankerServicer):
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
+        if len(self._signal_at) > 100_000:
+            self._signal_at.clear()  # a bound, not an LRU: lead times are a statistic
+        self._signal_at.setdefault(key, time.monotonic())
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
         result = self.cache.admit(key, self.spec.psi_bytes(prefix.length), lease)
         outcome = _OUTCOME[result.outcome]
@@ -347,6 +353,9 @@ class RankerService(pb_grpc.RankerServicer):
     ) -> tuple[str, RankResult, float]:
         t0 = time.perf_counter()
         served = "hbm_hit"
+        signalled = self._signal_at.pop(key, None)
+        if signalled is not None:
+            self._lead_ms.append((time.monotonic() - signalled) * 1e3)
         claim = self.cache.claim(key)
         if claim.outcome is Claim.IN_FLIGHT:
             served = "inflight_join"
@@ -467,6 +476,11 @@ class RankerService(pb_grpc.RankerServicer):
             expander_connected=self.host is not None and self.host.connected,
             psi_bytes_per_token=self.spec.psi_bytes(1),
             demotions=self.cache.counters.demoted,
+            psi_produced=self.cache.counters.produced,
+            psi_expired=self.cache.counters.expired,
+            lead_time_p50_ms=percentile(list(self._lead_ms), 50) if self._lead_ms else 0.0,
+            hbm_hits=self.cache.counters.hits,
+            hbm_misses=self.cache.counters.misses,
             reloads=self._reloads,
             hbm_evictable_bytes=self.cache.evictable_bytes,
         )

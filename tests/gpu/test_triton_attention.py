@@ -12,6 +12,7 @@ from kernels.hstu_attention import (
     PrefixKV,
     SeqLayout,
     hstu_attention_reference,
+    plan_reference,
 )
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
@@ -68,8 +69,9 @@ def test_triton_matches_reference(dim, lengths, n_hist, plens):
     case = random_case(len(lengths) + dim, lengths, n_hist, plens, heads=2 if dim == 256 else 4, dim=dim)
     q, k, v, seq, prefix, pb, tb, params = case
     plan = plan_triton(seq, prefix, pb, tb, params)
+    reference = plan_reference(seq, prefix, pb, tb, params)
     for layer in (0, 1, 2):
-        want = hstu_attention_reference(q, k, v, seq, prefix, layer, pb[layer], tb[layer], params)
+        want = hstu_attention_reference(q, k, v, seq, prefix, layer, reference, params)
         got = hstu_attention_triton(q, k, v, seq, prefix, plan, layer, params)
         assert got.shape == want.shape
         if got.numel():

@@ -1,0 +1,341 @@
+"""The end-to-end benchmark: the paper's two claims, every configuration in one run, one machine.
+
+    python -m bench.relay --device cuda --preset bench --slo-ms 30 ...   # GPU (see README for the runs)
+    python -m bench.relay --quick                                        # CPU smoke run (tiny model)
+
+For each configuration (baseline, preinfer-all, no-affinity, no-expander, relay: switches of the
+same stack, see relaygr/launcher.py) the whole stack is brought up once and two open-loop sweeps run
+through it (workload: bench/workload.py, replay: bench/replay.py):
+  * length sweep at a fixed offered rate: every user's prefix has the same length L; the largest L
+    whose ranking P99 <= SLO with no failed call is max_len_at_slo;
+  * rate sweep at a fixed length mix (the ML-100K shape, scaled): the highest offered rate whose
+    P99 <= SLO with no failed call is goodput_rps.
+Each sweep stops at its first point past the SLO (latency only grows beyond it). Per point: P50 /
+P99 / P99.9, per-stage percentiles, served-by fractions, wasted pre-inferences, resident bytes,
+lead time; eps = max |score - full-inference score| over a sample of calls, the full scores
+obtained afterwards from the same ranker with a prefix version that has no psi.
+
+Writes bench/results/relay-<device>.json, .md and two PNG plots (P99 vs length, P99 vs rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.replay import ReplayResult, replay
+from bench.report import RESULTS_DIR, device_slug, machine, markdown_table
+from bench.workload import Materializer, WorkloadConfig, generate
+from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
+from shared.kafka import KafkaSettings, make_producer
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "baseline": {"trigger_policy": "off", "expander": False},
+    "preinfer-all": {"trigger_policy": "all"},
+    "no-affinity": {"placement": "round_robin"},
+    "no-expander": {"expander": False},
+    "relay": {},
+}
+
+
+@dataclasses.dataclass
+class Point:
+    sweep: str  # "length" or "rate"
+    value: float  # prefix length or offered rate
+    summary: dict[str, Any]
+    rankers: dict[str, float]
+    eps_max: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.summary["meets_slo"])
+
+    def record(self) -> dict[str, Any]:
+        s = self.summary
+        return {
+            "sweep": self.sweep,
+            "value": self.value,
+            "meets_slo": self.ok,
+            "p50_ms": s["p50_ms"],
+            "p99_ms": s["p99_ms"],
+            "p999_ms": s["p999_ms"],
+            "eps_max": self.eps_max,
+            **{k: v for k, v in s.items() if k not in ("p50_ms", "p99_ms", "p999_ms")},
+            **self.rankers,
+        }
+
+
+async def ranker_stats(targets: list[str]) -> list[pb.StatsReply]:
+    out = []
+    for target in targets:
+        async with grpc.aio.insecure_channel(target) as channel:
+            out.append(await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=5))
+    return out
+
+
+async def eps_against_full(router: Any, result: ReplayResult, materializer: Materializer) -> float:
+    """max |served score - full-inference score| over the replay's scored sample."""
+    worst = 0.0
+    for record in result.sampled():
+        planned = record.planned
+        request = materializer.rank_request(planned)
+        # A prefix version nobody pre-inferred forces full inference of the very same tokens.
+        request.prefix_version = request.prefix.prefix_version = planned.prefix_version + 1_000_000_000
+        request.request_id = f"{request.request_id}-full"
+        reply = await router.Rank(request, timeout=120)
+        if record.scores is not None and len(reply.scores) == len(record.scores):
+            worst = max(worst, max(abs(a - b) for a, b in zip(reply.scores, record.scores, strict=True)))
+    return worst
+
+
+async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
+                    eps_sample: int) -> Point:  # fmt: skip
+    workload = generate(workload_config)
+    materializer = Materializer.for_workload(workload)
+    before = await ranker_stats(stack.ranker_targets)
+    producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
+    await producer.start()
+    resident: list[int] = []
+    stop = asyncio.Event()
+
+    async def sample_resident() -> None:
+        while not stop.is_set():
+            stats = await ranker_stats(stack.ranker_targets)
+            resident.append(sum(s.hbm_resident_bytes for s in stats))
+            await asyncio.sleep(0.5)
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}",
+                                        options=[("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
+    router = pb_grpc.RankerStub(channel)
+    sampler = asyncio.ensure_future(sample_resident())
+    try:
+        result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
+                              materializer=materializer, slo_ms=slo_ms)  # fmt: skip
+    finally:
+        stop.set()
+        await sampler
+        await producer.stop()
+    await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
+    after = await ranker_stats(stack.ranker_targets)
+    eps = await eps_against_full(router, result, materializer) if eps_sample else 0.0
+    await channel.close()
+    produced = sum(a.psi_produced - b.psi_produced for a, b in zip(after, before, strict=True))
+    expired = sum(a.psi_expired - b.psi_expired for a, b in zip(after, before, strict=True))
+    rankers = {
+        "psi_produced": produced,
+        "wasted_preinfer_rate": expired / produced if produced else 0.0,
+        "reloads": sum(a.reloads - b.reloads for a, b in zip(after, before, strict=True)),
+        "resident_bytes_max": max(resident, default=0),
+        "resident_bytes_mean": sum(resident) / len(resident) if resident else 0.0,
+        "lead_time_p50_ms": max((a.lead_time_p50_ms for a in after), default=0.0),
+        "preinfers_refused": sum(
+            a.preinfers_refused - b.preinfers_refused for a, b in zip(after, before, strict=True)
+        ),
+    }
+    point = Point(sweep, value, result.summary(slo_ms), rankers, eps)
+    s = point.summary
+    print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
+          f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
+          f"full {s.get('full_recompute', 0):.2f}  {'meets' if point.ok else 'MISSES'} SLO", flush=True)  # fmt: skip
+    return point
+
+
+async def sweeps(stack: Stack, args: argparse.Namespace) -> list[Point]:
+    base = WorkloadConfig(
+        seed=args.seed,
+        duration_s=args.duration_s,
+        rate_rps=args.rate,
+        users=args.users,
+        recent_tokens=args.recent,
+        candidates=args.candidates,
+        length_scale=args.length_scale,
+        max_prefix_len=max(args.lengths, default=args.max_prefix_len),
+    )
+    points: list[Point] = []
+    await asyncio.sleep(args.settle_s)
+    # Each point gets its own prefix versions: the same (user, version) must always name the
+    # same tokens, and one point must not hit psi that an earlier one left in the tiers.
+    for i, length in enumerate(args.lengths):
+        cfg = dataclasses.replace(base, fixed_prefix_len=length, version_base=(i + 1) * 1_000_000)
+        point = await run_point(stack, cfg, args.slo_ms, "length", length, args.eps_sample)
+        points.append(point)
+        if not point.ok:
+            break
+        await asyncio.sleep(args.settle_s)
+    for i, rate in enumerate(args.rates):
+        cfg = dataclasses.replace(base, rate_rps=rate, version_base=(i + 101) * 1_000_000)
+        point = await run_point(stack, cfg, args.slo_ms, "rate", rate, args.eps_sample)
+        points.append(point)
+        if not point.ok:
+            break
+        await asyncio.sleep(args.settle_s)
+    return points
+
+
+def best(points: list[Point], sweep: str) -> float:
+    """The largest swept value meeting the SLO before the first one that does not (0: none)."""
+    value = 0.0
+    for p in points:
+        if p.sweep != sweep:
+            continue
+        if not p.ok:
+            break
+        value = p.value
+    return value
+
+
+def config_record(name: str, points: list[Point], slo_ms: float) -> dict[str, Any]:
+    ref = next((p for p in points if p.sweep == "rate"), points[0])  # the first rate point: same load for all
+    s = ref.summary
+    return {
+        "config": name,
+        "slo_ms": slo_ms,
+        "max_len_at_slo": best(points, "length"),
+        "goodput_rps": best(points, "rate"),
+        "reference_rate_rps": ref.value if ref.sweep == "rate" else None,
+        "p50_ms": s["p50_ms"],
+        "p99_ms": s["p99_ms"],
+        "p999_ms": s["p999_ms"],
+        "hbm_hit_rate": s.get("hbm_hit", 0.0) + s.get("inflight_join", 0.0),
+        "dram_reload_rate": s.get("dram_reload", 0.0),
+        "miss_rate": s.get("full_recompute", 0.0),
+        "wasted_preinfer_rate": ref.rankers["wasted_preinfer_rate"],
+        "eps_max": max(p.eps_max for p in points),
+        "points": [p.record() for p in points],
+    }
+
+
+def plot(records: list[dict[str, Any]], slo_ms: float, path_stem: Path, device: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for sweep, xlabel in (("length", "prefix length (tokens)"), ("rate", "offered rate (requests/s)")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in records:
+            pts = [p for p in r["points"] if p["sweep"] == sweep]
+            if pts:
+                ax.plot([p["value"] for p in pts], [p["p99_ms"] for p in pts], marker="o", label=r["config"])
+        ax.axhline(slo_ms, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("ranking P99 (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"ranking P99 vs {sweep} ({device})")
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
+        path = path_stem.with_name(f"{path_stem.name}-p99-vs-{sweep}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS)
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--rankers", type=int, default=1)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--slo-ms", type=float, default=300.0)
+    parser.add_argument("--rate", type=float, default=4.0, help="offered rate of the length sweep")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--length-scale", type=float, default=4.0, help="ML-100K lengths x this (rate sweep)")
+    parser.add_argument("--max-prefix-len", type=int, default=16384, help="clip of the rate sweep's lengths")
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--users", type=int, default=2000)
+    parser.add_argument("--recent", type=int, default=16)
+    parser.add_argument("--candidates", type=int, default=32)
+    parser.add_argument("--hbm-budget-mb", type=float, default=512.0)
+    parser.add_argument("--arena-gb", type=float, default=1.0)
+    parser.add_argument("--eps-sample", type=int, default=1, help="0 skips the eps check")
+    parser.add_argument("--settle-s", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--tag", default="", help="suffix of the result file name (e.g. 2gpu)")
+    parser.add_argument(
+        "--merge", nargs="+", default=None, metavar="JSON", help="merge earlier runs' results"
+    )
+    args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, args)
+        return
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}")
+    records = []
+    started = time.time()
+    for name in names:
+        config = StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
+                             hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
+                             # the trigger's estimate of the tokens a ranking call adds to the prefix
+                             trigger_args=("--suffix-tokens", str(args.recent + args.candidates)),
+                             **CONFIGS[name])  # fmt: skip
+        print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
+        with Stack(config) as stack:  # started from the main thread: its children live as long as it
+            points = asyncio.run(sweeps(stack, args))
+        records.append(config_record(name, points, args.slo_ms))
+    run_config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "merge")}
+    write_report(records, run_config | {"wall_s": time.time() - started}, machine(), args)
+
+
+def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], info: dict[str, Any],
+                 args: argparse.Namespace) -> None:  # fmt: skip
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"relay-{device_slug(info['device'])}{'-' + args.tag if args.tag else ''}"
+    slo_ms = float(run_config["slo_ms"])
+    stem.with_suffix(".json").write_text(json.dumps({"machine": info, "config": run_config, "results": records},
+                                                    indent=2) + "\n")  # fmt: skip
+    columns = ["config", "slo_ms", "max_len_at_slo", "goodput_rps", "p50_ms", "p99_ms", "p999_ms",
+               "hbm_hit_rate", "dram_reload_rate", "miss_rate", "wasted_preinfer_rate", "eps_max"]  # fmt: skip
+    header = ""
+    base = next((r for r in records if r["config"] == "baseline"), None)
+    relay = next((r for r in records if r["config"] == "relay"), None)
+    if base is not None and relay is not None and base["max_len_at_slo"] and base["goodput_rps"]:
+        header = (f"relay / baseline: max length at SLO {relay['max_len_at_slo'] / base['max_len_at_slo']:.2f}x, "
+                  f"SLO goodput {relay['goodput_rps'] / base['goodput_rps']:.2f}x "
+                  f"(SLO {slo_ms:g} ms, {info['device']} x{run_config.get('rankers', 1)})\n\n")  # fmt: skip
+    stem.with_suffix(".md").write_text(f"# relay on {info['device']} (commit {info['commit']})\n\n{header}"
+                                       + markdown_table(records, columns))  # fmt: skip
+    pngs = plot(records, slo_ms, stem, info["device"])
+    print(header + markdown_table(records, columns))
+    print("wrote", stem.with_suffix(".json"), stem.with_suffix(".md"), *pngs)
+
+
+def merge(paths: list[str], args: argparse.Namespace) -> None:
+    """One report from several runs of the same setup (e.g. configurations run in separate calls)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    devices = {r["machine"]["device"] for r in runs}
+    if len(devices) != 1:
+        raise SystemExit(f"refusing to merge runs from different devices: {sorted(devices)}")
+    keys = ("slo_ms", "rate", "lengths", "rates", "preset", "rankers", "length_scale", "duration_s")
+    for r in runs[1:]:
+        differing = [k for k in keys if r["config"].get(k) != runs[0]["config"].get(k)]
+        if differing:
+            raise SystemExit(f"refusing to merge runs whose settings differ: {differing}")
+    records = [rec for r in runs for rec in r["results"]]
+    config = runs[0]["config"] | {"merged_from": [Path(p).name for p in paths],
+                                  "configs": ",".join(rec["config"] for rec in records)}  # fmt: skip
+    write_report(records, config, runs[0]["machine"], args)
+
+
+if __name__ == "__main__":
+    main()
