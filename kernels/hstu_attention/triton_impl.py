@@ -22,7 +22,6 @@ Semantics are those of reference.py; bucket arithmetic is the same integer bit m
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -253,10 +252,10 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device=torch.device("cuda", torch.cuda.current_device()), dtype=torch.int8)
 
 
-@functools.cache
 def _install_scratch_allocator() -> None:
-    # Triton's allocator is process-wide; ours only hands out device scratch, so installing it
-    # once, on first use of these kernels, cannot disturb other Triton users in the process.
+    # Triton keeps its allocator in a context variable: per thread (the engine runs ranking and
+    # pre-inference in different threads), so it is set on every plan. It only hands out device
+    # scratch, so it cannot disturb other Triton users.
     triton.set_allocator(_scratch)
 
 
