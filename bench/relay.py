@@ -161,6 +161,10 @@ async def sweeps(stack: Stack, args: argparse.Namespace) -> list[Point]:
         max_prefix_len=max(args.lengths, default=args.max_prefix_len),
     )
     points: list[Point] = []
+    # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
+    # (allocator growth, lazy initialisation) that belong to no configuration.
+    warm = dataclasses.replace(base, duration_s=args.warmup_s, rate_rps=args.rate, version_base=999_000_000)
+    await run_point(stack, warm, args.slo_ms, "warmup", args.rate, eps_sample=0)
     await asyncio.sleep(args.settle_s)
     # Each point gets its own prefix versions: the same (user, version) must always name the
     # same tokens, and one point must not hit psi that an earlier one left in the tiers.
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena-gb", type=float, default=1.0)
     parser.add_argument("--eps-sample", type=int, default=1, help="0 skips the eps check")
     parser.add_argument("--settle-s", type=float, default=2.0)
+    parser.add_argument("--warmup-s", type=float, default=4.0, help="a discarded replay before the sweeps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--tag", default="", help="suffix of the result file name (e.g. 2gpu)")

@@ -211,13 +211,17 @@ class RankerService(pb_grpc.RankerServicer):
             self._stopped.set()  # whatever failed above, the process must still exit
 
     async def _warm_up(self) -> None:
-        """Compiles the kernels before the first real request (Triton JIT takes seconds)."""
-        ids = torch.arange(64, dtype=torch.int64)
+        """Compiles every kernel variant before the first real request (a Triton JIT compile takes
+        seconds): full ranking, pre-inference, and ranking against a prefix long enough for the
+        split-prefix (float32 partial sums) variant."""
+        ids = torch.arange(1024, dtype=torch.int64)
         prefix = UserPrefix(0, 0, ids[:2], Behaviors(ids, ids % 4, ids))
-        suffix = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 64), ids[:4], 100)
+        suffix = RankingSuffix(Behaviors(ids[:64], ids[:64] % 4, ids[:64] + 1024), ids[:256], 2048)
         psi = await self.engine.preinfer(prefix)
         await self.engine.rank_cached(suffix, psi, psi.key)
         await self.engine.rank_full(prefix, suffix)
+        short = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 1024), ids[:4], 2048)
+        await self.engine.rank_cached(short, psi, psi.key)
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
