@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--slo-ms", type=float, default=300.0)
     parser.add_argument("--rate", type=float, default=4.0, help="offered rate of the length sweep")
+    parser.add_argument("--risk-fraction", type=float, default=0.5,
+                        help="trigger: at risk when predicted full ranking > this x SLO")  # fmt: skip
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--length-scale", type=float, default=4.0, help="ML-100K lengths x this (rate sweep)")
@@ -291,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         config = StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
                              hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
                              # the trigger's estimate of the tokens a ranking call adds to the prefix
-                             trigger_args=("--suffix-tokens", str(args.recent + args.candidates)),
+                             trigger_args=("--suffix-tokens", str(args.recent + args.candidates),
+                                           "--risk-fraction", str(args.risk_fraction)),
                              **CONFIGS[name])  # fmt: skip
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
         with Stack(config) as stack:  # started from the main thread: its children live as long as it
