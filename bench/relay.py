@@ -316,7 +316,7 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], info
                "hbm_hit_rate", "dram_reload_rate", "miss_rate", "wasted_preinfer_rate", "eps_max"]  # fmt: skip
     header = ""
     base = next((r for r in records if r["config"] == "baseline"), None)
-    relay = next((r for r in records if r["config"] == "relay"), None)
+    relay = next((r for r in reversed(records) if r["config"] == "relay"), None)
     if base is not None and relay is not None and base["max_len_at_slo"] and base["goodput_rps"]:
         header = (f"relay / baseline: max length at SLO {relay['max_len_at_slo'] / base['max_len_at_slo']:.2f}x, "
                   f"SLO goodput {relay['goodput_rps'] / base['goodput_rps']:.2f}x "
@@ -339,7 +339,18 @@ def merge(paths: list[str], args: argparse.Namespace) -> None:
         differing = [k for k in keys if r["config"].get(k) != runs[0]["config"].get(k)]
         if differing:
             raise SystemExit(f"refusing to merge runs whose settings differ: {differing}")
-    records = [rec for r in runs for rec in r["results"]]
+    records = []
+    for run in runs:
+        risk = run["config"].get("risk_fraction", 0.5)
+        for rec in run["results"]:
+            records.append(rec | {"risk_fraction": risk})
+    # A configuration measured in several runs is told apart by the setting that differed.
+    names = [rec["config"] for rec in records]
+    for rec in records:
+        if names.count(rec["config"]) > 1 and rec["risk_fraction"] != runs[-1]["config"].get(
+            "risk_fraction", 0.5
+        ):
+            rec["config"] = f"{rec['config']} (risk {rec['risk_fraction']:g})"
     config = runs[0]["config"] | {"merged_from": [Path(p).name for p in paths],
                                   "configs": ",".join(rec["config"] for rec in records)}  # fmt: skip
     write_report(records, config, runs[0]["machine"], args)
