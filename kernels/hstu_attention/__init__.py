@@ -94,4 +94,6 @@ def hstu_attention(
 
         return hstu_attention_triton(q, k, v, batch.seq, batch.prefix, batch.triton_plan, layer, batch.params)
     assert batch.reference_plan is not None
-    return hstu_attention_reference(q, k, v, batch.seq, batch.prefix, layer, batch.reference_plan, batch.params)
+    return hstu_attention_reference(
+        q, k, v, batch.seq, batch.prefix, layer, batch.reference_plan, batch.params
+    )
