@@ -24,6 +24,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -85,6 +86,7 @@ class Stack:
         self.router: ServiceProcess | None = None
         self.router_port = 0
         self.trigger: ServiceProcess | None = None
+        self.expander: ServiceProcess | None = None
         self._run_dir = tempfile.mkdtemp(prefix="relaygr-")
 
     # ------------------------------------------------------------------ lifecycle
@@ -98,11 +100,9 @@ class Stack:
             asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap),
                                       {RETRIEVAL_TOPIC: c.partitions, SIGNAL_TOPIC: c.partitions, DLQ_TOPIC: 1}))  # fmt: skip
             env = {**os.environ, **c.env}
-            socket_path = os.path.join(self._run_dir, "expander.sock")
+            socket_path = self.expander_socket
             if c.expander:
-                expander = self._spawn("expander", "services.expander", env, "--socket-path", socket_path,
-                                       "--arena-bytes", str(c.arena_bytes))  # fmt: skip
-                expander.wait_event("expander_ready", c.startup_timeout_s)
+                self.start_expander()
             for i in range(c.rankers):
                 args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
                         "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb), *c.ranker_args]  # fmt: skip
@@ -127,6 +127,29 @@ class Stack:
             self.stop()
             raise
         return self
+
+    @property
+    def expander_socket(self) -> str:
+        return os.path.join(self._run_dir, "expander.sock")
+
+    def start_expander(self) -> ServiceProcess:
+        """Starts the expander (again, after a crash: it takes over its stale socket)."""
+        c = self.config
+        env = {**os.environ, **c.env}
+        self.expander = self._spawn("expander", "services.expander", env, "--socket-path", self.expander_socket,
+                                    "--arena-bytes", str(c.arena_bytes))  # fmt: skip
+        self.expander.wait_event("expander_ready", c.startup_timeout_s)
+        return self.expander
+
+    def restart_broker(self, down_s: float = 1.0) -> None:
+        """Stops the embedded broker and starts a new one on the same port after down_s. It is
+        memory-only: topics, offsets and groups are gone, as after a real Tansu restart."""
+        if self.broker is None:
+            raise RuntimeError("only the embedded broker can be restarted from here")
+        port = self.broker.port
+        self.broker.stop()
+        time.sleep(down_s)
+        self.broker = EmbeddedBroker.start(port=port)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM in reverse start order, SIGKILL after grace_s; then the broker. Idempotent."""

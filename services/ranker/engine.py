@@ -189,6 +189,12 @@ class Engine:
         copies it enqueued have completed. `issue` returns the value to resolve with."""
         return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue))
 
+    def forget_batches(self) -> None:
+        """Drops the measurements so far (the warm-up's: compiles and first allocations are not
+        what a latency model should learn from)."""
+        with self._cv:
+            self._samples.clear()
+
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:
             return list(self._samples)

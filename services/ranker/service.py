@@ -222,6 +222,7 @@ class RankerService(pb_grpc.RankerServicer):
         await self.engine.rank_full(prefix, suffix)
         short = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 1024), ids[:4], 2048)
         await self.engine.rank_cached(short, psi, psi.key)
+        self.engine.forget_batches()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)

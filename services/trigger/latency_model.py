@@ -47,14 +47,25 @@ class LatencyModel:
             return
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
+        coef = self._fit(n, y)
+        # One refit without outliers (a stalled batch, a burst of contention): they would drag
+        # every prediction up and make the trigger admit requests that are not at risk.
+        residual = np.abs(y - (coef[0] + coef[1] * n + coef[2] * n * n))
+        keep = residual <= 3 * max(float(np.median(residual)), 1e-3)
+        if keep.sum() >= 3 and not keep.all() and len(set(n[keep].tolist())) >= 3:
+            coef = self._fit(n[keep], y[keep])
+        self._coef = coef
+
+    @staticmethod
+    def _fit(n: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
         design = np.stack([np.ones_like(n), n, n * n], axis=1)
-        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-        a, b, c = (float(v) for v in coef)
+        solved, *_ = np.linalg.lstsq(design, y, rcond=None)
+        a, b, c = (float(v) for v in solved)
         # A negative term would predict impossible speed-ups at long lengths: clamp, refit the rest.
         if c < 0:
-            coef2, *_ = np.linalg.lstsq(design[:, :2], y, rcond=None)
-            a, b, c = float(coef2[0]), float(coef2[1]), 0.0
-        self._coef = (max(a, 0.0), max(b, 0.0), max(c, 0.0))
+            linear, *_ = np.linalg.lstsq(design[:, :2], y, rcond=None)
+            a, b, c = float(linear[0]), float(linear[1]), 0.0
+        return max(a, 0.0), max(b, 0.0), max(c, 0.0)
 
     def full_ms(self, tokens: int) -> float:
         """Predicted compute of one full ranking of `tokens` tokens on an idle instance."""

@@ -201,10 +201,11 @@ class TriggerService:
     async def _consume(self) -> None:
         assert self._consumer is not None
         while True:
-            batch = await self._consumer.getmany(timeout_ms=100, max_records=1000)
-            if not batch:
-                continue
+            batch: dict[Any, list[Any]] = {}
             try:
+                batch = await self._consumer.getmany(timeout_ms=100, max_records=1000)
+                if not batch:
+                    continue
                 deliveries = []
                 for records in batch.values():
                     for record in records:
@@ -216,10 +217,20 @@ class TriggerService:
                 await self._consumer.commit()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # broker trouble: retry the batch from the last commit
+            except Exception as exc:  # broker trouble: recreate what a restarted broker lost, retry
                 log.warning("trigger_batch_failed", error=repr(exc))
-                await self._rewind(batch)
-                await asyncio.sleep(0.2)
+                await self._recover(batch)
+
+    async def _recover(self, batch: dict[Any, list[Any]]) -> None:
+        """After a broker failure: topics again (a memory-only broker forgets them), then the
+        batch in hand from the last commit. Never raises."""
+        c = self.config
+        with contextlib.suppress(Exception):
+            await ensure_topics(c, {c.retrieval_topic: c.topic_partitions, c.signal_topic: c.topic_partitions,
+                                    c.dlq_topic: 1}, timeout_s=2.0)  # fmt: skip
+        with contextlib.suppress(Exception):
+            await self._rewind(batch)
+        await asyncio.sleep(0.2)
 
     async def _rewind(self, batch: dict[Any, list[Any]]) -> None:
         assert self._consumer is not None

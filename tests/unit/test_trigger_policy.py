@@ -70,3 +70,12 @@ def test_ledger_counts_admissions_until_a_later_report_or_the_lease_end():
     assert led.resident_bytes() == 250
     assert led.backlog() == 1
     assert led.is_admitted((1, 1), 4.5)
+
+
+def test_latency_model_ignores_a_stalled_batch():
+    model = LatencyModel(preset("tiny"), assumed_tflops=1.0)
+    truth = {n: 2.0 + 0.01 * n for n in (100, 200, 400, 800, 1600, 3200)}
+    samples = [Sample(n, ms) for n, ms in truth.items() for _ in range(3)]
+    samples.append(Sample(100, 3000.0))  # a compile stall
+    model.observe(samples)
+    assert model.full_ms(100) == pytest.approx(truth[100], rel=0.05)

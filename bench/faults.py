@@ -1,0 +1,190 @@
+"""Fault scenarios on the CPU stack: what each does to ranking calls and pre-inferences.
+
+    python -m bench.faults                  # every scenario, writes bench/results/faults-<machine>.json
+    python -m bench.faults --scenarios ranker_kill --duration-s 8
+
+Each scenario brings up the whole stack (embedded broker, expander, two rankers, router, trigger),
+replays a steady open-loop workload through it (bench/workload.py, bench/replay.py), injects one
+fault at `fault_at_s`, and records:
+  calls, failed             ranking calls sent / not answered with scores
+  p99_ms_before/during/after  before the fault / from the fault to 1 s after it ended / the rest
+  recovery_s                from the fault to the first call after which every call's latency
+                            is back under max(2 x p99_before, p99_before + 20 ms)
+  preinfers_lost            pre-infer signals the trigger admitted that no ranker received
+                            (admitted - forwarded - refused - stale, from their metrics)
+Scenarios:
+  ranker_kill       kill -9 of one ranker (it stays down)
+  expander_restart  kill -9 of the expander, a new one 1 s later on the same socket
+  broker_restart    the (memory-only) broker stopped, a new one on the same port 1 s later
+  ranker_stall      one ranker frozen (SIGSTOP) for 1.5 s: a slow instance
+  ranker_cut_off    one ranker frozen until the end: the router only sees timeouts
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.replay import ReplayResult, replay
+from bench.report import RESULTS_DIR, write_result
+from bench.workload import Materializer, WorkloadConfig, generate
+from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
+from shared.kafka import KafkaSettings, make_producer
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.stats import percentile
+
+SCENARIOS = ("ranker_kill", "expander_restart", "broker_restart", "ranker_stall", "ranker_cut_off")
+
+
+def _inject(stack: Stack, name: str) -> tuple[Callable[[], None], float]:
+    """The fault as a blocking function (run in a worker thread), and how long it lasts (s)."""
+    victim = stack.rankers[0].proc.pid
+
+    def ranker_kill() -> None:
+        stack.rankers[0].kill()
+
+    def expander_restart() -> None:
+        assert stack.expander is not None
+        stack.expander.kill()
+        time.sleep(1.0)
+        stack.start_expander()
+
+    def broker_restart() -> None:
+        stack.restart_broker(down_s=1.0)
+
+    def ranker_stall() -> None:
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(victim, signal.SIGCONT)
+
+    def ranker_cut_off() -> None:
+        os.kill(victim, signal.SIGSTOP)
+
+    faults: dict[str, tuple[Callable[[], None], float]] = {
+        "ranker_kill": (ranker_kill, 0.0),
+        "expander_restart": (expander_restart, 1.0),
+        "broker_restart": (broker_restart, 1.0),
+        "ranker_stall": (ranker_stall, 1.5),
+        "ranker_cut_off": (ranker_cut_off, float("inf")),
+    }
+    return faults[name]
+
+
+def windows(result: ReplayResult, fault_at_s: float, fault_s: float) -> dict[str, Any]:
+    ok = [(r.sent_at_s, r.latency_ms) for r in result.records if r.ok and r.sent_at_s is not None]
+    end_of_fault = fault_at_s + (fault_s if fault_s != float("inf") else 1e9) + 1.0
+    before = [ms for t, ms in ok if t < fault_at_s]
+    during = [ms for t, ms in ok if fault_at_s <= t < end_of_fault]
+    after = [ms for t, ms in ok if t >= end_of_fault]
+    p99_before = percentile(before, 99) if before else float("nan")
+    threshold = max(2 * p99_before, p99_before + 20.0)
+    recovery_s = 0.0
+    for t, ms in sorted(ok):
+        if t >= fault_at_s and ms > threshold:
+            recovery_s = t - fault_at_s
+    return {
+        "p99_ms_before": p99_before,
+        "p99_ms_during": percentile(during, 99) if during else float("nan"),
+        "p99_ms_after": percentile(after, 99) if after else float("nan"),
+        "recovery_s": recovery_s,
+    }
+
+
+async def _drive(stack: Stack, workload_config: WorkloadConfig, fault: Callable[[], None], fault_at_s: float,
+                 slo_ms: float) -> ReplayResult:  # fmt: skip
+    workload = generate(workload_config)
+    materializer = Materializer.for_workload(workload)
+    producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
+    await producer.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}")
+
+    async def injector() -> None:
+        await asyncio.sleep(fault_at_s)
+        await asyncio.to_thread(fault)
+
+    task = asyncio.ensure_future(injector())
+    try:
+        result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC,
+                              router_stub=pb_grpc.RankerStub(channel), materializer=materializer, slo_ms=slo_ms,
+                              rank_timeout_s=10.0)  # fmt: skip
+    finally:
+        await task
+        await channel.close()
+        with contextlib.suppress(Exception):
+            await producer.stop()
+    return result
+
+
+def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    config = StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
+                         trigger_args=("--suffix-tokens", "48"),
+                         # a frozen instance: the router gives an attempt this long before retrying elsewhere
+                         router_args=("--rank-attempt-timeout-ms", str(args.attempt_timeout_ms)))  # fmt: skip
+    workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.rate, users=300,
+                              length_scale=2.0, recent_tokens=16, candidates=32)  # fmt: skip
+    with Stack(config) as stack:
+        fault, fault_s = _inject(stack, name)
+        victim = stack.rankers[0].proc.pid
+        try:
+            result = asyncio.run(_drive(stack, workload, fault, args.fault_at_s, args.slo_ms))
+        finally:
+            if name in ("ranker_stall", "ranker_cut_off"):
+                with contextlib.suppress(Exception):
+                    os.kill(victim, signal.SIGCONT)  # let it shut down
+        assert stack.trigger is not None
+        assert stack.router is not None
+        trigger_port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
+        router_port = int(stack.router.wait_event("router_ready")["metrics_port"])
+        admitted = stack.trigger.metric(trigger_port, 'relaygr_trigger_decisions_total{reason="admitted"}')
+        received = sum(
+            stack.router.metric(router_port, f'relaygr_router_signals_total{{outcome="{o}"}}')
+            for o in ("forwarded", "refused", "stale")
+        )
+    summary = result.summary(args.slo_ms)
+    record = {
+        "scenario": name,
+        "calls": summary["sent"],
+        "failed": summary["failed"],
+        **windows(result, args.fault_at_s, fault_s),
+        "preinfers_lost": max(0, int(admitted - received)),
+        "preinfers_admitted": int(admitted),
+        "failed_by_code": summary["failed_by_code"],
+    }
+    print(f"{name:18s} calls {record['calls']:4d} failed {record['failed']:3d}  p99 before/during/after "
+          f"{record['p99_ms_before']:.0f}/{record['p99_ms_during']:.0f}/{record['p99_ms_after']:.0f} ms  "
+          f"recovery {record['recovery_s']:.1f} s  pre-infers lost {record['preinfers_lost']}", flush=True)  # fmt: skip
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--duration-s", type=float, default=12.0)
+    parser.add_argument("--fault-at-s", type=float, default=4.0)
+    parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--slo-ms", type=float, default=300.0)
+    parser.add_argument("--attempt-timeout-ms", type=float, default=1000.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args(argv)
+    records = [run_scenario(name, args) for name in args.scenarios]
+    columns = ["scenario", "calls", "failed", "p99_ms_before", "p99_ms_during", "p99_ms_after", "recovery_s",
+               "preinfers_lost"]  # fmt: skip
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    print("wrote", *write_result("faults", config, records, columns, out_dir=out_dir))
+
+
+if __name__ == "__main__":
+    main()
