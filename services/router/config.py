@@ -103,8 +103,9 @@ class RouterConfig(KafkaSettings):
         check=_positive_int,
     )  # fmt: skip
     rank_attempt_timeout_ms: float = setting(
-        0.0, env="RELAYGR_ROUTER_RANK_ATTEMPT_TIMEOUT_MS",
-        help="cap on one forwarding attempt (0: an attempt may use the caller's whole remaining deadline)",
+        2000.0, env="RELAYGR_ROUTER_RANK_ATTEMPT_TIMEOUT_MS",
+        help="cap on one forwarding attempt, so a frozen instance costs a retry, not the caller's whole "
+        "deadline (0: no cap)",
         check=non_negative,
     )  # fmt: skip
     default_timeout_ms: float = setting(
