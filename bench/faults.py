@@ -18,6 +18,7 @@ Scenarios:
   broker_restart    the (memory-only) broker stopped, a new one on the same port 1 s later
   ranker_stall      one ranker frozen (SIGSTOP) for 1.5 s: a slow instance
   ranker_cut_off    one ranker frozen until the end: the router only sees timeouts
+and a fuzz run (bench/fuzz.py): inputs (malformed events), crashes, dlq_events, lost_events.
 """
 
 from __future__ import annotations
@@ -182,9 +183,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slo-ms", type=float, default=300.0)
     parser.add_argument("--attempt-timeout-ms", type=float, default=1000.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fuzz", type=int, default=10_000, help="malformed retrieval events (0: skip)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]
+    if args.fuzz:
+        from bench.fuzz import run_fuzz
+
+        fuzz = run_fuzz(malformed_count=args.fuzz, good_count=500, seed=args.seed)
+        print(f"fuzz: {fuzz}", flush=True)
+        records.append(fuzz)
     columns = ["scenario", "calls", "failed", "p99_ms_before", "p99_ms_during", "p99_ms_after", "recovery_s",
                "preinfers_lost"]  # fmt: skip
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
