@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from shared.config import ConfigError, non_negative, one_of, port_number, positive, setting
 from shared.modelspec import PRESETS
+from shared.tls import TlsSettings
 from shared.wire import RequestLimits
 
 
 @dataclass(frozen=True)
-class RankerConfig:
+class RankerConfig(TlsSettings):
     host: str = setting("127.0.0.1", env="RELAYGR_RANKER_HOST", help="gRPC bind address")
     port: int = setting(
         0, env="RELAYGR_RANKER_PORT", help="gRPC port (0: pick a free one)", check=port_number
@@ -68,6 +69,7 @@ class RankerConfig:
                                     check=positive)  # fmt: skip
 
     def validate(self) -> None:
+        self.validate_tls()
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("RELAYGR_LEASE_MS must not exceed RELAYGR_MAX_LEASE_MS")
 

@@ -166,7 +166,7 @@ class RankerService(pb_grpc.RankerServicer):
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = self.config.add_port(self._server, f"{self.config.host}:{self.config.port}")
         if not self.port:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         self.instance_id = self.config.instance_id or f"{socket.gethostname()}:{self.port}"

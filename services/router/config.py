@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.config import ConfigError, non_negative, one_of, port_number, positive, setting
 from shared.kafka import KafkaSettings
+from shared.tls import TlsSettings
 from shared.wire import RequestLimits
 
 
@@ -37,7 +38,7 @@ def _positive_int(value: int) -> str | None:
 
 
 @dataclass(frozen=True)
-class RouterConfig(KafkaSettings):
+class RouterConfig(KafkaSettings, TlsSettings):
     host: str = setting("127.0.0.1", env="RELAYGR_ROUTER_HOST", help="gRPC bind address")
     port: int = setting(
         0, env="RELAYGR_ROUTER_PORT", help="gRPC port (0: pick a free one)", check=port_number
@@ -139,6 +140,7 @@ class RouterConfig(KafkaSettings):
     )
 
     def validate(self) -> None:
+        self.validate_tls()
         if self.consume_signals and self.signal_topic == self.dlq_topic:
             raise ConfigError("RELAYGR_SIGNAL_TOPIC and RELAYGR_DLQ_TOPIC must differ")
 

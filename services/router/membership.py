@@ -33,6 +33,7 @@ from services.router.placement import Instance
 from shared.logging import get_logger
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.tls import PLAINTEXT, TlsSettings
 
 log = get_logger("router.membership")
 RANKER_HEALTH_NAME = "relaygr.v1.Ranker"
@@ -76,6 +77,7 @@ class Membership:
         fail_after: int = 2,
         max_message_mb: float = 64.0,
         on_change: Callable[[list[str]], None] | None = None,
+        tls: TlsSettings = PLAINTEXT,
     ) -> None:
         if not targets:
             raise ValueError("Membership needs at least one target")
@@ -89,6 +91,7 @@ class Membership:
         self.fail_after = fail_after
         self.max_message_mb = max_message_mb
         self._on_change = on_change
+        self.tls = tls
         self._state: dict[str, _Target] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -101,7 +104,7 @@ class Membership:
             raise RuntimeError("Membership already started")
         opts = channel_options(self.max_message_mb)
         for address in self.targets:
-            channel = grpc.aio.insecure_channel(address, options=opts)
+            channel = self.tls.channel(address, options=opts)
             self._state[address] = _Target(
                 address, channel, pb_grpc.RankerStub(channel), health_pb2_grpc.HealthStub(channel)
             )

@@ -136,6 +136,7 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             fail_after=config.fail_after,
             max_message_mb=config.max_message_mb,
             on_change=lambda members: self.metrics.members.set(len(members)),
+            tls=config,
         )
         self.residency = ResidencyMap(config.residency_max_entries)
         self._round_robin = 0
@@ -177,7 +178,7 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = self.config.add_port(self._server, f"{self.config.host}:{self.config.port}")
         if not self.port:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         if self.config.consume_signals:

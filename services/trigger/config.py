@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from shared.config import ConfigError, fraction, non_negative, one_of, port_number, positive, setting
 from shared.kafka import KafkaSettings
 from shared.modelspec import PRESETS
+from shared.tls import TlsSettings
 
 
 @dataclass(frozen=True)
-class TriggerConfig(KafkaSettings):
+class TriggerConfig(KafkaSettings, TlsSettings):
     rankers: tuple[str, ...] = setting((), env="RELAYGR_RANKERS",
                                        help="ranker instances host:port, comma-separated (the router's membership)")  # fmt: skip
     retrieval_topic: str = setting(
@@ -58,5 +59,6 @@ class TriggerConfig(KafkaSettings):
                              check=one_of("debug", "info", "warning", "error"))  # fmt: skip
 
     def validate(self) -> None:
+        self.validate_tls()
         if not self.rankers and self.policy != "off":
             raise ConfigError("RELAYGR_RANKERS: at least one ranker is needed unless the policy is off")

@@ -134,7 +134,7 @@ class TriggerService:
         self.limits = RequestLimits()
         self.ledgers: dict[str, InstanceLedger] = {t: InstanceLedger() for t in config.rankers}
         self.membership = (
-            Membership(list(config.rankers), check_interval_s=config.stats_interval_s)
+            Membership(list(config.rankers), check_interval_s=config.stats_interval_s, tls=config)
             if config.rankers
             else None
         )

@@ -1,0 +1,111 @@
+"""Mutual TLS on the gRPC hops, with certificates this test generates: a client with a
+certificate of the deployment's CA is served through the router; plaintext and foreign
+certificates are turned away."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from services.ranker.config import RankerConfig
+from services.ranker.service import RankerService
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from shared.config import load_config
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.tls import TlsSettings
+from tests.rankers import rank_request, users
+
+pytestmark = pytest.mark.integration
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn)).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    return key, cert
+
+
+def issue(ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], cn: str, out: Path) -> TlsSettings:
+    ca_key, ca_cert = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    (out / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    (out / "key.pem").chmod(0o600)
+    return TlsSettings(str(out / "ca.pem"), str(out / "cert.pem"), str(out / "key.pem"))
+
+
+def tls_flags(t: TlsSettings) -> list[str]:
+    return ["--tls-ca", t.tls_ca, "--tls-cert", t.tls_cert, "--tls-key", t.tls_key]
+
+
+async def test_mutual_tls_router_and_ranker(tmp_path):
+    ca = make_ca("relaygr-test-ca")
+    ranker_tls, router_tls, client_tls = (issue(ca, n, tmp_path / n) for n in ("ranker", "router", "client"))
+    stranger = issue(make_ca("someone-else"), "stranger", tmp_path / "stranger")
+    ranker = RankerService(load_config(RankerConfig, ["--device", "cpu", *tls_flags(ranker_tls)]))
+    await ranker.start()
+    router = RouterService(load_config(RouterConfig, ["--rankers", f"127.0.0.1:{ranker.port}",
+                                                      "--consume-signals", "false", *tls_flags(router_tls)]))  # fmt: skip
+    await router.start()
+    prefixes, suffixes = users(21, 1, prefix_len=50)
+    request = rank_request(prefixes[0], suffixes[0], "tls")
+    target = f"127.0.0.1:{router.port}"
+    try:
+        assert [i.id for i in router.membership.healthy()] == [
+            f"127.0.0.1:{ranker.port}"
+        ]  # router -> ranker over mTLS
+        async with client_tls.channel(target) as channel:
+            reply = await pb_grpc.RankerStub(channel).Rank(request, timeout=30)
+            assert reply.served_by == pb.FULL_RECOMPUTE
+            assert len(reply.scores) == suffixes[0].candidates.numel()
+        for untrusted in (grpc.aio.insecure_channel(target), stranger.channel(target)):
+            async with untrusted as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await pb_grpc.RankerStub(channel).Rank(request, timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await router.shutdown(grace_s=0.5)
+        await ranker.shutdown(grace_s=0.5)
+
+
+def test_partial_tls_settings_are_refused_at_start():
+    from shared.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs all of"):
+        load_config(RankerConfig, ["--device", "cpu", "--tls-ca", "/etc/hostname"])
