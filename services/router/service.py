@@ -309,7 +309,12 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
         failures: list[str] = []
         last_code = grpc.StatusCode.UNAVAILABLE
         attempt = 0
-        for target in placement.order:
+        order = list(placement.order)
+        extended = False
+        position = -1
+        while position + 1 < len(order):
+            position += 1
+            target = order[position]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 last_code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -319,7 +324,10 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             if attempt:
                 self.metrics.retries.labels(method).inc()
             attempt += 1
-            timeout = min(remaining, cap) if cap > 0 else remaining
+            # The cap lets a frozen instance cost a retry, not the whole deadline; the last healthy
+            # candidate gets all that is left (there is nowhere else to go).
+            last = not any(self.membership.is_healthy(t) for t in order[position + 1 :])
+            timeout = min(remaining, cap) if cap > 0 and not last else remaining
             try:
                 with self.membership.track(target):
                     reply = await call(self.membership.stub(target), timeout)
@@ -334,6 +342,15 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
                     break
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self.membership.mark_failed(target, f"{method} UNAVAILABLE")
+                elif (
+                    code is grpc.StatusCode.DEADLINE_EXCEEDED
+                    and not extended
+                    and not any(self.membership.is_healthy(t) for t in order[position + 1 :])
+                ):
+                    # Only the cap ran out and no other healthy instance is left (one may have
+                    # failed meanwhile): one last, uncapped try where it is healthy.
+                    order += [t for t in placement.order if self.membership.is_healthy(t)][:1]
+                    extended = True
                 last_code = code
                 failures.append(f"{target}: {code.name} {exc.details() or ''}".rstrip())
                 log.debug("attempt_failed", method=method, target=target, code=code.name, user=user_id)
