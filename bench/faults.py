@@ -172,6 +172,77 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def run_overload(args: argparse.Namespace) -> dict[str, Any]:
+    """Offers far more than the stack serves: ranking calls beyond capacity must be refused fast
+    (RESOURCE_EXHAUSTED, with a reason) rather than time out, pre-inference must be shed first,
+    and queues and resident bytes must stay bounded (sampled from the rankers' Stats)."""
+    config = StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
+                         trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05"))  # fmt: skip
+    workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.overload_rate, users=300,
+                              length_scale=8.0, recent_tokens=16, candidates=32)  # fmt: skip
+    peaks = {"rank_queue_depth": 0, "preinfer_backlog": 0, "hbm_resident_bytes": 0}
+
+    async def drive(stack: Stack) -> ReplayResult:
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            from shared.protos import ranker_pb2 as pb
+
+            channels = [grpc.aio.insecure_channel(t) for t in stack.ranker_targets]
+            while not stop.is_set():
+                for channel in channels:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        st = await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=1)
+                        for key in peaks:
+                            peaks[key] = max(peaks[key], int(getattr(st, key)))
+                await asyncio.sleep(0.2)
+            for channel in channels:
+                await channel.close()
+
+        sampler = asyncio.ensure_future(sample())
+        generated = generate(workload)
+        materializer = Materializer.for_workload(generated)
+        producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
+        await producer.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}")
+        try:
+            return await replay(generated, producer=producer, retrieval_topic=RETRIEVAL_TOPIC,
+                                router_stub=pb_grpc.RankerStub(channel), materializer=materializer,
+                                slo_ms=args.slo_ms, rank_timeout_s=args.overload_deadline_s)  # fmt: skip
+        finally:
+            stop.set()
+            await sampler
+            await channel.close()
+            with contextlib.suppress(Exception):
+                await producer.stop()
+
+    with Stack(config) as stack:
+        result = asyncio.run(drive(stack))
+        assert stack.trigger is not None
+        port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
+        decisions = {r: stack.trigger.metric(port, f'relaygr_trigger_decisions_total{{reason="{r}"}}')
+                     for r in ("admitted", "load_bound", "footprint_bound", "not_at_risk")}  # fmt: skip
+    refused = [r.latency_ms for r in result.records if r.status == "RESOURCE_EXHAUSTED"]
+    timed_out = sum(1 for r in result.records if r.status == "DEADLINE_EXCEEDED")
+    summary = result.summary(args.slo_ms)
+    record = {
+        "scenario": "overload",
+        "offered_rps": summary["offered_rps"],
+        "calls": summary["sent"],
+        "ok": summary["ok"],
+        "refused": len(refused),
+        "refused_p99_ms": percentile(refused, 99) if refused else float("nan"),
+        "timed_out": timed_out,
+        "other_failures": summary["failed"] - len(refused) - timed_out,
+        "ok_p99_ms": summary["p99_ms"],
+        "preinfers_shed": int(decisions["load_bound"] + decisions["footprint_bound"]),
+        "preinfers_admitted": int(decisions["admitted"]),
+        **{f"max_{k}": v for k, v in peaks.items()},
+    }
+    print(f"overload           {record}", flush=True)
+    return record
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -184,9 +255,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attempt-timeout-ms", type=float, default=1000.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fuzz", type=int, default=10_000, help="malformed retrieval events (0: skip)")
+    parser.add_argument(
+        "--overload-rate", type=float, default=120.0, help="offered rate of the overload run (0: skip)"
+    )
+    parser.add_argument(
+        "--overload-deadline-s", type=float, default=1.0, help="callers' deadline under overload"
+    )
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]
+    if args.overload_rate:
+        records.append(run_overload(args))
     if args.fuzz:
         from bench.fuzz import run_fuzz
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import signal
 import socket
 import sys
@@ -334,6 +335,15 @@ class RankerService(pb_grpc.RankerServicer):
             )
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
+        wait_s = self._expected_wait_s()
+        if remaining is not None and wait_s > remaining:
+            # Refused now, with the reason, rather than answered after the caller gave up.
+            self.metrics.rank_errors.labels("resource_exhausted").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ranker {self.instance_id} overloaded: ~{wait_s * 1e3:.0f} ms of queued ranking work "
+                f"exceeds the call's remaining {remaining * 1e3:.0f} ms",
+            )
         self._inflight_ranks += 1
         try:
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
@@ -352,6 +362,17 @@ class RankerService(pb_grpc.RankerServicer):
             model_version=self.model.model_version,
             instance_id=self.instance_id,
         )
+
+    def _expected_wait_s(self) -> float:
+        """Queue ahead of a new ranking call, from the engine's recent batch times."""
+        depth = self.engine.rank_queue_depth
+        if not depth:
+            return 0.0
+        recent = self.engine.recent_batches()[-32:]
+        if not recent:
+            return 0.0
+        per_batch_s = sum(b.compute_ms for b in recent) / len(recent) / 1e3
+        return per_batch_s * math.ceil(depth / self.config.max_batch)
 
     async def _rank(
         self, key: PsiKey, request_id: str, prefix: UserPrefix, suffix: RankingSuffix, deadline: float
