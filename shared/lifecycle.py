@@ -6,6 +6,13 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from shared.config import ConfigError, load_config
+from shared.logging import configure_logging
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,3 +30,19 @@ def die_with_parent() -> None:
         return
     if str(os.getppid()) != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_service(
+    name: str, config_cls: type[T], serve: Callable[[T], None], argv: Sequence[str] | None
+) -> int:
+    """A service's `main`: configuration (exit 2 with every problem listed when it is invalid),
+    JSON logging, then `serve` until it returns (it handles SIGTERM / SIGINT itself)."""
+    die_with_parent()
+    try:
+        config = load_config(config_cls, sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"relaygr {name}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(name, getattr(config, "log_level", "info"))
+    serve(config)
+    return 0

@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
 import socket
 import stat
 import struct
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from relaygr.processes import ServiceProcess
 from services.expander import EntryKey, EntryState, ExpanderClient, ExpanderRefused, ExpanderUnavailable
 
 pytestmark = pytest.mark.integration
@@ -34,56 +32,19 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-class Daemon:
-    """`python -m services.expander` in a subprocess; stderr (JSON log lines) collected by a thread."""
+class Daemon(ServiceProcess):
+    """`python -m services.expander` in a subprocess (the launcher's process runner)."""
 
     def __init__(self, socket_path: Path, *extra: str) -> None:
+        super().__init__("services.expander", "--socket-path", str(socket_path), "--arena-bytes", str(ARENA),
+                         "--max-lease-s", str(MAX_LEASE), *extra)  # fmt: skip
         self.socket_path = socket_path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.expander", "--socket-path", str(socket_path),
-             "--arena-bytes", str(ARENA), "--max-lease-s", str(MAX_LEASE), *extra],
-            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[dict[str, Any]] = []
-        threading.Thread(target=self._drain, daemon=True).start()
 
-    def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
-            self.lines.put(raw.decode(errors="replace"))
-
-    def wait_event(self, event: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        """The first log record with this event; fails if the daemon exits or stays silent."""
-        for record in self.log:
-            if record.get("event") == event:
-                return record
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = {"raw": line}
-            self.log.append(record)
-            if record.get("event") == event:
-                return record
-        raise AssertionError(f"no {event!r} from the daemon (exit {self.proc.poll()}); log: {self.log}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM and the exit status (not forced: a daemon that ignores it fails the test)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(15)
 
 
 def start_daemon(socket_path: Path, *extra: str) -> Daemon:
@@ -353,7 +314,7 @@ def test_graceful_stop_removes_sockets_and_leaves_nothing_in_dev_shm(daemon_fact
     daemon = daemon_factory()
     sock = daemon.socket_path
     assert sock.exists()
-    assert daemon.stop(signal.SIGTERM) == 0
+    assert daemon.stop() == 0
     daemon.wait_event("expander_stopped")
     assert not sock.exists()
     assert not Path(str(sock) + ".fd").exists()
