@@ -427,28 +427,28 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def _reload_on_miss(
         self, key: PsiKey, request_id: str, prefix: UserPrefix, deadline: float
-    ) -> bool:
-        """On a miss, starts a reload from host DRAM if that beats recomputing the prefix."""
+    ) -> bool | None:
+        """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
+        call started it, False when one was already under way (single flight), None for no reload."""
         if self.host is None or not self.host.connected:
-            return False
+            return None
         nbytes = await self.host.lookup(key)
         if nbytes is None:
-            return False
+            return None
         decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
         self.metrics.reload_decisions.labels(decision.reason).inc()
         if not decision.reload:
-            return False
+            return None
         admitted = self.cache.admit(
             key, self.spec.psi_bytes(prefix.length), Lease(request_id, deadline), "reload"
         )
         if admitted.outcome is Admission.REFUSED:
-            return False
-        if admitted.outcome is Admission.ADMITTED:
-            production = _Production(asyncio.Event())
-            self._productions[key] = production
-            production.task = self._spawn(
-                self._produce(key, prefix, True, production), f"reload-{key.user_id}"
-            )
+            return None
+        if admitted.outcome is not Admission.ADMITTED:
+            return False  # produced or being produced meanwhile: join it
+        production = _Production(asyncio.Event())
+        self._productions[key] = production
+        production.task = self._spawn(self._produce(key, prefix, True, production), f"reload-{key.user_id}")
         return True
 
     def _after_consume(self, key: PsiKey) -> None:

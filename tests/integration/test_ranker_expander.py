@@ -126,7 +126,7 @@ async def test_fifty_concurrent_wants_cause_one_reload(stack, reference):
     notes = [r for r in b.proc.records() if r.get("level") in ("warning", "error")]
     # The reload counter is the ground truth: one copy from host DRAM for all 50 calls.
     assert reloads == 1, (served, reloads, notes)
-    assert pb.DRAM_RELOAD in served
+    assert served.count(pb.DRAM_RELOAD) == 1
     assert pb.FULL_RECOMPUTE not in served
     assert all(close(r.scores, want) for r in replies)
 
