@@ -59,6 +59,8 @@ def main() -> None:
         default=None,
         help="time this one configuration only (e.g. under a profiler)",
     )
+    parser.add_argument("--splits", type=int, nargs="+", default=None,
+                        help="time the default cached configuration at these prefix split counts")  # fmt: skip
     args = parser.parse_args()
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
     cases = {}
@@ -84,6 +86,16 @@ def main() -> None:
         plan_ms = triton.testing.do_bench(functools.partial(plan_triton, seq, prefix, pos, tim, params))
         plan = plan_triton(seq, prefix, pos, tim, params)
         print(f"{name:6s} plan (bias indices, once per forward): {plan_ms:.3f} ms")
+        if args.splits and prefix is not None:
+            for splits in args.splits:
+                call = functools.partial(
+                    hstu_attention_triton, q, k, v, seq, prefix, plan, 3, params, splits=splits
+                )
+                ms = triton.testing.do_bench(call, warmup=5, rep=30)
+                print(
+                    f"{name:6s} splits={splits:3d}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True
+                )
+            continue
         for cfg in configs:
             try:
                 call = functools.partial(

@@ -2,6 +2,7 @@
 
     python -m bench.faults                  # every scenario, writes bench/results/faults-<machine>.json
     python -m bench.faults --scenarios ranker_kill --duration-s 8
+    python -m bench.faults --scenarios --fuzz 0 --out-dir /tmp/ov   # the overload run alone
 
 Each scenario brings up the whole stack (embedded broker, expander, two rankers, router, trigger),
 replays a steady open-loop workload through it (bench/workload.py, bench/replay.py), injects one
@@ -18,7 +19,8 @@ Scenarios:
   broker_restart    the (memory-only) broker stopped, a new one on the same port 1 s later
   ranker_stall      one ranker frozen (SIGSTOP) for 1.5 s: a slow instance
   ranker_cut_off    one ranker frozen until the end: the router only sees timeouts
-and a fuzz run (bench/fuzz.py): inputs (malformed events), crashes, dlq_events, lost_events.
+an overload run (run_overload; `--overload-rate 0` skips it), and a fuzz run (bench/fuzz.py):
+inputs (malformed events), crashes, dlq_events, lost_events.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,18 +176,64 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def _rss_mb(pid: int) -> float:
+    """Resident set size of a process (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _histogram_quantile(text: str, name: str, labels: str, q: float) -> float:
+    """The q-quantile (0..1) of a Prometheus histogram in exposition text, as Prometheus's
+    histogram_quantile estimates it (linear within the bucket)."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{") and labels in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    rank, lower, below = q * buckets[-1][1], 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = upper, count
+    return lower
+
+
 def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     """Offers far more than the stack serves: ranking calls beyond capacity must be refused fast
     (RESOURCE_EXHAUSTED, with a reason) rather than time out, pre-inference must be shed first,
-    and queues and resident bytes must stay bounded (sampled from the rankers' Stats)."""
+    and queues and memory must stay bounded. Sampled every 0.2 s over the run: the rankers' Stats
+    (engine queue, pre-inference backlog, resident psi bytes), their in-flight ranking calls and
+    admission limit (Prometheus), and the resident memory of every service process."""
     config = StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
-                         trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05"))  # fmt: skip
+                         trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05"),
+                         ranker_args=tuple(args.overload_ranker_args))  # fmt: skip
     workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.overload_rate, users=300,
                               length_scale=8.0, recent_tokens=16, candidates=32)  # fmt: skip
     peaks = {"rank_queue_depth": 0, "preinfer_backlog": 0, "hbm_resident_bytes": 0}
+    gauges = {"rank_inflight": 0.0, "rank_admission_limit": 0.0}
+    rss: dict[str, list[float]] = {}  # service -> samples (MiB)
 
     async def drive(stack: Stack) -> ReplayResult:
         stop = asyncio.Event()
+        services = {p.name: p.proc.pid for p in stack.processes}
+
+        def poll_processes() -> None:
+            for name, pid in services.items():
+                rss.setdefault(name, []).append(_rss_mb(pid))
+            for ranker, port in zip(stack.rankers, stack.ranker_metrics_ports, strict=True):
+                for key in gauges:
+                    with contextlib.suppress(OSError):
+                        gauges[key] = max(gauges[key], ranker.metric(port, f"relaygr_ranker_{key}"))
 
         async def sample() -> None:
             from shared.protos import ranker_pb2 as pb
@@ -195,6 +245,7 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
                         st = await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=1)
                         for key in peaks:
                             peaks[key] = max(peaks[key], int(getattr(st, key)))
+                await asyncio.to_thread(poll_processes)
                 await asyncio.sleep(0.2)
             for channel in channels:
                 await channel.close()
@@ -219,25 +270,67 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     with Stack(config) as stack:
         result = asyncio.run(drive(stack))
         assert stack.trigger is not None
+        assert stack.router is not None
         port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
         decisions = {r: stack.trigger.metric(port, f'relaygr_trigger_decisions_total{{reason="{r}"}}')
                      for r in ("admitted", "load_bound", "footprint_bound", "not_at_risk")}  # fmt: skip
+        router_port = int(stack.router.wait_event("router_ready")["metrics_port"])
+        router_retries = stack.router.metric(router_port, 'relaygr_router_retries_total{method="rank"}')
+        # The router's own view (entry to reply): without the load generator's event-loop lag,
+        # which on a 2-core machine is a large part of what the client measures.
+        router_text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=5).read().decode()
+        )
+        router_ms = {f"router_{result}_p{q}_ms": _histogram_quantile(router_text, "relaygr_router_latency_ms",
+                                                                     f'method="rank",result="{result}"', q / 100)
+                     for result in ("ok", "resource_exhausted") for q in (50, 99)}  # fmt: skip
+        rankers = list(zip(stack.rankers, stack.ranker_metrics_ports, strict=True))
+        ranker_refusals = sum(
+            r.metric(p, 'relaygr_ranker_rank_errors_total{code="resource_exhausted"}') for r, p in rankers
+        )
+        ranker_cancelled = sum(
+            r.metric(p, 'relaygr_ranker_rank_errors_total{code="cancelled"}') for r, p in rankers
+        )
+        preinfer = {o: sum(r.metric(p, f'relaygr_ranker_preinfer_total{{outcome="{o}"}}') for r, p in rankers)
+                    for o in ("accepted", "reload_scheduled", "refused")}  # fmt: skip
     refused = [r.latency_ms for r in result.records if r.status == "RESOURCE_EXHAUSTED"]
     timed_out = sum(1 for r in result.records if r.status == "DEADLINE_EXCEEDED")
     summary = result.summary(args.slo_ms)
+    nan = float("nan")
     record = {
         "scenario": "overload",
         "offered_rps": summary["offered_rps"],
         "calls": summary["sent"],
         "ok": summary["ok"],
         "refused": len(refused),
-        "refused_p99_ms": percentile(refused, 99) if refused else float("nan"),
+        "refused_p50_ms": percentile(refused, 50) if refused else nan,
+        "refused_p99_ms": percentile(refused, 99) if refused else nan,
         "timed_out": timed_out,
         "other_failures": summary["failed"] - len(refused) - timed_out,
+        "ok_p50_ms": summary["p50_ms"],
         "ok_p99_ms": summary["p99_ms"],
+        **router_ms,
+        "ok_within_slo": sum(1 for r in result.records if r.ok and r.latency_ms <= args.slo_ms),
+        "client_lag_ms_p99": summary["lag_ms_p99"],  # the load generator itself behind schedule
         "preinfers_shed": int(decisions["load_bound"] + decisions["footprint_bound"]),
         "preinfers_admitted": int(decisions["admitted"]),
+        # what the rankers did with the admitted ones (they refuse pre-inference while overloaded)
+        "preinfers_started": int(preinfer["accepted"] + preinfer["reload_scheduled"]),
+        "preinfers_refused_by_rankers": int(preinfer["refused"]),
+        "ranker_refusals": int(ranker_refusals),  # per attempt: a call the router retried counts twice
+        "ranker_admitted_then_cancelled": int(ranker_cancelled),  # admitted, caller gave up first
+        "router_rank_retries": int(router_retries),
         **{f"max_{k}": v for k, v in peaks.items()},
+        **{f"max_{k}": int(v) for k, v in gauges.items()},
+        # memory: the most of any one process of each kind, and its growth from the first sample
+        **{f"max_rss_mb_{name}": round(max(v), 1) for name, v in sorted(rss.items()) if v},
+        **{f"rss_growth_mb_{name}": round(v[-1] - v[0], 1) for name, v in sorted(rss.items()) if v},
+        # bounded memory: no growth over the second half of the run
+        **{
+            f"rss_growth_2nd_half_mb_{name}": round(v[-1] - v[len(v) // 2], 1)
+            for name, v in sorted(rss.items())
+            if v
+        },
     }
     print(f"overload           {record}", flush=True)
     return record
@@ -247,7 +340,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument(
+        "--scenarios",
+        nargs="*",
+        default=list(SCENARIOS),
+        choices=SCENARIOS,
+        help="fault scenarios to run (none given: only the overload and fuzz runs)",
+    )
     parser.add_argument("--duration-s", type=float, default=12.0)
     parser.add_argument("--fault-at-s", type=float, default=4.0)
     parser.add_argument("--rate", type=float, default=4.0)
@@ -261,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--overload-deadline-s", type=float, default=1.0, help="callers' deadline under overload"
     )
+    parser.add_argument("--overload-ranker-args", type=shlex.split, default=[],
+                        help="extra ranker flags for the overload run, one string (e.g. an admission setting)")  # fmt: skip
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]

@@ -4,11 +4,12 @@ and Rank through gRPC on an HBM hit at a light steady load.
     python -m bench.ranker                          # bench preset on the GPU, prefixes 1k..16k
     python -m bench.ranker --preset tiny --device cpu --prefix-lens 512 1024 --samples 10   # CPU smoke run
 
-Starts a real expander daemon (subprocess) and one ranker (in process, gRPC on loopback).
-Per prefix length: recompute_ms (pre-inference), demote_ms (HBM -> arena, reserve to commit),
-reload_ms and reload_gbps (arena -> HBM, acquire to release), and rank_p50/p99_ms: client-side
-latency of Rank calls that hit psi in HBM, one at a time (each preceded by its PreInfer, which
-reloads psi from the arena, and a pause until it is resident). 64 recent tokens, 256 candidates.
+Phase 1: a real expander daemon (subprocess) and one ranker in this process. Per prefix length:
+recompute_ms (pre-inference), demote_ms (HBM -> arena, reserve to commit), reload_ms and
+reload_gbps (arena -> HBM, acquire to release).
+Phase 2: one ranker in its own process, this process as its gRPC client on loopback. Per prefix
+length: rank_p50/p99_ms, the client-side latency of Rank calls that hit psi in HBM, one at a time
+(each preceded by its PreInfer and polling until psi is resident). 64 recent tokens, 256 candidates.
 Writes bench/results/ranker-<device>.json and .md.
 """
 
@@ -30,8 +31,8 @@ import torch
 from bench.report import median, percentile, write_result
 from bench.synthetic import Shape
 from bench.synthetic import request as synthetic_request
+from relaygr.processes import ServiceProcess
 from services.ranker.config import RankerConfig
-from services.ranker.hbm_cache import EntryState
 from services.ranker.service import RankerService
 from services.ranker.transfer import host_meta, host_nbytes
 from services.ranker.wire import preinfer_request, rank_request
@@ -64,16 +65,6 @@ def start_expander(socket_path: str, arena_bytes: int) -> subprocess.Popen[bytes
     raise RuntimeError("the expander did not start")
 
 
-async def wait_resident(service: RankerService, key: Any, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        view = service.cache.lookup(key)
-        if view is not None and view.state is EntryState.RESIDENT:
-            return
-        await asyncio.sleep(0.0005)
-    raise TimeoutError(f"psi of {key} never became resident")
-
-
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="relaygr-bench-")
     socket_path = os.path.join(tmp, "expander.sock")
@@ -82,10 +73,6 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
              "--hbm-budget-mb", str(args.hbm_budget_mb), "--max-wait-ms", "0", "--log-level", "warning"]  # fmt: skip
     service = RankerService(load_config(RankerConfig, flags))
     await service.start()
-    channel = grpc.aio.insecure_channel(
-        f"127.0.0.1:{service.port}", options=[("grpc.max_send_message_length", 64 << 20)]
-    )
-    stub = pb_grpc.RankerStub(channel)
     engine, host = service.engine, service.host
     if host is None or not host.connected:
         raise RuntimeError("the ranker could not reach the expander")
@@ -94,10 +81,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for prefix_len in args.prefix_lens:
             # One user per length: (user, prefix version) must name one prefix, or psi would be reused.
             gen = torch.Generator().manual_seed(prefix_len)
-            prefix, suffix = synthetic_request(
+            prefix, _ = synthetic_request(
                 gen, prefix_len, Shape(16, prefix_len - 16, args.recent, args.candidates)
             )
-            key = service.model.psi_key(prefix.user_id, prefix.prefix_version)
             recompute, demote, reload = [], [], []
             psi = None
             for _ in range(args.reps):
@@ -118,26 +104,6 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 reload.append((time.perf_counter() - t0) * 1e3)
                 if back is None or back.kv.shape != psi.kv.shape:
                     raise RuntimeError("the reload did not return the demoted psi")
-            # Rank on an HBM hit, one call at a time.
-            request = rank_request(prefix, suffix, "bench")
-            await stub.Rank(request, timeout=60)  # full: warms the path
-            rank_ms: list[float] = []
-            server: dict[str, list[float]] = {"total": [], "compute": [], "queue": [], "cache": []}
-            served: dict[int, int] = {}
-            for i in range(args.samples + 3):
-                await stub.PreInfer(preinfer_request(prefix, f"p{i}"), timeout=10)
-                await wait_resident(service, key)
-                t0 = time.perf_counter()
-                reply = await stub.Rank(request, timeout=60)
-                ms = (time.perf_counter() - t0) * 1e3
-                served[reply.served_by] = served.get(reply.served_by, 0) + 1
-                if i >= 3 and reply.served_by == pb.HBM_HIT:
-                    rank_ms.append(ms)
-                    t = reply.timings
-                    for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
-                                        ("cache", t.cache_ms)):  # fmt: skip
-                        server[name].append(value)
-                await asyncio.sleep(args.gap_ms / 1e3)
             row = {
                 "prefix_len": prefix_len,
                 "psi_bytes": nbytes,
@@ -146,9 +112,90 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "recompute_ms": median(recompute),
                 "demote_ms": median(demote),
                 "demote_gbps": nbytes / (median(demote) * 1e-3) / 1e9,
+            }
+            results.append(row)
+            print(
+                f"P={prefix_len:6d}  psi {nbytes / 2**20:7.1f} MiB  recompute {row['recompute_ms']:8.2f} ms  "
+                f"demote {row['demote_ms']:7.2f} ms  reload {row['reload_ms']:7.2f} ms "
+                f"({row['reload_gbps']:5.1f} GB/s)",
+                flush=True,
+            )
+    finally:
+        await service.shutdown(grace_s=1.0)
+        expander.terminate()
+        expander.wait(10)
+    del service, engine, host
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the ranker process of the next phase shares the device
+    return results
+
+
+async def wait_resident_remote(stub: Any, prefix: Any, request_id: str, timeout_s: float = 30.0) -> None:
+    """Polls PreInfer (idempotent; it takes no new work for a psi already there) until resident."""
+    request = preinfer_request(prefix, request_id)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        reply = await stub.PreInfer(request, timeout=10)
+        if reply.outcome == pb.PreInferReply.ALREADY_RESIDENT:
+            return
+        if reply.outcome == pb.PreInferReply.REFUSED:
+            raise RuntimeError(f"pre-inference refused: {reply.reason}")
+        await asyncio.sleep(0.001)
+    raise TimeoutError(f"psi of user {prefix.user_id} never became resident")
+
+
+async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Rank through gRPC on HBM hits, one call at a time, against a ranker in its own process
+    (as deployed: the caller's serialisation and the server never share an interpreter)."""
+    # info: ranker_ready, which this waits for, is an info line.
+    flags = ["--preset", args.preset, "--device", args.device, "--hbm-budget-mb", str(args.hbm_budget_mb),
+             "--max-wait-ms", "0", "--log-level", "info"]  # fmt: skip
+    ranker = ServiceProcess("services.ranker", *flags)
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        port = ranker.wait_event("ranker_ready", 600)["port"]
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+        stub = pb_grpc.RankerStub(channel)
+        # Most upstream callers use a blocking stub: it is the client measured (rank_p50/p99_ms);
+        # every other sample goes through an asyncio stub instead (rank_p99_ms_aio_client).
+        sync_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        sync_stub = pb_grpc.RankerStub(sync_channel)
+        for prefix_len in args.prefix_lens:
+            gen = torch.Generator().manual_seed(prefix_len)
+            prefix, suffix = synthetic_request(
+                gen, prefix_len, Shape(16, prefix_len - 16, args.recent, args.candidates)
+            )
+            request = rank_request(prefix, suffix, "bench")
+            await stub.Rank(request, timeout=60)  # full: warms the path
+            rank_ms: list[float] = []
+            aio_ms: list[float] = []
+            server: dict[str, list[float]] = {"total": [], "compute": [], "queue": [], "cache": []}
+            served: dict[int, int] = {}
+            for i in range(2 * args.samples + 3):
+                await wait_resident_remote(stub, prefix, f"p{prefix_len}-{i}")
+                blocking = i % 2 == 0
+                t0 = time.perf_counter()
+                reply = (
+                    sync_stub.Rank(request, timeout=60) if blocking else await stub.Rank(request, timeout=60)
+                )
+                ms = (time.perf_counter() - t0) * 1e3
+                served[reply.served_by] = served.get(reply.served_by, 0) + 1
+                if i >= 3 and reply.served_by == pb.HBM_HIT and not blocking:
+                    aio_ms.append(ms)
+                elif i >= 3 and reply.served_by == pb.HBM_HIT:
+                    rank_ms.append(ms)
+                    t = reply.timings
+                    for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
+                                        ("cache", t.cache_ms)):  # fmt: skip
+                        server[name].append(value)
+                await asyncio.sleep(args.gap_ms / 1e3)
+            out[prefix_len] = {
                 "rank_p50_ms": percentile(rank_ms, 50),
                 "rank_p99_ms": percentile(rank_ms, 99),
                 "rank_samples": len(rank_ms),
+                "rank_p50_ms_aio_client": percentile(aio_ms, 50),
+                "rank_p99_ms_aio_client": percentile(aio_ms, 99),
                 # Where a hit's time goes, server side (p50): handler total, the batch's compute,
                 # waiting for the engine; the rest of rank_p50_ms is gRPC and the client.
                 "server_total_p50_ms": percentile(server["total"], 50),
@@ -156,21 +203,25 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "server_queue_p50_ms": percentile(server["queue"], 50),
                 "served_by": {pb.ServedBy.Name(k): v for k, v in served.items()},
             }
-            results.append(row)
+            r = out[prefix_len]
             print(
-                f"P={prefix_len:6d}  psi {nbytes / 2**20:7.1f} MiB  recompute {row['recompute_ms']:8.2f} ms  "
-                f"demote {row['demote_ms']:7.2f} ms  reload {row['reload_ms']:7.2f} ms "
-                f"({row['reload_gbps']:5.1f} GB/s)  rank p50 {row['rank_p50_ms']:6.2f} / p99 {row['rank_p99_ms']:6.2f} ms "
-                f"(server {row['server_total_p50_ms']:.2f}, compute {row['server_compute_p50_ms']:.2f}, "
-                f"queue {row['server_queue_p50_ms']:.2f})",
+                f"P={prefix_len:6d}  rank p50 {r['rank_p50_ms']:6.2f} / p99 {r['rank_p99_ms']:6.2f} ms "
+                f"(aio client {r['rank_p50_ms_aio_client']:.2f} / {r['rank_p99_ms_aio_client']:.2f}) "
+                f"(server {r['server_total_p50_ms']:.2f}, compute {r['server_compute_p50_ms']:.2f}, "
+                f"queue {r['server_queue_p50_ms']:.2f})  served {r['served_by']}",
                 flush=True,
             )
-    finally:
         await channel.close()
-        await service.shutdown(grace_s=1.0)
-        expander.terminate()
-        expander.wait(10)
-    return results
+        sync_channel.close()
+    finally:
+        ranker.stop()
+    return out
+
+
+async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = await run(args)
+    latency = await rank_latency(args)
+    return [row | latency.get(row["prefix_len"], {}) for row in rows]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,9 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hbm-budget-mb", type=float, default=16384)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
-    results = asyncio.run(run(args))
+    results = asyncio.run(run_all(args))
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
-    config["rank_timing"] = "client-side Rank latency over gRPC loopback on HBM hits, one call at a time"
+    config["rank_timing"] = (
+        "client-side Rank latency over gRPC loopback on HBM hits, one call at a time, "
+        "blocking stub (rank_*_aio_client: asyncio stub), ranker in its own process"
+    )
     columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
                "rank_p50_ms", "rank_p99_ms", "rank_samples"]  # fmt: skip
     kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}

@@ -47,7 +47,8 @@ class ServiceProcess:
         )
         self._lines: queue.Queue[str] = queue.Queue()
         self.log: list[dict[str, Any]] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, name=f"drain-{self.name}", daemon=True)
+        self._drainer.start()
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -108,13 +109,25 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._release()
 
     def stop(self, timeout_s: float = 15.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                return self.proc.wait(timeout_s)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                return self.proc.wait(5)
+                self.proc.wait(5)
+        self._release()
         return int(self.proc.returncode)
+
+    def _release(self, timeout_s: float = 5.0) -> None:
+        """Closes the stderr pipe of an exited process once its reader has seen the end of it:
+        left to the garbage collector, every stopped service kept one descriptor open for as
+        long as anything (a Stack) referred to it. The log records already read stay readable."""
+        self._drainer.join(timeout_s)
+        if self._drainer.is_alive():
+            return  # a descendant still holds the pipe's write end: closing would block on the reader
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            self.proc.stderr.close()

@@ -28,6 +28,48 @@ class ConfigError(ValueError):
     """Start-up configuration is invalid (fatal: the service does not start)."""
 
 
+class Secret:
+    """A setting that must never be logged (a password). Its repr and str are masked, and so is
+    everything built from them: a config's dataclass repr, a structured log field (orjson writes
+    a dataclass field by field and falls back to repr for this type), a ConfigError. `reveal()`
+    hands the value to the one call that needs it."""
+
+    __slots__ = ("_value",)
+    _value: str
+
+    def __init__(self, value: str = "") -> None:
+        object.__setattr__(self, "_value", value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Secret is immutable")
+
+    def reveal(self) -> str:
+        return str(self._value)
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash((Secret, self._value))
+
+    def __repr__(self) -> str:
+        return "Secret('***')" if self._value else "Secret('')"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Secret is not serialised")
+
+    def __copy__(self) -> Secret:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Secret:
+        return self  # immutable (dataclasses.asdict deep-copies field values)
+
+
 def setting(default: Any, *, env: str, help: str, check: Check | None = None) -> Any:
     return dataclasses.field(default=default, metadata={"env": env, "help": help, "check": check})
 
@@ -70,6 +112,8 @@ def _parse(raw: str, kind: Any) -> Any:
         return float(raw)
     if kind is str:
         return raw
+    if kind is Secret:
+        return Secret(raw)
     if origin in (tuple, Sequence) or kind is tuple:
         (item,) = typing.get_args(kind)[:1] or (str,)
         return tuple(_parse(part, item) for part in raw.split(",") if part.strip())
@@ -110,7 +154,8 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
             try:
                 values[f.name] = _parse(raw, hints[f.name])
             except (ValueError, TypeError) as exc:
-                problems.append(f"{source}={raw!r}: {exc}")
+                shown = Secret(raw) if hints[f.name] is Secret else raw
+                problems.append(f"{source}={shown!r}: {exc}")
                 continue
         check = f.metadata.get("check")
         problem = check(values[f.name]) if check is not None and values[f.name] is not None else None

@@ -1,7 +1,10 @@
 """Kafka clients for the services: one settings type, producer / consumer / topic factories.
 
-Security settings (TLS files, SASL) are passed through to aiokafka unchanged; the password is
-never logged (KafkaSettings' repr hides it). Session timing is configurable because a consumer
+Security settings (TLS files, SASL) are passed through to aiokafka unchanged, to the producer,
+the consumer and the admin client alike (`client_args`); they are checked when the settings are
+built, so a service with inconsistent ones fails at start-up with a clear message. The SASL
+password is a `Secret`: masked in reprs, ConfigErrors and structured logs (even of the whole
+settings object), revealed only to aiokafka. Session timing is configurable because a consumer
 group join takes about session_timeout_ms / 2 on Tansu, and real Kafka refuses values under its
 group.min.session.timeout.ms (6000 by default).
 """
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -18,7 +22,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
-from shared.config import setting
+from shared.config import ConfigError, Secret, one_of, setting
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+# The mechanisms that need only a user name and password (aiokafka's sasl_plain_* arguments).
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 
 
 @dataclass(frozen=True)
@@ -27,23 +35,18 @@ class KafkaSettings:
 
     bootstrap: str = setting("127.0.0.1:9092", env="RELAYGR_KAFKA_BOOTSTRAP", help="Kafka bootstrap servers")
     security_protocol: str = setting("PLAINTEXT", env="RELAYGR_KAFKA_SECURITY_PROTOCOL",
-                                     help="PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL")  # fmt: skip
+                                     help="PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL",
+                                     check=one_of(*SECURITY_PROTOCOLS))  # fmt: skip
     ssl_cafile: str = setting("", env="RELAYGR_KAFKA_SSL_CAFILE", help="CA bundle for TLS")
     ssl_certfile: str = setting("", env="RELAYGR_KAFKA_SSL_CERTFILE", help="client certificate for TLS")
     ssl_keyfile: str = setting("", env="RELAYGR_KAFKA_SSL_KEYFILE", help="client key for TLS")
-    sasl_mechanism: str = setting(
-        "", env="RELAYGR_KAFKA_SASL_MECHANISM", help="PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512"
-    )
+    sasl_mechanism: str = setting("", env="RELAYGR_KAFKA_SASL_MECHANISM",
+                                  help="PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512 (SASL_* protocols)",
+                                  check=one_of("", *SASL_MECHANISMS))  # fmt: skip
     sasl_username: str = setting("", env="RELAYGR_KAFKA_SASL_USERNAME", help="SASL user")
-    sasl_password: str = field(
-        default="",
-        repr=False,
-        metadata={
-            "env": "RELAYGR_KAFKA_SASL_PASSWORD",
-            "help": "SASL password (never logged)",
-            "check": None,
-        },
-    )
+    # setting() returns a dataclasses.field and a Secret is immutable: a shared default is safe.
+    sasl_password: Secret = setting(Secret(""), env="RELAYGR_KAFKA_SASL_PASSWORD",  # noqa: RUF009
+                                    help="SASL password (never logged; prefer the env var: flags show in ps)")  # fmt: skip
     session_timeout_ms: int = setting(2000, env="RELAYGR_KAFKA_SESSION_TIMEOUT_MS",
                                       help="consumer group session timeout (real Kafka: >= 6000)")  # fmt: skip
     heartbeat_interval_ms: int = setting(300, env="RELAYGR_KAFKA_HEARTBEAT_MS", help="consumer heartbeat")
@@ -52,46 +55,96 @@ class KafkaSettings:
     fetch_max_wait_ms: int = setting(5, env="RELAYGR_KAFKA_FETCH_MAX_WAIT_MS",
                                      help="longest a fetch waits for data (the signal path's per-hop latency on Tansu)")  # fmt: skip
 
+    def __post_init__(self) -> None:
+        """Checks the security settings as a whole (each field alone is checked by load_config)."""
+        if isinstance(self.sasl_password, str):  # built in code with a plain string
+            object.__setattr__(self, "sasl_password", Secret(self.sasl_password))
+        if self.security_protocol not in SECURITY_PROTOCOLS:
+            raise ConfigError(
+                f"RELAYGR_KAFKA_SECURITY_PROTOCOL must be one of {', '.join(SECURITY_PROTOCOLS)}"
+            )
+        if self.uses_sasl:
+            if self.sasl_mechanism not in SASL_MECHANISMS:
+                raise ConfigError(
+                    f"security protocol {self.security_protocol} needs RELAYGR_KAFKA_SASL_MECHANISM "
+                    f"({' | '.join(SASL_MECHANISMS)})"
+                )
+            if not self.sasl_username or not self.sasl_password:
+                raise ConfigError(
+                    f"security protocol {self.security_protocol} needs RELAYGR_KAFKA_SASL_USERNAME and "
+                    "RELAYGR_KAFKA_SASL_PASSWORD"
+                )
+        if self.uses_ssl:
+            for path in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile):
+                if path and not Path(path).is_file():
+                    raise ConfigError(f"Kafka TLS file {path!r} does not exist")
+            if self.ssl_keyfile and not self.ssl_certfile:
+                raise ConfigError("RELAYGR_KAFKA_SSL_KEYFILE needs RELAYGR_KAFKA_SSL_CERTFILE")
+
+    @property
+    def uses_ssl(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+
     def client_args(self) -> dict[str, Any]:
+        """The connection and security arguments every aiokafka client takes (producer, consumer,
+        admin). Contains the revealed password: never log it."""
         args: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap,
             "security_protocol": self.security_protocol,
         }
-        if "SSL" in self.security_protocol:
+        if self.uses_ssl:
+            # No CA file: the system's trust store (create_ssl_context loads the defaults).
             args["ssl_context"] = create_ssl_context(
                 cafile=self.ssl_cafile or None,
                 certfile=self.ssl_certfile or None,
                 keyfile=self.ssl_keyfile or None,
             )
-        if "SASL" in self.security_protocol:
+        if self.uses_sasl:
             args.update(
                 sasl_mechanism=self.sasl_mechanism,
                 sasl_plain_username=self.sasl_username,
-                sasl_plain_password=self.sasl_password,
+                sasl_plain_password=self.sasl_password.reveal(),
             )
         return args
 
 
-def make_producer(settings: KafkaSettings, **overrides: Any) -> AIOKafkaProducer:
+def producer_args(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:
     """acks=all, no idempotence (Tansu rejects the idempotent producer; consumers dedupe by id)."""
-    return AIOKafkaProducer(**(settings.client_args() | {"acks": "all", "linger_ms": 1} | overrides))
+    return settings.client_args() | {"acks": "all", "linger_ms": 1} | overrides
+
+
+def consumer_args(settings: KafkaSettings, group_id: str, **overrides: Any) -> dict[str, Any]:
+    """Manual commits, from the earliest offset of a new group."""
+    return (
+        settings.client_args()
+        | {
+            "group_id": group_id,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "session_timeout_ms": settings.session_timeout_ms,
+            "heartbeat_interval_ms": settings.heartbeat_interval_ms,
+            "fetch_max_wait_ms": settings.fetch_max_wait_ms,
+        }
+        | overrides
+    )
+
+
+def admin_args(settings: KafkaSettings) -> dict[str, Any]:
+    return settings.client_args()
+
+
+def make_producer(settings: KafkaSettings, **overrides: Any) -> AIOKafkaProducer:
+    return AIOKafkaProducer(**producer_args(settings, **overrides))
 
 
 def make_consumer(
     settings: KafkaSettings, topics: list[str], group_id: str, **overrides: Any
 ) -> AIOKafkaConsumer:
-    """Manual commits, from the earliest offset of a new group."""
-    return AIOKafkaConsumer(
-        *topics,
-        **settings.client_args(),
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        session_timeout_ms=settings.session_timeout_ms,
-        heartbeat_interval_ms=settings.heartbeat_interval_ms,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
-        **overrides,
-    )
+    return AIOKafkaConsumer(*topics, **consumer_args(settings, group_id, **overrides))
 
 
 async def ensure_topics(settings: KafkaSettings, topics: dict[str, int], timeout_s: float = 30.0) -> None:
@@ -99,7 +152,7 @@ async def ensure_topics(settings: KafkaSettings, topics: dict[str, int], timeout
     while the broker is unreachable (it may be starting or restarting)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        admin = AIOKafkaAdminClient(**settings.client_args())
+        admin = AIOKafkaAdminClient(**admin_args(settings))
         try:
             await admin.start()
             existing = set(await admin.list_topics())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -30,6 +31,15 @@ def die_with_parent() -> None:
         return
     if str(os.getppid()) != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def settle_heap() -> None:
+    """Call once start-up is done (model loaded, kernels compiled, connections made): what is alive
+    now lives as long as the process, so it moves out of the collector's sight (gc.freeze) and
+    request-time collections only ever scan request-time objects, short pauses instead of a full
+    traversal of the model's and the libraries' objects on some unlucky call."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_service(

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import ConfigError, non_negative, one_of, port_number, positive, setting
+from services.ranker.admission import AdmissionConfig
+from shared.config import ConfigError, fraction, non_negative, one_of, port_number, positive, setting
 from shared.modelspec import PRESETS
 from shared.tls import TlsSettings
 from shared.wire import RequestLimits
+
+
+def _positive_ints(values: tuple[int, ...]) -> str | None:
+    return None if all(v > 0 for v in values) else "every value must be >= 1"
 
 
 @dataclass(frozen=True)
@@ -42,9 +47,44 @@ class RankerConfig(TlsSettings):
     preinfer_concurrent: bool = setting(True, env="RELAYGR_PREINFER_CONCURRENT",
                                         help="pre-infer in a second engine thread (CUDA: low-priority stream) "
                                         "instead of one layer at a time between ranking batches")  # fmt: skip
+    cuda_graphs: bool = setting(True, env="RELAYGR_CUDA_GRAPHS",
+                                help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
+                                "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip
+    graph_max_tokens: int = setting(4096, env="RELAYGR_GRAPH_MAX_TOKENS",
+                                    help="largest ranking batch (new tokens) given a CUDA graph; larger "
+                                    "batches run eagerly", check=positive)  # fmt: skip
+    graph_warm_tokens: tuple[int, ...] = setting((320,), env="RELAYGR_GRAPH_WARM_TOKENS", check=_positive_ints,
+                                                 help="new tokens per user (recent behaviours + candidates) "
+                                                 "whose graphs are captured at start-up, for every batch "
+                                                 "size (comma-separated; other shapes are captured when "
+                                                 "first seen, off the critical path)")  # fmt: skip
     max_inflight_ranks: int = setting(256, env="RELAYGR_MAX_INFLIGHT_RANKS",
-                                      help="Rank calls admitted at once; more get RESOURCE_EXHAUSTED",
-                                      check=positive)  # fmt: skip
+                                      help="hard cap on Rank calls in flight (queued + running); more get "
+                                      "RESOURCE_EXHAUSTED", check=positive)  # fmt: skip
+    # Adaptive admission (services/ranker/admission.py), from the measured Rank throughput.
+    admission_target_ms: float = setting(5000.0, env="RELAYGR_ADMISSION_TARGET_MS",
+                                         help="bound on Rank calls in flight = measured calls/s x this (the "
+                                         "queued work, in time): beyond it calls are refused at once with "
+                                         "RESOURCE_EXHAUSTED, whatever their deadline (0: no adaptive admission, "
+                                         "only the hard cap)", check=non_negative)  # fmt: skip
+    admission_deadline_fraction: float = setting(0.5, env="RELAYGR_ADMISSION_DEADLINE_FRACTION",
+                                                 help="a Rank call is admitted only if the calls in flight "
+                                                 "and itself take, at the measured rate, at most this share of its "
+                                                 "remaining deadline; else RESOURCE_EXHAUSTED at once",
+                                                 check=fraction)  # fmt: skip
+    admission_min_limit: int = setting(1, env="RELAYGR_ADMISSION_MIN_LIMIT",
+                                       help="the adaptive limit never goes below this many calls in flight",
+                                       check=positive)  # fmt: skip
+    admission_prior_rps: float = setting(16.0, env="RELAYGR_ADMISSION_PRIOR_RPS",
+                                         help="Rank calls/s assumed before any is measured (worth 8 calls: it "
+                                         "fades as calls complete)", check=positive)  # fmt: skip
+    admission_window_s: float = setting(2.0, env="RELAYGR_ADMISSION_WINDOW_S",
+                                        help="time constant of the measured throughput, in busy seconds "
+                                        "(shorter: reacts faster, noisier)", check=positive)  # fmt: skip
+    admission_shed_preinfer_ms: float = setting(1000.0, env="RELAYGR_ADMISSION_SHED_PREINFER_MS",
+                                                help="PreInfer is refused (reason rank_overloaded) for this long "
+                                                "after a Rank call was refused (0: never)",
+                                                check=non_negative)  # fmt: skip
     join_margin_ms: float = setting(2.0, env="RELAYGR_JOIN_MARGIN_MS",
                                     help="an in-flight psi is awaited only while this much deadline remains "
                                     "beyond a full ranking", check=non_negative)  # fmt: skip
@@ -72,6 +112,20 @@ class RankerConfig(TlsSettings):
         self.validate_tls()
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("RELAYGR_LEASE_MS must not exceed RELAYGR_MAX_LEASE_MS")
+        if self.admission_min_limit > self.max_inflight_ranks:
+            raise ConfigError("RELAYGR_ADMISSION_MIN_LIMIT must not exceed RELAYGR_MAX_INFLIGHT_RANKS")
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(
+            target_s=self.admission_target_ms / 1e3,
+            deadline_fraction=self.admission_deadline_fraction,
+            min_limit=self.admission_min_limit,
+            max_limit=self.max_inflight_ranks,
+            prior_rps=self.admission_prior_rps,
+            window_s=self.admission_window_s,
+            shed_s=self.admission_shed_preinfer_ms / 1e3,
+        )
 
     @property
     def limits(self) -> RequestLimits:

@@ -6,8 +6,12 @@ Work, in priority order each time the thread looks for something to do:
      after the oldest job arrived for the batch to fill;
   2. host <-> device copies of psi (demotions and reloads): issued on a copy stream on CUDA, so the
      copy engine runs them beside the compute; completions are polled, never waited on;
-  3. pre-inference, one layer at a time (`HSTURanker.preinfer_steps`): a long prefix never holds a
+  3. calls that must run on the device thread (e.g. capturing CUDA graphs at warm-up), and the
+     capture of ranking graphs for batch shapes seen without one (services/ranker/graphs.py);
+  4. pre-inference, one layer at a time (`HSTURanker.preinfer_steps`): a long prefix never holds a
      ranking batch back by more than one layer's compute.
+On CUDA, batches against psi replay a captured CUDA graph when one fits (GraphLimits), else run
+eagerly; both give the same scores.
 A job whose caller has gone (its future cancelled) is dropped before it runs.
 
 Blocking: `submit_*` never block the event loop (a lock held for microseconds); results arrive on
@@ -27,9 +31,13 @@ from typing import Any
 import torch
 
 from kernels.device import Accelerator
+from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
+from shared.logging import get_logger
+
+log = get_logger("ranker.engine")
 
 
 class EngineStopped(RuntimeError):
@@ -46,6 +54,9 @@ class EngineConfig:
     # Pre-inference in its own thread (on CUDA: on a low-priority stream beside the ranking
     # stream) instead of between ranking batches one layer at a time.
     preinfer_concurrent: bool = False
+    # Replay captured CUDA graphs for batches against psi (CUDA only).
+    cuda_graphs: bool = True
+    graph_limits: GraphLimits = field(default_factory=GraphLimits)
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,11 @@ class _RankJob(_Job):
 
 
 @dataclass
+class _CallJob(_Job):
+    fn: Callable[[], Any] = field(kw_only=True)
+
+
+@dataclass
 class _PreInferJob(_Job):
     prefix: UserPrefix = field(kw_only=True)
 
@@ -124,6 +140,7 @@ class Engine:
         self._preinfers: collections.deque[_PreInferJob] = collections.deque()
         self._copies: collections.deque[_CopyJob] = collections.deque()
         self._copies_in_flight: list[_CopyJob] = []
+        self._calls: collections.deque[_CallJob] = collections.deque()
         self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]]] | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
@@ -134,6 +151,11 @@ class Engine:
         self._preinfer_stream = torch.cuda.Stream(accel.device, priority=0) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
+        self.graphs: RankGraphs | None = None
+        if cuda and config.cuda_graphs:
+            limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
+            self.graphs = RankGraphs(model, limits)
+            torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,6 +211,33 @@ class Engine:
         copies it enqueued have completed. `issue` returns the value to resolve with."""
         return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue))
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Runs fn on the device thread (on the ranking stream on CUDA); resolves with its result."""
+        return await self._push(self._calls, _CallJob(**self._job_args(0), fn=fn))
+
+    async def capture_graphs(self, tokens_per_user: list[int]) -> int:
+        """Captures the ranking graphs of every batch size up to max_batch for users of these
+        new-token counts (e.g. recent behaviors + candidates); returns how many were captured."""
+        graphs = self.graphs
+        if graphs is None:
+            return 0
+        keys: list[BucketKey] = []
+        for n in tokens_per_user:
+            for b in range(1, self.config.max_batch + 1):
+                key = bucket_for(b, b * n, n, graphs.limits)
+                if key is not None:
+                    keys.append(key)
+
+        def capture() -> int:
+            graphs.request(keys)
+            return graphs.capture_pending(limit=len(keys))
+
+        result: int = await self.call(capture)
+        return result
+
+    def graph_stats(self) -> GraphStats | None:
+        return self.graphs.stats if self.graphs is not None else None
+
     def forget_batches(self) -> None:
         """Drops the measurements so far (the warm-up's: compiles and first allocations are not
         what a latency model should learn from)."""
@@ -221,6 +270,8 @@ class Engine:
                     self._ranks
                     or self._copies
                     or self._copies_in_flight
+                    or self._calls
+                    or (self.graphs is not None and self.graphs.has_pending())
                     or (inline_preinfers and (self._preinfers or self._active))
                 ):
                     if self._stopping:
@@ -236,6 +287,11 @@ class Engine:
                 self._run_rank_batch(batch)
                 continue
             if self._issue_copy():
+                continue
+            if self._run_call():
+                continue
+            if self.graphs is not None and self.graphs.has_pending():
+                self._capture_one()
                 continue
             if inline_preinfers and self._step_preinfer():
                 continue
@@ -290,14 +346,21 @@ class Engine:
         started = time.perf_counter()
         try:
             suffixes = [j.suffix for j in batch]
+            host: list[torch.Tensor] | None = None
             if batch[0].full:
                 prefixes = [j.prefix for j in batch]
                 scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             else:
-                scores = self.model.rank_cached(suffixes, [j.psi for j in batch], [j.key for j in batch])  # type: ignore[misc]
+                psis, keys = [j.psi for j in batch], [j.key for j in batch]
+                if self.graphs is not None:
+                    host = self.graphs.rank(suffixes, psis, keys)  # type: ignore[arg-type]
+                if host is None:
+                    scores = self.model.rank_cached(suffixes, psis, keys)  # type: ignore[arg-type]
                 prefix_len = 0
-            host = [s.cpu() for s in scores]  # waits for the device: the batch is done
+            if host is None:
+                # One copy for the batch; it waits for the device: the batch is done.
+                host = list(torch.cat(scores).cpu().split([s.numel() for s in scores]))
         except Exception as exc:  # a bad batch fails its jobs, never the engine
             for j in batch:
                 j.resolve(error=exc)
@@ -344,6 +407,25 @@ class Engine:
                 still.append(job)
         self._copies_in_flight = still
 
+    def _run_call(self) -> bool:
+        with self._cv:
+            job = self._calls.popleft() if self._calls else None
+        if job is None:
+            return False
+        if job.alive():
+            try:
+                job.resolve(job.fn())
+            except Exception as exc:
+                job.resolve(error=exc)
+        return True
+
+    def _capture_one(self) -> None:
+        assert self.graphs is not None
+        try:
+            self.graphs.capture_pending(limit=1)
+        except Exception as exc:  # a failed capture leaves that shape on the eager path
+            log.error("rank_graph_capture_failed", error=repr(exc))
+
     def _step_preinfer(self) -> bool:
         if self._active is None:
             with self._cv:
@@ -378,7 +460,13 @@ class Engine:
         return True
 
     def _fail_all(self) -> None:
-        pending: list[_Job] = [*self._ranks, *self._preinfers, *self._copies, *self._copies_in_flight]
+        pending: list[_Job] = [
+            *self._ranks,
+            *self._preinfers,
+            *self._copies,
+            *self._copies_in_flight,
+            *self._calls,
+        ]
         if self._active:
             pending.extend(self._active[0])
         for job in pending:
@@ -387,4 +475,5 @@ class Engine:
         self._preinfers.clear()
         self._copies.clear()
         self._copies_in_flight.clear()
+        self._calls.clear()
         self._active = None

@@ -19,7 +19,7 @@ All entry points take batches of users with different lengths, concatenated with
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -30,7 +30,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels.hstu_attention import (
-    AttentionBatch,
     AttentionImpl,
     AttentionParams,
     PrefixKV,
@@ -66,6 +65,25 @@ class HSTULayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return x + self.out(self.norm_attn(attn) * u)
+
+
+# The attention of one forward pass: (q, k, v as [T, H, D], layer index) -> [T, H, D].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HostTokens:
+    """A jagged batch's token layout on the host, before any device copy."""
+
+    columns: torch.Tensor  # [3, T] int64: item index, aux index, timestamp
+    candidate_rows: torch.Tensor  # [C] int64: row of every candidate token, in request order
+    lengths: list[int]
+    n_hist: list[int]
+    candidate_counts: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return int(self.columns.shape[1])
 
 
 @dataclass(frozen=True)
@@ -196,7 +214,7 @@ class HSTURanker(nn.Module):
             suffixes,
         )
         x = self._embed(tokens)
-        x = self._layers(x, self._prepare(tokens.seq, None))
+        x = self.layers_forward(x, self._prepare(tokens.seq, None))
         return self._score(x, tokens)
 
     def preinfer(self, prefixes: Sequence[UserPrefix]) -> list[Psi]:
@@ -220,7 +238,7 @@ class HSTURanker(nn.Module):
             )
             x = self._embed(tokens)
             seq = tokens.seq
-            attention = self._prepare(seq, None)
+            attend = self._prepare(seq, None)
             num_layers, total = self.spec.num_layers, seq.total_tokens
             kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
         for index, layer in enumerate(self._stack()):
@@ -229,7 +247,8 @@ class HSTURanker(nn.Module):
                 kv_all[index, 0].copy_(k)
                 kv_all[index, 1].copy_(v)
                 if index + 1 < num_layers:  # the last layer's output is never needed: psi is its K/V
-                    attn = self._attention(q, k, v, attention, index)
+                    shape = (total, self.spec.num_heads, self.spec.head_dim)
+                    attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
                     x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
             yield index
         psis = []
@@ -255,7 +274,7 @@ class HSTURanker(nn.Module):
         tokens = self._tokens([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
         prefix = PrefixKV.build([p.kv for p in psis], [p.timestamps for p in psis])
         x = self._embed(tokens)
-        x = self._layers(x, self._prepare(tokens.seq, prefix))
+        x = self.layers_forward(x, self._prepare(tokens.seq, prefix))
         return self._score(x, tokens)
 
     # ------------------------------------------------------------------ internals
@@ -269,12 +288,16 @@ class HSTURanker(nn.Module):
     def _behavior_part(self, b: Behaviors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return 1 + b.items % (self.spec.num_items - 1), b.actions % self.spec.num_actions, b.timestamps
 
-    def _tokens(
+    def pack_suffixes(self, suffixes: Sequence[RankingSuffix]) -> HostTokens:
+        """The host-side token layout of rank_cached's new tokens ([eS_l, I] per user)."""
+        return self._pack([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
+
+    def _pack(
         self,
         history_parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
         suffixes: Sequence[RankingSuffix] | None,
-    ) -> _Tokens:
-        """Concatenates every user's [history..., candidates] on the host, then one copy to the device."""
+    ) -> HostTokens:
+        """Concatenates every user's [history..., candidates] on the host."""
         columns: list[torch.Tensor] = []
         lengths, n_hist, cand_rows, counts = [], [], [], []
         row = 0
@@ -283,6 +306,7 @@ class HSTURanker(nn.Module):
             if suffixes is not None:
                 s = suffixes[b]
                 c = s.candidates.numel()
+                # Every candidate carries the query time: SeqLayout's one-timestamp contract.
                 parts = [
                     *parts,
                     (
@@ -304,36 +328,59 @@ class HSTURanker(nn.Module):
             )
         host = torch.cat([*columns, torch.empty(3, 0, dtype=torch.int64)], dim=1)
         rows = torch.cat([*cand_rows, torch.empty(0, dtype=torch.int64)])
-        packed = torch.cat([host.reshape(-1), rows])
+        return HostTokens(host, rows, lengths, n_hist, tuple(counts))
+
+    def _tokens(
+        self,
+        history_parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+        suffixes: Sequence[RankingSuffix] | None,
+    ) -> _Tokens:
+        """_pack, then one copy to the device."""
+        packed_host = self._pack(history_parts, suffixes)
+        row = packed_host.total
+        packed = torch.cat([packed_host.columns.reshape(-1), packed_host.candidate_rows])
         if self.device.type != "cpu":
             packed = packed.pin_memory()  # so the copy below is truly asynchronous
         packed = packed.to(self.device, non_blocking=True)
         item_idx, aux_idx, ts = packed[: 3 * row].view(3, row)
-        seq = SeqLayout.build(lengths, n_hist, ts, host_timestamps=host[2])
-        return _Tokens(item_idx, aux_idx, seq, packed[3 * row :], tuple(counts))
+        seq = SeqLayout.build(
+            packed_host.lengths, packed_host.n_hist, ts, host_timestamps=packed_host.columns[2]
+        )
+        return _Tokens(item_idx, aux_idx, seq, packed[3 * row :], packed_host.candidate_counts)
 
     def _embed(self, tokens: _Tokens) -> torch.Tensor:
-        return self.item_emb(tokens.item_idx) + self.aux_emb(tokens.aux_idx)
+        return self.embed(tokens.item_idx, tokens.aux_idx)
 
-    def _prepare(self, seq: SeqLayout, prefix: PrefixKV | None) -> AttentionBatch:
+    def embed(self, item_idx: torch.Tensor, aux_idx: torch.Tensor) -> torch.Tensor:
+        return self.item_emb(item_idx) + self.aux_emb(aux_idx)
+
+    def bias_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's relative-bias tables: pos [L, H, NB_POS], time [L, H, NB_TIME]."""
         layers = self._stack()
-        pos = torch.stack([layer.pos_bias for layer in layers])
-        time = torch.stack([layer.time_bias for layer in layers])
-        return prepare_attention(seq, prefix, pos, time, self.params, self.spec.head_dim, self.attention_impl)
+        return torch.stack([layer.pos_bias for layer in layers]), torch.stack(
+            [layer.time_bias for layer in layers]
+        )
 
-    def _attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionBatch, index: int
-    ) -> torch.Tensor:
-        shape = (q.shape[0], self.spec.num_heads, self.spec.head_dim)
-        return hstu_attention(q.view(shape), k.view(shape), v.view(shape), attention, index)
+    def _prepare(self, seq: SeqLayout, prefix: PrefixKV | None) -> Attend:
+        pos, time = self.bias_tables()
+        batch = prepare_attention(
+            seq, prefix, pos, time, self.params, self.spec.head_dim, self.attention_impl
+        )
+        return lambda q, k, v, index: hstu_attention(q, k, v, batch, index)
 
-    def _layers(self, x: torch.Tensor, attention: AttentionBatch) -> torch.Tensor:
+    def layers_forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Every HSTU layer over new tokens x [T, d]; attend(q, k, v, layer) is the attention,
+        q/k/v as [T, H, D] views."""
+        shape = (x.shape[0], self.spec.num_heads, self.spec.head_dim)
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x)
-            attn = self._attention(q, k, v, attention, index)
+            attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
             x = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u)
         return x
 
+    def score_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the tokens at `rows` of x."""
+        return self.head(self.norm_out(x.index_select(0, rows))).squeeze(-1).float()
+
     def _score(self, x: torch.Tensor, tokens: _Tokens) -> list[torch.Tensor]:
-        logits = self.head(self.norm_out(x.index_select(0, tokens.candidate_rows))).squeeze(-1).float()
-        return list(logits.split(list(tokens.candidate_counts)))
+        return list(self.score_rows(x, tokens.candidate_rows).split(list(tokens.candidate_counts)))

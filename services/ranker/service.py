@@ -8,6 +8,11 @@ deadline (INFLIGHT_JOIN), psi reloaded from host DRAM when the cost model says t
 recomputing (DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE). Any failure on a cached path
 falls back to full inference; only bad input (INVALID_ARGUMENT) and overload
 (RESOURCE_EXHAUSTED, refused at once) are not answered with scores.
+
+Overload: every Rank call first passes the admission limiter (services/ranker/admission.py), an
+O(1) decision made before the request is decoded into tensors or touches the engine: a bound on
+calls in flight from the measured throughput, and a check of the call's remaining deadline. While
+it refuses ranking calls, PreInfer is refused too (REFUSED, reason "rank_overloaded").
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import math
 import signal
 import socket
 import sys
@@ -31,14 +35,17 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kernels.device import Accelerator, accelerator
+from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.config import RankerConfig
 from services.ranker.cost_model import CostModel
 from services.ranker.engine import Engine, EngineConfig, RankResult
+from services.ranker.graphs import GraphLimits
 from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.wire import prefix_from_proto, rank_inputs
+from shared.lifecycle import settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
 from shared.modelspec import preset
@@ -74,6 +81,22 @@ class _Metrics:
         )  # fmt: skip
         self.rank_errors = Counter("relaygr_ranker_rank_errors_total", "Rank calls not answered", ["code"],
                                    registry=registry)  # fmt: skip
+        self.graph_replays = Gauge("relaygr_ranker_graph_replays", "ranking batches served by a CUDA graph "
+                                   "replay (CUDA only)", registry=registry)  # fmt: skip
+        self.graph_eager = Gauge("relaygr_ranker_graph_eager_batches", "ranking batches against psi run "
+                                 "without a graph (no graph for the shape yet, or too large)",
+                                 registry=registry)  # fmt: skip
+        self.rank_refusals = Counter("relaygr_ranker_rank_refusals_total",
+                                     "Rank calls refused by admission control (limit: in-flight bound, "
+                                     "deadline: the call's remaining deadline)", ["reason"],
+                                     registry=registry)  # fmt: skip
+        self.rank_inflight = Gauge("relaygr_ranker_rank_inflight", "Rank calls in flight (queued + running)",
+                                   registry=registry)  # fmt: skip
+        self.rank_admission_limit = Gauge("relaygr_ranker_rank_admission_limit",
+                                          "Rank calls in flight allowed now", registry=registry)  # fmt: skip
+        self.rank_throughput = Gauge("relaygr_ranker_rank_throughput_rps",
+                                     "measured Rank calls/s while busy (the prior until calls complete)",
+                                     registry=registry)  # fmt: skip
         self.preinfers = Counter(
             "relaygr_ranker_preinfer_total", "PreInfer outcomes", ["outcome"], registry=registry
         )
@@ -119,6 +142,8 @@ class RankerService(pb_grpc.RankerServicer):
                 max_wait_s=config.max_wait_ms / 1e3,
                 preinfer_max_batch=config.preinfer_max_batch,
                 preinfer_concurrent=config.preinfer_concurrent,
+                cuda_graphs=config.cuda_graphs,
+                graph_limits=GraphLimits(max_tokens=config.graph_max_tokens),
             ),
         )
         self.costs = CostModel(
@@ -134,7 +159,17 @@ class RankerService(pb_grpc.RankerServicer):
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._signal_at: dict[PsiKey, float] = {}  # PreInfer arrival, for the lead time
-        self._inflight_ranks = 0
+        self.admission = AdmissionLimiter(config.admission, time.monotonic)
+        self._overload_logged_at = float("-inf")
+        self._preinfers_shed = 0
+        # Read at scrape time: nothing to update on the Rank path.
+        self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
+        self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
+        self.metrics.rank_throughput.set_function(lambda: self.admission.throughput or 0.0)
+        graphs = self.engine.graph_stats()
+        if graphs is not None:
+            self.metrics.graph_replays.set_function(lambda: graphs.replays)
+            self.metrics.graph_eager.set_function(lambda: sum(graphs.fallbacks.values()))
         self._reloads = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -187,6 +222,7 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def run(self) -> None:
         await self.start()
+        settle_heap()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
@@ -214,7 +250,8 @@ class RankerService(pb_grpc.RankerServicer):
     async def _warm_up(self) -> None:
         """Compiles every kernel variant before the first real request (a Triton JIT compile takes
         seconds): full ranking, pre-inference, and ranking against a prefix long enough for the
-        split-prefix (float32 partial sums) variant."""
+        split-prefix (float32 partial sums) variant; then, on CUDA, the ranking graphs of the
+        configured suffix sizes (graph_warm_tokens) for every batch size."""
         ids = torch.arange(1024, dtype=torch.int64)
         prefix = UserPrefix(0, 0, ids[:2], Behaviors(ids, ids % 4, ids))
         suffix = RankingSuffix(Behaviors(ids[:64], ids[:64] % 4, ids[:64] + 1024), ids[:256], 2048)
@@ -223,6 +260,11 @@ class RankerService(pb_grpc.RankerServicer):
         await self.engine.rank_full(prefix, suffix)
         short = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 1024), ids[:4], 2048)
         await self.engine.rank_cached(short, psi, psi.key)
+        if self.engine.graphs is not None:
+            started = time.perf_counter()
+            captured = await self.engine.capture_graphs(list(self.config.graph_warm_tokens))
+            log.info("rank_graphs_warm", captured=captured, tokens_per_user=list(self.config.graph_warm_tokens),
+                     ms=round((time.perf_counter() - started) * 1e3, 1))  # fmt: skip
         self.engine.forget_batches()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
@@ -259,6 +301,13 @@ class RankerService(pb_grpc.RankerServicer):
         if len(self._signal_at) > 100_000:
             self._signal_at.clear()  # a bound, not an LRU: lead times are a statistic
         self._signal_at.setdefault(key, time.monotonic())
+        if self.admission.shedding():
+            # Ranking calls are being refused: pre-inference would compete with the ones admitted.
+            self.metrics.preinfers.labels("refused").inc()
+            self._preinfers_shed += 1
+            return pb.PreInferReply(
+                outcome=pb.PreInferReply.REFUSED, reason="rank_overloaded", instance_id=self.instance_id
+            )
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
         result = self.cache.admit(key, self.spec.psi_bytes(prefix.length), lease)
         outcome = _OUTCOME[result.outcome]
@@ -322,34 +371,31 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankReply:
         started = time.perf_counter()
-        try:
-            prefix, suffix = rank_inputs(request, self.config.limits)
-        except WireError as exc:
-            self.metrics.rank_errors.labels("invalid_argument").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if self._inflight_ranks >= self.config.max_inflight_ranks:
-            self.metrics.rank_errors.labels("resource_exhausted").inc()
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"ranker {self.instance_id} overloaded: {self._inflight_ranks} ranking calls in flight",
-            )
         remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
-        wait_s = self._expected_wait_s()
-        if remaining is not None and wait_s > remaining:
-            # Refused now, with the reason, rather than answered after the caller gave up.
-            self.metrics.rank_errors.labels("resource_exhausted").inc()
+        # Admission first: O(1), before any decoding or engine work, so that a refusal is fast.
+        refusal = self.admission.try_acquire(remaining)
+        if refusal is not None:
+            self._refuse(refusal)
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"ranker {self.instance_id} overloaded: ~{wait_s * 1e3:.0f} ms of queued ranking work "
-                f"exceeds the call's remaining {remaining * 1e3:.0f} ms",
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"ranker {self.instance_id} {refusal.reason}"
             )
-        self._inflight_ranks += 1
+        served = ""
         try:
+            try:
+                prefix, suffix = rank_inputs(request, self.config.limits)
+            except WireError as exc:
+                self.metrics.rank_errors.labels("invalid_argument").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
             served, result, cache_ms = await self._rank(key, request.request_id, prefix, suffix, deadline)
+        except asyncio.CancelledError:
+            # Admitted, and its caller gave up (deadline or cancel) before the answer: what
+            # admission exists to avoid, so it is counted.
+            self.metrics.rank_errors.labels("cancelled").inc()
+            raise
         finally:
-            self._inflight_ranks -= 1
+            self.admission.release(served=bool(served))
         total_ms = (time.perf_counter() - started) * 1e3
         self._rank_ms.append(total_ms)
         self.metrics.rank_ms.labels(served).observe(total_ms)
@@ -363,16 +409,15 @@ class RankerService(pb_grpc.RankerServicer):
             instance_id=self.instance_id,
         )
 
-    def _expected_wait_s(self) -> float:
-        """Queue ahead of a new ranking call, from the engine's recent batch times."""
-        depth = self.engine.rank_queue_depth
-        if not depth:
-            return 0.0
-        recent = self.engine.recent_batches()[-32:]
-        if not recent:
-            return 0.0
-        per_batch_s = sum(b.compute_ms for b in recent) / len(recent) / 1e3
-        return per_batch_s * math.ceil(depth / self.config.max_batch)
+    def _refuse(self, refusal: Refusal) -> None:
+        self.metrics.rank_errors.labels("resource_exhausted").inc()
+        self.metrics.rank_refusals.labels(refusal.kind).inc()
+        now = time.monotonic()
+        if now - self._overload_logged_at >= 1.0:  # one line a second at most: refusals come in floods
+            self._overload_logged_at = now
+            log.warning("rank_overloaded", instance=self.instance_id, kind=refusal.kind,
+                        inflight=self.admission.inflight, limit=self.admission.limit,
+                        throughput_rps=self.admission.throughput, refused=dict(self.admission.refused))  # fmt: skip
 
     async def _rank(
         self, key: PsiKey, request_id: str, prefix: UserPrefix, suffix: RankingSuffix, deadline: float
@@ -495,7 +540,7 @@ class RankerService(pb_grpc.RankerServicer):
             hbm_leased_bytes=self.cache.leased_bytes,
             preinfer_backlog=self.engine.preinfer_backlog + self.cache.producing,
             rank_queue_depth=self.engine.rank_queue_depth,
-            preinfers_refused=self.cache.counters.refused,
+            preinfers_refused=self.cache.counters.refused + self._preinfers_shed,
             rank_p50_ms=percentile(window, 50) if window else 0.0,
             rank_p99_ms=percentile(window, 99) if window else 0.0,
             recent_batches=samples,

@@ -141,9 +141,11 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ra
     assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
 
 
-@pytest.mark.parametrize("ranker", [["--max-inflight-ranks", "1"]], indirect=True)
+@pytest.mark.parametrize(
+    "ranker", [["--max-inflight-ranks", "1", "--admission-shed-preinfer-ms", "600000"]], indirect=True
+)
 async def test_overload_is_refused_fast_with_resource_exhausted(ranker):
-    _, stub, _ = ranker
+    service, stub, _ = ranker
     prefixes, suffixes = users(6, 6, prefix_len=1500)
     reqs = [rank_request(p, s, f"r{i}") for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True))]
     results = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs), return_exceptions=True)
@@ -151,9 +153,38 @@ async def test_overload_is_refused_fast_with_resource_exhausted(ranker):
     served = [r for r in results if isinstance(r, pb.RankReply)]
     assert served
     assert refused
-    assert all(
-        r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in r.details() for r in refused
-    )
+    for r in refused:
+        assert r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"ranker {service.instance_id} overloaded: 1 ranking calls in flight, limit 1" in r.details()
+    assert service.admission.inflight == 0  # every admitted call released its slot
+    assert service.admission.refused["limit"] == len(refused)
+    metrics = service.registry.get_sample_value
+    assert metrics("relaygr_ranker_rank_refusals_total", {"reason": "limit"}) == len(refused)
+    assert metrics("relaygr_ranker_rank_errors_total", {"code": "resource_exhausted"}) == len(refused)
+    assert metrics("relaygr_ranker_rank_admission_limit") == 1
+    # Ranking calls were refused: pre-inference is shed (a long shed window: no timing in the test).
+    shed = await stub.PreInfer(preinfer_request(prefixes[0], "p-shed"), timeout=5)
+    assert shed.outcome == pb.PreInferReply.REFUSED
+    assert shed.reason == "rank_overloaded"
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).preinfers_refused == 1
+
+
+async def test_an_invalid_call_releases_its_admission_slot(ranker):
+    service, stub, _ = ranker
+    prefixes, suffixes = users(8, 1, prefix_len=50)
+    bad = rank_request(prefixes[0], suffixes[0], "bad")
+    bad.candidates_le = b""
+    for _ in range(service.admission.limit + 2):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Rank(bad, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The caller may see the status before the handler's finally has run: give it a moment.
+    for _ in range(200):
+        if service.admission.inflight == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert service.admission.inflight == 0
+    assert (await stub.Rank(rank_request(prefixes[0], suffixes[0], "ok"), timeout=30)).scores
 
 
 async def test_health_and_stats(ranker):

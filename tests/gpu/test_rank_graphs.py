@@ -1,0 +1,97 @@
+"""Ranking against psi through captured CUDA graphs == eager rank_cached (run on the device machine).
+
+Every replay must see only its own batch: batches of different sizes, prefix lengths and psi
+addresses go through the same graph one after another, and each is compared with the eager path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.synthetic import Shape, batch
+from services.ranker.model import HSTURanker
+from services.ranker.psi import PsiMismatchError
+from shared.modelspec import preset
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from services.ranker.graphs import GraphLimits, RankGraphs, bucket_for  # noqa: E402
+
+SPEC = preset("tiny").with_overrides(name="graphs", num_layers=3, num_heads=2, head_dim=32)
+
+
+def max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    scale = max(float(torch.cat(a).abs().max()), 1e-3)
+    return max(float((x.cpu() - y.cpu()).abs().max()) for x, y in zip(a, b, strict=True)) / scale
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(request) -> HSTURanker:
+    return HSTURanker.from_seed(SPEC.with_overrides(dtype=request.param), seed=3, device="cuda")
+
+
+def ranked(model, graphs, seed, shapes):
+    prefixes, suffixes = batch(seed, shapes)
+    psis = model.preinfer(prefixes)
+    keys = [p.key for p in psis]
+    eager = model.rank_cached(suffixes, psis, keys)
+    first = graphs.rank(suffixes, psis, keys)
+    if first is None:  # no graph for this bucket yet: it is remembered, capture it now
+        assert graphs.has_pending()
+        graphs.capture_pending(limit=10)
+        first = graphs.rank(suffixes, psis, keys)
+    assert first is not None
+    return eager, first
+
+
+def test_graph_replays_match_eager_across_batches(model):
+    graphs = RankGraphs(model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096))
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    cases = [
+        [Shape(4, 300, 20, 40)],
+        [Shape(2, 1000, 30, 50)],  # same bucket, other prefix length and psi address
+        [Shape(0, 0, 10, 10)],  # empty prefix
+        [Shape(3, 500, 8, 30), Shape(1, 2000, 40, 60), Shape(0, 7, 0, 1)],  # 3 users in a 4-bucket
+        [Shape(5, 100, 64, 200), Shape(2, 3000, 1, 5)],
+        [Shape(1, 50, 0, 3)] * 4,
+    ]
+    for seed, shapes in enumerate(cases):
+        eager, graphed = ranked(model, graphs, seed, shapes)
+        assert max_rel(eager, graphed) <= tol, shapes
+    assert graphs.stats.replays >= len(cases)
+    # Replaying an earlier bucket again after others still gives its own batch's scores.
+    eager, graphed = ranked(model, graphs, 0, cases[0])
+    assert max_rel(eager, graphed) <= tol
+
+
+def test_batches_that_do_not_fit_fall_back(model):
+    graphs = RankGraphs(model, GraphLimits(max_batch=2, max_tokens=256, max_prefix_tokens=512))
+    prefixes, suffixes = batch(7, [Shape(1, 600, 4, 4)])
+    psis = model.preinfer(prefixes)
+    assert graphs.rank(suffixes, psis, [p.key for p in psis]) is None
+    assert graphs.stats.fallbacks == {"prefix_too_long": 1}
+    prefixes, suffixes = batch(8, [Shape(1, 10, 100, 200)])
+    psis = model.preinfer(prefixes)
+    assert graphs.rank(suffixes, psis, [p.key for p in psis]) is None
+    assert graphs.stats.fallbacks["too_large"] == 1
+    assert not graphs.has_pending()
+
+
+def test_a_foreign_psi_is_refused(model):
+    graphs = RankGraphs(model, GraphLimits(max_batch=2, max_tokens=256))
+    prefixes, suffixes = batch(9, [Shape(1, 30, 4, 4)])
+    psi = model.preinfer(prefixes)[0]
+    with pytest.raises(PsiMismatchError):
+        graphs.rank(suffixes, [psi], [model.psi_key(psi.key.user_id + 1, psi.key.prefix_version)])
+
+
+def test_bucket_keys_are_what_the_engine_warms():
+    limits = GraphLimits(max_batch=8, max_tokens=4096)
+    keys = {bucket_for(b, b * 320, 320, limits) for b in range(1, 9)}
+    assert None not in keys
+    assert len(keys) <= 8

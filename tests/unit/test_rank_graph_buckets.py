@@ -1,0 +1,69 @@
+"""The CUDA-graph bucket policy (pure: runs on the CPU; the graphs themselves are tested on the GPU)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.ranker.graphs import BucketKey, GraphLimits, bucket_for, token_ladder
+
+
+def test_token_ladder_has_bounded_padding_and_ends_at_the_limit():
+    ladder = token_ladder(4096)
+    assert ladder[0] == 64
+    assert ladder[-1] == 4096
+    assert ladder == sorted(set(ladder))
+    for small, big in itertools.pairwise(ladder):
+        assert big - small <= max(64, small // 4)  # padding: under one row block, or under 25%
+    assert token_ladder(100) == [64, 100]
+    assert token_ladder(1300) == [*range(64, 1025, 64), 1280, 1300]
+
+
+def test_known_buckets():
+    limits = GraphLimits(max_batch=8, max_tokens=4096)
+    assert bucket_for(1, 320, 320, limits) == BucketKey(1, 320, 320)
+    assert bucket_for(3, 960, 320, limits) == BucketKey(4, 960, 512)
+    assert bucket_for(8, 2560, 320, limits) == BucketKey(8, 2560, 512)
+    assert bucket_for(7, 2240, 320, limits) == BucketKey(8, 2560, 512)
+    assert bucket_for(4, 1100, 300, limits) == BucketKey(4, 1280, 512)
+    assert bucket_for(1, 5, 5, limits) == BucketKey(1, 64, 64)
+
+
+def test_outside_the_limits_there_is_no_bucket():
+    limits = GraphLimits(max_batch=4, max_tokens=1024)
+    assert bucket_for(5, 100, 20, limits) is None  # too many sequences
+    assert bucket_for(2, 1025, 600, limits) is None  # too many tokens
+    assert bucket_for(0, 0, 0, limits) is None
+    assert bucket_for(2, 100, 101, limits) is None  # inconsistent: a sequence longer than the batch
+
+
+@given(
+    batch=st.integers(1, 16),
+    lengths=st.lists(st.integers(0, 600), min_size=1, max_size=16),
+    max_tokens=st.sampled_from([256, 1000, 4096]),
+)
+def test_a_bucket_always_holds_its_batch(batch, lengths, max_tokens):
+    lengths = (lengths * batch)[:batch]
+    limits = GraphLimits(max_batch=8, max_tokens=max_tokens)
+    tokens, longest = sum(lengths), max(lengths)
+    key = bucket_for(batch, tokens, longest, limits)
+    if batch > 8 or tokens > max_tokens:
+        assert key is None
+        return
+    assert key is not None
+    assert key.batch >= batch
+    assert key.tokens >= tokens
+    assert key.max_len >= longest
+    assert key.max_len <= key.tokens
+    assert key.batch <= 8
+    assert key.tokens <= max_tokens
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        GraphLimits(max_tokens=0).validate()
+    with pytest.raises(ValueError, match="rab_index_mb"):
+        GraphLimits(rab_index_mb=0).validate()
