@@ -1,11 +1,19 @@
 """Router and trigger benchmark (CPU is fine): what the router adds to a ranking call, and how many
 retrieval events per second the trigger decides on one core.
 
-    python -m bench.router [--calls 2000] [--events 50000]
+    python -m bench.router [--calls 4000] [--events 50000] [--layout pinned|shared]
 
-Router: one ranker and one router as real processes on loopback; the same Rank request (a short
-prefix, so the ranker's own time is small) is sent directly and through the router, alternately,
-one call at a time; p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct).
+Router: one ranker and one router as real processes on loopback (`python -m services.router`, so
+with the router's own process settings); the same Rank request (a short prefix, so the ranker's
+own time is small) is sent from this process directly and through the router, one call at a time,
+alternating in chunks of 50 so both see the same machine state; `--calls` per path. Reported:
+p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct) (every call counts).
+Layout (recorded in the JSON's config):
+  pinned  (default) what the router adds on one core: the router on the last core (no other
+          process of the benchmark there); this client and the ranker on the first core (the
+          ranker, started there, computes with one thread), for direct and routed calls alike.
+          Measure on a quiet machine: anything else busy on the router's core shows up in its tail.
+  shared  the scheduler places every process on any core.
 Trigger: the retrieval topic is filled first (events with the workload's length mix), then a
 trigger runs in this process (uvloop, one thread) against the embedded broker and one ranker;
 events/s = events / time to decide all, decision p99 from per-event timings.
@@ -16,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,30 +58,67 @@ async def time_calls(stub: Any, req: Any, n: int) -> list[float]:
     return out
 
 
-async def router_overhead(calls: int, broker: EmbeddedBroker) -> dict[str, float]:
-    ranker = ServiceProcess("services.ranker", "--device", "cpu")
-    target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
-    router = ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
-                            "--consume-signals", "false")  # fmt: skip
-    router_port = router.wait_event("router_ready", 120)["port"]
+def layout_cpus(layout: str) -> dict[str, list[int]]:
+    """{"client_and_ranker": [...], "router": [...]} for `layout` ({} for "shared")."""
+    if layout == "shared":
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--layout pinned needs two cores, this process may use {cpus}: use --layout shared")
+    return {"client_and_ranker": cpus[:1], "router": cpus[-1:]}
+
+
+def pin_threads(pid: int, cpus: set[int] | list[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit the mask)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread has just exited
+            continue
+
+
+@contextmanager
+def pinned_here(cpus: list[int] | None) -> Iterator[None]:
+    """This process on `cpus` while the block runs (children started in it inherit them), every
+    thread back where it was afterwards (the trigger benchmark that follows runs unpinned)."""
+    if not cpus:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    pin_threads(os.getpid(), cpus)
     try:
-        direct = grpc.aio.insecure_channel(target)
-        routed = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
-        prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
-        req = rank_request(prefix, suffix, "bench")
-        d_stub, r_stub = pb_grpc.RankerStub(direct), pb_grpc.RankerStub(routed)
-        await time_calls(d_stub, req, 50)
-        await time_calls(r_stub, req, 50)
-        d_ms: list[float] = []
-        r_ms: list[float] = []
-        for _ in range(calls // 100):  # alternate in chunks: both see the same machine state
-            d_ms += await time_calls(d_stub, req, 50)
-            r_ms += await time_calls(r_stub, req, 50)
-        await direct.close()
-        await routed.close()
+        yield
     finally:
-        router.stop()
-        ranker.stop()
+        pin_threads(os.getpid(), saved)
+
+
+async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, list[int]]) -> dict[str, float]:
+    with pinned_here(cpus.get("client_and_ranker")):
+        ranker = ServiceProcess("services.ranker", "--device", "cpu")
+        target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
+        router = ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
+                                "--consume-signals", "false")  # fmt: skip
+        try:
+            router_port = router.wait_event("router_ready", 120)["port"]
+            if "router" in cpus:
+                pin_threads(router.proc.pid, cpus["router"])
+            direct = grpc.aio.insecure_channel(target)
+            routed = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
+            prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
+            req = rank_request(prefix, suffix, "bench")
+            d_stub, r_stub = pb_grpc.RankerStub(direct), pb_grpc.RankerStub(routed)
+            await time_calls(d_stub, req, 50)
+            await time_calls(r_stub, req, 50)
+            d_ms: list[float] = []
+            r_ms: list[float] = []
+            for _ in range(calls // 50):  # alternate in chunks: both see the same machine state
+                d_ms += await time_calls(d_stub, req, 50)
+                r_ms += await time_calls(r_stub, req, 50)
+            await direct.close()
+            await routed.close()
+        finally:
+            router.stop()
+            ranker.stop()
     return {
         "rank_p50_ms_direct": percentile(d_ms, 50),
         "rank_p99_ms_direct": percentile(d_ms, 99),
@@ -144,9 +192,9 @@ async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, f
     }
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, cpus: dict[str, list[int]]) -> dict[str, Any]:
     with EmbeddedBroker.start() as broker:
-        row = await router_overhead(args.calls, broker)
+        row = await router_overhead(args.calls, broker, cpus)
         row |= await trigger_throughput(args.events, broker)
     return row
 
@@ -155,19 +203,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=4000, help="Rank calls per path (direct, routed)")
+    parser.add_argument("--layout", choices=("pinned", "shared"), default="pinned",
+                        help="where the processes run (see above)")  # fmt: skip
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     import uvloop
 
-    row = uvloop.run(run(args))
+    cpus = layout_cpus(args.layout)
+    row = uvloop.run(run(args, cpus))
     for k, v in row.items():
         print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
-    config = vars(args) | {"machine_cores": __import__("os").cpu_count(), "host": socket.gethostname()}
+    config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
                "router_added_p99_ms", "trigger_events_per_s", "trigger_decision_p99_ms"]  # fmt: skip
-    kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
+    kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("router", config, [row], columns, **kwargs))
 
 

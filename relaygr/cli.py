@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--duration-s", type=float, default=60.0, help="replay length per configuration")
     demo.add_argument("--rate", type=float, default=1.5, help="offered ranking requests per second")
-    demo.add_argument("--slo-ms", type=float, default=150.0)
+    demo.add_argument("--slo-ms", type=float, default=None,
+                      help="ranking SLO (default: calibrated on this machine, the measured full ranking of "
+                      "the workload's p90-length request)")  # fmt: skip
     demo.add_argument("--rankers", type=int, default=1)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--core-only", action="store_true", help="only the model-level comparison (seconds)")

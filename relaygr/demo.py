@@ -3,9 +3,20 @@
 1. The core on its own: full inference vs pre-infer + cached ranking, same scores (a few seconds).
 2. The whole stack, twice (baseline: no pre-inference, no host tier; relay: everything on), each
    brought up with `relaygr up`'s launcher and driven by the same open-loop workload (retrieval
-   events to Kafka, ranking calls to the router after a gap, returning users), then torn down.
-Prints P50 / P99 / P99.9, SLO attainment and where calls were served, and writes the report to
-runs/demo-<time>.json and .md. CPU numbers show the mechanism, not GPU performance.
+   events to Kafka, ranking calls to the router after a gap, returning users) under the same SLO,
+   then torn down.
+3. The SLO is calibrated on this machine unless given: before its replay, each stack ranks a few
+   of the workload's requests in full through the router (the same calls on both stacks: their
+   warm-up), and on the baseline stack the SLO becomes the measured latency of the request at the
+   `slo_percentile` of the workload's prefix lengths. Longer requests cannot meet it when ranked
+   in full, which is what relay is for; the trigger pre-infers requests it predicts above
+   risk_fraction x SLO. A constant SLO fits one machine's speed only: on a faster one nothing is
+   at risk and the relay has nothing to show. The calibration states how many of the workload's
+   requests it puts at risk, by the ranker's own measurements fitted as the trigger fits them.
+Prints P50 / P99 / P99.9, SLO attainment, where calls were served and what the trigger decided,
+and writes the report to runs/demo-<time>.json and .md. If the relay pre-inferred nothing or
+served no call from HBM, the demo showed nothing: it says so loudly, with the trigger's decision
+counts, and exits with status 2. CPU numbers show the mechanism, not GPU performance.
 """
 
 from __future__ import annotations
@@ -13,60 +24,221 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import statistics
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.relay import CONFIGS, run_point
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.relay import CONFIGS, ranker_stats, run_point
 from bench.report import machine, markdown_table
-from bench.workload import WorkloadConfig
+from bench.workload import Materializer, PlannedRequest, Workload, WorkloadConfig, generate
 from relaygr.core_demo import print_core_demo, run_core_demo
 from relaygr.launcher import Stack, StackConfig
+from services.trigger.latency_model import LatencyModel, Sample
+from shared.modelspec import preset
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.stats import percentile
 
 RUNS_DIR = Path(__file__).resolve().parents[1] / "runs"
+PRESET = "tiny"
+# Percentiles of the workload's prefix lengths ranked for the calibration (the SLO's is added).
+CALIBRATION_PERCENTILES = (10.0, 50.0, 75.0, 100.0)
+# Probe calls use the workload's tokens under versions it never uses: no psi exists for them.
+PROBE_VERSION_OFFSET = 500_000_000
+EXIT_NOTHING_SHOWN = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     duration_s: float = 60.0
     rate_rps: float = 1.5
-    length_scale: float = 3.0  # ML-100K history lengths x3: p50 ~200, max ~2.2k tokens
-    slo_ms: float = 150.0
+    length_scale: float = 3.0  # ML-100K history lengths x3 (500 users, a minute: p50 ~100, max ~950 tokens)
+    slo_ms: float | None = None  # None: calibrated on this machine (see the module docstring)
+    slo_percentile: float = 90.0  # the SLO is the measured full ranking of this percentile's request
+    risk_fraction: float = 0.5  # the trigger's: at risk when predicted full ranking > this x SLO
     users: int = 500
     rankers: int = 1
     seed: int = 0
+    recent_tokens: int = 16
+    candidates: int = 32
+    probe_rounds: int = 7
+
+    def workload(self) -> WorkloadConfig:
+        return WorkloadConfig(
+            seed=self.seed,
+            duration_s=self.duration_s,
+            rate_rps=self.rate_rps,
+            users=self.users,
+            length_scale=self.length_scale,
+            recent_tokens=self.recent_tokens,
+            candidates=self.candidates,
+            version_base=1_000_000,
+        )
 
 
-def run_stack_demo(config: DemoConfig) -> list[dict[str, Any]]:
-    workload = WorkloadConfig(
-        seed=config.seed,
-        duration_s=config.duration_s,
-        rate_rps=config.rate_rps,
-        users=config.users,
-        length_scale=config.length_scale,
-        recent_tokens=16,
-        candidates=32,
-        version_base=1_000_000,
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The SLO both configurations run under, and what it puts at risk by this machine's timings."""
+
+    slo_ms: float
+    slo_source: str  # how slo_ms was chosen, in words
+    measured_ms: dict[int, float]  # prefix length -> median full ranking through the stack (ms)
+    at_risk_requests: int  # of the workload's, predicted (as the trigger would) above risk x SLO
+    requests: int
+    at_risk_from_prefix: int | None  # shortest at-risk prefix length in the workload (None: none)
+
+    def describe(self, risk_fraction: float) -> str:
+        timed = ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(self.measured_ms.items()))
+        at_risk = (
+            f"{self.at_risk_requests} of {self.requests} requests (prefix >= {self.at_risk_from_prefix} tokens)"
+            if self.at_risk_from_prefix is not None
+            else f"none of the {self.requests} requests"
+        )
+        return (
+            f"SLO {self.slo_ms:.1f} ms ({self.slo_source})\n"
+            f"full ranking through the stack, ms by prefix tokens: {timed}\n"
+            f"the trigger pre-infers requests whose full ranking it predicts above {risk_fraction:g} x SLO = "
+            f"{risk_fraction * self.slo_ms:.1f} ms: by the ranker's measurements, {at_risk}"
+        )
+
+
+def probe_requests(workload: Workload, slo_percentile: float) -> tuple[list[PlannedRequest], int]:
+    """A few of the workload's requests spanning its prefix lengths (one per distinct length), and
+    the prefix length at `slo_percentile` (one of theirs)."""
+    if not workload.requests:
+        raise ValueError("the workload has no requests")
+    by_length = {r.prefix_len: r for r in workload.requests}
+    lengths = [float(r.prefix_len) for r in workload.requests]
+    tail_len = int(percentile(lengths, slo_percentile))
+    probes = {int(percentile(lengths, q)) for q in CALIBRATION_PERCENTILES} | {tail_len}
+    return [by_length[n] for n in sorted(probes)], tail_len
+
+
+def calibrate(
+    workload: Workload,
+    measured_ms: dict[int, float],
+    samples: list[Sample],
+    slo_percentile: float,
+    risk_fraction: float,
+    slo_ms: float | None = None,
+) -> Calibration:
+    """The SLO: the measured ranking latency (`measured_ms`, by prefix length) of the workload's
+    request at `slo_percentile` of its prefix lengths, unless `slo_ms` is given. `samples` (the
+    ranker's full-ranking measurements) are fitted with the trigger's own latency model to count
+    the workload's requests that the SLO puts at risk on an idle instance."""
+    _, tail_len = probe_requests(workload, slo_percentile)
+    model = LatencyModel(preset(PRESET), assumed_tflops=1.0)
+    model.observe(samples)
+    if not model.calibrated:
+        raise ValueError("the ranker's measurements span fewer than 3 lengths: nothing to fit")
+    if slo_ms is None:
+        slo_ms = measured_ms[tail_len]
+        source = (
+            f"measured full ranking of the workload's p{slo_percentile:g}-length request, {tail_len} "
+            "prefix tokens: longer ones miss it when ranked in full"
+        )
+    else:
+        source = "given"
+    suffix = workload.config.recent_tokens + workload.config.candidates
+    threshold = risk_fraction * slo_ms
+    at_risk = [r.prefix_len for r in workload.requests if model.full_ms(r.prefix_len + suffix) > threshold]
+    return Calibration(
+        slo_ms, source, measured_ms, len(at_risk), len(workload.requests), min(at_risk, default=None)
     )
+
+
+async def probe_stack(
+    stack: Stack, workload: Workload, requests: list[PlannedRequest], rounds: int
+) -> tuple[dict[int, float], list[Sample]]:
+    """Ranks each request in full through the router, `rounds` times in turn (a burst of contention
+    from elsewhere on the machine then slows every length alike), after one untimed round (the
+    first calls of a fresh stack pay one-off costs: this is also the stack's warm-up). Returns the
+    median client latency by prefix length, and the ranker's full-ranking measurements as the
+    trigger reads them from Stats."""
+    materializer = Materializer.for_workload(workload)
+    latencies: dict[int, list[float]] = {r.prefix_len: [] for r in requests}
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}", options=options) as channel:
+        router = pb_grpc.RankerStub(channel)
+        for round_ in range(rounds + 1):
+            for r in requests:
+                probe = dataclasses.replace(r, prefix_version=r.prefix_version + PROBE_VERSION_OFFSET,
+                                            request_id=f"probe{round_}-{r.request_id}")  # fmt: skip
+                request = materializer.rank_request(probe)
+                started = time.perf_counter()
+                await router.Rank(request, timeout=60)
+                if round_:
+                    latencies[r.prefix_len].append((time.perf_counter() - started) * 1e3)
+    samples = []
+    for stats in await ranker_stats(stack.ranker_targets):
+        samples += [Sample(max(1, b.tokens // b.batch), b.compute_ms) for b in stats.recent_batches
+                    if b.full and b.batch > 0]  # fmt: skip
+    return {n: statistics.median(ms) for n, ms in latencies.items()}, samples
+
+
+def trigger_decisions(stack: Stack) -> dict[str, int]:
+    """The trigger's decision counts by reason, from its Prometheus endpoint."""
+    assert stack.trigger is not None
+    port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "relaygr_trigger_decisions":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["reason"]] = int(sample.value)
+    return counts
+
+
+def run_stack_demo(
+    config: DemoConfig, names: Sequence[str] = ("baseline", "relay")
+) -> tuple[Calibration, list[dict[str, Any]]]:
+    """Brings up each configuration in turn, probes it and replays the workload through it. The
+    SLO is calibrated on the first stack, which must be the baseline: its trigger never
+    pre-infers, so the SLO it was started with (before calibration) plays no part."""
+    if not names or names[0] != "baseline":
+        raise ValueError("the first configuration must be the baseline (the SLO is calibrated on it)")
+    workload = generate(config.workload())
+    probes, _ = probe_requests(workload, config.slo_percentile)
+    calibration: Calibration | None = None
     rows = []
-    for name in ("baseline", "relay"):
+    for name in names:
         print(
             f"\n[{name}] bringing the stack up ({config.rankers} ranker(s), CPU, tiny model) ...", flush=True
         )
+        slo_ms = calibration.slo_ms if calibration is not None else config.slo_ms or StackConfig.slo_ms
+        suffix_tokens = str(config.recent_tokens + config.candidates)
         stack_config = StackConfig(
             rankers=config.rankers,
-            slo_ms=config.slo_ms,
-            trigger_args=("--suffix-tokens", "48"),
+            slo_ms=slo_ms,
+            preset=PRESET,
+            trigger_args=("--suffix-tokens", suffix_tokens, "--risk-fraction", str(config.risk_fraction)),
             **CONFIGS[name],
         )
         with Stack(stack_config) as stack:
+            print(f"[{name}] ranking {len(probes)} of the workload's requests in full, {config.probe_rounds} "
+                  "times each (warm-up and calibration) ...", flush=True)  # fmt: skip
+            measured, samples = asyncio.run(probe_stack(stack, workload, probes, config.probe_rounds))
+            if calibration is None:
+                calibration = calibrate(workload, measured, samples, config.slo_percentile, config.risk_fraction,
+                                        config.slo_ms)  # fmt: skip
+                print(calibration.describe(config.risk_fraction), flush=True)
+                if calibration.at_risk_requests == 0:
+                    warn([f"no request of this workload is at risk under an SLO of {calibration.slo_ms:.1f} ms:",
+                          "the relay run will have nothing to pre-infer"])  # fmt: skip
             print(
                 f"[{name}] replaying {config.duration_s:.0f} s at {config.rate_rps} requests/s ...",
                 flush=True,
             )
             point = asyncio.run(
-                run_point(stack, workload, config.slo_ms, "rate", config.rate_rps, eps_sample=1)
+                run_point(stack, config.workload(), calibration.slo_ms, "rate", config.rate_rps, eps_sample=1)
             )
+            decisions = trigger_decisions(stack)
         s = point.summary
         rows.append(
             {
@@ -77,31 +249,69 @@ def run_stack_demo(config: DemoConfig) -> list[dict[str, Any]]:
                 "p99_ms": s["p99_ms"],
                 "p999_ms": s["p999_ms"],
                 "slo_attainment": s["slo_attainment"],
+                "preinfer_admitted": decisions.get("admitted", 0),
+                "psi_produced": int(point.rankers["psi_produced"]),
                 "hbm_hit": s.get("hbm_hit", 0.0) + s.get("inflight_join", 0.0),
                 "dram_reload": s.get("dram_reload", 0.0),
                 "full_recompute": s.get("full_recompute", 0.0),
                 "wasted_preinfer_rate": point.rankers["wasted_preinfer_rate"],
                 "eps_max": point.eps_max,
+                "trigger_decisions": decisions,
             }
         )
-    return rows
+    assert calibration is not None
+    return calibration, rows
+
+
+def relay_problems(relay: dict[str, Any]) -> list[str]:
+    """Why a relay run demonstrated nothing (empty when it pre-inferred and hit HBM)."""
+    problems = []
+    if relay["preinfer_admitted"] == 0:
+        problems.append(
+            f"the trigger admitted no pre-inference (its decisions: {relay.get('trigger_decisions')})"
+        )
+    if relay["psi_produced"] == 0:
+        problems.append("the rankers produced no psi")
+    if relay["hbm_hit"] == 0:
+        problems.append("no ranking call was served from HBM")
+    return problems
+
+
+def warn(lines: Sequence[str]) -> None:
+    bar = "!" * 100
+    print("\n".join([bar, *(f"!! {line}" for line in lines), bar]), flush=True)
 
 
 def main(config: DemoConfig) -> int:
     print_core_demo(run_core_demo(users=4, seed=config.seed, prefix_len=2000))
     started = time.time()
-    rows = run_stack_demo(config)
-    columns = list(rows[0])
+    shape = generate(config.workload()).describe()
+    print(f"\nworkload: {shape['requests']} requests over {config.duration_s:.0f} s, prefix tokens p50 "
+          f"{shape['prefix_len_p50']:.0f} / p90 {shape['prefix_len_p90']:.0f} / max {shape['prefix_len_max']:.0f}, "
+          f"{shape['returning_fraction']:.0%} returning")  # fmt: skip
+    calibration, rows = run_stack_demo(config)
     base, relay = rows
     ratio = base["p99_ms"] / relay["p99_ms"] if relay["p99_ms"] else float("nan")
-    print(f"\nrelay vs baseline on the CPU (SLO {config.slo_ms:g} ms, {config.rate_rps} req/s, "
-          f"{config.duration_s:.0f} s each): P99 {base['p99_ms']:.1f} -> {relay['p99_ms']:.1f} ms ({ratio:.2f}x)")  # fmt: skip
+    print(f"\nrelay vs baseline on the CPU (SLO {calibration.slo_ms:.1f} ms, {config.rate_rps} req/s, "
+          f"{config.duration_s:.0f} s each): P99 {base['p99_ms']:.1f} -> {relay['p99_ms']:.1f} ms ({ratio:.2f}x), "
+          f"SLO attainment {base['slo_attainment']:.1%} -> {relay['slo_attainment']:.1%}")  # fmt: skip
+    columns = [c for c in rows[0] if c != "trigger_decisions"]
     print(markdown_table(rows, columns))
+    print(f"trigger decisions (relay): {relay['trigger_decisions']}")
+    problems = relay_problems(relay)
+    if problems:
+        warn(["the relay run demonstrated nothing:", *problems,
+              "the trigger's trigger_decisions log lines (relaygr up streams them) show its latency model"])  # fmt: skip
     RUNS_DIR.mkdir(exist_ok=True)
     stem = RUNS_DIR / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     report = {"machine": machine(), "config": dataclasses.asdict(config) | {"wall_s": time.time() - started},
-              "results": rows}  # fmt: skip
+              "workload": shape, "calibration": dataclasses.asdict(calibration), "results": rows,
+              "problems": problems}  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(f"# relaygr demo (CPU)\n\n{markdown_table(rows, columns)}")
+    stem.with_suffix(".md").write_text(
+        f"# relaygr demo (CPU)\n\n{calibration.describe(config.risk_fraction)}\n\n{markdown_table(rows, columns)}"
+    )
     print(f"wrote {stem}.json and .md")
-    return 0 if base["failed"] == 0 and relay["failed"] == 0 else 1
+    if base["failed"] or relay["failed"]:
+        return 1
+    return EXIT_NOTHING_SHOWN if problems else 0

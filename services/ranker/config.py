@@ -72,9 +72,11 @@ class RankerConfig(TlsSettings):
                                                  "and itself take, at the measured rate, at most this share of its "
                                                  "remaining deadline; else RESOURCE_EXHAUSTED at once",
                                                  check=fraction)  # fmt: skip
-    admission_min_limit: int = setting(1, env="RELAYGR_ADMISSION_MIN_LIMIT",
-                                       help="the adaptive limit never goes below this many calls in flight",
-                                       check=positive)  # fmt: skip
+    # A burst of a few batches is normal traffic, not overload: below this the limit would refuse
+    # calls whose deadline leaves plenty of time (the deadline check still refuses those that lack it).
+    admission_min_limit: int = setting(0, env="RELAYGR_ADMISSION_MIN_LIMIT",
+                                       help="the adaptive limit never goes below this many calls in flight "
+                                       "(0: 4 x max_batch)", check=non_negative)  # fmt: skip
     admission_prior_rps: float = setting(16.0, env="RELAYGR_ADMISSION_PRIOR_RPS",
                                          help="Rank calls/s assumed before any is measured (worth 8 calls: it "
                                          "fades as calls complete)", check=positive)  # fmt: skip
@@ -112,15 +114,18 @@ class RankerConfig(TlsSettings):
         self.validate_tls()
         if self.default_lease_ms > self.max_lease_ms:
             raise ConfigError("RELAYGR_LEASE_MS must not exceed RELAYGR_MAX_LEASE_MS")
-        if self.admission_min_limit > self.max_inflight_ranks:
-            raise ConfigError("RELAYGR_ADMISSION_MIN_LIMIT must not exceed RELAYGR_MAX_INFLIGHT_RANKS")
+        if (self.admission_min_limit or 4 * self.max_batch) > self.max_inflight_ranks:
+            raise ConfigError(
+                "RELAYGR_ADMISSION_MIN_LIMIT (0: 4 x RELAYGR_MAX_BATCH) must not exceed "
+                "RELAYGR_MAX_INFLIGHT_RANKS"
+            )
 
     @property
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(
             target_s=self.admission_target_ms / 1e3,
             deadline_fraction=self.admission_deadline_fraction,
-            min_limit=self.admission_min_limit,
+            min_limit=self.admission_min_limit or 4 * self.max_batch,
             max_limit=self.max_inflight_ranks,
             prior_rps=self.admission_prior_rps,
             window_s=self.admission_window_s,

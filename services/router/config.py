@@ -109,6 +109,10 @@ class RouterConfig(KafkaSettings, TlsSettings):
         "deadline (0: no cap)",
         check=non_negative,
     )  # fmt: skip
+    overload_retries: int = setting(
+        1, env="RELAYGR_ROUTER_OVERLOAD_RETRIES",
+        help="other instances tried after an instance answers RESOURCE_EXHAUSTED (0: none)", check=non_negative,
+    )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
         check=positive,

@@ -1,8 +1,9 @@
 """Which ranker instances are up, and how loaded: a static target list, health-checked.
 
 One grpc.aio channel per target, created inside the running loop by `start()` and reused by every
-call (health checks, Stats polls, forwarded Rank / PreInfer). A background task checks every
-target each `check_interval_s`:
+call (health checks, Stats polls, forwarded Rank / PreInfer). Rank and PreInfer are forwarded as
+serialized bytes (`call`): methods with no serializers, registered with the channel once. A
+background task checks every target each `check_interval_s`:
 
 * grpc.health.v1 `Check` on "relaygr.v1.Ranker" with a short deadline. A target is dropped after
   `fail_after` consecutive failures, i.e. within about fail_after x (interval + timeout) of dying,
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ from shared.tls import PLAINTEXT, TlsSettings
 
 log = get_logger("router.membership")
 RANKER_HEALTH_NAME = "relaygr.v1.Ranker"
+# The methods forwarded as bytes (`Membership.call`), by the router's method name.
+FORWARDED_METHODS = {"rank": "/relaygr.v1.Ranker/Rank", "preinfer": "/relaygr.v1.Ranker/PreInfer"}
 
 
 @dataclass
@@ -45,6 +48,8 @@ class _Target:
     channel: grpc.aio.Channel
     stub: pb_grpc.RankerStub
     health: health_pb2_grpc.HealthStub
+    # Bytes in, bytes out: the router passes requests and replies through unchanged.
+    raw: dict[str, grpc.aio.UnaryUnaryMultiCallable]
     healthy: bool = False
     failures: int = 0
     polled_load: float = 0.0
@@ -93,6 +98,7 @@ class Membership:
         self._on_change = on_change
         self.tls = tls
         self._state: dict[str, _Target] = {}
+        self._members: tuple[str, ...] = ()  # the healthy targets, kept by _set
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -105,8 +111,12 @@ class Membership:
         opts = channel_options(self.max_message_mb)
         for address in self.targets:
             channel = self.tls.channel(address, options=opts)
+            raw = {
+                name: channel.unary_unary(path, _registered_method=True)
+                for name, path in FORWARDED_METHODS.items()
+            }
             self._state[address] = _Target(
-                address, channel, pb_grpc.RankerStub(channel), health_pb2_grpc.HealthStub(channel)
+                address, channel, pb_grpc.RankerStub(channel), health_pb2_grpc.HealthStub(channel), raw
             )
         await self._round()
         for state in self._state.values():
@@ -134,6 +144,11 @@ class Membership:
             if t.healthy
         ]
 
+    def members(self) -> tuple[str, ...]:
+        """The healthy targets in target-list order: what `healthy()` lists, without building load
+        figures (the routed call's fast path, when there is no choice to balance)."""
+        return self._members
+
     def is_healthy(self, target: str) -> bool:
         state = self._state.get(target)
         return state is not None and state.healthy
@@ -146,15 +161,18 @@ class Membership:
         """The last Stats reply of every healthy target that has answered one."""
         return {t.address: t.stats for t in self._state.values() if t.healthy and t.stats is not None}
 
-    @contextlib.contextmanager
-    def track(self, target: str) -> Iterator[None]:
-        """Counts a forwarded call as in flight to `target` while the block runs."""
+    async def call(self, target: str, method: str, request: bytes, timeout_s: float) -> bytes:
+        """One forwarded call ("rank" | "preinfer", FORWARDED_METHODS) of serialized `request` to
+        `target`, counted as in flight to it while it runs; the reply's bytes, unparsed. Raises
+        grpc.aio.AioRpcError as the call does, KeyError for an unknown target or method."""
         state = self._state[target]
+        invoke = state.raw[method]
         state.inflight += 1
         try:
-            yield
+            reply: bytes = await invoke(request, timeout=timeout_s)
         finally:
             state.inflight -= 1
+        return reply
 
     # ------------------------------------------------------------------ failures
 
@@ -174,6 +192,7 @@ class Membership:
         if not healthy:
             state.stats = None
         members = [t.address for t in self._state.values() if t.healthy]
+        self._members = tuple(members)
         log.info(
             "ranker_joined" if healthy else "ranker_left",
             target=state.address,

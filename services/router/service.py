@@ -3,6 +3,13 @@
 One owner object, `RouterService`, with `start()` / `run()` / `shutdown()` and named background
 tasks ("membership-health", "residency-expire", "signals").
 
+Pass-through: Rank and PreInfer are received and forwarded as the caller's serialized bytes, and
+the ranker's reply bytes go back unchanged (no parse and re-serialise of requests that carry whole
+prefixes). Placement reads user_id and prefix_version from the bytes (`passthrough`); a request
+that is not a protobuf message at all is answered INVALID_ARGUMENT here, anything subtler is the
+ranker's to reject (its status passes through). A PreInfer's reply is parsed (it is small) for
+the outcome the residency map needs. Stats is the router's own answer.
+
 Placement (the same for a user's pre-inference and its ranking call, so both find one psi):
   1. the residency map: where this router forwarded an accepted PreInfer for this user and prefix
      version, while its lease has not passed and that instance is healthy;
@@ -12,7 +19,8 @@ Placement (the same for a user's pre-inference and its ranking call, so both fin
 Forwarding (Rank and PreInfer are both idempotent, so retrying is safe): each attempt gets the
 caller's remaining deadline (capped by rank_attempt_timeout_ms when set). UNAVAILABLE marks the
 instance failed (it leaves membership until a health check passes) and retries on the next one;
-RESOURCE_EXHAUSTED (overloaded), CANCELLED (server going away) and an attempt's own
+RESOURCE_EXHAUSTED (overloaded: at most overload_retries more instances, so a shedding fleet
+answers fast instead of multiplying its load), CANCELLED (server going away) and an attempt's own
 DEADLINE_EXCEEDED (only when the cap, not the caller's deadline, ran out) retry on the next one
 without marking it. Any other status (INVALID_ARGUMENT, ...) is the caller's answer and passes
 through unchanged. No healthy instance: UNAVAILABLE "no healthy ranker instance".
@@ -31,9 +39,8 @@ import collections
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Awaitable
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 import orjson
@@ -47,18 +54,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.ranker.wire import prefix_from_proto
 from services.router.config import RouterConfig
 from services.router.membership import Membership
+from services.router.passthrough import MalformedMessage, preinfer_key, rank_key
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
 from shared.kafka import ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
-from shared.protos import events_pb2, ranker_pb2_grpc
+from shared.protos import events_pb2
 from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
 from shared.wire import WireError
 
 log = get_logger("router")
 SERVICE_NAME = "relaygr.v1.Router"
+RANKER_SERVICE = pb.DESCRIPTOR.services_by_name["Ranker"].full_name
 SIGNAL_SCHEMA_VERSION = 1
 _ACCEPTED = frozenset(
     {
@@ -77,7 +86,6 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
-Reply = TypeVar("Reply", pb.RankReply, pb.PreInferReply)
 
 
 class ForwardError(Exception):
@@ -95,10 +103,24 @@ class _Malformed(ValueError):
     """A signal that can never be forwarded: it goes to the DLQ with this reason."""
 
 
-@dataclass(frozen=True)
-class _Placement:
+class _Placement(NamedTuple):
     order: list[str]
-    source: str  # "residency" | "hash"
+    source: str  # "residency" | "hash" | "round_robin" | "none"
+
+
+class _Children:
+    """A labelled metric's children, looked up once per label values: `labels()` validates and
+    takes a lock on every call, too slow for every routed call (children are never removed)."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class _Metrics:
@@ -120,9 +142,13 @@ class _Metrics:
                                registry=registry)  # fmt: skip
         self.signals = Counter("relaygr_router_signals_total", "pre-infer signals by outcome "
                                "(forwarded, refused, dlq, lost, stale)", ["outcome"], registry=registry)  # fmt: skip
+        self.latency_of = _Children(self.latency_ms)
+        self.attempts_of = _Children(self.attempts)
+        self.retries_of = _Children(self.retries)
+        self.placement_of = _Children(self.placement)
 
 
-class RouterService(ranker_pb2_grpc.RankerServicer):
+class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         if not config.rankers:
             raise ValueError("RouterConfig.rankers is empty: load it with load_config (it validates)")
@@ -170,10 +196,24 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             ("grpc.so_reuseport", 0),
         ]
         self._server = grpc.aio.server(options=opts)
-        ranker_pb2_grpc.add_RankerServicer_to_server(self, self._server)
+        # Rank and PreInfer: bytes in, bytes out (no deserializer / serializer); Stats is parsed.
+        handlers = {
+            "Rank": grpc.unary_unary_rpc_method_handler(self.Rank),
+            "PreInfer": grpc.unary_unary_rpc_method_handler(self.PreInfer),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                self.Stats,
+                request_deserializer=pb.StatsRequest.FromString,
+                response_serializer=pb.StatsReply.SerializeToString,
+            ),
+        }
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(RANKER_SERVICE, handlers),)
+        )
+        self._server.add_registered_method_handlers(RANKER_SERVICE, handlers)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        # Reflection describes the Ranker service from the descriptor pool, handlers aside.
         names = (
-            pb.DESCRIPTOR.services_by_name["Ranker"].full_name,
+            RANKER_SERVICE,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         )
@@ -266,38 +306,39 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
     def place(self, user_id: int, prefix_version: int, method: str) -> _Placement:
         """The instance order for this user: a live residency entry on a healthy instance first,
         then the rendezvous / bounded-load order. Empty when no instance is healthy."""
-        instances = self.membership.healthy()
-        if not instances:
+        members = self.membership.members()
+        if not members:
             return _Placement([], "none")
         if method == "rank" and self.config.placement == "round_robin":
             # The no-affinity ablation: ranking calls ignore where psi lives (signals still hash).
             self._round_robin += 1
-            start = self._round_robin % len(instances)
-            order = [i.id for i in instances[start:] + instances[:start]]
-            self.metrics.placement.labels(method, "round_robin").inc()
+            start = self._round_robin % len(members)
+            order = list(members[start:] + members[:start])
+            self.metrics.placement_of(method, "round_robin").inc()
             return _Placement(order, "round_robin")
-        order = preference(user_id, instances, self.config.load_factor, slack=self.config.load_slack)
+        if len(members) == 1:
+            order = [members[0]]  # what preference() returns for one instance, without hashing
+        else:
+            order = preference(
+                user_id, self.membership.healthy(), self.config.load_factor, slack=self.config.load_slack
+            )
         entry = self.residency.lookup(user_id, prefix_version, time.monotonic())
         source = "hash"
         if entry is not None and entry.instance in order:
             order.remove(entry.instance)
             order.insert(0, entry.instance)
             source = "residency"
-        self.metrics.placement.labels(method, source).inc()
+        self.metrics.placement_of(method, source).inc()
         return _Placement(order, source)
 
     async def forward(
-        self,
-        method: str,
-        user_id: int,
-        prefix_version: int,
-        call: Callable[[ranker_pb2_grpc.RankerStub, float], Awaitable[Reply]],
-        deadline: float,
-    ) -> tuple[str, Reply]:
+        self, method: str, user_id: int, prefix_version: int, request: bytes, deadline: float
+    ) -> tuple[str, bytes]:
         """Sends one idempotent call along the user's placement order until an instance answers.
 
-        `call(stub, timeout_s)` makes one attempt; `deadline` is on time.monotonic(). Returns
-        (target, reply); raises ForwardError with the status the caller should get.
+        `method` is "rank" or "preinfer", `request` the serialized request (sent unchanged to each
+        attempt), `deadline` on time.monotonic(). Returns (target, the reply's bytes); raises
+        ForwardError with the status the caller should get.
         """
         placement = self.place(user_id, prefix_version, method)
         if not placement.order:
@@ -309,8 +350,9 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
         failures: list[str] = []
         last_code = grpc.StatusCode.UNAVAILABLE
         attempt = 0
-        order = list(placement.order)
+        order = placement.order
         extended = False
+        overloaded = 0  # RESOURCE_EXHAUSTED answers so far
         position = -1
         while position + 1 < len(order):
             position += 1
@@ -322,24 +364,35 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             if attempt and not self.membership.is_healthy(target):
                 continue  # dropped since the order was computed (e.g. by a concurrent call)
             if attempt:
-                self.metrics.retries.labels(method).inc()
+                self.metrics.retries_of(method).inc()
             attempt += 1
             # The cap lets a frozen instance cost a retry, not the whole deadline; the last healthy
             # candidate gets all that is left (there is nowhere else to go).
-            last = not any(self.membership.is_healthy(t) for t in order[position + 1 :])
-            timeout = min(remaining, cap) if cap > 0 and not last else remaining
+            timeout = remaining
+            if (
+                cap > 0
+                and position + 1 < len(order)
+                and any(self.membership.is_healthy(t) for t in order[position + 1 :])
+            ):
+                timeout = min(remaining, cap)
             try:
-                with self.membership.track(target):
-                    reply = await call(self.membership.stub(target), timeout)
+                reply = await self.membership.call(target, method, request, timeout)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                self.metrics.attempts.labels(method, code.name.lower()).inc()
+                self.metrics.attempts_of(method, code.name.lower()).inc()
                 if code not in _RETRYABLE:
                     raise ForwardError(code, exc.details() or code.name, client_error=True) from None
                 if code is grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= remaining:
                     last_code = code  # the caller's own deadline ran out, not just this attempt's
                     failures.append(f"{target}: {code.name}")
                     break
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded += 1
+                    last_code = code
+                    failures.append(f"{target}: {code.name} {exc.details() or ''}".rstrip())
+                    if overloaded > self.config.overload_retries:
+                        break  # the fleet is shedding: answer now rather than spread the load further
+                    continue
                 if code is grpc.StatusCode.UNAVAILABLE:
                     self.membership.mark_failed(target, f"{method} UNAVAILABLE")
                 elif (
@@ -349,13 +402,13 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
                 ):
                     # Only the cap ran out and no other healthy instance is left (one may have
                     # failed meanwhile): one last, uncapped try where it is healthy.
-                    order += [t for t in placement.order if self.membership.is_healthy(t)][:1]
+                    order = order + [t for t in placement.order if self.membership.is_healthy(t)][:1]
                     extended = True
                 last_code = code
                 failures.append(f"{target}: {code.name} {exc.details() or ''}".rstrip())
                 log.debug("attempt_failed", method=method, target=target, code=code.name, user=user_id)
                 continue
-            self.metrics.attempts.labels(method, "ok").inc()
+            self.metrics.attempts_of(method, "ok").inc()
             return target, reply
         detail = "; ".join(failures) if failures else "no attempt made"
         if last_code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -374,56 +427,58 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
             return time.monotonic() + self.config.default_lease_ms / 1e3
         return time.monotonic() + (lease_deadline_unix_ms - time.time() * 1e3) / 1e3
 
-    def _record(self, target: str, request: pb.PreInferRequest, reply: pb.PreInferReply) -> None:
+    async def _preinfer(
+        self, request: bytes, user_id: int, prefix_version: int, lease_deadline_unix_ms: int, deadline: float
+    ) -> tuple[pb.PreInferReply, bytes]:
+        """Forwards a serialized PreInferRequest (its placement key and lease already read from it);
+        an accepted one is recorded in the residency map. Returns the reply parsed and as sent."""
+        target, raw = await self.forward("preinfer", user_id, prefix_version, request, deadline)
+        try:
+            reply = pb.PreInferReply.FromString(raw)
+        except DecodeError:
+            raise ForwardError(
+                grpc.StatusCode.INTERNAL, f"{target} sent an undecodable PreInferReply"
+            ) from None
         if reply.outcome in _ACCEPTED:
-            prefix = request.prefix
+            now = time.monotonic()
             self.residency.record(
-                prefix.user_id,
-                prefix.prefix_version,
-                target,
-                self._lease_deadline(request.lease_deadline_unix_ms),
-                time.monotonic(),
+                user_id, prefix_version, target, self._lease_deadline(lease_deadline_unix_ms), now
             )
-
-    async def _preinfer(self, request: pb.PreInferRequest, deadline: float) -> tuple[str, pb.PreInferReply]:
-        def call(stub: ranker_pb2_grpc.RankerStub, timeout: float) -> Awaitable[pb.PreInferReply]:
-            return stub.PreInfer(request, timeout=timeout)
-
-        prefix = request.prefix
-        target, reply = await self.forward("preinfer", prefix.user_id, prefix.prefix_version, call, deadline)
-        self._record(target, request, reply)
-        return target, reply
+        return reply, raw
 
     # ------------------------------------------------------------------ gRPC handlers
 
-    async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankReply:
-        """Forwards to the user's instance (residency, else hash), retrying as the module says."""
+    async def Rank(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A serialized RankRequest, forwarded unchanged to the user's instance (residency, else
+        hash), retrying as the module says; the ranker's RankReply bytes are the answer."""
         started = time.perf_counter()
-
-        def call(stub: ranker_pb2_grpc.RankerStub, timeout: float) -> Awaitable[pb.RankReply]:
-            return stub.Rank(request, timeout=timeout)
-
         try:
-            _, reply = await self.forward(
-                "rank", request.user_id, request.prefix_version, call, self._deadline(context)
-            )
+            user_id, prefix_version = rank_key(request)
+            _, reply = await self.forward("rank", user_id, prefix_version, request, self._deadline(context))
+        except MalformedMessage as exc:
+            self._observe("rank", "invalid_argument", started)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed RankRequest: {exc}")
         except ForwardError as exc:
             self._observe("rank", exc.code.name.lower(), started)
-            await _abort(context, exc)
+            await _abort(context, exc.code, exc.message)
         self._observe("rank", "ok", started)
         return reply
 
-    async def PreInfer(
-        self, request: pb.PreInferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PreInferReply:
-        """Forwards with the same placement as Rank; an accepted PreInfer is recorded in the
-        residency map so the user's ranking call follows it."""
+    async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A serialized PreInferRequest, forwarded with the same placement as Rank; an accepted one
+        is recorded in the residency map so the user's ranking call follows it."""
         started = time.perf_counter()
         try:
-            _, reply = await self._preinfer(request, self._deadline(context))
+            user_id, prefix_version, lease_ms = preinfer_key(request)
+            _, reply = await self._preinfer(
+                request, user_id, prefix_version, lease_ms, self._deadline(context)
+            )
+        except MalformedMessage as exc:
+            self._observe("preinfer", "invalid_argument", started)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed PreInferRequest: {exc}")
         except ForwardError as exc:
             self._observe("preinfer", exc.code.name.lower(), started)
-            await _abort(context, exc)
+            await _abort(context, exc.code, exc.message)
         self._observe("preinfer", "ok", started)
         return reply
 
@@ -453,7 +508,7 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
 
     def _observe(self, method: str, result: str, started: float) -> None:
         ms = (time.perf_counter() - started) * 1e3
-        self.metrics.latency_ms.labels(method, result).observe(ms)
+        self.metrics.latency_of(method, result).observe(ms)
         if method == "rank" and result == "ok":
             self._rank_ms.append(ms)
 
@@ -542,16 +597,21 @@ class RouterService(ranker_pb2_grpc.RankerServicer):
         if 0 < lease_ms <= time.time() * 1e3:
             log.info("signal_stale", request_id=signal_msg.request_id, user=signal_msg.prefix.user_id)
             return "stale"  # its ranking call is over: pre-inferring now would only waste work
+        prefix = signal_msg.prefix
         request = pb.PreInferRequest(
-            request_id=signal_msg.request_id, prefix=signal_msg.prefix, lease_deadline_unix_ms=lease_ms
-        )
+            request_id=signal_msg.request_id, prefix=prefix, lease_deadline_unix_ms=lease_ms
+        ).SerializeToString()
         error: ForwardError | None = None
         for attempt in range(self.config.signal_retries):
             if attempt:
                 await asyncio.sleep(min(self.config.check_interval_s, 0.5) * attempt)
             try:
-                _, reply = await self._preinfer(
-                    request, time.monotonic() + self.config.preinfer_timeout_ms / 1e3
+                reply, _ = await self._preinfer(
+                    request,
+                    prefix.user_id,
+                    prefix.prefix_version,
+                    lease_ms,
+                    time.monotonic() + self.config.preinfer_timeout_ms / 1e3,
                 )
             except ForwardError as exc:
                 if exc.client_error:
@@ -586,8 +646,8 @@ def _log_unexpected_exit(task: asyncio.Task[None]) -> None:
         log.error("background_task_died", task=task.get_name(), error=repr(task.exception()))
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ForwardError) -> NoReturn:
-    await context.abort(exc.code, exc.message)
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 

@@ -53,6 +53,9 @@ class TriggerConfig(KafkaSettings, TlsSettings):
     suffix_tokens_estimate: int = setting(320, env="RELAYGR_SUFFIX_TOKENS",
                                           help="recent + candidate tokens added to the prefix in the estimate",
                                           check=non_negative)  # fmt: skip
+    report_interval_s: float = setting(10.0, env="RELAYGR_TRIGGER_REPORT_INTERVAL_S",
+                                       help="period of the trigger_decisions log line (decision counts, latency "
+                                       "model), logged only when something was decided", check=positive)  # fmt: skip
     metrics_port: int = setting(0, env="RELAYGR_TRIGGER_METRICS_PORT", help="Prometheus port (0: pick)",
                                 check=port_number)  # fmt: skip
     log_level: str = setting("info", env="RELAYGR_LOG_LEVEL", help="log level",

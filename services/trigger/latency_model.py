@@ -3,19 +3,27 @@
 Full ranking of n tokens costs about a + b*n + c*n^2 ms on an instance (projections are linear in
 n, attention quadratic). The coefficients are refitted by least squares from the batches each
 ranker reports in Stats (LatencySample: tokens per request, compute ms), so the model follows the
-real device, batch behaviour and load. Before any sample exists it uses the model's FLOPs at an
-assumed device rate. A request also waits behind the instance's queue: `predict` adds
-queue_depth x the latency of an average queued request.
+real device, batch behaviour and load; samples far off a first fit, relative to its prediction,
+are dropped before the final one (stalls, contention bursts). Before any sample exists it uses the
+model's FLOPs at an assumed device rate. A request also waits behind the instance's queue:
+`predict` adds queue_depth x the latency of an average queued request.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from shared.modelspec import ModelSpec
+
+OUTLIER_MEDIANS = 3.0  # a sample is an outlier beyond this many median relative residuals ...
+MIN_OUTLIER_RATIO = 0.5  # ... and beyond +-50% of the prediction
+# Every non-empty subset of the terms (intercept, linear, quadratic), for the non-negative fit.
+_TERM_SUBSETS = [list(t) for k in (1, 2, 3) for t in itertools.combinations(range(3), k)]
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class LatencyModel:
     window: int = 512
     _samples: collections.deque[Sample] = field(default_factory=collections.deque)
     _coef: tuple[float, float, float] | None = None
+    kept: int = 0  # samples the last fit used (the rest were judged outliers)
 
     def __post_init__(self) -> None:
         self._samples = collections.deque(maxlen=self.window)
@@ -49,23 +58,48 @@ class LatencyModel:
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
         coef = self._fit(n, y)
         # One refit without outliers (a stalled batch, a burst of contention): they would drag
-        # every prediction up and make the trigger admit requests that are not at risk.
-        residual = np.abs(y - (coef[0] + coef[1] * n + coef[2] * n * n))
-        keep = residual <= 3 * max(float(np.median(residual)), 1e-3)
-        if keep.sum() >= 3 and not keep.all() and len(set(n[keep].tolist())) >= 3:
+        # every prediction up and make the trigger admit requests that are not at risk. Residuals
+        # are judged relative to the prediction: timing noise grows with the batch's cost, and an
+        # absolute bound set by the many short requests would discard the few long ones, the very
+        # measurements the at-risk decision rests on.
+        keep = self._inliers(n, y, coef)
+        self.kept = int(keep.sum())
+        if self.kept >= 3 and not keep.all() and len(set(n[keep].tolist())) >= 3:
             coef = self._fit(n[keep], y[keep])
+        else:
+            self.kept = len(y)
         self._coef = coef
 
     @staticmethod
+    def _inliers(n: np.ndarray, y: np.ndarray, coef: tuple[float, float, float]) -> np.ndarray:
+        a, b, c = coef
+        predicted = np.maximum(a + b * n + c * n * n, 1e-3)
+        relative = np.abs(y - predicted) / predicted
+        # Within MIN_OUTLIER_RATIO of the fit is never an outlier: with a near-perfect fit the
+        # median residual is ~0 and any jitter would otherwise count.
+        return relative <= max(OUTLIER_MEDIANS * float(np.median(relative)), MIN_OUTLIER_RATIO)
+
+    @staticmethod
     def _fit(n: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+        """Least squares with every coefficient >= 0 (a negative one would predict impossible
+        speed-ups somewhere). Exact for three terms: the constrained optimum is the unconstrained
+        fit on some subset of the terms, so the best feasible subset fit is it. Clamping a
+        negative coefficient of the full fit instead leaves the others fitted to compensate for
+        it, e.g. an intercept inflated several times over when the linear term came out negative."""
         design = np.stack([np.ones_like(n), n, n * n], axis=1)
-        solved, *_ = np.linalg.lstsq(design, y, rcond=None)
-        a, b, c = (float(v) for v in solved)
-        # A negative term would predict impossible speed-ups at long lengths: clamp, refit the rest.
-        if c < 0:
-            linear, *_ = np.linalg.lstsq(design[:, :2], y, rcond=None)
-            a, b, c = float(linear[0]), float(linear[1]), 0.0
-        return max(a, 0.0), max(b, 0.0), max(c, 0.0)
+        best: tuple[float, tuple[float, float, float]] | None = None
+        for terms in _TERM_SUBSETS:
+            solved, *_ = np.linalg.lstsq(design[:, terms], y, rcond=None)
+            if (solved < 0).any():
+                continue
+            coef = [0.0, 0.0, 0.0]
+            for term, value in zip(terms, solved, strict=True):
+                coef[term] = float(value)
+            sse = float(np.sum((design @ np.array(coef) - y) ** 2))
+            if best is None or sse < best[0]:
+                best = (sse, (coef[0], coef[1], coef[2]))
+        assert best is not None  # the intercept alone (the mean of positive samples) is feasible
+        return best[1]
 
     def full_ms(self, tokens: int) -> float:
         """Predicted compute of one full ranking of `tokens` tokens on an idle instance."""
@@ -80,3 +114,29 @@ class LatencyModel:
         """Latency of a full ranking: its compute plus the queue ahead of it."""
         wait = queue_depth * self.full_ms(queued_tokens) if queue_depth else 0.0
         return self.full_ms(tokens) + wait
+
+    def min_tokens_over(self, ms: float, limit: int = 1 << 24) -> int | None:
+        """The fewest tokens whose predicted full ranking exceeds `ms` (None: none up to `limit`).
+        full_ms never decreases with length (coefficients >= 0), so a bisection finds it."""
+        if self.full_ms(limit) <= ms:
+            return None
+        lo, hi = 0, limit  # full_ms(lo) <= ms < full_ms(hi), unless lo = 0 is already over
+        if self.full_ms(0) > ms:
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.full_ms(mid) > ms:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def describe(self) -> dict[str, Any]:
+        """The model's state, for logs: fitted or not, coefficients, samples used."""
+        coef = None if self._coef is None else [float(f"{v:.6g}") for v in self._coef]
+        return {
+            "calibrated": self.calibrated,
+            "coef_ms": coef,
+            "samples": len(self._samples),
+            "kept": self.kept,
+        }

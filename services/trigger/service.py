@@ -120,6 +120,9 @@ class _Metrics:
         self.calibrated = Gauge(
             "relaygr_trigger_latency_model_calibrated", "1 once fitted", registry=registry
         )
+        self.at_risk_from = Gauge("relaygr_trigger_at_risk_from_prefix_tokens",
+                                  "shortest prefix judged at risk on an idle instance (-1: none)",
+                                  registry=registry)  # fmt: skip
 
 
 class TriggerService:
@@ -303,11 +306,36 @@ class TriggerService:
     async def _poll_stats(self) -> None:
         """Absorbs the rankers' Stats, which the membership polls with its health checks."""
         assert self.membership is not None
+        reported: dict[str, int] = dict(self.counts)
+        next_report = time.monotonic() + self.config.report_interval_s
         while True:
+            was_calibrated = self.latency.calibrated
             for target, stats in self.membership.stats().items():
                 self._absorb(target, stats)
             self.metrics.calibrated.set(1 if self.latency.calibrated else 0)
+            at_risk_from = self.at_risk_from_prefix_tokens()
+            self.metrics.at_risk_from.set(-1 if at_risk_from is None else at_risk_from)
+            if self.latency.calibrated and not was_calibrated:
+                log.info("latency_model_calibrated", at_risk_from_prefix_tokens=at_risk_from,
+                         **self.latency.describe())  # fmt: skip
+            now = time.monotonic()
+            if now >= next_report:
+                next_report = now + self.config.report_interval_s
+                # Periodic, so that a trigger that admits nothing says so (and why) while it runs.
+                if self.counts != reported:
+                    reported = dict(self.counts)
+                    log.info("trigger_decisions", decisions=reported, at_risk_from_prefix_tokens=at_risk_from,
+                             risk_ms=self.bounds.risk_fraction * self.bounds.slo_ms,
+                             **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
+
+    def at_risk_from_prefix_tokens(self) -> int | None:
+        """The shortest prefix whose full ranking on an idle instance is predicted to exceed
+        risk_fraction x SLO (None: none is). Queues ahead of a request lower it."""
+        tokens = self.latency.min_tokens_over(self.bounds.risk_fraction * self.bounds.slo_ms)
+        if tokens is None:
+            return None
+        return max(0, tokens - self.config.suffix_tokens_estimate)
 
     def _absorb(self, target: str, stats: pb.StatsReply) -> None:
         ledger = self.ledgers[target]

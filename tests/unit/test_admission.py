@@ -7,6 +7,7 @@ with a tolerance of a few percent.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -294,14 +295,18 @@ def test_ranker_settings_build_the_limiter_config():
         target_s=0.1, deadline_fraction=0.8, min_limit=2, max_limit=64, window_s=0.5, shed_s=0.0
     )
     assert load_config(RankerConfig, ["--admission-prior-rps", "4"], env={}).admission.prior_rps == 4.0
-    assert load_config(RankerConfig, [], env={}).admission == AdmissionConfig()  # one set of defaults
+    # One set of defaults, except the floor, which the ranker derives from its batch size.
+    assert load_config(RankerConfig, [], env={}).admission == dataclasses.replace(
+        AdmissionConfig(), min_limit=32
+    )
 
 
 @pytest.mark.parametrize(
     "argv",
     [
         ["--admission-target-ms", "-5"],
-        ["--admission-min-limit", "0"],
+        ["--admission-min-limit", "-1"],
+        ["--max-batch", "8", "--max-inflight-ranks", "16"],  # the default floor, 4 x max_batch, above the cap
         ["--admission-window-s", "0"],
         ["--admission-deadline-fraction", "0"],
         ["--admission-deadline-fraction", "1.5"],
@@ -312,5 +317,12 @@ def test_ranker_settings_build_the_limiter_config():
     ],
 )
 def test_invalid_ranker_admission_settings_fail_at_start_up(argv):
+    """Each one names a setting that cannot work; start-up refuses it with a clear error."""
     with pytest.raises(ConfigError):
         load_config(RankerConfig, argv, env={})
+
+
+def test_the_default_floor_is_four_batches():
+    config = load_config(RankerConfig, ["--max-batch", "6"], env={})
+    assert config.admission.min_limit == 24
+    assert load_config(RankerConfig, ["--admission-min-limit", "3"], env={}).admission.min_limit == 3

@@ -142,7 +142,9 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ra
 
 
 @pytest.mark.parametrize(
-    "ranker", [["--max-inflight-ranks", "1", "--admission-shed-preinfer-ms", "600000"]], indirect=True
+    "ranker",
+    [["--max-inflight-ranks", "1", "--admission-min-limit", "1", "--admission-shed-preinfer-ms", "600000"]],
+    indirect=True,
 )
 async def test_overload_is_refused_fast_with_resource_exhausted(ranker):
     service, stub, _ = ranker

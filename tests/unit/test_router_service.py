@@ -1,6 +1,7 @@
 """The router in process on the CPU: affinity (PreInfer and Rank on one instance, cached scores
 equal to full inference), residency precedence, pass-through of client errors, retries on the next
-instance (dead, overloaded, hung), membership loss, and no instance at all.
+instance (dead, overloaded, hung), membership loss, and no instance at all; requests and replies
+forwarded byte for byte, malformed bytes refused, reflection and message-size limits kept.
 
 Real rankers (tiny preset) where scores matter; small fake rankers where only status codes do."""
 
@@ -11,7 +12,9 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
@@ -275,6 +278,26 @@ async def test_overloaded_instance_is_retried_on_the_next_and_stays_a_member(fak
         await router.shutdown(grace_s=0.2)
 
 
+@pytest.mark.parametrize("fakes", [["exhausted", "exhausted", "exhausted"]], indirect=True)
+@pytest.mark.parametrize("retries", [0, 1])
+async def test_a_shedding_fleet_is_not_asked_more_than_overload_retries_times(fakes, retries):
+    """Every instance refuses: each call costs 1 + overload_retries attempts, not one per
+    instance, and the caller gets RESOURCE_EXHAUSTED with the instances' reasons."""
+    router = await start_router([target(f.port) for f in fakes], "--overload-retries", str(retries))
+    try:
+        channel = grpc.aio.insecure_channel(target(router.port))
+        stub = pb_grpc.RankerStub(channel)
+        for request in requests_for(10):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Rank(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "overloaded" in err.value.details()
+        assert sum(f.calls for f in fakes) == 10 * (1 + retries)
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
 @pytest.mark.parametrize("fakes", [["hang", "ok"]], indirect=True)
 async def test_hung_attempt_times_out_and_is_retried_within_the_callers_deadline(fakes):
     hang, ok = fakes
@@ -301,11 +324,14 @@ async def test_membership_drops_a_silent_instance_and_readmits_it_after_one_succ
     await membership.start()
     try:
         assert {i.id for i in membership.healthy()} == {target(gone.port), target(stays.port)}
+        assert membership.members() == (target(gone.port), target(stays.port))  # target-list order
         await gone.stop()
         await eventually(lambda: not membership.is_healthy(target(gone.port)), "stopped instance dropped")
         assert membership.is_healthy(target(stays.port))
+        assert membership.members() == (target(stays.port),)
         gone.port = await gone.start(gone.port)
         await eventually(lambda: membership.is_healthy(target(gone.port)), "restarted instance re-admitted")
+        assert membership.members() == tuple(i.id for i in membership.healthy())
         with pytest.raises(KeyError):
             membership.stub("127.0.0.1:1")
     finally:
@@ -329,6 +355,193 @@ def test_round_robin_placement_ignores_affinity_for_ranking_calls():
                                         "--consume-signals", "false"])  # fmt: skip
     router = RouterService(config)
     router.membership.healthy = lambda: [Instance("127.0.0.1:1", 0.0), Instance("127.0.0.1:2", 0.0)]  # type: ignore[method-assign]
+    router.membership.members = lambda: ("127.0.0.1:1", "127.0.0.1:2")  # type: ignore[method-assign]
     firsts = {router.place(42, 1, "rank").order[0] for _ in range(4)}
     assert firsts == {"127.0.0.1:1", "127.0.0.1:2"}  # one user, both instances
     assert len({router.place(42, 1, "preinfer").order[0] for _ in range(4)}) == 1  # signals still hash
+
+
+# ---------------------------------------------------------------------- pass-through (bytes)
+
+UNKNOWN_FIELD = b"\xfa\x3e\x03abc"  # field 999, length-delimited: no message here declares it
+
+
+class RawRanker:
+    """A ranker that sees and answers bytes: records every Rank / PreInfer request as received and
+    answers with fixed reply bytes (which carry a field the generated classes do not know)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.received: list[tuple[str, bytes]] = []
+        self.rank_reply = pb.RankReply(scores=[0.5], instance_id=name).SerializeToString() + UNKNOWN_FIELD
+        self.preinfer_reply = pb.PreInferReply(
+            outcome=pb.PreInferReply.ACCEPTED, instance_id=name
+        ).SerializeToString()
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        async def rank(request: bytes, context) -> bytes:
+            self.received.append(("Rank", request))
+            return self.rank_reply
+
+        async def preinfer(request: bytes, context) -> bytes:
+            self.received.append(("PreInfer", request))
+            return self.preinfer_reply
+
+        async def stats(request, context):
+            return pb.StatsReply(instance_id=self.name)
+
+        self.server = grpc.aio.server()
+        handlers = {
+            "Rank": grpc.unary_unary_rpc_method_handler(rank),
+            "PreInfer": grpc.unary_unary_rpc_method_handler(preinfer),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString
+            ),
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("relaygr.v1.Ranker", handlers),)
+        )
+        checker = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checker, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        await checker.set("relaygr.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        await self.server.stop(0)
+
+
+@pytest.fixture
+async def raw_pair():
+    """Two raw rankers behind a router (pure rendezvous placement), and a client channel."""
+    fakes = [RawRanker("a"), RawRanker("b")]
+    for fake in fakes:
+        await fake.start()
+    router = await start_router([target(f.port) for f in fakes], "--load-slack", "1000")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    yield router, fakes, channel
+    await channel.close()
+    await router.shutdown(grace_s=0.2)
+    for fake in fakes:
+        await fake.stop()
+
+
+def raw_method(channel: grpc.aio.Channel, name: str):
+    return channel.unary_unary(f"/relaygr.v1.Ranker/{name}")
+
+
+async def test_rank_is_forwarded_byte_for_byte_to_the_users_instance(raw_pair):
+    router, fakes, channel = raw_pair
+    by_target = {target(f.port): f for f in fakes}
+    rank = raw_method(channel, "Rank")
+    # Extreme ids, an unknown field, and fields out of order: all reach the ranker as sent.
+    for user_id in (0, 1, 2**63, 2**64 - 1, 987_654_321):
+        fields = pb.RankRequest(
+            request_id=f"r{user_id}", user_id=user_id, prefix_version=3
+        ).SerializeToString()
+        request = pb.RankRequest(query_time=5).SerializeToString() + UNKNOWN_FIELD + fields
+        reply = await rank(request, timeout=5)
+        chosen = by_target[preference(user_id, idle(router))[0]]
+        assert chosen.received[-1] == ("Rank", request)
+        assert reply == chosen.rank_reply  # the unknown field too: nothing was re-serialised
+    assert sum(len(f.received) for f in fakes) == 5  # one attempt each, nothing retried
+
+
+async def test_preinfer_is_forwarded_byte_for_byte_and_recorded_from_the_bytes(raw_pair):
+    router, fakes, channel = raw_pair
+    preinfer = raw_method(channel, "PreInfer")
+    user_id, version = 2**64 - 2, 9
+    request = pb.PreInferRequest(
+        request_id="p", prefix=pb.UserPrefix(user_id=user_id, prefix_version=version),
+        lease_deadline_unix_ms=int(time.time() * 1e3) + 60_000,
+    ).SerializeToString() + UNKNOWN_FIELD  # fmt: skip
+    hashed = preference(user_id, idle(router))
+    reply = await preinfer(request, timeout=5)
+    by_target = {target(f.port): f for f in fakes}
+    assert by_target[hashed[0]].received == [("PreInfer", request)]
+    assert reply == by_target[hashed[0]].preinfer_reply
+    resident = router.residency.lookup(user_id, version, time.monotonic())
+    assert resident is not None
+    assert resident.instance == hashed[0]
+    assert resident.deadline > time.monotonic() + 50  # the lease read from the bytes, not the default
+    # The user's ranking call follows the residency entry, even where the hash would differ.
+    router.residency.record(user_id, version, hashed[1], time.monotonic() + 60, time.monotonic())
+    await raw_method(channel, "Rank")(
+        pb.RankRequest(request_id="r", user_id=user_id, prefix_version=version).SerializeToString(), timeout=5
+    )
+    assert by_target[hashed[1]].received[-1][0] == "Rank"
+    # A refused PreInfer is passed back as it came and records nothing.
+    for fake in fakes:
+        fake.preinfer_reply = pb.PreInferReply(
+            outcome=pb.PreInferReply.REFUSED, reason="hbm_budget"
+        ).SerializeToString()
+    refused_request = pb.PreInferRequest(request_id="q", prefix=pb.UserPrefix(user_id=77, prefix_version=1))
+    reply = await preinfer(refused_request.SerializeToString(), timeout=5)
+    assert pb.PreInferReply.FromString(reply).reason == "hbm_budget"
+    assert router.residency.lookup(77, 1, time.monotonic()) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "request_bytes", "reason"),
+    [
+        ("Rank", b"\x16\x01", "malformed RankRequest: field 2: invalid wire type 6"),
+        ("Rank", b"\x10\x80", "malformed RankRequest: truncated varint"),
+        ("Rank", b"\x22\x10abc", "malformed RankRequest: field 4: length 16 runs past the end"),
+        ("PreInfer", b"\x12\x04\x08\x01", "malformed PreInferRequest: field 2: length 4 runs past the end"),
+        ("PreInfer", b"\x00", "malformed PreInferRequest: field number 0"),
+    ],
+)
+async def test_malformed_bytes_are_invalid_argument_and_go_nowhere(raw_pair, method, request_bytes, reason):
+    router, fakes, channel = raw_pair
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw_method(channel, method)(request_bytes, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in err.value.details()
+    assert all(not f.received for f in fakes)
+    assert router.metrics.latency_ms.labels(method.lower(), "invalid_argument")._sum.get() > 0
+    # The router is unharmed: the next well-formed call is answered.
+    await raw_method(channel, "Rank")(
+        pb.RankRequest(request_id="ok", user_id=1).SerializeToString(), timeout=5
+    )
+
+
+@pytest.mark.parametrize("fakes", [["ok"]], indirect=True)
+async def test_message_size_limit_still_applies(fakes):
+    router = await start_router([target(fakes[0].port)], "--max-message-mb", "0.01")  # ~10 KB
+    try:
+        channel = grpc.aio.insecure_channel(target(router.port))
+        rank = raw_method(channel, "Rank")
+        small = pb.RankRequest(request_id="s", user_id=1, candidates_le=bytes(8 * 100)).SerializeToString()
+        assert pb.RankReply.FromString(await rank(small, timeout=5)).instance_id == "ok"
+        big = pb.RankRequest(request_id="b", user_id=1, candidates_le=bytes(8 * 4000)).SerializeToString()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rank(big, timeout=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert fakes[0].calls == 1
+        await channel.close()
+    finally:
+        await router.shutdown(grace_s=0.2)
+
+
+async def test_reflection_still_describes_the_ranker_service(raw_pair):
+    _, _, channel = raw_pair
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def ask(**request):
+        call = stub.ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(**request))
+        await call.done_writing()
+        return await call.read()
+
+    listed = await ask(list_services="")
+    assert "relaygr.v1.Ranker" in {s.name for s in listed.list_services_response.service}
+    found = await ask(file_containing_symbol="relaygr.v1.Ranker")
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in found.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    services = {svc.name: svc for f in files for svc in f.service}
+    assert {m.name for m in services["Ranker"].method} == {"Rank", "PreInfer", "Stats"}
+    assert {m.input_type for m in services["Ranker"].method} >= {".relaygr.v1.RankRequest"}

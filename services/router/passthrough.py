@@ -1,0 +1,181 @@
+"""Placement keys read straight from serialized requests, so the router forwards Rank and PreInfer
+as the bytes it received (no parse, no re-serialise) and still knows where each call goes.
+
+A small top-level protobuf wire-format scanner: it walks the fields of one message, skipping
+every payload it does not need (varints, fixed 32/64-bit values, length-delimited fields, groups)
+in O(number of fields), whatever the size of the prefix the request carries. It follows the
+protobuf parser's (upb) rules wherever they decide what a field's value is:
+
+* the last occurrence of a scalar field wins; several occurrences of a message field merge (so
+  the last occurrence of each of its scalar fields wins);
+* a field whose wire type is not its declared one is an unknown field: skipped, not an error;
+* uint64 varints are taken modulo 2**64 (up to 10 bytes), int64 as two's complement.
+
+Structural errors raise `MalformedMessage` (the router answers INVALID_ARGUMENT): a truncated
+varint or field, a varint longer than 10 bytes, a tag or a length longer than 5 bytes or beyond
+32 bits, field number 0 (outside groups), wire type 6 or 7, a length that runs past the end, an
+unmatched or missing end-group, groups nested deeper than the parser's limit (100). Everything below the fields read here (nested messages, UTF-8 of
+strings, the token arrays) is left to the ranker, which parses and validates the whole request.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MalformedMessage", "preinfer_key", "rank_key"]
+
+_MASK64 = (1 << 64) - 1
+_SIGN64 = 1 << 63
+# upb's default nesting limit (messages and groups): 100 nested groups parse, 101 do not.
+_MAX_DEPTH = 100
+
+_VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = range(6)
+
+
+class MalformedMessage(ValueError):
+    """The bytes are not a well-formed protobuf message (at the wire-format level)."""
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """(value modulo 2**64, position after it) of the varint at `pos`."""
+    result = 0
+    shift = 0
+    start = pos
+    while pos < end:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & _MASK64, pos
+        shift += 7
+        if shift == 70:
+            raise MalformedMessage(f"varint at byte {start} is longer than 10 bytes")
+    raise MalformedMessage(f"truncated varint at byte {start}")
+
+
+def _short_varint(data: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
+    """A tag or a length: at most 5 bytes and below 2**32, as the parser requires."""
+    result = 0
+    start = pos
+    for shift in (0, 7, 14, 21, 28):
+        if pos >= end:
+            raise MalformedMessage(f"truncated {what} at byte {start}")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if result >> 32:
+                raise MalformedMessage(f"{what} at byte {start} does not fit in 32 bits")
+            return result, pos
+    raise MalformedMessage(f"{what} at byte {start} is longer than 5 bytes")
+
+
+def _scan(
+    data: bytes,
+    pos: int,
+    end: int,
+    depth: int,
+    wanted: dict[int, int],
+    values: list[int],
+    message_tag: int = 0,
+) -> list[tuple[int, int]]:
+    """Walks the fields of the message in data[pos:end]. A varint field whose tag (field number
+    << 3 | wire type) is a key of `wanted` is stored in values[wanted[tag]], so the last
+    occurrence wins and a field sent with another wire type (another tag) is skipped, as the
+    parser does. Returns the payload spans [a, b) of the length-delimited fields tagged
+    `message_tag`, in order. `depth` is how many more levels of groups may nest.
+
+    One loop, no generator: this runs on every routed call."""
+    spans: list[tuple[int, int]] = []
+    while pos < end:
+        start = pos
+        tag = data[pos]
+        if tag < 0x80:  # fields 1-15: one-byte tags, the common case
+            pos += 1
+        else:
+            tag, pos = _short_varint(data, pos, end, "tag")
+        wire = tag & 7
+        if wire == _VARINT and tag >= 8:
+            value, pos = _varint(data, pos, end)
+            slot = wanted.get(tag)
+            if slot is not None:
+                values[slot] = value
+        elif wire == _LEN and tag >= 8:
+            size, pos = _short_varint(data, pos, end, "length")
+            if size > end - pos:
+                raise MalformedMessage(
+                    f"field {tag >> 3}: length {size} runs past the end ({end - pos} bytes left)"
+                )
+            if tag == message_tag:
+                spans.append((pos, pos + size))
+            pos += size
+        else:  # fixed-width values, groups, and every error
+            if tag < 8:
+                raise MalformedMessage(f"field number 0 at byte {start}")
+            pos = _field_end(data, start, end, depth)
+    return spans
+
+
+def _field_end(data: bytes, pos: int, end: int, depth: int) -> int:
+    """The position after the single field (tag and payload) that starts at `pos`. Field number 0
+    is the caller's to reject: the parser refuses it in a message, not inside a skipped group."""
+    start = pos
+    tag, pos = _short_varint(data, pos, end, "tag")
+    field, wire = tag >> 3, tag & 7
+    if wire == _VARINT:
+        return _varint(data, pos, end)[1]
+    if wire == _LEN:
+        size, pos = _short_varint(data, pos, end, "length")
+        if size > end - pos:
+            raise MalformedMessage(f"field {field}: length {size} runs past the end ({end - pos} bytes left)")
+        return pos + size
+    if wire in (_FIXED64, _FIXED32):
+        width = 8 if wire == _FIXED64 else 4
+        if width > end - pos:
+            raise MalformedMessage(f"field {field}: truncated fixed{width * 8} value at byte {start}")
+        return pos + width
+    if wire == _START_GROUP:
+        return _skip_group(data, pos, end, field, depth - 1)
+    if wire == _END_GROUP:
+        raise MalformedMessage(f"end of group {field} at byte {start} without its start")
+    raise MalformedMessage(f"field {field}: invalid wire type {wire} at byte {start}")
+
+
+def _skip_group(data: bytes, pos: int, end: int, field: int, depth: int) -> int:
+    """The position after the end-group tag that closes group `field` (opened just before `pos`)."""
+    if depth < 0:
+        raise MalformedMessage(f"groups nested deeper than {_MAX_DEPTH}")
+    while pos < end:
+        tag, after = _short_varint(data, pos, end, "tag")
+        if tag & 7 == _END_GROUP:
+            if tag >> 3 != field:
+                raise MalformedMessage(f"group {field} closed by the end of group {tag >> 3}")
+            return after
+        pos = _field_end(data, pos, end, depth)
+    raise MalformedMessage(f"group {field} is not closed")
+
+
+# Tags (field number << 3 | wire type) of the fields read, from shared/protos/ranker.proto.
+_RANK_KEY = {2 << 3 | _VARINT: 0, 3 << 3 | _VARINT: 1}  # RankRequest.user_id, .prefix_version
+_PREINFER_PREFIX = 2 << 3 | _LEN  # PreInferRequest.prefix (UserPrefix)
+_PREINFER_LEASE = {3 << 3 | _VARINT: 0}  # PreInferRequest.lease_deadline_unix_ms
+_PREFIX_KEY = {1 << 3 | _VARINT: 0, 2 << 3 | _VARINT: 1}  # UserPrefix.user_id, .prefix_version
+
+
+def rank_key(data: bytes) -> tuple[int, int]:
+    """(user_id, prefix_version) of a serialized relaygr.v1.RankRequest (fields 2 and 3, uint64).
+    Raises MalformedMessage for bytes that are not a protobuf message."""
+    key = [0, 0]
+    _scan(data, 0, len(data), _MAX_DEPTH, _RANK_KEY, key)
+    return key[0], key[1]
+
+
+def preinfer_key(data: bytes) -> tuple[int, int, int]:
+    """(prefix.user_id, prefix.prefix_version, lease_deadline_unix_ms) of a serialized
+    relaygr.v1.PreInferRequest: UserPrefix is field 2 (its user_id and prefix_version are fields 1
+    and 2, uint64), the lease field 3 (int64). Raises MalformedMessage."""
+    lease = [0]
+    prefixes = _scan(data, 0, len(data), _MAX_DEPTH, _PREINFER_LEASE, lease, _PREINFER_PREFIX)
+    key = [0, 0]
+    for a, b in prefixes:  # occurrences of a message field merge: each scalar's last one wins
+        _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, key)
+    signed = lease[0] - (1 << 64) if lease[0] & _SIGN64 else lease[0]
+    return key[0], key[1], signed

@@ -1,0 +1,321 @@
+"""The router's placement-key scanner (services/router/passthrough.py) against the protobuf parser
+itself: the same values wherever the parser reads the same bytes, MalformedMessage only for bytes
+the parser rejects too (never a request a ranker would accept)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from services.router.passthrough import MalformedMessage, preinfer_key, rank_key
+from shared.protos import ranker_pb2 as pb
+
+U64 = (1 << 64) - 1
+uint64s = st.one_of(st.sampled_from([0, 1, 127, 128, (1 << 63) - 1, 1 << 63, U64]), st.integers(0, U64))
+int64s = st.one_of(
+    st.sampled_from([0, -1, 1, -(1 << 63), (1 << 63) - 1]), st.integers(-(1 << 63), (1 << 63) - 1)
+)
+
+
+def varint(value: int) -> bytes:
+    value &= U64
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def tag(field: int, wire: int) -> bytes:
+    return varint(field << 3 | wire)
+
+
+def length_delimited(field: int, payload: bytes) -> bytes:
+    return tag(field, 2) + varint(len(payload)) + payload
+
+
+def prefix_message(user_id: int, version: int, tokens: int = 5) -> pb.UserPrefix:
+    return pb.UserPrefix(
+        user_id=user_id,
+        prefix_version=version,
+        profile_le=bytes(range(8)) * 2,
+        long_term=pb.Behaviors(items_le=b"\x01" * 8 * tokens, actions_le=b"\x02" * 4 * tokens,
+                               timestamps_le=b"\x03" * 8 * tokens),
+    )  # fmt: skip
+
+
+def rank_message(user_id: int, version: int, request_id: str = "r-1") -> pb.RankRequest:
+    return pb.RankRequest(
+        request_id=request_id,
+        user_id=user_id,
+        prefix_version=version,
+        prefix=prefix_message(user_id, version),
+        recent=pb.Behaviors(items_le=b"\x07" * 16, actions_le=b"\x01" * 8, timestamps_le=b"\x09" * 16),
+        candidates_le=b"\x05" * 8 * 3,
+        query_time=1_700_000_000,
+    )
+
+
+def parsed_rank(data: bytes) -> tuple[int, int] | None:
+    """What the protobuf parser (the ranker's) makes of the bytes; None if it rejects them."""
+    try:
+        msg = pb.RankRequest.FromString(data)
+    except DecodeError:
+        return None
+    return msg.user_id, msg.prefix_version
+
+
+def parsed_preinfer(data: bytes) -> tuple[int, int, int] | None:
+    try:
+        msg = pb.PreInferRequest.FromString(data)
+    except DecodeError:
+        return None
+    return msg.prefix.user_id, msg.prefix.prefix_version, msg.lease_deadline_unix_ms
+
+
+def scanned(scan, data: bytes):
+    try:
+        return scan(data)
+    except MalformedMessage:
+        return None
+
+
+def top_level_fields(data: bytes) -> list[bytes]:
+    """The serialized top-level fields of a message our generated classes wrote (no groups)."""
+    fields, pos = [], 0
+    while pos < len(data):
+        start = pos
+        key, pos = read_varint(data, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = read_varint(data, pos)
+        elif wire == 2:
+            size, pos = read_varint(data, pos)
+            pos += size
+        else:
+            pos += {1: 8, 5: 4}[wire]
+        fields.append(data[start:pos])
+    return fields
+
+
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+# ---------------------------------------------------------------------- well-formed messages
+
+
+@settings(max_examples=300, deadline=None)
+@given(user_id=uint64s, version=uint64s, request_id=st.text(max_size=40), prefix_user=uint64s)
+def test_rank_key_reads_what_the_generated_class_wrote(user_id, version, request_id, prefix_user):
+    msg = rank_message(user_id, version, request_id)
+    msg.prefix.user_id = prefix_user  # a nested field with the same number is not the request's
+    assert rank_key(msg.SerializeToString()) == (user_id, version)
+
+
+@settings(max_examples=300, deadline=None)
+@given(user_id=uint64s, version=uint64s, lease=int64s, request_id=st.text(max_size=40))
+@example(user_id=0, version=0, lease=0, request_id="")  # every field at its default: nothing on the wire
+def test_preinfer_key_reads_what_the_generated_class_wrote(user_id, version, lease, request_id):
+    msg = pb.PreInferRequest(
+        request_id=request_id, prefix=prefix_message(user_id, version), lease_deadline_unix_ms=lease
+    )
+    assert preinfer_key(msg.SerializeToString()) == (user_id, version, lease)
+
+
+def test_an_empty_message_is_all_defaults():
+    assert rank_key(b"") == (0, 0)
+    assert preinfer_key(b"") == (0, 0, 0)
+    assert preinfer_key(pb.PreInferRequest(prefix=pb.UserPrefix()).SerializeToString()) == (0, 0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(user_id=uint64s, version=uint64s, lease=int64s, seed=st.integers(0, 2**32))
+def test_fields_in_any_order(user_id, version, lease, seed):
+    rng = random.Random(seed)
+    rank_fields = top_level_fields(rank_message(user_id, version).SerializeToString())
+    rng.shuffle(rank_fields)
+    shuffled = b"".join(rank_fields)
+    assert rank_key(shuffled) == parsed_rank(shuffled) == (user_id, version)
+    pre = pb.PreInferRequest(
+        request_id="p", prefix=prefix_message(user_id, version), lease_deadline_unix_ms=lease
+    )
+    pre_fields = top_level_fields(pre.SerializeToString())
+    rng.shuffle(pre_fields)
+    prefix_fields = top_level_fields(prefix_message(user_id, version).SerializeToString())
+    rng.shuffle(prefix_fields)
+    # The prefix's own fields shuffled too.
+    shuffled = b"".join(
+        length_delimited(2, b"".join(prefix_fields)) if f.startswith(b"\x12") else f for f in pre_fields
+    )
+    assert preinfer_key(shuffled) == parsed_preinfer(shuffled) == (user_id, version, lease)
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.tuples(uint64s, uint64s, int64s), second=st.tuples(uint64s, uint64s, int64s))
+def test_repeated_occurrences_last_wins_and_prefixes_merge(first, second):
+    # Concatenated messages parse as one, merged: each scalar's last occurrence wins (proto3 does
+    # not write a field at its default 0, so the second message's zeros leave the first's values).
+    a = rank_message(first[0], first[1]).SerializeToString()
+    b = rank_message(second[0], second[1]).SerializeToString()
+    expected = (second[0] or first[0], second[1] or first[1])
+    assert rank_key(a + b) == parsed_rank(a + b) == expected
+    explicit = tag(2, 0) + varint(first[0]) + tag(2, 0) + varint(second[0]) + tag(3, 0) + varint(0)
+    assert rank_key(explicit) == parsed_rank(explicit) == (second[0], 0)
+    # Two occurrences of the prefix message merge field by field.
+    head = length_delimited(2, tag(1, 0) + varint(first[0]) + tag(2, 0) + varint(first[1]))
+    tail = length_delimited(2, tag(2, 0) + varint(second[1]))
+    lease = tag(3, 0) + varint(first[2]) + tag(3, 0) + varint(second[2])
+    data = head + lease + tail
+    assert preinfer_key(data) == parsed_preinfer(data) == (first[0], second[1], second[2])
+
+
+def test_unknown_fields_of_every_wire_type_are_skipped():
+    unknown = (
+        tag(100, 0) + varint(U64)  # varint
+        + tag(101, 1) + b"\x10" * 8  # fixed64 (bytes that look like a user_id tag)
+        + length_delimited(102, tag(2, 0) + varint(999))  # a nested "user_id" inside
+        + tag(103, 3) + tag(2, 0) + varint(888) + tag(104, 3) + tag(104, 4) + tag(103, 4)  # nested groups
+        + tag(105, 5) + b"\x18" * 4  # fixed32
+        + tag(1 << 28, 0) + varint(1)  # a large field number (5-byte tag)
+    )  # fmt: skip
+    fields = top_level_fields(rank_message(42, 7).SerializeToString())
+    for at in range(len(fields) + 1):  # before, between and after the known fields
+        data = b"".join(fields[:at]) + unknown + b"".join(fields[at:])
+        assert rank_key(data) == parsed_rank(data) == (42, 7)
+    pre = pb.PreInferRequest(request_id="x", prefix=prefix_message(42, 7), lease_deadline_unix_ms=-3)
+    data = unknown + pre.SerializeToString() + unknown
+    assert preinfer_key(data) == parsed_preinfer(data) == (42, 7, -3)
+
+
+def test_a_known_field_with_another_wire_type_is_an_unknown_field():
+    # As in protobuf: user_id sent length-delimited or fixed64 is skipped, not read, not an error.
+    for wrong in (length_delimited(2, varint(5)), tag(2, 1) + b"\x05" + bytes(7), tag(2, 5) + b"\x05\0\0\0"):
+        data = tag(2, 0) + varint(9) + wrong + tag(3, 0) + varint(4)
+        assert rank_key(data) == parsed_rank(data) == (9, 4)
+    data = tag(2, 0) + varint(11) + tag(3, 0) + varint(1)  # a varint where PreInfer expects its prefix
+    assert preinfer_key(data) == parsed_preinfer(data) == (0, 0, 1)
+
+
+def test_varint_edges_match_the_parser():
+    cases = {
+        "ten bytes, 2**64 - 1": b"\xff" * 9 + b"\x01",
+        "ten bytes, bits beyond 64 dropped": b"\xff" * 9 + b"\x7f",
+        "ten bytes, value 0 (non-canonical)": b"\x80" * 9 + b"\x00",
+        "two bytes, value 1 (non-canonical)": b"\x81\x00",
+    }
+    for name, raw in cases.items():
+        data = tag(2, 0) + raw
+        assert rank_key(data) == parsed_rank(data), name
+    data = tag(2, 0) + b"\xff" * 10 + b"\x01"  # eleven bytes
+    assert parsed_rank(data) is None
+    with pytest.raises(MalformedMessage, match="longer than 10 bytes"):
+        rank_key(data)
+
+
+# ---------------------------------------------------------------------- malformed bytes
+
+
+def test_every_truncation_agrees_with_the_parser():
+    msg = rank_message(123_456_789, 3).SerializeToString()
+    pre = pb.PreInferRequest(request_id="t", prefix=prefix_message(5, 6), lease_deadline_unix_ms=-9)
+    pre_bytes = pre.SerializeToString()
+    cut_somewhere = 0
+    for cut in range(len(msg)):
+        assert scanned(rank_key, msg[:cut]) == parsed_rank(msg[:cut]), cut
+        cut_somewhere += scanned(rank_key, msg[:cut]) is None
+    for cut in range(len(pre_bytes)):
+        assert scanned(preinfer_key, pre_bytes[:cut]) == parsed_preinfer(pre_bytes[:cut]), cut
+    assert cut_somewhere > len(msg) // 2  # most cuts land inside a field: the scanner saw them
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"\x10", "truncated varint"),
+        (b"\x10\x80", "truncated varint"),
+        (b"\x80", "truncated tag"),
+        (b"\x16\x01", "invalid wire type 6"),
+        (b"\x17\x01", "invalid wire type 7"),
+        (b"\x00\x01", "field number 0"),
+        (b"\x02\x00", "field number 0"),
+        (b"\x22\x05\x00", "runs past the end"),
+        (b"\x0a" + b"\x81\x80\x80\x80\x80\x00" + b"a", "length at byte 1 is longer than 5 bytes"),
+        (b"\x90\x80\x80\x80\x80\x00\x05", "tag at byte 0 is longer than 5 bytes"),
+        (b"\x90\x80\x80\x80\x70\x05", "tag at byte 0 does not fit in 32 bits"),
+        (b"\x11\x00\x00", "truncated fixed64"),
+        (b"\x15\x00", "truncated fixed32"),
+        (b"\x4c", "without its start"),
+        (b"\x4b\x08\x01", "not closed"),
+        (b"\x4b\x54", "closed by the end of group 10"),
+        (b"\x4b" * 101 + b"\x4c" * 101, "nested deeper than 100"),
+    ],
+)
+def test_malformed_bytes_raise_with_a_reason_the_parser_rejects_them_too(data, reason):
+    assert parsed_rank(data) is None
+    with pytest.raises(MalformedMessage, match=reason):
+        rank_key(data)
+    assert parsed_preinfer(data) is None
+    with pytest.raises(MalformedMessage, match=reason):
+        preinfer_key(data)
+
+
+def test_groups_nest_up_to_the_parsers_limit():
+    data = b"\x4b" * 100 + b"\x4c" * 100 + tag(2, 0) + varint(8)
+    assert rank_key(data) == parsed_rank(data) == (8, 0)
+    # Inside the PreInfer's prefix one level is already used by the prefix message itself.
+    for depth, ok in ((99, True), (100, False)):
+        inner = b"\x4b" * depth + b"\x4c" * depth + tag(1, 0) + varint(8)
+        data = length_delimited(2, inner)
+        assert (parsed_preinfer(data) is not None) is ok
+        assert (scanned(preinfer_key, data) is not None) is ok
+
+
+def test_random_corruption_never_rejects_what_the_parser_accepts():
+    """Byte flips, insertions and deletions in valid requests: where the scanner gives up, the
+    parser does too; where both read the bytes, they read the same key."""
+    rng = random.Random(1234)
+    seeds = [rank_message(rng.getrandbits(64), rng.getrandbits(64)).SerializeToString() for _ in range(4)] + [
+        b"\x10\x05\x18\x07",
+        b"\x4b\x10\x01\x4c\x10\x02",
+    ]
+    pre_seeds = [
+        pb.PreInferRequest(request_id="p", prefix=prefix_message(rng.getrandbits(64), 2),
+                           lease_deadline_unix_ms=rng.randint(-(1 << 63), (1 << 63) - 1)).SerializeToString()
+        for _ in range(4)
+    ]  # fmt: skip
+    outcomes = {"both read": 0, "both reject": 0, "parser only rejects": 0}
+    for _ in range(3000):
+        for scan, parse, pool in ((rank_key, parsed_rank, seeds), (preinfer_key, parsed_preinfer, pre_seeds)):
+            data = bytearray(rng.choice(pool))
+            for _ in range(rng.randint(1, 3)):
+                op, at = rng.randrange(3), rng.randrange(len(data) + 1)
+                if op == 0 and at < len(data):
+                    data[at] = rng.choice([rng.randrange(256), 0x80, 0x00, 0x0C, 0x0B, 0x16, 0xFF])
+                elif op == 1:
+                    data[at:at] = bytes([rng.randrange(256)])
+                elif at < len(data):
+                    del data[at]
+            got, want = scanned(scan, bytes(data)), parse(bytes(data))
+            if got is None:
+                assert want is None, bytes(data).hex()
+                outcomes["both reject"] += 1
+            elif want is not None:
+                assert got == want, bytes(data).hex()
+                outcomes["both read"] += 1
+            else:  # the parser rejected something below the top level (a nested message, UTF-8)
+                outcomes["parser only rejects"] += 1
+    # The corruptions exercise every path (not a test that passes by never getting there).
+    assert min(outcomes.values()) > 200, outcomes
