@@ -100,11 +100,14 @@ async def test_long_requests_are_relayed_short_ones_ranked_in_full(stack):
     for i, n in enumerate((20, 600, 1200, 2000, 40, 900)):
         p, s = make_user(1000 + i, n)
         await stack["router"].Rank(rank_request(p, s, f"warm{i}"), timeout=60)
-    await asyncio.sleep(0.5)
+    # Decisions made before the trigger has fitted its model would use the FLOPs estimate.
+    await asyncio.to_thread(stack["trigger"].wait_event, "latency_model_calibrated", 60)
+    await asyncio.sleep(0.5)  # the rest of the warm-up samples reach the fit
     long_users = [make_user(i, LONG) for i in range(4)]
     short_users = [make_user(100 + i, SHORT) for i in range(4)]
+    # A lead time of 2 s: four pre-inferences of 2500 tokens share 2 CPU cores with everything else.
     replies = await asyncio.gather(
-        *(one_request(stack, p, s, f"L{i}") for i, (p, s) in enumerate(long_users)),
+        *(one_request(stack, p, s, f"L{i}", gap_s=2.0) for i, (p, s) in enumerate(long_users)),
         *(one_request(stack, p, s, f"S{i}") for i, (p, s) in enumerate(short_users)),
     )
     long_replies, short_replies = replies[:4], replies[4:]
