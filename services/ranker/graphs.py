@@ -22,6 +22,8 @@ All methods run on the engine thread (the one that owns the device and its ranki
 
 from __future__ import annotations
 
+import bisect
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,7 +70,8 @@ class BucketKey:
     max_len: int
 
 
-def token_ladder(max_tokens: int) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def _ladder(max_tokens: int) -> tuple[int, ...]:
     """Token capacities of the buckets, up to and including max_tokens: every multiple of 64 up to
     1024 (a single user's suffix pads by less than one attention row block), then steps of a
     quarter of the power of two below (padding under 25%)."""
@@ -78,7 +81,12 @@ def token_ladder(max_tokens: int) -> list[int]:
         sizes.update(s for s in range(base + base // 4, 2 * base + 1, base // 4) if s <= max_tokens)
         base *= 2
     sizes.add(max_tokens)
-    return sorted(s for s in sizes if s <= max_tokens)
+    return tuple(sorted(s for s in sizes if s <= max_tokens))
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """The bucket token capacities for max_tokens (see _ladder)."""
+    return list(_ladder(max_tokens))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -90,7 +98,8 @@ def bucket_for(batch: int, tokens: int, max_len: int, limits: GraphLimits) -> Bu
     `max_len` in its longest sequence; None when it exceeds the limits."""
     if batch < 1 or batch > limits.max_batch or tokens > limits.max_tokens or max_len > tokens:
         return None
-    t = next(size for size in token_ladder(limits.max_tokens) if size >= tokens)
+    ladder = _ladder(limits.max_tokens)  # cached: this runs for every ranking batch
+    t = ladder[bisect.bisect_left(ladder, tokens)]
     b = min(_pow2_at_least(batch), limits.max_batch)
     length = min(t, max(_MIN_TOKENS, _pow2_at_least(max_len)))
     return BucketKey(b, t, length)

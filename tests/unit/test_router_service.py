@@ -211,6 +211,16 @@ async def test_no_healthy_instance_is_unavailable_with_a_clear_message():
 # ---------------------------------------------------------------------- fake rankers
 
 
+async def serve_healthy(server: grpc.aio.Server, port: int = 0) -> int:
+    """Adds health checking (SERVING as a Ranker, so the router admits it), binds, starts."""
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await checker.set("relaygr.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+    return bound
+
+
 class FakeRanker(pb_grpc.RankerServicer):
     """Answers Rank per `behavior`: "ok", "exhausted" (RESOURCE_EXHAUSTED) or "hang"."""
 
@@ -224,11 +234,7 @@ class FakeRanker(pb_grpc.RankerServicer):
     async def start(self, port: int = 0) -> int:
         self.server = grpc.aio.server()
         pb_grpc.add_RankerServicer_to_server(self, self.server)
-        checker = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checker, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        await self.server.start()
-        await checker.set("relaygr.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+        self.port = await serve_healthy(self.server, port)
         return self.port
 
     async def stop(self) -> None:
@@ -403,11 +409,7 @@ class RawRanker:
         self.server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("relaygr.v1.Ranker", handlers),)
         )
-        checker = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checker, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        await checker.set("relaygr.v1.Ranker", health_pb2.HealthCheckResponse.SERVING)
+        self.port = await serve_healthy(self.server)
         return self.port
 
     async def stop(self) -> None:
