@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -150,10 +151,14 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     # info: ranker_ready, which this waits for, is an info line.
     flags = ["--preset", args.preset, "--device", args.device, "--hbm-budget-mb", str(args.hbm_budget_mb),
              "--max-wait-ms", "0", "--log-level", "info"]  # fmt: skip
+    if args.ranker_cpus:
+        flags += ["--cpu-affinity", args.ranker_cpus]
     ranker = ServiceProcess("services.ranker", *flags)
     out: dict[int, dict[str, Any]] = {}
     try:
         port = ranker.wait_event("ranker_ready", 600)["port"]
+        if args.client_cpus:  # only now: the ranker was started with this process's full CPU set
+            os.sched_setaffinity(0, parse_cpus(args.client_cpus))
         options = [("grpc.max_send_message_length", 64 << 20)]
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
         stub = pb_grpc.RankerStub(channel)
@@ -172,6 +177,12 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             aio_ms: list[float] = []
             server: dict[str, list[float]] = {"total": [], "compute": [], "queue": [], "cache": []}
             served: dict[int, int] = {}
+            # The client's own collector must not land inside a timed call: automatic collection
+            # is off while sampling, and a young-generation pass runs in every pause instead.
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            steal_before = cpu_steal_ticks()
             for i in range(2 * args.samples + 3):
                 await wait_resident_remote(stub, prefix, f"p{prefix_len}-{i}")
                 blocking = i % 2 == 0
@@ -189,11 +200,18 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
                     for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
                                         ("cache", t.cache_ms)):  # fmt: skip
                         server[name].append(value)
+                gc.collect(0)
                 await asyncio.sleep(args.gap_ms / 1e3)
+            gc.enable()
+            steal = cpu_steal_ticks()
             out[prefix_len] = {
                 "rank_p50_ms": percentile(rank_ms, 50),
                 "rank_p99_ms": percentile(rank_ms, 99),
+                "rank_p999_ms": percentile(rank_ms, 99.9),
                 "rank_samples": len(rank_ms),
+                # Time the hypervisor gave this VM's CPUs to others while sampling (all CPUs): a
+                # noisy host shows here first.
+                "cpu_steal_pct": 100.0 * (steal[0] - steal_before[0]) / max(1, steal[1] - steal_before[1]),
                 "rank_p50_ms_aio_client": percentile(aio_ms, 50),
                 "rank_p99_ms_aio_client": percentile(aio_ms, 99),
                 # Where a hit's time goes, server side (p50): handler total, the batch's compute,
@@ -218,6 +236,25 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return out
 
 
+def cpu_steal_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs so far, from /proc/stat; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """ "0-3,8" -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = await run(args)
     latency = await rank_latency(args)
@@ -238,16 +275,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gap-ms", type=float, default=5.0, help="pause between Rank calls (light load)")
     parser.add_argument("--arena-gb", type=int, default=8)
     parser.add_argument("--hbm-budget-mb", type=float, default=16384)
+    parser.add_argument(
+        "--ranker-cpus", default="", help="CPUs of the ranker process (e.g. 0-3; default all)"
+    )
+    parser.add_argument("--client-cpus", default="", help="CPUs of this client (e.g. 4-5; default all)")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
+    if args.ranker_cpus:
+        args.ranker_cpus = ",".join(map(str, sorted(parse_cpus(args.ranker_cpus))))
     results = asyncio.run(run_all(args))
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     config["rank_timing"] = (
         "client-side Rank latency over gRPC loopback on HBM hits, one call at a time, "
-        "blocking stub (rank_*_aio_client: asyncio stub), ranker in its own process"
+        "blocking stub (rank_*_aio_client: asyncio stub), ranker in its own process; the client's "
+        "garbage collector runs between calls, never inside one"
     )
     columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
-               "rank_p50_ms", "rank_p99_ms", "rank_samples"]  # fmt: skip
+               "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_samples", "cpu_steal_pct"]  # fmt: skip
     kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("ranker", config, results, columns, **kwargs))
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 from shared.config import ConfigError, load_config
@@ -40,6 +41,15 @@ def settle_heap() -> None:
     traversal of the model's and the libraries' objects on some unlucky call."""
     gc.collect()
     gc.freeze()
+
+
+def pin_process(cpus: Collection[int]) -> None:
+    """Every thread of this process (those already started too) and every later one onto `cpus`."""
+    os.sched_setaffinity(0, cpus)  # the calling thread: threads it starts later inherit this
+    with contextlib.suppress(FileNotFoundError):  # /proc is Linux-only; so is a thread's own mask
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that has just exited
+                os.sched_setaffinity(int(tid), cpus)
 
 
 def run_service(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from services.ranker.admission import AdmissionConfig
@@ -13,6 +14,14 @@ from shared.wire import RequestLimits
 
 def _positive_ints(values: tuple[int, ...]) -> str | None:
     return None if all(v > 0 for v in values) else "every value must be >= 1"
+
+
+def _usable_cpus(values: tuple[int, ...]) -> str | None:
+    usable = os.sched_getaffinity(0)
+    unknown = sorted(set(values) - usable)
+    return (
+        f"CPUs {unknown} are not available to this process (it may use {sorted(usable)})" if unknown else None
+    )
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,10 @@ class RankerConfig(TlsSettings):
     graph_max_tokens: int = setting(4096, env="RELAYGR_GRAPH_MAX_TOKENS",
                                     help="largest ranking batch (new tokens) given a CUDA graph; larger "
                                     "batches run eagerly", check=positive)  # fmt: skip
+    cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_CPU_AFFINITY", check=_usable_cpus,
+                                            help="CPUs this instance's threads run on (comma-separated; "
+                                            "empty: all). One ranker per accelerator gets cores of its own, "
+                                            "near the device: fewer wake-ups on a cold core in every call")  # fmt: skip
     graph_warm_tokens: tuple[int, ...] = setting((320,), env="RELAYGR_GRAPH_WARM_TOKENS", check=_positive_ints,
                                                  help="new tokens per user (recent behaviours + candidates) "
                                                  "whose graphs are captured at start-up, for every batch "

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -84,6 +86,17 @@ class HostTokens:
     @property
     def total(self) -> int:
         return int(self.columns.shape[1])
+
+
+@dataclass(frozen=True)
+class _HostPart:
+    """n tokens of one kind on the host: item index, aux index, timestamp (arrays, or a scalar
+    that every token shares)."""
+
+    items: npt.NDArray[np.int64] | int
+    aux: npt.NDArray[np.int64] | int
+    timestamps: npt.NDArray[np.int64] | int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -279,61 +292,60 @@ class HSTURanker(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
-    def _profile_part(self, p: UserPrefix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Profile tokens carry no item, timestamp 0; aux rows after actions and the candidate marker.
-        n = p.profile.numel()
-        aux = self.spec.num_actions + 1 + p.profile % self.spec.num_profile_features
-        return torch.zeros(n, dtype=torch.int64), aux, torch.zeros(n, dtype=torch.int64)
+    # Host-side token parts are numpy views of the request's tensors: a batch is packed with a few
+    # numpy operations instead of a dozen small torch operations per user (~5x less CPU time on
+    # the ranking call's critical path).
 
-    def _behavior_part(self, b: Behaviors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return 1 + b.items % (self.spec.num_items - 1), b.actions % self.spec.num_actions, b.timestamps
+    def _profile_part(self, p: UserPrefix) -> _HostPart:
+        # Profile tokens carry no item, timestamp 0; aux rows after actions and the candidate marker.
+        aux = self.spec.num_actions + 1 + p.profile.numpy() % self.spec.num_profile_features
+        return _HostPart(0, aux, 0, len(aux))
+
+    def _behavior_part(self, b: Behaviors) -> _HostPart:
+        items = b.items.numpy()
+        return _HostPart(
+            1 + items % (self.spec.num_items - 1), b.actions.numpy() % self.spec.num_actions,
+            b.timestamps.numpy(), len(items),
+        )  # fmt: skip
 
     def pack_suffixes(self, suffixes: Sequence[RankingSuffix]) -> HostTokens:
         """The host-side token layout of rank_cached's new tokens ([eS_l, I] per user)."""
         return self._pack([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
 
     def _pack(
-        self,
-        history_parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-        suffixes: Sequence[RankingSuffix] | None,
+        self, history_parts: list[list[_HostPart]], suffixes: Sequence[RankingSuffix] | None
     ) -> HostTokens:
         """Concatenates every user's [history..., candidates] on the host."""
-        columns: list[torch.Tensor] = []
-        lengths, n_hist, cand_rows, counts = [], [], [], []
-        row = 0
-        for b, parts in enumerate(history_parts):
-            hist = sum(p[0].numel() for p in parts)
-            if suffixes is not None:
-                s = suffixes[b]
-                c = s.candidates.numel()
-                # Every candidate carries the query time: SeqLayout's one-timestamp contract.
-                parts = [
-                    *parts,
-                    (
-                        1 + s.candidates % (self.spec.num_items - 1),
-                        torch.full((c,), self.spec.num_actions, dtype=torch.int64),
-                        torch.full((c,), s.query_time, dtype=torch.int64),
-                    ),
-                ]
-                cand_rows.append(torch.arange(row + hist, row + hist + c))
-                counts.append(c)
-            columns.extend(torch.stack(p) for p in parts)
-            lengths.append(sum(p[0].numel() for p in parts))
-            n_hist.append(hist)
-            row += lengths[-1]
+        n_hist = [sum(p.n for p in parts) for parts in history_parts]
+        counts = tuple(s.candidates.numel() for s in suffixes) if suffixes is not None else ()
+        lengths = [h + c for h, c in zip(n_hist, counts, strict=True)] if suffixes is not None else n_hist
         too_long = [n for n in lengths if n > self.spec.max_sequence_len]
         if too_long:
             raise InvalidSequenceError(
                 f"sequence of {too_long[0]} tokens exceeds {self.spec.max_sequence_len}"
             )
-        host = torch.cat([*columns, torch.empty(3, 0, dtype=torch.int64)], dim=1)
-        rows = torch.cat([*cand_rows, torch.empty(0, dtype=torch.int64)])
-        return HostTokens(host, rows, lengths, n_hist, tuple(counts))
+        columns = np.empty((3, sum(lengths)), dtype=np.int64)
+        rows = np.empty(sum(counts), dtype=np.int64)
+        row = cand = 0
+        for b, parts in enumerate(history_parts):
+            for part in parts:
+                end = row + part.n
+                columns[0, row:end] = part.items
+                columns[1, row:end] = part.aux
+                columns[2, row:end] = part.timestamps
+                row = end
+            if suffixes is not None:
+                s, c = suffixes[b], counts[b]
+                # Every candidate carries the query time: SeqLayout's one-timestamp contract.
+                columns[0, row : row + c] = 1 + s.candidates.numpy() % (self.spec.num_items - 1)
+                columns[1, row : row + c] = self.spec.num_actions
+                columns[2, row : row + c] = s.query_time
+                rows[cand : cand + c] = np.arange(row, row + c)
+                row, cand = row + c, cand + c
+        return HostTokens(torch.from_numpy(columns), torch.from_numpy(rows), lengths, n_hist, counts)
 
     def _tokens(
-        self,
-        history_parts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-        suffixes: Sequence[RankingSuffix] | None,
+        self, history_parts: list[list[_HostPart]], suffixes: Sequence[RankingSuffix] | None
     ) -> _Tokens:
         """_pack, then one copy to the device."""
         packed_host = self._pack(history_parts, suffixes)

@@ -24,9 +24,9 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -44,8 +44,8 @@ from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, L
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
-from services.ranker.wire import prefix_from_proto, rank_inputs
-from shared.lifecycle import settle_heap
+from services.ranker.wire import CheckedPrefix, prefix_from_proto, rank_inputs
+from shared.lifecycle import pin_process, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
 from shared.modelspec import preset
@@ -388,7 +388,9 @@ class RankerService(pb_grpc.RankerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
-            served, result, cache_ms = await self._rank(key, request.request_id, prefix, suffix, deadline)
+            served, result, cache_ms = await self._rank(
+                key, request.request_id, prefix, suffix, deadline, context.add_done_callback
+            )
         except asyncio.CancelledError:
             # Admitted, and its caller gave up (deadline or cancel) before the answer: what
             # admission exists to avoid, so it is counted.
@@ -420,8 +422,16 @@ class RankerService(pb_grpc.RankerServicer):
                         throughput_rps=self.admission.throughput, refused=dict(self.admission.refused))  # fmt: skip
 
     async def _rank(
-        self, key: PsiKey, request_id: str, prefix: UserPrefix, suffix: RankingSuffix, deadline: float
+        self,
+        key: PsiKey,
+        request_id: str,
+        prefix: CheckedPrefix,
+        suffix: RankingSuffix,
+        deadline: float,
+        after_reply: Callable[[Callable[[Any], None]], None],
     ) -> tuple[str, RankResult, float]:
+        """`after_reply` registers work to run once the reply has been sent (gRPC's done
+        callback): demoting the consumed psi then does not compete with sending the scores."""
         t0 = time.perf_counter()
         served = "hbm_hit"
         signalled = self._signal_at.pop(key, None)
@@ -454,8 +464,8 @@ class RankerService(pb_grpc.RankerServicer):
                 self.metrics.fallbacks.labels("cached_rank_failed").inc()
             finally:
                 self.cache.unpin(key)
-                self._after_consume(key)
-        return "full_recompute", await self.engine.rank_full(prefix, suffix), cache_ms
+                after_reply(lambda _context: self._after_consume(key))
+        return "full_recompute", await self.engine.rank_full(prefix.tensors(), suffix), cache_ms
 
     async def _join(self, key: PsiKey, deadline: float, prefix_len: int) -> ClaimResult:
         """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
@@ -471,7 +481,7 @@ class RankerService(pb_grpc.RankerServicer):
         return self.cache.claim(key)
 
     async def _reload_on_miss(
-        self, key: PsiKey, request_id: str, prefix: UserPrefix, deadline: float
+        self, key: PsiKey, request_id: str, prefix: CheckedPrefix, deadline: float
     ) -> bool | None:
         """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
         call started it, False when one was already under way (single flight), None for no reload."""
@@ -493,7 +503,9 @@ class RankerService(pb_grpc.RankerServicer):
             return False  # produced or being produced meanwhile: join it
         production = _Production(asyncio.Event())
         self._productions[key] = production
-        production.task = self._spawn(self._produce(key, prefix, True, production), f"reload-{key.user_id}")
+        production.task = self._spawn(
+            self._produce(key, prefix.tensors(), True, production), f"reload-{key.user_id}"
+        )
         return True
 
     def _after_consume(self, key: PsiKey) -> None:
@@ -559,6 +571,9 @@ class RankerService(pb_grpc.RankerServicer):
 
 def serve(config: RankerConfig) -> None:
     import uvloop
+
+    if config.cpu_affinity:
+        pin_process(config.cpu_affinity)
 
     async def main() -> None:
         await RankerService(config).run()

@@ -5,7 +5,10 @@ Everything past this module sees only UserPrefix / RankingSuffix / Psi types.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
@@ -22,28 +25,66 @@ from shared.wire import (
 )
 
 
-def behaviors_from_proto(msg: pb.Behaviors, field: str, max_len: int) -> Behaviors:
-    items = decode(msg.items_le, I64, f"{field}.items", max_len)
-    actions = decode(msg.actions_le, I32, f"{field}.actions", max_len)
-    timestamps = decode(msg.timestamps_le, I64, f"{field}.timestamps", max_len)
+def _behavior_arrays(
+    msg: pb.Behaviors, name: str, max_len: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    items = decode(msg.items_le, I64, f"{name}.items", max_len)
+    actions = decode(msg.actions_le, I32, f"{name}.actions", max_len)
+    timestamps = decode(msg.timestamps_le, I64, f"{name}.timestamps", max_len)
     if not len(items) == len(actions) == len(timestamps):
         raise WireError(
-            f"{field}: {len(items)} items, {len(actions)} actions and {len(timestamps)} timestamps must match"
+            f"{name}: {len(items)} items, {len(actions)} actions and {len(timestamps)} timestamps must match"
         )
-    require_non_negative(items, f"{field}.items")
-    require_non_negative(actions, f"{field}.actions")
-    require_non_negative(timestamps, f"{field}.timestamps", MAX_TIMESTAMP)
+    require_non_negative(items, f"{name}.items")
+    require_non_negative(actions, f"{name}.actions")
+    require_non_negative(timestamps, f"{name}.timestamps", MAX_TIMESTAMP)
+    return items, actions, timestamps
+
+
+def behaviors_from_proto(msg: pb.Behaviors, name: str, max_len: int) -> Behaviors:
+    items, actions, timestamps = _behavior_arrays(msg, name, max_len)
     return Behaviors(torch.from_numpy(items), torch.from_numpy(actions), torch.from_numpy(timestamps))
 
 
-def prefix_from_proto(msg: pb.UserPrefix, limits: RequestLimits) -> UserPrefix:
+@dataclass
+class CheckedPrefix:
+    """A ranking call's fallback prefix: fully validated, but turned into tensors only when a
+    path reads its tokens (a full recompute, a reload that falls back to pre-inference). An HBM
+    hit reads only its identity and length, and skips that conversion."""
+
+    user_id: int
+    prefix_version: int
+    length: int
+    _profile: npt.NDArray[np.int64] = field(repr=False)
+    _long_term: tuple[npt.NDArray[np.int64], ...] = field(repr=False)
+    _tensors: UserPrefix | None = field(default=None, repr=False)
+
+    def tensors(self) -> UserPrefix:
+        if self._tensors is None:
+            items, actions, timestamps = (torch.from_numpy(a) for a in self._long_term)
+            try:
+                self._tensors = UserPrefix(
+                    self.user_id,
+                    self.prefix_version,
+                    torch.from_numpy(self._profile),
+                    Behaviors(items, actions, timestamps),
+                )
+            except InvalidSequenceError as exc:
+                raise WireError(str(exc)) from None
+        return self._tensors
+
+
+def checked_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> CheckedPrefix:
     profile = decode(msg.profile_le, I64, "prefix.profile", limits.max_profile_tokens)
     require_non_negative(profile, "prefix.profile")
-    long_term = behaviors_from_proto(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
-    try:
-        return UserPrefix(msg.user_id, msg.prefix_version, torch.from_numpy(profile), long_term)
-    except InvalidSequenceError as exc:
-        raise WireError(str(exc)) from None
+    long_term = _behavior_arrays(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
+    return CheckedPrefix(
+        msg.user_id, msg.prefix_version, len(profile) + len(long_term[0]), profile, long_term
+    )
+
+
+def prefix_from_proto(msg: pb.UserPrefix, limits: RequestLimits) -> UserPrefix:
+    return checked_prefix(msg, limits).tensors()
 
 
 def suffix_from_proto(req: pb.RankRequest, limits: RequestLimits) -> RankingSuffix:
@@ -57,15 +98,16 @@ def suffix_from_proto(req: pb.RankRequest, limits: RequestLimits) -> RankingSuff
     return RankingSuffix(recent, torch.from_numpy(candidates), int(req.query_time))
 
 
-def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[UserPrefix, RankingSuffix]:
-    """Validates a RankRequest: ids, the fallback prefix (required, same user and version), sizes."""
+def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[CheckedPrefix, RankingSuffix]:
+    """Validates a RankRequest: ids, the fallback prefix (required, same user and version), sizes.
+    Every check runs here, whatever path the call then takes."""
     if not req.request_id:
         raise WireError("request_id is required (Rank is idempotent by request id)")
     if not req.HasField("prefix"):
         raise WireError("prefix is required: without it a cache miss could not be ranked")
     if req.prefix.user_id != req.user_id or req.prefix.prefix_version != req.prefix_version:
         raise WireError("prefix.user_id / prefix_version must equal the request's")
-    return prefix_from_proto(req.prefix, limits), suffix_from_proto(req, limits)
+    return checked_prefix(req.prefix, limits), suffix_from_proto(req, limits)
 
 
 def prefix_to_proto(prefix: UserPrefix) -> pb.UserPrefix:

@@ -141,6 +141,30 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ra
     assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
 
 
+async def test_a_bad_fallback_prefix_is_refused_even_when_psi_is_resident(ranker):
+    """An HBM hit never reads the fallback prefix's tokens, but the same request must not be
+    accepted or refused depending on what happens to be cached."""
+    _, stub, _ = ranker
+    prefixes, suffixes = users(6, 1, prefix_len=80)
+    good = rank_request(prefixes[0], suffixes[0], "ok")
+    await stub.PreInfer(preinfer_request(prefixes[0], "p"), timeout=5)
+    for _ in range(100):
+        stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+        if stats.psi_produced:
+            break
+        await asyncio.sleep(0.02)
+    bad = pb.RankRequest()
+    bad.CopyFrom(good)
+    bad.prefix.long_term.items_le = (-1).to_bytes(8, "little", signed=True) + bad.prefix.long_term.items_le[
+        8:
+    ]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rank(bad, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prefix.long_term.items" in err.value.details()
+    assert (await stub.Rank(good, timeout=30)).served_by == pb.HBM_HIT  # psi was left for it
+
+
 @pytest.mark.parametrize(
     "ranker",
     [["--max-inflight-ranks", "1", "--admission-min-limit", "1", "--admission-shed-preinfer-ms", "600000"]],

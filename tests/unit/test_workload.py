@@ -186,7 +186,8 @@ def test_messages_are_valid_on_the_wire():
     w = generate(WorkloadConfig(seed=1, duration_s=30.0, rate_rps=10.0))
     m = Materializer.for_workload(w)
     planned = w.requests[0]
-    prefix, suffix = rank_inputs(m.rank_request(planned), RequestLimits())
+    checked, suffix = rank_inputs(m.rank_request(planned), RequestLimits())
+    prefix = checked.tensors()
     want_prefix, want_suffix = m.materialize(planned)
     assert torch.equal(prefix.long_term.items, want_prefix.long_term.items)
     assert torch.equal(suffix.candidates, want_suffix.candidates)
