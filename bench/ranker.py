@@ -36,7 +36,7 @@ from relaygr.processes import ServiceProcess
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from services.ranker.transfer import host_meta, host_nbytes
-from services.ranker.wire import preinfer_request, rank_request
+from services.ranker.wire import by_reference, preinfer_request, rank_request
 from shared.config import load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -162,8 +162,10 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
         options = [("grpc.max_send_message_length", 64 << 20)]
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
         stub = pb_grpc.RankerStub(channel)
-        # Most upstream callers use a blocking stub: it is the client measured (rank_p50/p99_ms);
-        # every other sample goes through an asyncio stub instead (rank_p99_ms_aio_client).
+        # Three clients take turns, call by call: a blocking stub sending the call as the router
+        # forwards it to the instance holding psi (the prefix by reference: rank_p50/p99_ms),
+        # the same stub sending the prefix itself (rank_*_with_prefix), and an asyncio stub
+        # by reference (rank_*_aio_client).
         sync_channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
         sync_stub = pb_grpc.RankerStub(sync_channel)
         for prefix_len in args.prefix_lens:
@@ -172,9 +174,9 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
                 gen, prefix_len, Shape(16, prefix_len - 16, args.recent, args.candidates)
             )
             request = rank_request(prefix, suffix, "bench")
+            slim = by_reference(request)
             await stub.Rank(request, timeout=60)  # full: warms the path
-            rank_ms: list[float] = []
-            aio_ms: list[float] = []
+            timed: dict[str, list[float]] = {"ref": [], "prefix": [], "aio": []}
             server: dict[str, list[float]] = {"total": [], "compute": [], "queue": [], "cache": []}
             served: dict[int, int] = {}
             # The client's own collector must not land inside a timed call: automatic collection
@@ -183,32 +185,36 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             gc.freeze()
             gc.disable()
             steal_before = cpu_steal_ticks()
-            for i in range(2 * args.samples + 3):
+            for i in range(3 * args.samples + 3):
                 await wait_resident_remote(stub, prefix, f"p{prefix_len}-{i}")
-                blocking = i % 2 == 0
+                mode = ("ref", "prefix", "aio")[i % 3]
                 t0 = time.perf_counter()
-                reply = (
-                    sync_stub.Rank(request, timeout=60) if blocking else await stub.Rank(request, timeout=60)
-                )
+                if mode == "aio":
+                    reply = await stub.Rank(slim, timeout=60)
+                else:
+                    reply = sync_stub.Rank(slim if mode == "ref" else request, timeout=60)
                 ms = (time.perf_counter() - t0) * 1e3
                 served[reply.served_by] = served.get(reply.served_by, 0) + 1
-                if i >= 3 and reply.served_by == pb.HBM_HIT and not blocking:
-                    aio_ms.append(ms)
-                elif i >= 3 and reply.served_by == pb.HBM_HIT:
-                    rank_ms.append(ms)
-                    t = reply.timings
-                    for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
-                                        ("cache", t.cache_ms)):  # fmt: skip
-                        server[name].append(value)
+                if i >= 3 and reply.served_by == pb.HBM_HIT:
+                    timed[mode].append(ms)
+                    if mode == "ref":
+                        t = reply.timings
+                        for name, value in (("total", t.total_ms), ("compute", t.compute_ms), ("queue", t.queue_ms),
+                                            ("cache", t.cache_ms)):  # fmt: skip
+                            server[name].append(value)
                 gc.collect(0)
                 await asyncio.sleep(args.gap_ms / 1e3)
             gc.enable()
             steal = cpu_steal_ticks()
+            rank_ms, aio_ms, with_prefix_ms = timed["ref"], timed["aio"], timed["prefix"]
             out[prefix_len] = {
                 "rank_p50_ms": percentile(rank_ms, 50),
                 "rank_p99_ms": percentile(rank_ms, 99),
                 "rank_p999_ms": percentile(rank_ms, 99.9),
                 "rank_samples": len(rank_ms),
+                "rank_p50_ms_with_prefix": percentile(with_prefix_ms, 50),
+                "rank_p99_ms_with_prefix": percentile(with_prefix_ms, 99),
+                "rank_p999_ms_with_prefix": percentile(with_prefix_ms, 99.9),
                 # Time the hypervisor gave this VM's CPUs to others while sampling (all CPUs): a
                 # noisy host shows here first.
                 "cpu_steal_pct": 100.0 * (steal[0] - steal_before[0]) / max(1, steal[1] - steal_before[1]),
@@ -224,6 +230,7 @@ async def rank_latency(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             r = out[prefix_len]
             print(
                 f"P={prefix_len:6d}  rank p50 {r['rank_p50_ms']:6.2f} / p99 {r['rank_p99_ms']:6.2f} ms "
+                f"(with prefix {r['rank_p50_ms_with_prefix']:.2f} / {r['rank_p99_ms_with_prefix']:.2f}) "
                 f"(aio client {r['rank_p50_ms_aio_client']:.2f} / {r['rank_p99_ms_aio_client']:.2f}) "
                 f"(server {r['server_total_p50_ms']:.2f}, compute {r['server_compute_p50_ms']:.2f}, "
                 f"queue {r['server_queue_p50_ms']:.2f})  served {r['served_by']}",
@@ -286,12 +293,14 @@ def main(argv: list[str] | None = None) -> None:
     results = asyncio.run(run_all(args))
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     config["rank_timing"] = (
-        "client-side Rank latency over gRPC loopback on HBM hits, one call at a time, "
-        "blocking stub (rank_*_aio_client: asyncio stub), ranker in its own process; the client's "
-        "garbage collector runs between calls, never inside one"
+        "client-side Rank latency over gRPC loopback on HBM hits, one call at a time, ranker in its "
+        "own process; blocking stub, the call as the router forwards it to the instance holding psi "
+        "(prefix by reference); rank_*_with_prefix: the same call carrying its prefix; "
+        "rank_*_aio_client: asyncio stub, by reference; the client's garbage collector runs between "
+        "calls, never inside one"
     )
     columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
-               "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_samples", "cpu_steal_pct"]  # fmt: skip
+               "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_p99_ms_with_prefix", "rank_samples", "cpu_steal_pct"]  # fmt: skip
     kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("ranker", config, results, columns, **kwargs))
 

@@ -44,7 +44,7 @@ from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, L
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
-from services.ranker.wire import CheckedPrefix, prefix_from_proto, rank_inputs
+from services.ranker.wire import FallbackPrefix, PrefixRequired, checked_prefix, rank_inputs
 from shared.lifecycle import pin_process, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
@@ -294,7 +294,7 @@ class RankerService(pb_grpc.RankerServicer):
         try:
             if not request.request_id:
                 raise WireError("request_id is required")
-            prefix = prefix_from_proto(request.prefix, self.config.limits)
+            prefix = checked_prefix(request.prefix, self.config.limits)
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
@@ -322,7 +322,7 @@ class RankerService(pb_grpc.RankerServicer):
         remaining = min(max(remaining, 0.0), self.config.max_lease_ms)
         return time.monotonic() + remaining / 1e3
 
-    async def _start_production(self, key: PsiKey, prefix: UserPrefix) -> pb.PreInferReply.Outcome:
+    async def _start_production(self, key: PsiKey, prefix: FallbackPrefix) -> pb.PreInferReply.Outcome:
         """Starts producing an admitted psi: reload from host DRAM when that is cheaper, else compute."""
         reload = False
         if self.host is not None and self.host.connected:
@@ -339,7 +339,9 @@ class RankerService(pb_grpc.RankerServicer):
         )
         return pb.PreInferReply.RELOAD_SCHEDULED if reload else pb.PreInferReply.ACCEPTED
 
-    async def _produce(self, key: PsiKey, prefix: UserPrefix, reload: bool, production: _Production) -> None:
+    async def _produce(
+        self, key: PsiKey, prefix: FallbackPrefix, reload: bool, production: _Production
+    ) -> None:
         psi: Psi | None = None
         try:
             if reload and self.host is not None:
@@ -355,10 +357,14 @@ class RankerService(pb_grpc.RankerServicer):
                     self.metrics.fallbacks.labels("reload_failed").inc()
             if psi is None:
                 t0 = time.perf_counter()
-                psi = await self.engine.preinfer(prefix)
+                psi = await self.engine.preinfer(prefix.tensors())
                 self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
             if not self.cache.produced(key, psi):
                 log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
+        except PrefixRequired:
+            # A reload for a call by reference failed, and there are no tokens to compute from:
+            # its call answers prefix_required and comes back with the prefix.
+            self.cache.production_failed(key)
         except Exception as exc:
             log.warning("production_failed", user=key.user_id, error=repr(exc))
             self.cache.production_failed(key)
@@ -388,9 +394,13 @@ class RankerService(pb_grpc.RankerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
-            served, result, cache_ms = await self._rank(
-                key, request.request_id, prefix, suffix, deadline, context.add_done_callback
-            )
+            try:
+                served, result, cache_ms = await self._rank(
+                    key, request.request_id, prefix, suffix, deadline, context.add_done_callback
+                )
+            except PrefixRequired as exc:
+                self.metrics.rank_errors.labels("prefix_required").inc()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except asyncio.CancelledError:
             # Admitted, and its caller gave up (deadline or cancel) before the answer: what
             # admission exists to avoid, so it is counted.
@@ -425,7 +435,7 @@ class RankerService(pb_grpc.RankerServicer):
         self,
         key: PsiKey,
         request_id: str,
-        prefix: CheckedPrefix,
+        prefix: FallbackPrefix,
         suffix: RankingSuffix,
         deadline: float,
         after_reply: Callable[[Callable[[Any], None]], None],
@@ -481,7 +491,7 @@ class RankerService(pb_grpc.RankerServicer):
         return self.cache.claim(key)
 
     async def _reload_on_miss(
-        self, key: PsiKey, request_id: str, prefix: CheckedPrefix, deadline: float
+        self, key: PsiKey, request_id: str, prefix: FallbackPrefix, deadline: float
     ) -> bool | None:
         """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
         call started it, False when one was already under way (single flight), None for no reload."""
@@ -503,9 +513,7 @@ class RankerService(pb_grpc.RankerServicer):
             return False  # produced or being produced meanwhile: join it
         production = _Production(asyncio.Event())
         self._productions[key] = production
-        production.task = self._spawn(
-            self._produce(key, prefix.tensors(), True, production), f"reload-{key.user_id}"
-        )
+        production.task = self._spawn(self._produce(key, prefix, True, production), f"reload-{key.user_id}")
         return True
 
     def _after_consume(self, key: PsiKey) -> None:

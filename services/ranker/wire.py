@@ -74,6 +74,31 @@ class CheckedPrefix:
         return self._tensors
 
 
+class PrefixRequired(Exception):
+    """A call that named its prefix by reference needs the tokens: its psi is not usable here."""
+
+
+@dataclass(frozen=True)
+class PrefixReference:
+    """A ranking call's prefix named, not carried (RankRequest.prefix_ref): enough for an HBM hit,
+    an in-flight join or a reload; any path that needs the tokens raises PrefixRequired, which the
+    service answers with FAILED_PRECONDITION so that the caller sends the prefix."""
+
+    user_id: int
+    prefix_version: int
+    length: int
+
+    def tensors(self) -> UserPrefix:
+        raise PrefixRequired(
+            f"prefix_required: psi of user {self.user_id} prefix version {self.prefix_version} is not "
+            "usable on this instance; send the prefix itself"
+        )
+
+
+# What a ranking call brings for its fallback: the prefix, or a reference to it.
+FallbackPrefix = CheckedPrefix | PrefixReference
+
+
 def checked_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> CheckedPrefix:
     profile = decode(msg.profile_le, I64, "prefix.profile", limits.max_profile_tokens)
     require_non_negative(profile, "prefix.profile")
@@ -98,16 +123,23 @@ def suffix_from_proto(req: pb.RankRequest, limits: RequestLimits) -> RankingSuff
     return RankingSuffix(recent, torch.from_numpy(candidates), int(req.query_time))
 
 
-def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[CheckedPrefix, RankingSuffix]:
-    """Validates a RankRequest: ids, the fallback prefix (required, same user and version), sizes.
-    Every check runs here, whatever path the call then takes."""
+def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[FallbackPrefix, RankingSuffix]:
+    """Validates a RankRequest: ids, the fallback (the prefix, same user and version, or a
+    reference to it), sizes. Every check runs here, whatever path the call then takes."""
     if not req.request_id:
         raise WireError("request_id is required (Rank is idempotent by request id)")
-    if not req.HasField("prefix"):
-        raise WireError("prefix is required: without it a cache miss could not be ranked")
+    fallback = req.WhichOneof("fallback")
+    if fallback is None:
+        raise WireError("prefix is required (or prefix_ref): without it a cache miss could not be ranked")
+    suffix = suffix_from_proto(req, limits)
+    if fallback == "prefix_ref":
+        length = req.prefix_ref.length
+        if not 0 < length <= limits.max_profile_tokens + limits.max_prefix_tokens:
+            raise WireError(f"prefix_ref.length: {length} is not a possible prefix length")
+        return PrefixReference(req.user_id, req.prefix_version, length), suffix
     if req.prefix.user_id != req.user_id or req.prefix.prefix_version != req.prefix_version:
         raise WireError("prefix.user_id / prefix_version must equal the request's")
-    return checked_prefix(req.prefix, limits), suffix_from_proto(req, limits)
+    return checked_prefix(req.prefix, limits), suffix
 
 
 def prefix_to_proto(prefix: UserPrefix) -> pb.UserPrefix:
@@ -145,6 +177,15 @@ def rank_request(prefix: UserPrefix, suffix: RankingSuffix, request_id: str) -> 
         prefix=prefix_to_proto(prefix),
         **suffix_fields(suffix),  # type: ignore[arg-type]
     )
+
+
+def by_reference(request: pb.RankRequest) -> pb.RankRequest:
+    """The same ranking call naming its prefix instead of carrying it (see PrefixRef)."""
+    slim = pb.RankRequest()
+    slim.CopyFrom(request)
+    length = len(request.prefix.profile_le) // 8 + len(request.prefix.long_term.items_le) // 8
+    slim.prefix_ref.length = length  # a oneof: this clears `prefix`
+    return slim
 
 
 def preinfer_request(

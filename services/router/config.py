@@ -113,6 +113,12 @@ class RouterConfig(KafkaSettings, TlsSettings):
         1, env="RELAYGR_ROUTER_OVERLOAD_RETRIES",
         help="other instances tried after an instance answers RESOURCE_EXHAUSTED (0: none)", check=non_negative,
     )  # fmt: skip
+    rank_by_reference: bool = setting(
+        True, env="RELAYGR_ROUTER_RANK_BY_REFERENCE",
+        help="forward a ranking call to the instance holding its psi (residency map) with its prefix "
+        "replaced by a reference: the prefix is neither sent nor decoded again on a hit; an instance "
+        "that no longer has the psi answers prefix_required and gets the whole call",
+    )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
         check=positive,

@@ -20,7 +20,7 @@ strings, the token arrays) is left to the ranker, which parses and validates the
 
 from __future__ import annotations
 
-__all__ = ["MalformedMessage", "preinfer_key", "rank_key"]
+__all__ = ["MalformedMessage", "preinfer_key", "rank_by_reference", "rank_key"]
 
 _MASK64 = (1 << 64) - 1
 _SIGN64 = 1 << 63
@@ -179,3 +179,80 @@ def preinfer_key(data: bytes) -> tuple[int, int, int]:
         _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, key)
     signed = lease[0] - (1 << 64) if lease[0] & _SIGN64 else lease[0]
     return key[0], key[1], signed
+
+
+_RANK_PREFIX = 4 << 3 | _LEN  # RankRequest.prefix (UserPrefix), in oneof `fallback`
+_RANK_PREFIX_REF = 8 << 3 | _LEN  # RankRequest.prefix_ref (PrefixRef), the same oneof
+_PROFILE = 3 << 3 | _LEN  # UserPrefix.profile_le
+_LONG_TERM = 4 << 3 | _LEN  # UserPrefix.long_term (Behaviors)
+_ITEMS = 1 << 3 | _LEN  # Behaviors.items_le
+
+
+def _fields(data: bytes, pos: int, end: int) -> list[tuple[int, int, int, int]]:
+    """(tag, field start, payload start, end) of every field of the message in data[pos:end]
+    (the payload of a length-delimited field; the whole value otherwise)."""
+    out = []
+    while pos < end:
+        start = pos
+        tag, pos = _short_varint(data, pos, end, "tag")
+        if tag < 8:
+            raise MalformedMessage(f"field number 0 at byte {start}")
+        if tag & 7 == _LEN:
+            size, pos = _short_varint(data, pos, end, "length")
+            if size > end - pos:
+                raise MalformedMessage(
+                    f"field {tag >> 3}: length {size} runs past the end ({end - pos} bytes left)"
+                )
+            out.append((tag, start, pos, pos + size))
+            pos += size
+        else:
+            after = _field_end(data, start, end, _MAX_DEPTH)
+            out.append((tag, start, pos, after))
+            pos = after
+    return out
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def rank_by_reference(data: bytes) -> bytes | None:
+    """The serialized RankRequest with its prefix replaced by a PrefixRef of the same length: what
+    the router forwards to the instance its residency map says holds the user's psi. None when
+    the request does not lend itself to that, and is forwarded as it came: no prefix or already a
+    reference; the prefix, its profile, its long-term behaviours or their items sent more than once
+    (the parser would merge them); a token array that is not whole int64 values; a prefix of
+    another user or version than the request's (the ranker refuses that, and must see it).
+
+    Only the prefix's identity and length are checked here. Its token values were validated when
+    the PreInfer that produced this psi carried them: (user, prefix version) names one prefix,
+    and the ranker checks the length against its psi. Raises MalformedMessage."""
+    fields = _fields(data, 0, len(data))
+    prefixes = [f for f in fields if f[0] == _RANK_PREFIX]
+    if len(prefixes) != 1 or any(f[0] == _RANK_PREFIX_REF for f in fields):
+        return None
+    _, field_start, a, b = prefixes[0]
+    inner = _fields(data, a, b)
+    profile = [f for f in inner if f[0] == _PROFILE]
+    long_term = [f for f in inner if f[0] == _LONG_TERM]
+    if len(profile) > 1 or len(long_term) != 1:
+        return None
+    items = [f for f in _fields(data, long_term[0][2], long_term[0][3]) if f[0] == _ITEMS]
+    if len(items) != 1:
+        return None
+    profile_bytes = profile[0][3] - profile[0][2] if profile else 0
+    item_bytes = items[0][3] - items[0][2]
+    if profile_bytes % 8 or item_bytes % 8 or not item_bytes:
+        return None
+    request_key, prefix_key = [0, 0], [0, 0]
+    _scan(data, 0, len(data), _MAX_DEPTH, _RANK_KEY, request_key)
+    _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, prefix_key)
+    if request_key != prefix_key:
+        return None
+    ref = b"\x08" + _varint_bytes((profile_bytes + item_bytes) // 8)  # PrefixRef.length = 1, varint
+    return b"".join((data[:field_start], data[b:], bytes((_RANK_PREFIX_REF,)), _varint_bytes(len(ref)), ref))

@@ -39,7 +39,8 @@ import collections
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
 import grpc
@@ -54,7 +55,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.ranker.wire import prefix_from_proto
 from services.router.config import RouterConfig
 from services.router.membership import Membership
-from services.router.passthrough import MalformedMessage, preinfer_key, rank_key
+from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
 from shared.kafka import ensure_topics, make_consumer, make_producer
@@ -146,6 +147,11 @@ class _Metrics:
         self.attempts_of = _Children(self.attempts)
         self.retries_of = _Children(self.retries)
         self.placement_of = _Children(self.placement)
+        self.by_reference = Counter("relaygr_router_rank_by_reference_total",
+                                    "ranking calls forwarded with a prefix reference, by result (hit: "
+                                    "answered; resent: prefix_required, the whole call followed)",
+                                    ["result"], registry=registry)  # fmt: skip
+        self.by_reference_of = _Children(self.by_reference)
 
 
 class RouterService:
@@ -332,15 +338,25 @@ class RouterService:
         return _Placement(order, source)
 
     async def forward(
-        self, method: str, user_id: int, prefix_version: int, request: bytes, deadline: float
+        self,
+        method: str,
+        user_id: int,
+        prefix_version: int,
+        request: bytes,
+        deadline: float,
+        slim: Callable[[], bytes | None] | None = None,
     ) -> tuple[str, bytes]:
         """Sends one idempotent call along the user's placement order until an instance answers.
 
         `method` is "rank" or "preinfer", `request` the serialized request (sent unchanged to each
-        attempt), `deadline` on time.monotonic(). Returns (target, the reply's bytes); raises
-        ForwardError with the status the caller should get.
+        attempt), `deadline` on time.monotonic(). `slim`, for a ranking call, makes the request
+        by reference (see rank_by_reference): sent instead of `request` to the instance the
+        residency map names, and followed by `request` there when that instance answers
+        prefix_required. Returns (target, the reply's bytes); raises ForwardError with the status
+        the caller should get.
         """
         placement = self.place(user_id, prefix_version, method)
+        slim_to = placement.order[0] if slim is not None and placement.source == "residency" else None
         if not placement.order:
             raise ForwardError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -376,7 +392,9 @@ class RouterService:
             ):
                 timeout = min(remaining, cap)
             try:
-                reply = await self.membership.call(target, method, request, timeout)
+                reply = await self._call(
+                    target, method, request, timeout, slim if target == slim_to else None
+                )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 self.metrics.attempts_of(method, code.name.lower()).inc()
@@ -414,6 +432,35 @@ class RouterService:
         if last_code is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise ForwardError(last_code, f"deadline exceeded after {attempt} attempt(s): {detail}")
         raise ForwardError(last_code, f"no ranker instance answered ({attempt} attempt(s)): {detail}")
+
+    async def _call(
+        self,
+        target: str,
+        method: str,
+        request: bytes,
+        timeout_s: float,
+        slim: Callable[[], bytes | None] | None,
+    ) -> bytes:
+        """One attempt; by reference first when `slim` is given and makes a reference."""
+        by_reference = slim() if slim is not None else None
+        if by_reference is None:
+            return await self.membership.call(target, method, request, timeout_s)
+        started = time.monotonic()
+        try:
+            reply = await self.membership.call(target, method, by_reference, timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION or "prefix_required" not in (
+                exc.details() or ""
+            ):
+                raise
+            # The psi went (expired, evicted, instance restarted): the whole call, same instance,
+            # where a reload or the full computation can still serve it.
+            self.metrics.by_reference_of("resent").inc()
+            return await self.membership.call(
+                target, method, request, max(0.001, timeout_s - (time.monotonic() - started))
+            )
+        self.metrics.by_reference_of("hit").inc()
+        return reply
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -454,7 +501,10 @@ class RouterService:
         started = time.perf_counter()
         try:
             user_id, prefix_version = rank_key(request)
-            _, reply = await self.forward("rank", user_id, prefix_version, request, self._deadline(context))
+            slim = partial(rank_by_reference, request) if self.config.rank_by_reference else None
+            _, reply = await self.forward(
+                "rank", user_id, prefix_version, request, self._deadline(context), slim
+            )
         except MalformedMessage as exc:
             self._observe("rank", "invalid_argument", started)
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed RankRequest: {exc}")

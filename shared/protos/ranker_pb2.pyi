@@ -88,12 +88,19 @@ class StageTimings(_message.Message):
     total_ms: float
     def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
+class PrefixRef(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
 class RankRequest(_message.Message):
-    __slots__ = ("request_id", "user_id", "prefix_version", "prefix", "recent", "candidates_le", "query_time")
+    __slots__ = ("request_id", "user_id", "prefix_version", "prefix", "prefix_ref", "recent", "candidates_le", "query_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REF_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_LE_FIELD_NUMBER: _ClassVar[int]
     QUERY_TIME_FIELD_NUMBER: _ClassVar[int]
@@ -101,10 +108,11 @@ class RankRequest(_message.Message):
     user_id: int
     prefix_version: int
     prefix: UserPrefix
+    prefix_ref: PrefixRef
     recent: Behaviors
     candidates_le: bytes
     query_time: int
-    def __init__(self, request_id: _Optional[str] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., recent: _Optional[_Union[Behaviors, _Mapping]] = ..., candidates_le: _Optional[bytes] = ..., query_time: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ..., recent: _Optional[_Union[Behaviors, _Mapping]] = ..., candidates_le: _Optional[bytes] = ..., query_time: _Optional[int] = ...) -> None: ...
 
 class RankReply(_message.Message):
     __slots__ = ("scores", "served_by", "timings", "model_version", "instance_id")

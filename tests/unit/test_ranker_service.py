@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
+from services.ranker.wire import by_reference
 from shared.config import load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -141,6 +142,43 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ra
     assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
 
 
+async def wait_produced(stub, count: int = 1) -> None:
+    for _ in range(200):
+        if (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_produced >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("psi never produced")
+
+
+async def test_a_call_by_reference_is_served_from_psi_and_needs_the_prefix_otherwise(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(7, 2, prefix_len=400)
+    full = [rank_request(p, s, f"f{i}") for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True))]
+    expected = await stub.Rank(full[0], timeout=30)
+    # Nothing resident: a reference is not enough, and the answer says what to send.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rank(by_reference(full[1]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "prefix_required" in err.value.details()
+    await stub.PreInfer(preinfer_request(prefixes[0], "p0"), timeout=5)
+    await wait_produced(stub)
+    # A reference whose length is not psi's names another prefix: psi is not used for it.
+    wrong = by_reference(full[0])
+    wrong.prefix_ref.length += 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rank(wrong, timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    hit = await stub.Rank(by_reference(full[0]), timeout=30)
+    assert hit.served_by == pb.HBM_HIT
+    assert max_diff(hit.scores, expected.scores) <= TOL
+    impossible = by_reference(full[0])
+    impossible.prefix_ref.length = 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rank(impossible, timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prefix_ref.length" in err.value.details()
+
+
 async def test_a_bad_fallback_prefix_is_refused_even_when_psi_is_resident(ranker):
     """An HBM hit never reads the fallback prefix's tokens, but the same request must not be
     accepted or refused depending on what happens to be cached."""
@@ -148,11 +186,7 @@ async def test_a_bad_fallback_prefix_is_refused_even_when_psi_is_resident(ranker
     prefixes, suffixes = users(6, 1, prefix_len=80)
     good = rank_request(prefixes[0], suffixes[0], "ok")
     await stub.PreInfer(preinfer_request(prefixes[0], "p"), timeout=5)
-    for _ in range(100):
-        stats = await stub.Stats(pb.StatsRequest(), timeout=5)
-        if stats.psi_produced:
-            break
-        await asyncio.sleep(0.02)
+    await wait_produced(stub)
     bad = pb.RankRequest()
     bad.CopyFrom(good)
     bad.prefix.long_term.items_le = (-1).to_bytes(8, "little", signed=True) + bad.prefix.long_term.items_le[

@@ -11,7 +11,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from services.router.passthrough import MalformedMessage, preinfer_key, rank_key
+from services.ranker.wire import by_reference
+from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from shared.protos import ranker_pb2 as pb
 
 U64 = (1 << 64) - 1
@@ -319,3 +320,130 @@ def test_random_corruption_never_rejects_what_the_parser_accepts():
                 outcomes["parser only rejects"] += 1
     # The corruptions exercise every path (not a test that passes by never getting there).
     assert min(outcomes.values()) > 200, outcomes
+
+
+# ---------------------------------------------------------------------- ranking by reference
+
+
+def without_fallback(msg: pb.RankRequest) -> pb.RankRequest:
+    out = pb.RankRequest()
+    out.CopyFrom(msg)
+    out.ClearField("fallback")
+    return out
+
+
+def test_a_reference_replaces_the_prefix_and_keeps_everything_else():
+    msg = rank_message(77, 4)
+    slim = rank_by_reference(msg.SerializeToString())
+    assert slim is not None
+    got = pb.RankRequest.FromString(slim)
+    assert got.WhichOneof("fallback") == "prefix_ref"
+    assert got.prefix_ref.length == 2 + 5  # profile (16 bytes) + long-term items (40 bytes)
+    assert without_fallback(got) == without_fallback(msg)
+    assert len(slim) == by_reference(msg).ByteSize()  # the prefix's bytes are gone
+
+
+def _duplicated_prefix() -> bytes:
+    msg = rank_message(77, 4)
+    return msg.SerializeToString() + length_delimited(4, prefix_message(77, 4).SerializeToString())
+
+
+def _other_version() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix.prefix_version = 5
+    return msg.SerializeToString()
+
+
+def _ragged_items() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix.long_term.items_le = b"\x01" * 7
+    return msg.SerializeToString()
+
+
+def _no_items() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix.long_term.items_le = b""
+    return msg.SerializeToString()
+
+
+def _two_long_terms() -> bytes:
+    msg = rank_message(77, 4)
+    extra = length_delimited(4, pb.Behaviors(items_le=b"\x01" * 8).SerializeToString())
+    prefix = msg.prefix.SerializeToString() + extra
+    msg.ClearField("prefix")
+    return msg.SerializeToString() + length_delimited(4, prefix)
+
+
+def _already_by_reference() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix_ref.length = 7
+    return msg.SerializeToString()
+
+
+def _no_prefix() -> bytes:
+    msg = rank_message(77, 4)
+    msg.ClearField("prefix")
+    return msg.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _duplicated_prefix,
+        _other_version,
+        _ragged_items,
+        _no_items,
+        _two_long_terms,
+        _already_by_reference,
+        _no_prefix,
+    ],
+)
+def test_requests_that_do_not_lend_themselves_to_a_reference_go_as_they_came(make):
+    data = make()
+    pb.RankRequest.FromString(data)  # all are requests the parser reads
+    assert rank_by_reference(data) is None
+
+
+def test_random_corruption_never_makes_a_reference_the_parser_would_read_otherwise():
+    """Mutated requests: a reference says what the request says apart from the prefix (replaced
+    by its length); a request the parser refuses makes a reference it refuses too."""
+    rng = random.Random(99)
+    refused = 0
+
+    def parsed(data: bytes) -> pb.RankRequest | None:
+        try:
+            return pb.RankRequest.FromString(data)
+        except DecodeError:
+            return None
+
+    seeds = [rank_message(rng.getrandbits(64), rng.getrandbits(64)).SerializeToString() for _ in range(4)]
+    made = 0
+    for _ in range(3000):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 2)):
+            at = rng.randrange(len(data))
+            data[at] = rng.choice([rng.randrange(256), 0x80, 0x00, 0x0C, 0x0B])
+        data_b = bytes(data)
+        try:
+            slim = rank_by_reference(data_b)
+        except MalformedMessage:
+            continue
+        if slim is None:
+            continue
+        original = parsed(data_b)
+        if original is None:
+            # Broken below what the router reads (a nested message, UTF-8): the ranker refuses
+            # the reference just as it would have refused the request.
+            assert parsed(slim) is None, data_b.hex()
+            refused += 1
+            continue
+        got = pb.RankRequest.FromString(slim)
+        assert got.WhichOneof("fallback") == "prefix_ref"
+        assert without_fallback(got) == without_fallback(original)
+        assert original.prefix.user_id == original.user_id
+        assert original.prefix.prefix_version == original.prefix_version
+        tokens = len(original.prefix.profile_le) // 8 + len(original.prefix.long_term.items_le) // 8
+        assert got.prefix_ref.length == tokens
+        made += 1
+    assert made > 300  # most mutations land in the token arrays and still make a reference
+    assert refused > 20

@@ -123,6 +123,63 @@ async def test_residency_takes_precedence_over_the_hash(routed, rankers):
     assert reply.instance_id == by_target[hashed[0]]
 
 
+def by_reference_count(router: RouterService, result: str) -> float:
+    return (
+        router.registry.get_sample_value("relaygr_router_rank_by_reference_total", {"result": result}) or 0.0
+    )
+
+
+async def test_a_call_to_the_instance_holding_psi_goes_by_reference(routed, rankers):
+    router, stub, _ = routed
+    prefixes, suffixes = users(14, 1, prefix_len=600)
+    p, s = prefixes[0], suffixes[0]
+    full = await stub.Rank(rank_request(p, s, "f"), timeout=30)
+    assert by_reference_count(router, "hit") == 0  # no residency: the call went as it came
+    pre = await stub.PreInfer(preinfer_request(p, "p"), timeout=5)
+    holder = next(r for r in rankers if r.instance_id == pre.instance_id)
+    await eventually(lambda: holder.cache.used_bytes > 0 and not holder._productions, "psi produced")
+    cached = await stub.Rank(rank_request(p, s, "r"), timeout=30)
+    assert cached.served_by == pb.HBM_HIT
+    assert cached.instance_id == pre.instance_id
+    assert max_diff(cached.scores, full.scores) <= TOL
+    assert by_reference_count(router, "hit") == 1
+    assert by_reference_count(router, "resent") == 0
+
+
+async def test_a_reference_to_psi_that_is_gone_is_followed_by_the_whole_call(routed, rankers):
+    router, stub, _ = routed
+    by_target = {target(r.port): r.instance_id for r in rankers}
+    prefixes, suffixes = users(15, 1, prefix_len=300)
+    p, s = prefixes[0], suffixes[0]
+    full = await stub.Rank(rank_request(p, s, "f"), timeout=30)
+    # The map says psi is on an instance that does not have it (expired, evicted, restarted).
+    holder = preference(p.user_id, idle(router))[1]
+    router.residency.record(p.user_id, p.prefix_version, holder, time.monotonic() + 60, time.monotonic())
+    reply = await stub.Rank(rank_request(p, s, "r"), timeout=30)
+    assert reply.instance_id == by_target[holder]
+    assert reply.served_by == pb.FULL_RECOMPUTE
+    assert max_diff(reply.scores, full.scores) <= TOL
+    assert by_reference_count(router, "resent") == 1
+    assert by_reference_count(router, "hit") == 0
+
+
+async def test_ranking_by_reference_can_be_turned_off(rankers):
+    router = await start_router([target(r.port) for r in rankers], "--rank-by-reference", "false")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    try:
+        stub = pb_grpc.RankerStub(channel)
+        prefixes, suffixes = users(16, 1, prefix_len=200)
+        p, s = prefixes[0], suffixes[0]
+        holder = preference(p.user_id, idle(router))[1]
+        router.residency.record(p.user_id, p.prefix_version, holder, time.monotonic() + 60, time.monotonic())
+        reply = await stub.Rank(rank_request(p, s, "r"), timeout=30)
+        assert reply.served_by == pb.FULL_RECOMPUTE
+        assert by_reference_count(router, "resent") == by_reference_count(router, "hit") == 0
+    finally:
+        await channel.close()
+        await router.shutdown(grace_s=0.5)
+
+
 async def test_bad_requests_pass_through_as_invalid_argument(routed):
     _, stub, channel = routed
     prefixes, suffixes = users(13, 1, prefix_len=50)
