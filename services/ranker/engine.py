@@ -135,7 +135,12 @@ class Engine:
         self.model = model
         self.accel = accel
         self.config = config
-        self._cv = threading.Condition()
+        # One lock, two conditions: a ranking call wakes only the ranking thread. With one shared
+        # condition every ranking call also woke the pre-inference thread, which then competed
+        # for the GIL with the thread about to run the call.
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)  # the ranking (device) thread waits on this one
+        self._preinfer_cv = threading.Condition(lock)  # the pre-inference thread on this one
         self._ranks: collections.deque[_RankJob] = collections.deque()
         self._preinfers: collections.deque[_PreInferJob] = collections.deque()
         self._copies: collections.deque[_CopyJob] = collections.deque()
@@ -173,6 +178,7 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
+            self._preinfer_cv.notify_all()
         for thread in self._threads:
             thread.join(timeout_s)
 
@@ -192,7 +198,12 @@ class Engine:
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             queue.append(job)
-            self._cv.notify_all()  # the ranking and the pre-inference threads share the condition
+            if queue is not self._preinfers:
+                self._cv.notify()
+            elif self.config.preinfer_concurrent:
+                self._preinfer_cv.notify()
+            else:
+                self._cv.notify()  # pre-inference steps run inline, between ranking batches
         return job.future
 
     async def rank_cached(self, suffix: RankingSuffix, psi: Psi, key: PsiKey) -> RankResult:
@@ -306,7 +317,7 @@ class Engine:
         while True:
             with self._cv:
                 while not (self._preinfers or self._active or self._stopping):
-                    self._cv.wait()
+                    self._preinfer_cv.wait()
                 if self._stopping:
                     return  # the ranking thread fails what is left
             while self._step_preinfer():
