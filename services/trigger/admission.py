@@ -2,10 +2,18 @@
 
 A retrieval event is pre-inferred only if (in this order):
   1. the same (user, prefix version) is not already admitted and still leased  -> ALREADY_RESIDENT
-  2. its full ranking is predicted to take more than risk_fraction x SLO         -> else NOT_AT_RISK
+  2. its full ranking is predicted to take more than risk_fraction x SLO x (1 - rho),
+     rho the instance's offered full-ranking load (OfferedLoad)                  -> else NOT_AT_RISK
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   -> ADMITTED.
+
+Why the load term: a request's P99 is its own compute plus the queue it meets, and the queue grows
+with the instance's load (as rho / (1 - rho) in the textbook queues). A length that is safe on an
+idle instance misses the SLO at 40% load; the threshold shrinks with the load so that the trigger
+pre-infers it there. The load is what the trigger itself sees arrive (every event's predicted full
+ranking, pre-inferred or not: pre-inference costs the device about as much), so admitting more
+does not lower the measured load and make the threshold oscillate.
 
 Between Stats updates from the rankers, the ledger counts what this trigger admitted on top of the
 last reported figures (conservative: an admission counts until its lease ends or a Stats report
@@ -15,6 +23,7 @@ taken after it arrives).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -90,6 +99,39 @@ class InstanceLedger:
         self._admitted[key] = _Admitted(psi_bytes, now, lease_deadline)
 
 
+class OfferedLoad:
+    """The full-ranking work offered to one instance, as a fraction of its time: predicted
+    milliseconds of every event routed to it, summed with exponential decay (time constant
+    `window_s`), over the window. Pure: the clock is passed in."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self.window_s = window_s
+        self._ms = 0.0
+        self._at: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            self._ms *= math.exp(-(now - self._at) / self.window_s)
+        self._at = now if self._at is None else max(self._at, now)
+
+    def add(self, now: float, full_ms: float) -> None:
+        self._decay(now)
+        self._ms += full_ms
+
+    def fraction(self, now: float) -> float:
+        """rho: the offered work per unit of time (1.0: the instance is saturated)."""
+        self._decay(now)
+        return self._ms / (self.window_s * 1e3)
+
+
+def risk_threshold_ms(bounds: Bounds, load: float) -> float:
+    """Predicted full ranking above which a request is at risk at offered load `load` (rho,
+    capped at 0.9 so that a saturated instance still tells long requests from short ones)."""
+    return bounds.risk_fraction * bounds.slo_ms * (1.0 - min(max(load, 0.0), 0.9))
+
+
 def decide(
     policy: Policy,
     bounds: Bounds,
@@ -98,6 +140,7 @@ def decide(
     ledger: InstanceLedger,
     key: tuple[int, int],
     now: float,
+    load: float = 0.0,
 ) -> Reason:
     if policy is Policy.OFF:
         return Reason.NOT_AT_RISK
@@ -105,7 +148,7 @@ def decide(
         return Reason.ALREADY_RESIDENT
     if policy is Policy.ALL:
         return Reason.ADMITTED
-    if predicted_full_ms <= bounds.risk_fraction * bounds.slo_ms:
+    if predicted_full_ms <= risk_threshold_ms(bounds, load):
         return Reason.NOT_AT_RISK
     if (
         ledger.budget_bytes

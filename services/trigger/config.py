@@ -31,7 +31,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                           check=one_of("sequence", "all", "off"))  # fmt: skip
     slo_ms: float = setting(50.0, env="RELAYGR_SLO_MS", help="ranking P99 SLO", check=positive)
     risk_fraction: float = setting(0.5, env="RELAYGR_RISK_FRACTION",
-                                   help="at risk when predicted full ranking > this x SLO", check=fraction)  # fmt: skip
+                                   help="at risk when predicted full ranking > this x SLO x (1 - the "
+                                   "instance's offered load)", check=fraction)  # fmt: skip
+    load_window_s: float = setting(2.0, env="RELAYGR_LOAD_WINDOW_S",
+                                   help="time constant of each instance's offered-load estimate (the "
+                                   "full ranking work routed to it, pre-inferred or not)", check=positive)  # fmt: skip
     footprint_fraction: float = setting(0.9, env="RELAYGR_FOOTPRINT_FRACTION",
                                         help="share of each ranker's HBM budget that admitted psi may fill",
                                         check=fraction)  # fmt: skip

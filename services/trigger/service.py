@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.router.membership import Membership
 from services.router.placement import preference
-from services.trigger.admission import Bounds, InstanceLedger, Policy, Reason, decide
+from services.trigger.admission import Bounds, InstanceLedger, OfferedLoad, Policy, Reason, decide
 from services.trigger.config import TriggerConfig
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.kafka import ensure_topics, make_consumer, make_producer
@@ -146,6 +146,7 @@ class TriggerService:
         self.counts: dict[str, int] = {r.value: 0 for r in Reason} | {"dead_letter": 0}
         self.decision_ns: list[int] = []  # recent per-event decision times (bench reads them)
         self._queue_depth: dict[str, int] = {}
+        self._offered: dict[str, OfferedLoad] = {}
         self._seen_seq: dict[str, int] = {}
         self._psi_per_token: dict[str, int] = {}
         self._producer: AIOKafkaProducer | None = None
@@ -290,10 +291,15 @@ class TriggerService:
         ledger.forget_expired(now)
         tokens = meta.prefix_len + self.config.suffix_tokens_estimate
         predicted = self.latency.predict(tokens, self._queue_depth.get(target, 0), tokens)
+        offered = self._offered.get(target)
+        if offered is None:
+            offered = self._offered[target] = OfferedLoad(self.config.load_window_s)
+        offered.add(now, self.latency.full_ms(tokens))
+        load = offered.fraction(now)
         per_token = self._psi_per_token.get(target)
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
         key = (meta.user_id, meta.prefix_version)
-        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now)
+        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load)
         if reason is Reason.ADMITTED:
             lease_s = (
                 max(0.0, meta.ranking_deadline_unix_ms / 1e3 - time.time()) + self.config.lease_slack_ms / 1e3
@@ -326,6 +332,7 @@ class TriggerService:
                     reported = dict(self.counts)
                     log.info("trigger_decisions", decisions=reported, at_risk_from_prefix_tokens=at_risk_from,
                              risk_ms=self.bounds.risk_fraction * self.bounds.slo_ms,
+                             offered_load={t: round(o.fraction(now), 3) for t, o in self._offered.items()},
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
 

@@ -7,7 +7,15 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from services.trigger.admission import Bounds, InstanceLedger, Policy, Reason, decide
+from services.trigger.admission import (
+    Bounds,
+    InstanceLedger,
+    OfferedLoad,
+    Policy,
+    Reason,
+    decide,
+    risk_threshold_ms,
+)
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.modelspec import preset
 
@@ -54,6 +62,40 @@ def test_decisions_in_order():
     led.admit(key, 100, now=1.0, lease_deadline=3.0)
     assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, led, key, 2.0) is Reason.ALREADY_RESIDENT
     assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, led, key, 4.0) is Reason.ADMITTED  # lease over
+
+
+def test_a_loaded_instance_puts_shorter_requests_at_risk():
+    key = (1, 1)
+    # 20 ms is safe on an idle instance (threshold 25 ms), not at 40% load (15 ms).
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, ledger(), key, 1.0, load=0.0) is Reason.NOT_AT_RISK
+    )
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, ledger(), key, 1.0, load=0.4) is Reason.ADMITTED
+    assert risk_threshold_ms(BOUNDS, 0.4) == pytest.approx(15.0)
+    # Saturation still tells long requests from short ones; a nonsense load is clamped.
+    assert risk_threshold_ms(BOUNDS, 5.0) == pytest.approx(2.5)
+    assert risk_threshold_ms(BOUNDS, -1.0) == pytest.approx(25.0)
+
+
+def test_offered_load_is_work_per_unit_time_and_decays():
+    load = OfferedLoad(window_s=2.0)
+    assert load.fraction(0.0) == 0.0
+    # 25 requests/s of 16 ms each, for long enough to settle: about 40% of the instance's time.
+    t = 0.0
+    for _ in range(500):
+        t += 0.04
+        load.add(t, 16.0)
+    assert load.fraction(t) == pytest.approx(0.4, rel=0.05)
+    # No more traffic: the estimate decays by e every window.
+    assert load.fraction(t + 2.0) == pytest.approx(0.4 / np.e, rel=0.05)
+    assert load.fraction(t + 20.0) < 1e-3
+    # A clock that steps back (events decided out of order) never inflates the estimate.
+    late = OfferedLoad(window_s=2.0)
+    late.add(10.0, 100.0)
+    late.add(9.0, 100.0)
+    assert late.fraction(10.0) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="window_s"):
+        OfferedLoad(window_s=0)
 
 
 def test_ablation_policies():
