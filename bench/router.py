@@ -7,7 +7,9 @@ Router: one ranker and one router as real processes on loopback (`python -m serv
 with the router's own process settings); the same Rank request (a short prefix, so the ranker's
 own time is small) is sent from this process directly and through the router, one call at a time,
 alternating in chunks of 50 so both see the same machine state; `--calls` per path. Reported:
-p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct) (every call counts).
+p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct) (every call counts); a third
+path through the smallest grpc.aio proxy (bench/bare_proxy.py, same core as the router) gives
+bare_proxy_added_p99_ms, the floor of a Python gRPC hop on the machine, in the same run.
 Layout (recorded in the JSON's config):
   pinned  (default) what the router adds on one core: the router on the last core (no other
           process of the benchmark there); this client and the ranker on the first core (the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import socket
 import time
@@ -42,7 +45,7 @@ from relaygr.processes import ServiceProcess
 from services.ranker.wire import prefix_to_proto, rank_request
 from services.trigger.config import TriggerConfig
 from services.trigger.service import TriggerService
-from shared.broker import EmbeddedBroker
+from shared.broker import EmbeddedBroker, free_port
 from shared.config import load_config
 from shared.kafka import KafkaSettings, ensure_topics, make_producer
 from shared.protos import events_pb2 as ev
@@ -98,27 +101,42 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
         target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
         router = ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
                                 "--consume-signals", "false")  # fmt: skip
+        bare_port = free_port()
+        bare = ServiceProcess("bench.bare_proxy", str(bare_port), target)
         try:
             router_port = router.wait_event("router_ready", 120)["port"]
-            if "router" in cpus:
+            bare.wait_event("bare_proxy_ready", 60)
+            if "router" in cpus:  # the router's core, for the bare proxy too (they never run at once)
                 pin_threads(router.proc.pid, cpus["router"])
-            direct = grpc.aio.insecure_channel(target)
-            routed = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
+                pin_threads(bare.proc.pid, cpus["router"])
+            channels = {name: grpc.aio.insecure_channel(address) for name, address in
+                        (("direct", target), ("routed", f"127.0.0.1:{router_port}"),
+                         ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
             prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
             req = rank_request(prefix, suffix, "bench")
-            d_stub, r_stub = pb_grpc.RankerStub(direct), pb_grpc.RankerStub(routed)
-            await time_calls(d_stub, req, 50)
-            await time_calls(r_stub, req, 50)
-            d_ms: list[float] = []
-            r_ms: list[float] = []
-            for _ in range(calls // 50):  # alternate in chunks: both see the same machine state
-                d_ms += await time_calls(d_stub, req, 50)
-                r_ms += await time_calls(r_stub, req, 50)
-            await direct.close()
-            await routed.close()
+            stubs = {name: pb_grpc.RankerStub(channel) for name, channel in channels.items()}
+            for stub in stubs.values():
+                await time_calls(stub, req, 50)
+            ms: dict[str, list[float]] = {name: [] for name in stubs}
+            # This client's collector runs between chunks, never inside a timed call (it would
+            # land on either path at random and only add noise to the difference).
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+            try:
+                for _ in range(calls // 50):  # alternate in chunks: all see the same machine state
+                    for name, stub in stubs.items():
+                        ms[name] += await time_calls(stub, req, 50)
+                    gc.collect(1)
+            finally:
+                gc.enable()
+            for channel in channels.values():
+                await channel.close()
         finally:
+            bare.stop()
             router.stop()
             ranker.stop()
+    d_ms, r_ms, b_ms = ms["direct"], ms["routed"], ms["bare"]
     return {
         "rank_p50_ms_direct": percentile(d_ms, 50),
         "rank_p99_ms_direct": percentile(d_ms, 99),
@@ -126,6 +144,10 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
         "rank_p99_ms_routed": percentile(r_ms, 99),
         "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
         "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
+        # The same hop through the smallest grpc.aio proxy (bench/bare_proxy.py), same run, same
+        # core: the floor a Python gRPC router starts from on this machine.
+        "bare_proxy_added_p50_ms": percentile(b_ms, 50) - percentile(d_ms, 50),
+        "bare_proxy_added_p99_ms": percentile(b_ms, 99) - percentile(d_ms, 99),
         "rank_calls_each": len(d_ms),
     }
 
@@ -217,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
-               "router_added_p99_ms", "trigger_events_per_s", "trigger_decision_p99_ms"]  # fmt: skip
+               "router_added_p99_ms", "bare_proxy_added_p99_ms", "trigger_events_per_s",
+               "trigger_decision_p99_ms"]  # fmt: skip
     kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("router", config, [row], columns, **kwargs))
 

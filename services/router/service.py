@@ -59,6 +59,7 @@ from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
 from shared.kafka import ensure_topics, make_consumer, make_producer
+from shared.lifecycle import settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
 from shared.protos import events_pb2
@@ -237,6 +238,7 @@ class RouterService:
         # Not "relaygr.v1.Ranker": membership only admits rankers, so routers never forward in a loop.
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        settle_heap()  # request-time collections then never traverse the libraries' objects
         log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
                  healthy=len(self.membership.healthy()), consume_signals=self.config.consume_signals)  # fmt: skip
 
@@ -511,7 +513,7 @@ class RouterService:
         except ForwardError as exc:
             self._observe("rank", exc.code.name.lower(), started)
             await _abort(context, exc.code, exc.message)
-        self._observe("rank", "ok", started)
+        self._observe("rank", "ok", started, context)
         return reply
 
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -529,7 +531,7 @@ class RouterService:
         except ForwardError as exc:
             self._observe("preinfer", exc.code.name.lower(), started)
             await _abort(context, exc.code, exc.message)
-        self._observe("preinfer", "ok", started)
+        self._observe("preinfer", "ok", started, context)
         return reply
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
@@ -556,11 +558,22 @@ class RouterService:
             psi_bytes_per_token=stats[0].psi_bytes_per_token if stats else 0,
         )
 
-    def _observe(self, method: str, result: str, started: float) -> None:
+    def _observe(
+        self, method: str, result: str, started: float, context: grpc.aio.ServicerContext | None = None
+    ) -> None:
+        """Records one call's latency, measured now; with `context`, the metric updates run once
+        the reply has been sent (gRPC's done callback), off the call's own latency."""
         ms = (time.perf_counter() - started) * 1e3
-        self.metrics.latency_of(method, result).observe(ms)
-        if method == "rank" and result == "ok":
-            self._rank_ms.append(ms)
+
+        def record(_context: object = None) -> None:
+            self.metrics.latency_of(method, result).observe(ms)
+            if method == "rank" and result == "ok":
+                self._rank_ms.append(ms)
+
+        if context is None:
+            record()
+        else:
+            context.add_done_callback(record)
 
     # ------------------------------------------------------------------ signals
 

@@ -30,6 +30,7 @@ from services.trigger.admission import Bounds, InstanceLedger, OfferedLoad, Poli
 from services.trigger.config import TriggerConfig
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.kafka import ensure_topics, make_consumer, make_producer
+from shared.lifecycle import settle_heap
 from shared.logging import get_logger
 from shared.metrics import serve_metrics
 from shared.modelspec import preset
@@ -171,6 +172,7 @@ class TriggerService:
             self._tasks.append(asyncio.create_task(self._poll_stats(), name="trigger-stats"))
         self._tasks.append(asyncio.create_task(self._consume(), name="trigger-consume"))
         self.metrics_port = serve_metrics(self.registry, c.metrics_port)
+        settle_heap()  # decision-time collections then never traverse the libraries' objects
         log.info("trigger_ready", policy=self.policy.value, rankers=list(c.rankers), slo_ms=c.slo_ms,
                  metrics_port=self.metrics_port, topic=c.retrieval_topic)  # fmt: skip
 
