@@ -44,6 +44,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
+    # Pre-inference stepped layer by layer on the ranking thread, only between ranking batches,
+    # instead of on its own thread and low-priority stream (the ranker's default).
+    "relay-inline": {"ranker_args": ("--preinfer-concurrent", "false")},
 }
 
 
