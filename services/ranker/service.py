@@ -387,20 +387,18 @@ class RankerService(pb_grpc.RankerServicer):
             )
         served = ""
         try:
-            try:
-                prefix, suffix = rank_inputs(request, self.config.limits)
-            except WireError as exc:
-                self.metrics.rank_errors.labels("invalid_argument").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            prefix, suffix = rank_inputs(request, self.config.limits)
             deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
-            try:
-                served, result, cache_ms = await self._rank(
-                    key, request.request_id, prefix, suffix, deadline, context.add_done_callback
-                )
-            except PrefixRequired as exc:
-                self.metrics.rank_errors.labels("prefix_required").inc()
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            served, result, cache_ms = await self._rank(
+                key, request.request_id, prefix, suffix, deadline, context.add_done_callback
+            )
+        except WireError as exc:
+            self.metrics.rank_errors.labels("invalid_argument").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PrefixRequired as exc:
+            self.metrics.rank_errors.labels("prefix_required").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except asyncio.CancelledError:
             # Admitted, and its caller gave up (deadline or cancel) before the answer: what
             # admission exists to avoid, so it is counted.

@@ -75,16 +75,16 @@ def _scan(
     depth: int,
     wanted: dict[int, int],
     values: list[int],
-    message_tag: int = 0,
-) -> list[tuple[int, int]]:
+    spans: dict[int, list[tuple[int, int, int]]] | None = None,
+) -> None:
     """Walks the fields of the message in data[pos:end]. A varint field whose tag (field number
     << 3 | wire type) is a key of `wanted` is stored in values[wanted[tag]], so the last
     occurrence wins and a field sent with another wire type (another tag) is skipped, as the
-    parser does. Returns the payload spans [a, b) of the length-delimited fields tagged
-    `message_tag`, in order. `depth` is how many more levels of groups may nest.
+    parser does. A length-delimited field whose tag is a key of `spans` is appended there as
+    (field start, payload start, payload end), in order. `depth` is how many more levels of
+    groups may nest.
 
     One loop, no generator: this runs on every routed call."""
-    spans: list[tuple[int, int]] = []
     while pos < end:
         start = pos
         tag = data[pos]
@@ -104,14 +104,15 @@ def _scan(
                 raise MalformedMessage(
                     f"field {tag >> 3}: length {size} runs past the end ({end - pos} bytes left)"
                 )
-            if tag == message_tag:
-                spans.append((pos, pos + size))
+            if spans is not None:
+                found = spans.get(tag)
+                if found is not None:
+                    found.append((start, pos, pos + size))
             pos += size
         else:  # fixed-width values, groups, and every error
             if tag < 8:
                 raise MalformedMessage(f"field number 0 at byte {start}")
             pos = _field_end(data, start, end, depth)
-    return spans
 
 
 def _field_end(data: bytes, pos: int, end: int, depth: int) -> int:
@@ -173,9 +174,12 @@ def preinfer_key(data: bytes) -> tuple[int, int, int]:
     relaygr.v1.PreInferRequest: UserPrefix is field 2 (its user_id and prefix_version are fields 1
     and 2, uint64), the lease field 3 (int64). Raises MalformedMessage."""
     lease = [0]
-    prefixes = _scan(data, 0, len(data), _MAX_DEPTH, _PREINFER_LEASE, lease, _PREINFER_PREFIX)
+    prefixes: dict[int, list[tuple[int, int, int]]] = {_PREINFER_PREFIX: []}
+    _scan(data, 0, len(data), _MAX_DEPTH, _PREINFER_LEASE, lease, prefixes)
     key = [0, 0]
-    for a, b in prefixes:  # occurrences of a message field merge: each scalar's last one wins
+    for _, a, b in prefixes[
+        _PREINFER_PREFIX
+    ]:  # occurrences of a message field merge: each scalar's last one wins
         _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, key)
     signed = lease[0] - (1 << 64) if lease[0] & _SIGN64 else lease[0]
     return key[0], key[1], signed
@@ -186,30 +190,6 @@ _RANK_PREFIX_REF = 8 << 3 | _LEN  # RankRequest.prefix_ref (PrefixRef), the same
 _PROFILE = 3 << 3 | _LEN  # UserPrefix.profile_le
 _LONG_TERM = 4 << 3 | _LEN  # UserPrefix.long_term (Behaviors)
 _ITEMS = 1 << 3 | _LEN  # Behaviors.items_le
-
-
-def _fields(data: bytes, pos: int, end: int) -> list[tuple[int, int, int, int]]:
-    """(tag, field start, payload start, end) of every field of the message in data[pos:end]
-    (the payload of a length-delimited field; the whole value otherwise)."""
-    out = []
-    while pos < end:
-        start = pos
-        tag, pos = _short_varint(data, pos, end, "tag")
-        if tag < 8:
-            raise MalformedMessage(f"field number 0 at byte {start}")
-        if tag & 7 == _LEN:
-            size, pos = _short_varint(data, pos, end, "length")
-            if size > end - pos:
-                raise MalformedMessage(
-                    f"field {tag >> 3}: length {size} runs past the end ({end - pos} bytes left)"
-                )
-            out.append((tag, start, pos, pos + size))
-            pos += size
-        else:
-            after = _field_end(data, start, end, _MAX_DEPTH)
-            out.append((tag, start, pos, after))
-            pos = after
-    return out
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -232,27 +212,25 @@ def rank_by_reference(data: bytes) -> bytes | None:
     Only the prefix's identity and length are checked here. Its token values were validated when
     the PreInfer that produced this psi carried them: (user, prefix version) names one prefix,
     and the ranker checks the length against its psi. Raises MalformedMessage."""
-    fields = _fields(data, 0, len(data))
-    prefixes = [f for f in fields if f[0] == _RANK_PREFIX]
-    if len(prefixes) != 1 or any(f[0] == _RANK_PREFIX_REF for f in fields):
+    request_key = [0, 0]
+    top: dict[int, list[tuple[int, int, int]]] = {_RANK_PREFIX: [], _RANK_PREFIX_REF: []}
+    _scan(data, 0, len(data), _MAX_DEPTH, _RANK_KEY, request_key, top)
+    if len(top[_RANK_PREFIX]) != 1 or top[_RANK_PREFIX_REF]:
         return None
-    _, field_start, a, b = prefixes[0]
-    inner = _fields(data, a, b)
-    profile = [f for f in inner if f[0] == _PROFILE]
-    long_term = [f for f in inner if f[0] == _LONG_TERM]
-    if len(profile) > 1 or len(long_term) != 1:
+    field_start, a, b = top[_RANK_PREFIX][0]
+    prefix_key = [0, 0]
+    inner: dict[int, list[tuple[int, int, int]]] = {_PROFILE: [], _LONG_TERM: []}
+    _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, prefix_key, inner)
+    profile, long_term = inner[_PROFILE], inner[_LONG_TERM]
+    if request_key != prefix_key or len(profile) > 1 or len(long_term) != 1:
         return None
-    items = [f for f in _fields(data, long_term[0][2], long_term[0][3]) if f[0] == _ITEMS]
-    if len(items) != 1:
+    items: dict[int, list[tuple[int, int, int]]] = {_ITEMS: []}
+    _scan(data, long_term[0][1], long_term[0][2], _MAX_DEPTH - 2, {}, [], items)
+    if len(items[_ITEMS]) != 1:
         return None
-    profile_bytes = profile[0][3] - profile[0][2] if profile else 0
-    item_bytes = items[0][3] - items[0][2]
+    profile_bytes = profile[0][2] - profile[0][1] if profile else 0
+    item_bytes = items[_ITEMS][0][2] - items[_ITEMS][0][1]
     if profile_bytes % 8 or item_bytes % 8 or not item_bytes:
-        return None
-    request_key, prefix_key = [0, 0], [0, 0]
-    _scan(data, 0, len(data), _MAX_DEPTH, _RANK_KEY, request_key)
-    _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, prefix_key)
-    if request_key != prefix_key:
         return None
     ref = b"\x08" + _varint_bytes((profile_bytes + item_bytes) // 8)  # PrefixRef.length = 1, varint
     return b"".join((data[:field_start], data[b:], bytes((_RANK_PREFIX_REF,)), _varint_bytes(len(ref)), ref))
