@@ -3,13 +3,16 @@ retrieval events per second the trigger decides on one core.
 
     python -m bench.router [--calls 4000] [--events 50000] [--layout pinned|shared]
 
-Router: one ranker and one router as real processes on loopback (`python -m services.router`, so
-with the router's own process settings); the same Rank request (a short prefix, so the ranker's
-own time is small) is sent from this process directly and through the router, one call at a time,
-alternating in chunks of 50 so both see the same machine state; `--calls` per path. Reported:
-p50/p99 of each and router_added_p99_ms = p99(routed) - p99(direct) (every call counts); a third
-path through the smallest grpc.aio proxy (bench/bare_proxy.py, same core as the router) gives
-bare_proxy_added_p99_ms, the floor of a Python gRPC hop on the machine, in the same run.
+Router: one ranker and two routers as real processes on loopback (`python -m services.router`,
+so with the router's own process settings): one with the default front door (the HTTP/2 frame
+relay, services/router/frontdoor.py), one with its gRPC server as the front door (what a TLS
+deployment gets). The same Rank request (a short prefix, so the ranker's own time is small) is
+sent from this process directly and through each, one call at a time, alternating in chunks of 50
+so all paths see the same machine state; `--calls` per path. Reported: p50/p99 of each and
+router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the default router,
+grpc_front_door_added_* for the other; a fourth path through the smallest grpc.aio proxy
+(bench/bare_proxy.py, same core) gives bare_proxy_added_*, the cost of a Python gRPC hop on the
+machine, in the same run.
 Layout (recorded in the JSON's config):
   pinned  (default) what the router adds on one core: the router on the last core (no other
           process of the benchmark there); this client and the ranker on the first core (the
@@ -99,19 +102,22 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
     with pinned_here(cpus.get("client_and_ranker")):
         ranker = ServiceProcess("services.ranker", "--device", "cpu")
         target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
-        router = ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
-                                "--consume-signals", "false")  # fmt: skip
+        routers = {
+            door: ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
+                                 "--consume-signals", "false", "--front-door", door)
+            for door in ("relay", "grpc")
+        }  # fmt: skip
         bare_port = free_port()
         bare = ServiceProcess("bench.bare_proxy", str(bare_port), target)
         try:
-            router_port = router.wait_event("router_ready", 120)["port"]
+            ports = {door: router.wait_event("router_ready", 120)["port"] for door, router in routers.items()}
             bare.wait_event("bare_proxy_ready", 60)
-            if "router" in cpus:  # the router's core, for the bare proxy too (they never run at once)
-                pin_threads(router.proc.pid, cpus["router"])
-                pin_threads(bare.proc.pid, cpus["router"])
+            if "router" in cpus:  # the router's core, for every proxy (they never run at once)
+                for proc in (*routers.values(), bare):
+                    pin_threads(proc.proc.pid, cpus["router"])
             channels = {name: grpc.aio.insecure_channel(address) for name, address in
-                        (("direct", target), ("routed", f"127.0.0.1:{router_port}"),
-                         ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
+                        (("direct", target), ("routed", f"127.0.0.1:{ports['relay']}"),
+                         ("routed_grpc", f"127.0.0.1:{ports['grpc']}"), ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
             prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
             req = rank_request(prefix, suffix, "bench")
             stubs = {name: pb_grpc.RankerStub(channel) for name, channel in channels.items()}
@@ -134,9 +140,10 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
                 await channel.close()
         finally:
             bare.stop()
-            router.stop()
+            for router in routers.values():
+                router.stop()
             ranker.stop()
-    d_ms, r_ms, b_ms = ms["direct"], ms["routed"], ms["bare"]
+    d_ms, r_ms, g_ms, b_ms = ms["direct"], ms["routed"], ms["routed_grpc"], ms["bare"]
     return {
         "rank_p50_ms_direct": percentile(d_ms, 50),
         "rank_p99_ms_direct": percentile(d_ms, 99),
@@ -144,6 +151,10 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
         "rank_p99_ms_routed": percentile(r_ms, 99),
         "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
         "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
+        # The same router with its gRPC server as the front door (RELAYGR_ROUTER_FRONT_DOOR=grpc,
+        # what a TLS deployment gets), same run, same core.
+        "grpc_front_door_added_p50_ms": percentile(g_ms, 50) - percentile(d_ms, 50),
+        "grpc_front_door_added_p99_ms": percentile(g_ms, 99) - percentile(d_ms, 99),
         # The same hop through the smallest grpc.aio proxy (bench/bare_proxy.py), same run, same
         # core: the floor a Python gRPC router starts from on this machine.
         "bare_proxy_added_p50_ms": percentile(b_ms, 50) - percentile(d_ms, 50),
@@ -239,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
-               "router_added_p99_ms", "bare_proxy_added_p99_ms", "trigger_events_per_s",
+               "router_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
+               "trigger_events_per_s",
                "trigger_decision_p99_ms"]  # fmt: skip
     kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("router", config, [row], columns, **kwargs))

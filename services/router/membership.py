@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,6 +37,7 @@ from shared.protos import ranker_pb2_grpc as pb_grpc
 from shared.tls import PLAINTEXT, TlsSettings
 
 log = get_logger("router.membership")
+T = TypeVar("T")
 RANKER_HEALTH_NAME = "relaygr.v1.Ranker"
 # The methods forwarded as bytes (`Membership.call`), by the router's method name.
 FORWARDED_METHODS = {"rank": "/relaygr.v1.Ranker/Rank", "preinfer": "/relaygr.v1.Ranker/PreInfer"}
@@ -165,14 +166,17 @@ class Membership:
         """One forwarded call ("rank" | "preinfer", FORWARDED_METHODS) of serialized `request` to
         `target`, counted as in flight to it while it runs; the reply's bytes, unparsed. Raises
         grpc.aio.AioRpcError as the call does, KeyError for an unknown target or method."""
+        reply: bytes = await self.tracked(target, self._state[target].raw[method](request, timeout=timeout_s))
+        return reply
+
+    async def tracked(self, target: str, call: Awaitable[T]) -> T:
+        """Awaits `call` (any call to `target`) counted as in flight to it while it runs."""
         state = self._state[target]
-        invoke = state.raw[method]
         state.inflight += 1
         try:
-            reply: bytes = await invoke(request, timeout=timeout_s)
+            return await call
         finally:
             state.inflight -= 1
-        return reply
 
     # ------------------------------------------------------------------ failures
 

@@ -54,7 +54,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.ranker.wire import prefix_from_proto
 from services.router.config import RouterConfig
-from services.router.membership import Membership
+from services.router.frontdoor import (
+    FrontDoor,
+    FrontDoorError,
+    RelayReply,
+    UpstreamPool,
+    grpc_frame,
+    timeout_header,
+)
+from services.router.h2wire import literal_block
+from services.router.membership import FORWARDED_METHODS, Membership
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
@@ -88,6 +97,10 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
+
+
+Invoke = Callable[[str, str, bytes, float], Awaitable[Any]]
+"""One forwarding attempt: (target, method, serialized request, timeout_s) -> the reply."""
 
 
 class ForwardError(Exception):
@@ -175,6 +188,13 @@ class RouterService:
         self._round_robin = 0
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._server: grpc.aio.Server | None = None
+        self._front_door: FrontDoor | None = None
+        self._upstreams = UpstreamPool(int(config.max_message_mb * 2**20))
+        self._relay_blocks = {
+            method: ((b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+                     (b"content-type", b"application/grpc"), (b"te", b"trailers"))
+            for method, path in FORWARDED_METHODS.items()
+        }  # fmt: skip
         self._health = health.aio.HealthServicer()
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -225,12 +245,20 @@ class RouterService:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        self.port = self.config.add_port(self._server, f"{self.config.host}:{self.config.port}")
-        if not self.port:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        relay = self.config.relay_front_door
+        # With the relay front door, the gRPC server listens on loopback only: the relay owns the
+        # public port and passes every stream it does not serve itself through to it.
+        address = "127.0.0.1:0" if relay else f"{self.config.host}:{self.config.port}"
+        grpc_port = self.config.add_port(self._server, address)
+        if not grpc_port:
+            raise OSError(f"cannot bind {address}")
         if self.config.consume_signals:
             await self._start_kafka()
         await self._server.start()
+        self.port = grpc_port
+        if relay:
+            self._front_door = FrontDoor(self.relay_rank, f"127.0.0.1:{grpc_port}", size)
+            self.port = await self._front_door.start(self.config.host, self.config.port)
         self.metrics_port = serve_metrics(self.registry, self.config.metrics_port, self.config.host)
         self._spawn(self._expire_loop(), "residency-expire")
         if self._consumer is not None:
@@ -240,6 +268,7 @@ class RouterService:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         settle_heap()  # request-time collections then never traverse the libraries' objects
         log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
+                 front_door="relay" if self.config.relay_front_door else "grpc",
                  healthy=len(self.membership.healthy()), consume_signals=self.config.consume_signals)  # fmt: skip
 
     async def _start_kafka(self) -> None:
@@ -280,8 +309,11 @@ class RouterService:
             if consumer_task is not None:
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                     await asyncio.wait_for(asyncio.shield(consumer_task), grace_s)
+            if self._front_door is not None:
+                await self._front_door.stop(grace_s)
             if self._server is not None:
                 await self._server.stop(grace_s)
+            self._upstreams.close()
             for task in list(self._background.values()):
                 task.cancel()
             await asyncio.gather(*self._background.values(), return_exceptions=True)
@@ -347,16 +379,19 @@ class RouterService:
         request: bytes,
         deadline: float,
         slim: Callable[[], bytes | None] | None = None,
-    ) -> tuple[str, bytes]:
+        invoke: Invoke | None = None,
+    ) -> tuple[str, Any]:
         """Sends one idempotent call along the user's placement order until an instance answers.
 
         `method` is "rank" or "preinfer", `request` the serialized request (sent unchanged to each
         attempt), `deadline` on time.monotonic(). `slim`, for a ranking call, makes the request
         by reference (see rank_by_reference): sent instead of `request` to the instance the
         residency map names, and followed by `request` there when that instance answers
-        prefix_required. Returns (target, the reply's bytes); raises ForwardError with the status
-        the caller should get.
+        prefix_required. `invoke` makes one attempt (default: the ranker's gRPC channel, the reply
+        as bytes; the relay front door passes its own). Returns (target, the reply); raises
+        ForwardError with the status the caller should get.
         """
+        invoke = invoke or self.membership.call
         placement = self.place(user_id, prefix_version, method)
         slim_to = placement.order[0] if slim is not None and placement.source == "residency" else None
         if not placement.order:
@@ -395,7 +430,7 @@ class RouterService:
                 timeout = min(remaining, cap)
             try:
                 reply = await self._call(
-                    target, method, request, timeout, slim if target == slim_to else None
+                    invoke, target, method, request, timeout, slim if target == slim_to else None
                 )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -437,19 +472,20 @@ class RouterService:
 
     async def _call(
         self,
+        invoke: Invoke,
         target: str,
         method: str,
         request: bytes,
         timeout_s: float,
         slim: Callable[[], bytes | None] | None,
-    ) -> bytes:
+    ) -> Any:
         """One attempt; by reference first when `slim` is given and makes a reference."""
         by_reference = slim() if slim is not None else None
         if by_reference is None:
-            return await self.membership.call(target, method, request, timeout_s)
+            return await invoke(target, method, request, timeout_s)
         started = time.monotonic()
         try:
-            reply = await self.membership.call(target, method, by_reference, timeout_s)
+            reply = await invoke(target, method, by_reference, timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION or "prefix_required" not in (
                 exc.details() or ""
@@ -458,9 +494,7 @@ class RouterService:
             # The psi went (expired, evicted, instance restarted): the whole call, same instance,
             # where a reload or the full computation can still serve it.
             self.metrics.by_reference_of("resent").inc()
-            return await self.membership.call(
-                target, method, request, max(0.001, timeout_s - (time.monotonic() - started))
-            )
+            return await invoke(target, method, request, max(0.001, timeout_s - (time.monotonic() - started)))
         self.metrics.by_reference_of("hit").inc()
         return reply
 
@@ -516,6 +550,40 @@ class RouterService:
         self._observe("rank", "ok", started, context)
         return reply
 
+    async def relay_rank(self, request: bytes, timeout_s: float | None) -> RelayReply:
+        """Rank for the relay front door: the same placement, retries and errors as `Rank`; the
+        ranker's reply comes back whole (headers, message, trailers) to be relayed unchanged."""
+        started = time.perf_counter()
+        if timeout_s is None:
+            timeout_s = self.config.default_timeout_ms / 1e3
+        try:
+            user_id, prefix_version = rank_key(request)
+            slim = partial(rank_by_reference, request) if self.config.rank_by_reference else None
+            _, reply = await self.forward(
+                "rank", user_id, prefix_version, request, time.monotonic() + timeout_s, slim, self._relay_call
+            )
+        except MalformedMessage as exc:
+            self._observe("rank", "invalid_argument", started)
+            raise FrontDoorError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RankRequest: {exc}") from None
+        except ForwardError as exc:
+            self._observe("rank", exc.code.name.lower(), started)
+            raise FrontDoorError(exc.code, exc.message) from None
+        self._observe("rank", "ok", started, deferred=True)
+        assert isinstance(reply, RelayReply)
+        return reply
+
+    async def _relay_call(self, target: str, method: str, request: bytes, timeout_s: float) -> RelayReply:
+        """One attempt over the relay's own HTTP/2 connection to `target`."""
+        upstream = await self._upstreams.get(target)
+        block = literal_block(
+            (
+                *self._relay_blocks[method],
+                (b":authority", target.encode()),
+                (b"grpc-timeout", timeout_header(timeout_s)),
+            )
+        )
+        return await self.membership.tracked(target, upstream.call(block, grpc_frame(request), timeout_s))
+
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A serialized PreInferRequest, forwarded with the same placement as Rank; an accepted one
         is recorded in the residency map so the user's ranking call follows it."""
@@ -559,10 +627,17 @@ class RouterService:
         )
 
     def _observe(
-        self, method: str, result: str, started: float, context: grpc.aio.ServicerContext | None = None
+        self,
+        method: str,
+        result: str,
+        started: float,
+        context: grpc.aio.ServicerContext | None = None,
+        *,
+        deferred: bool = False,
     ) -> None:
         """Records one call's latency, measured now; with `context`, the metric updates run once
-        the reply has been sent (gRPC's done callback), off the call's own latency."""
+        the reply has been sent (gRPC's done callback), off the call's own latency; `deferred`
+        (the relay, which writes the reply in the same loop step) runs them on the next step."""
         ms = (time.perf_counter() - started) * 1e3
 
         def record(_context: object = None) -> None:
@@ -570,10 +645,12 @@ class RouterService:
             if method == "rank" and result == "ok":
                 self._rank_ms.append(ms)
 
-        if context is None:
-            record()
-        else:
+        if context is not None:
             context.add_done_callback(record)
+        elif deferred:
+            asyncio.get_running_loop().call_soon(record)
+        else:
+            record()
 
     # ------------------------------------------------------------------ signals
 

@@ -1,7 +1,8 @@
 """The router in process on the CPU: affinity (PreInfer and Rank on one instance, cached scores
 equal to full inference), residency precedence, pass-through of client errors, retries on the next
 instance (dead, overloaded, hung), membership loss, and no instance at all; requests and replies
-forwarded byte for byte, malformed bytes refused, reflection and message-size limits kept.
+forwarded byte for byte, malformed bytes refused, reflection and message-size limits kept. Every
+test runs once per front door (gRPC server, HTTP/2 frame relay).
 
 Real rankers (tiny preset) where scores matter; small fake rankers where only status codes do."""
 
@@ -30,6 +31,14 @@ from tests.rankers import preinfer_request, rank_request, users
 
 TOL = 1e-5
 BOUND_S = 20.0  # generous upper bound for "eventually" (membership changes): never a speed claim
+
+
+@pytest.fixture(autouse=True, params=["grpc", "relay"])
+def front_door(request, monkeypatch) -> str:
+    """Every test here runs against both front doors: the gRPC server, and the HTTP/2 frame relay
+    that serves Rank itself and passes everything else to that server."""
+    monkeypatch.setenv("RELAYGR_ROUTER_FRONT_DOOR", request.param)
+    return request.param
 
 
 def target(port: int) -> str:

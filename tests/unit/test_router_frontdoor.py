@@ -1,0 +1,384 @@
+"""The router's HTTP/2 frame relay: the frame layer on its own (parsing at any read boundary,
+protocol errors, flow control both ways) and the front door on loopback (pass-through of health
+checks and streams, large messages both ways, garbage on the port, a client that gives up, a
+graceful shutdown). The routing behaviour itself runs against both front doors in
+test_router_service.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import grpc
+import hpack
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.router import h2wire
+from services.router.config import RouterConfig
+from services.router.frontdoor import (
+    grpc_timeout,
+    percent_decode,
+    percent_encode,
+    status_block,
+    timeout_header,
+)
+from services.router.h2wire import CONNECTION_PREFACE, Endpoint, frame, literal_block, settings_frame
+from shared.config import ConfigError, load_config
+from shared.protos import ranker_pb2 as pb
+from shared.protos import ranker_pb2_grpc as pb_grpc
+from tests.unit.test_router_service import RawRanker, serve_healthy, start_router, target
+
+# ---------------------------------------------------------------------- the frame layer
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+
+class Recorder(Endpoint):
+    """Records what reaches the hooks."""
+
+    def __init__(self, client_side: bool = False) -> None:
+        self.client_side = client_side
+        super().__init__()
+        self.events: list[tuple] = []
+        self.errors: list[int] = []
+
+    def on_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+        self.events.append(("headers", stream_id, block, end_stream))
+
+    def on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        self.events.append(("data", stream_id, data, end_stream))
+
+    def on_reset(self, stream_id: int, code: int) -> None:
+        self.events.append(("reset", stream_id, code))
+
+    def on_error(self, error: h2wire.H2Error) -> None:
+        self.errors.append(error.code)
+
+
+def connected(client_side: bool = False) -> tuple[Recorder, FakeTransport]:
+    endpoint = Recorder(client_side)
+    transport = FakeTransport()
+    endpoint.connection_made(transport)  # type: ignore[arg-type]
+    transport.written.clear()
+    return endpoint, transport
+
+
+def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, stream, payload) of every frame in `data`."""
+    out, pos = [], 0
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 3], "big")
+        out.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5 : pos + 9], "big"),
+                    bytes(data[pos + 9 : pos + 9 + length])))  # fmt: skip
+        pos += 9 + length
+    return out
+
+
+def goaway_code(written: bytes) -> int | None:
+    for frame_type, _, _, payload in frames(written):
+        if frame_type == h2wire.GOAWAY:
+            return struct.unpack_from(">II", payload)[1]
+    return None
+
+
+def test_literal_blocks_decode_to_the_same_headers():
+    headers = [(b":path", b"/relaygr.v1.Ranker/Rank"), (b"grpc-timeout", b"100m"), (b"x-empty", b""),
+               (b"x-long", bytes(range(32, 127)) * 3)]  # fmt: skip
+    assert hpack.Decoder().decode(literal_block(headers), raw=True) == headers
+
+
+def client_stream() -> bytes:
+    """A client's preface, SETTINGS, a HEADERS block in two frames, padded DATA, then DATA ending
+    the stream."""
+    block = literal_block([(b":method", b"POST"), (b":path", b"/x")])
+    padded = bytes((3,)) + b"hello" + b"\0\0\0"
+    return (CONNECTION_PREFACE + settings_frame([(h2wire.INITIAL_WINDOW_SIZE, 1000)])
+            + frame(h2wire.HEADERS, 0, 1, block[:5]) + frame(h2wire.CONTINUATION, h2wire.END_HEADERS, 1, block[5:])
+            + frame(h2wire.DATA, h2wire.PADDED, 1, padded) + frame(h2wire.DATA, h2wire.END_STREAM, 1, b"!"))  # fmt: skip
+
+
+def test_a_stream_parses_the_same_whatever_the_read_boundaries():
+    whole, _ = connected()
+    whole.data_received(client_stream())
+    assert [e[0] for e in whole.events] == ["headers", "data", "data"]
+    assert whole.events[1][2] == b"hello"
+    assert whole.events[2][2:] == (b"!", True)
+    assert whole.peer_window_init == 1000
+    byte_by_byte, transport = connected()
+    for i in range(len(client_stream())):
+        byte_by_byte.data_received(client_stream()[i : i + 1])
+    assert byte_by_byte.events == whole.events
+    assert not transport.closed
+    assert not byte_by_byte.errors
+
+
+def test_settings_are_acknowledged_and_pings_answered():
+    endpoint, transport = connected()
+    endpoint.data_received(CONNECTION_PREFACE + settings_frame([]) + frame(h2wire.PING, 0, 0, b"12345678"))
+    sent = frames(bytes(transport.written))
+    assert (h2wire.SETTINGS, h2wire.ACK, 0, b"") in sent
+    assert (h2wire.PING, h2wire.ACK, 0, b"12345678") in sent
+
+
+@pytest.mark.parametrize(
+    ("stream", "code"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", h2wire.PROTOCOL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.DATA, 0, 1, bytes(h2wire.OUR_MAX_FRAME_SIZE + 1)), h2wire.FRAME_SIZE_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.HEADERS, 0, 1, b"\x00") + frame(h2wire.PING, 0, 0, bytes(8)),
+         h2wire.PROTOCOL_ERROR),  # a header block interrupted
+        (CONNECTION_PREFACE + frame(h2wire.CONTINUATION, h2wire.END_HEADERS, 1, b""), h2wire.PROTOCOL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.HEADERS, h2wire.END_HEADERS, 2, b""), h2wire.PROTOCOL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.DATA, h2wire.PADDED, 1, b"\x09abc"), h2wire.PROTOCOL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.SETTINGS, 0, 0, b"\x00\x04"), h2wire.FRAME_SIZE_ERROR),
+        (CONNECTION_PREFACE + settings_frame([(h2wire.INITIAL_WINDOW_SIZE, 1 << 31)]), h2wire.FLOW_CONTROL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.WINDOW_UPDATE, 0, 0, b"\x00\x00\x00\x00"), h2wire.PROTOCOL_ERROR),
+        (CONNECTION_PREFACE + frame(h2wire.PUSH_PROMISE, h2wire.END_HEADERS, 1, bytes(4)), h2wire.PROTOCOL_ERROR),
+    ],
+    ids=["http1", "frame-size", "interrupted-block", "lone-continuation", "even-stream", "bad-padding",
+         "settings-size", "window-too-large", "zero-window-update", "push"],
+)  # fmt: skip
+def test_protocol_violations_close_the_connection_with_goaway(stream, code):
+    endpoint, transport = connected()
+    endpoint.data_received(stream)
+    assert goaway_code(bytes(transport.written)) == code
+    assert transport.closed
+    assert endpoint.errors == [code]
+    endpoint.data_received(frame(h2wire.PING, 0, 0, bytes(8)))  # nothing is read after the error
+    assert endpoint.events == []
+
+
+def test_a_failing_hook_costs_the_connection_not_the_process():
+    class Broken(Recorder):
+        def on_headers(self, stream_id, block, end_stream):
+            raise RuntimeError("bug")
+
+    endpoint, transport = Broken(), FakeTransport()
+    endpoint.connection_made(transport)  # type: ignore[arg-type]
+    endpoint.data_received(CONNECTION_PREFACE + frame(h2wire.HEADERS, h2wire.END_HEADERS, 1, b""))
+    assert goaway_code(bytes(transport.written)) == h2wire.INTERNAL_ERROR
+    assert transport.closed
+
+
+def test_sending_waits_for_the_stream_and_connection_windows():
+    endpoint, transport = connected(client_side=True)
+    endpoint.data_received(
+        settings_frame([(h2wire.INITIAL_WINDOW_SIZE, 10), (h2wire.MAX_FRAME_SIZE, 16_384)])
+    )
+    transport.written.clear()
+    endpoint.open_send(1)
+    trailers = literal_block([(b"grpc-status", b"0")])
+    endpoint.send_message(1, bytes(range(25)), end_stream=True, trailers=trailers)
+    endpoint.flush()
+    assert frames(bytes(transport.written)) == [(h2wire.DATA, 0, 1, bytes(range(10)))]
+    transport.written.clear()
+    # The peer shrinks the initial window: the open stream's window follows (10 - 10 - 5 = -5).
+    endpoint.data_received(settings_frame([(h2wire.INITIAL_WINDOW_SIZE, 5)]))
+    endpoint.data_received(frame(h2wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 12)))  # window 7
+    sent = [f for f in frames(bytes(transport.written)) if f[0] == h2wire.DATA]
+    assert sent == [(h2wire.DATA, 0, 1, bytes(range(10, 17)))]
+    transport.written.clear()
+    endpoint.send_window = 3  # now the connection's window is the smaller one
+    endpoint.data_received(frame(h2wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+    assert [f for f in frames(bytes(transport.written)) if f[0] == h2wire.DATA] == [
+        (h2wire.DATA, 0, 1, bytes(range(17, 20)))
+    ]
+    transport.written.clear()
+    endpoint.data_received(frame(h2wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 100)))
+    assert frames(bytes(transport.written)) == [
+        (h2wire.DATA, 0, 1, bytes(range(20, 25))),
+        (h2wire.HEADERS, h2wire.END_STREAM | h2wire.END_HEADERS, 1, trailers),
+    ]
+
+
+def test_large_header_blocks_go_out_as_continuations():
+    endpoint, transport = connected(client_side=True)
+    block = literal_block([(b"x-big", bytes(40_000))])
+    endpoint.send_headers(1, block, end_stream=True)
+    endpoint.flush()
+    sent = frames(bytes(transport.written))
+    assert [f[0] for f in sent] == [h2wire.HEADERS, h2wire.CONTINUATION, h2wire.CONTINUATION]
+    assert sent[0][1] == h2wire.END_STREAM
+    assert sent[-1][1] == h2wire.END_HEADERS
+    assert b"".join(f[3] for f in sent) == block
+
+
+# ---------------------------------------------------------------------- gRPC details
+
+
+def test_grpc_timeouts_parse_and_format():
+    assert grpc_timeout(None) is None
+    assert grpc_timeout(b"100m") == pytest.approx(0.1)
+    assert grpc_timeout(b"2H") == 7200
+    assert grpc_timeout(b"5S") == 5
+    assert grpc_timeout(b"7n") == pytest.approx(7e-9)
+    for bad in (b"", b"m", b"123456789m", b"10x", b"-1m", b"1.5S"):
+        with pytest.raises(ValueError, match="malformed grpc-timeout"):
+            grpc_timeout(bad)
+    assert timeout_header(0.0001) == b"1m"
+    assert timeout_header(2.5) == b"2500m"
+    assert grpc_timeout(timeout_header(0.25)) == pytest.approx(0.25)
+
+
+def test_status_messages_survive_percent_encoding():
+    message = "prefix_required: 100% ünïcödé\nline two"
+    encoded = percent_encode(message)
+    assert all(0x20 <= b <= 0x7E for b in encoded)
+    assert percent_decode(encoded) == message
+    assert percent_decode(b"bad %zz and %4") == "bad %zz and %4"
+    headers = dict(hpack.Decoder().decode(status_block(grpc.StatusCode.UNAVAILABLE, message), raw=True))
+    assert headers[b"grpc-status"] == b"14"
+    assert percent_decode(headers[b"grpc-message"]) == message
+
+
+def test_relay_with_tls_is_refused_and_auto_falls_back_to_grpc(tmp_path):
+    files = []
+    for name in ("ca", "cert", "key"):
+        path = tmp_path / name
+        path.write_text("x")
+        files += [f"--tls-{name}", str(path)]
+    with pytest.raises(ConfigError, match="cleartext"):
+        load_config(RouterConfig, ["--rankers", "h:1", "--front-door", "relay", *files])
+    assert not load_config(RouterConfig, ["--rankers", "h:1", *files]).relay_front_door
+    assert load_config(RouterConfig, ["--rankers", "h:1"]).relay_front_door
+
+
+# ---------------------------------------------------------------------- the front door on loopback
+
+
+@pytest.fixture
+async def relayed():
+    """Two raw rankers behind a router whose public port is the relay."""
+    fakes = [RawRanker("a"), RawRanker("b")]
+    for fake in fakes:
+        await fake.start()
+    router = await start_router([target(f.port) for f in fakes], "--front-door", "relay")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    yield router, fakes, channel
+    await channel.close()
+    await router.shutdown(grace_s=0.2)
+    for fake in fakes:
+        await fake.stop()
+
+
+async def test_the_relay_owns_the_port_and_passes_health_checks_and_streams_through(relayed):
+    router, _, channel = relayed
+    assert router._front_door is not None
+    stub = health_pb2_grpc.HealthStub(channel)
+    checked = await stub.Check(health_pb2.HealthCheckRequest(service="relaygr.v1.Router"), timeout=5)
+    assert checked.status == health_pb2.HealthCheckResponse.SERVING
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)  # a server stream
+    first = await watch.read()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    stats = await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+    assert stats.instance_id == router.instance_id
+
+
+async def test_large_messages_cross_the_relay_intact_both_ways(relayed):
+    """1 MB in, 600 KB out: far beyond gRPC's initial 64 KB windows on every hop."""
+    _router, fakes, channel = relayed
+    for fake in fakes:
+        fake.rank_reply = pb.RankReply(scores=[0.25] * 150_000, instance_id=fake.name).SerializeToString()
+    rank = channel.unary_unary("/relaygr.v1.Ranker/Rank")
+    sent = []
+    for user in range(4):
+        request = pb.RankRequest(request_id=f"r{user}", user_id=user,
+                                 candidates_le=bytes(range(256)) * 4096).SerializeToString()  # fmt: skip
+        sent.append(request)
+        reply = await rank(request, timeout=10)
+        assert reply in {f.rank_reply for f in fakes}
+    assert sorted(r for f in fakes for _, r in f.received) == sorted(sent)
+
+
+async def test_garbage_on_the_port_costs_that_connection_only(relayed):
+    router, _, channel = relayed
+    loop = asyncio.get_running_loop()
+    junk = {b"GET / HTTP/1.1\r\nHost: x\r\n\r\n": h2wire.PROTOCOL_ERROR,
+            CONNECTION_PREFACE + b"\xff" * 64: h2wire.FRAME_SIZE_ERROR}  # fmt: skip
+    for data, code in junk.items():
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            sock.setblocking(False)
+            await loop.sock_sendall(sock, data)
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 5):
+                received += chunk  # the relay's SETTINGS, WINDOW_UPDATE, then GOAWAY and close
+        assert goaway_code(received) == code
+    reply = await channel.unary_unary("/relaygr.v1.Ranker/Rank")(
+        pb.RankRequest(request_id="ok", user_id=3).SerializeToString(), timeout=5
+    )
+    assert pb.RankReply.FromString(reply).scores == [0.5]
+
+
+class SlowRanker(pb_grpc.RankerServicer):
+    """Answers Rank after `delay_s`, noting a call that its client cancelled."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.cancelled = asyncio.Event()
+        self.server: grpc.aio.Server | None = None
+
+    async def Rank(self, request, context):
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return pb.RankReply(scores=[2.0], instance_id="slow")
+
+    async def start(self) -> int:
+        self.server = grpc.aio.server()
+        pb_grpc.add_RankerServicer_to_server(self, self.server)
+        return await serve_healthy(self.server)
+
+
+async def test_a_client_that_gives_up_cancels_the_forwarded_call():
+    slow = SlowRanker(30.0)
+    port = await slow.start()
+    router = await start_router([target(port)], "--front-door", "relay")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RankerStub(channel).Rank(pb.RankRequest(request_id="x", user_id=1), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(slow.cancelled.wait(), 5)  # the relay reset the ranker's stream
+    finally:
+        await channel.close()
+        await router.shutdown(grace_s=0.2)
+        assert slow.server is not None
+        await slow.server.stop(0)
+
+
+async def test_shutdown_lets_calls_in_flight_finish():
+    slow = SlowRanker(0.5)
+    port = await slow.start()
+    router = await start_router([target(port)], "--front-door", "relay")
+    channel = grpc.aio.insecure_channel(target(router.port))
+    try:
+        call = asyncio.ensure_future(
+            pb_grpc.RankerStub(channel).Rank(pb.RankRequest(request_id="x", user_id=1), timeout=10)
+        )
+        await asyncio.sleep(0.2)
+        await router.shutdown(grace_s=5)
+        assert (await call).instance_id == "slow"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", router.port), timeout=1).close()
+    finally:
+        await channel.close()
+        assert slow.server is not None
+        await slow.server.stop(0)
