@@ -190,11 +190,9 @@ class RouterService:
         self._server: grpc.aio.Server | None = None
         self._front_door: FrontDoor | None = None
         self._upstreams = UpstreamPool(int(config.max_message_mb * 2**20))
-        self._relay_blocks = {
-            method: ((b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
-                     (b"content-type", b"application/grpc"), (b"te", b"trailers"))
-            for method, path in FORWARDED_METHODS.items()
-        }  # fmt: skip
+        # The relay's request header block to each (method, target), less the grpc-timeout that
+        # follows it (literals: a block can be concatenated from parts).
+        self._relay_blocks: dict[tuple[str, str], bytes] = {}
         self._health = health.aio.HealthServicer()
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -575,13 +573,13 @@ class RouterService:
     async def _relay_call(self, target: str, method: str, request: bytes, timeout_s: float) -> RelayReply:
         """One attempt over the relay's own HTTP/2 connection to `target`."""
         upstream = await self._upstreams.get(target)
-        block = literal_block(
-            (
-                *self._relay_blocks[method],
-                (b":authority", target.encode()),
-                (b"grpc-timeout", timeout_header(timeout_s)),
-            )
-        )
+        start = self._relay_blocks.get((method, target))
+        if start is None:
+            start = self._relay_blocks[(method, target)] = literal_block(
+                ((b":method", b"POST"), (b":scheme", b"http"), (b":path", FORWARDED_METHODS[method].encode()),
+                 (b":authority", target.encode()), (b"content-type", b"application/grpc"), (b"te", b"trailers"))
+            )  # fmt: skip
+        block = start + literal_block(((b"grpc-timeout", timeout_header(timeout_s)),))
         return await self.membership.tracked(target, upstream.call(block, grpc_frame(request), timeout_s))
 
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
