@@ -38,6 +38,9 @@ from shared.logging import get_logger
 log = get_logger("router.frontdoor")
 
 RANK_PATH = b"/relaygr.v1.Ranker/Rank"
+ErrorHook = Callable[[str, int], None]
+"""Told of every connection closed for a protocol violation: (peer, HTTP/2 error code), the
+peer "client" (a front door connection) or "upstream" (a ranker, or the router's own server)."""
 Headers = list[tuple[bytes, bytes]]  # a decoded header block (raw bytes)
 _GRPC_CONTENT_TYPE = b"application/grpc"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -151,9 +154,12 @@ class Upstream(Endpoint):
 
     client_side = True
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(
+        self, address: str, max_message_bytes: int, on_protocol_error: ErrorHook | None = None
+    ) -> None:
         super().__init__()
         self.address = address
+        self._on_protocol_error = on_protocol_error
         self.max_message_bytes = max_message_bytes
         self._decoder = hpack.Decoder()
         self._decoder.max_allowed_table_size = 0
@@ -291,6 +297,8 @@ class Upstream(Endpoint):
 
     def on_error(self, error: H2Error) -> None:
         log.warning("upstream_protocol_error", target=self.address, error=error.message)
+        if self._on_protocol_error is not None:
+            self._on_protocol_error("upstream", error.code)
 
     def on_lost(self, exc: Exception | None) -> None:
         for stream_id in list(self._calls):
@@ -315,8 +323,14 @@ def _status(headers: list[tuple[bytes, bytes]]) -> tuple[int, str]:
 class UpstreamPool:
     """One Upstream connection per target, opened on first use and again after it closes."""
 
-    def __init__(self, max_message_bytes: int, connect_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        connect_timeout_s: float = 1.0,
+        on_protocol_error: ErrorHook | None = None,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.on_protocol_error = on_protocol_error
         self.connect_timeout_s = connect_timeout_s
         self._connections: dict[str, Upstream] = {}
         self._connecting: dict[str, asyncio.Future[Upstream]] = {}
@@ -339,7 +353,9 @@ class UpstreamPool:
         try:
             _, upstream = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: Upstream(target, self.max_message_bytes), host.strip("[]"), int(port)
+                    lambda: Upstream(target, self.max_message_bytes, self.on_protocol_error),
+                    host.strip("[]"),
+                    int(port),
                 ),
                 self.connect_timeout_s,
             )
@@ -433,6 +449,8 @@ class FrontDoorConnection(Endpoint):
 
     def on_error(self, error: H2Error) -> None:
         log.info("client_protocol_error", error=error.message)
+        if self.door.on_protocol_error is not None:
+            self.door.on_protocol_error("client", error.code)
 
     # ------------------------------------------------------------------ client frames
 
@@ -558,6 +576,8 @@ class FrontDoorConnection(Endpoint):
             self._answer(stream_id, grpc.StatusCode.UNAVAILABLE, "router is starting or stopping")
             return
         kept = [(name, value) for name, value in headers if name.lower() not in _HOP_BY_HOP]
+        if self.door.on_pass_through is not None:
+            self.door.on_pass_through()
         link = _PassThrough(self, stream_id, upstream)
         self._passed[stream_id] = link
         link.upstream_stream = upstream.open_stream(literal_block(kept), end_stream, link)
@@ -622,6 +642,8 @@ class FrontDoor:
         internal_target: str,
         max_message_bytes: int,
         max_concurrent_streams: int = 1000,
+        on_protocol_error: ErrorHook | None = None,
+        on_pass_through: Callable[[], None] | None = None,
     ) -> None:
         self.handle_rank = handle_rank
         self.internal_target = internal_target
@@ -632,7 +654,9 @@ class FrontDoor:
         self.draining = False
         self.all_closed = asyncio.Event()  # set once draining and the last connection has closed
         self._server: asyncio.Server | None = None
-        self._internal_pool = UpstreamPool(max_message_bytes)
+        self.on_protocol_error = on_protocol_error
+        self.on_pass_through = on_pass_through  # told of each stream relayed to the router's own server
+        self._internal_pool = UpstreamPool(max_message_bytes, on_protocol_error=on_protocol_error)
         self._keeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:

@@ -30,6 +30,7 @@ from typing import cast
 
 __all__ = [
     "CONNECTION_PREFACE",
+    "H2_ERROR_NAMES",
     "Endpoint",
     "H2Error",
     "literal_block",
@@ -48,6 +49,12 @@ HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX
 # Error codes.
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x6, 0x7, 0x8, 0x9
+
+H2_ERROR_NAMES = {
+    NO_ERROR: "no_error", PROTOCOL_ERROR: "protocol_error", INTERNAL_ERROR: "internal_error",
+    FLOW_CONTROL_ERROR: "flow_control_error", FRAME_SIZE_ERROR: "frame_size_error",
+    REFUSED_STREAM: "refused_stream", CANCEL: "cancel", COMPRESSION_ERROR: "compression_error",
+}  # fmt: skip
 
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65_535

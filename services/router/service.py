@@ -62,7 +62,7 @@ from services.router.frontdoor import (
     grpc_frame,
     timeout_header,
 )
-from services.router.h2wire import literal_block
+from services.router.h2wire import H2_ERROR_NAMES, literal_block
 from services.router.membership import FORWARDED_METHODS, Membership
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
@@ -166,6 +166,15 @@ class _Metrics:
                                     "answered; resent: prefix_required, the whole call followed)",
                                     ["result"], registry=registry)  # fmt: skip
         self.by_reference_of = _Children(self.by_reference)
+        self.relay_connections = Gauge("relaygr_router_relay_connections",
+                                       "client connections open on the relay front door", registry=registry)  # fmt: skip
+        self.relay_errors = Counter("relaygr_router_relay_protocol_errors_total",
+                                    "HTTP/2 connections the relay closed for a protocol error, by peer and code",
+                                    ["peer", "code"], registry=registry)  # fmt: skip
+        self.relay_errors_of = _Children(self.relay_errors)
+        self.relay_passed = Counter("relaygr_router_relay_passed_through_total",
+                                    "streams the relay passed to the router's gRPC server (all but Rank)",
+                                    registry=registry)  # fmt: skip
 
 
 class RouterService:
@@ -189,7 +198,9 @@ class RouterService:
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._server: grpc.aio.Server | None = None
         self._front_door: FrontDoor | None = None
-        self._upstreams = UpstreamPool(int(config.max_message_mb * 2**20))
+        self._upstreams = UpstreamPool(
+            int(config.max_message_mb * 2**20), on_protocol_error=self._relay_error
+        )
         # The relay's request header block to each (method, target), less the grpc-timeout that
         # follows it (literals: a block can be concatenated from parts).
         self._relay_blocks: dict[tuple[str, str], bytes] = {}
@@ -255,8 +266,12 @@ class RouterService:
         await self._server.start()
         self.port = grpc_port
         if relay:
-            self._front_door = FrontDoor(self.relay_rank, f"127.0.0.1:{grpc_port}", size)
-            self.port = await self._front_door.start(self.config.host, self.config.port)
+            door = self._front_door = FrontDoor(
+                self.relay_rank, f"127.0.0.1:{grpc_port}", size,
+                on_protocol_error=self._relay_error, on_pass_through=self.metrics.relay_passed.inc,
+            )  # fmt: skip
+            self.port = await door.start(self.config.host, self.config.port)
+            self.metrics.relay_connections.set_function(lambda: len(door.connections))
         self.metrics_port = serve_metrics(self.registry, self.config.metrics_port, self.config.host)
         self._spawn(self._expire_loop(), "residency-expire")
         if self._consumer is not None:
@@ -569,6 +584,9 @@ class RouterService:
         self._observe("rank", "ok", started, deferred=True)
         assert isinstance(reply, RelayReply)
         return reply
+
+    def _relay_error(self, peer: str, code: int) -> None:
+        self.metrics.relay_errors_of(peer, H2_ERROR_NAMES.get(code, str(code))).inc()
 
     async def _relay_call(self, target: str, method: str, request: bytes, timeout_s: float) -> RelayReply:
         """One attempt over the relay's own HTTP/2 connection to `target`."""

@@ -288,6 +288,8 @@ async def test_the_relay_owns_the_port_and_passes_health_checks_and_streams_thro
     watch.cancel()
     stats = await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=5)
     assert stats.instance_id == router.instance_id
+    assert router.registry.get_sample_value("relaygr_router_relay_passed_through_total") == 3
+    assert router.registry.get_sample_value("relaygr_router_relay_connections") == 1
 
 
 async def test_large_messages_cross_the_relay_intact_both_ways(relayed):
@@ -319,6 +321,11 @@ async def test_garbage_on_the_port_costs_that_connection_only(relayed):
             while chunk := await asyncio.wait_for(loop.sock_recv(sock, 65536), 5):
                 received += chunk  # the relay's SETTINGS, WINDOW_UPDATE, then GOAWAY and close
         assert goaway_code(received) == code
+    for name in ("protocol_error", "frame_size_error"):
+        errors = router.registry.get_sample_value(
+            "relaygr_router_relay_protocol_errors_total", {"peer": "client", "code": name}
+        )
+        assert errors == 1
     reply = await channel.unary_unary("/relaygr.v1.Ranker/Rank")(
         pb.RankRequest(request_id="ok", user_id=3).SerializeToString(), timeout=5
     )
