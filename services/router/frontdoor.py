@@ -423,6 +423,7 @@ class FrontDoorConnection(Endpoint):
         self._decoder = hpack.Decoder()
         self._ranks: dict[int, _RankStream] = {}
         self._passed: dict[int, _PassThrough] = {}
+        self._newest = 0  # the highest stream id this client has opened
 
     def local_settings(self) -> list[tuple[int, int]]:
         # The client's header blocks are decoded here, never forwarded as they are: let it use
@@ -466,10 +467,13 @@ class FrontDoorConnection(Endpoint):
             return
         rank = self._ranks.get(stream_id)
         if rank is not None:
-            if not end_stream:
-                raise H2Error(h2wire.PROTOCOL_ERROR, "trailers without END_STREAM")
+            if rank.task is not None or not end_stream:
+                raise H2Error(h2wire.PROTOCOL_ERROR, "HEADERS after END_STREAM, or trailers without it")
             self._start_rank(stream_id, rank)
             return
+        if stream_id <= self._newest:
+            raise H2Error(h2wire.PROTOCOL_ERROR, f"stream {stream_id} reopened (STREAM_CLOSED)")
+        self._newest = stream_id
         if len(self._ranks) + len(self._passed) >= self.door.max_concurrent_streams:
             self.reset(stream_id, h2wire.REFUSED_STREAM)
             return
@@ -516,8 +520,6 @@ class FrontDoorConnection(Endpoint):
         if link is not None:
             link.upstream.send_message(link.upstream_stream, data, end_stream)
             link.upstream.flush()
-            if end_stream:
-                pass  # the reply still comes back on the link
         # DATA on a stream we answered already: ignored (the client may not have seen the answer)
 
     def on_reset(self, stream_id: int, code: int) -> None:

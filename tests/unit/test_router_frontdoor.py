@@ -391,6 +391,34 @@ async def test_shutdown_lets_calls_in_flight_finish():
         await slow.server.stop(0)
 
 
+async def test_a_stream_cannot_be_reopened_or_continued_after_it_ended():
+    from services.router.frontdoor import FrontDoor, FrontDoorConnection, RelayReply
+
+    release = asyncio.Event()
+
+    async def handle_rank(message: bytes, timeout_s: float | None) -> RelayReply:
+        await release.wait()
+        return RelayReply(literal_block([(b":status", b"200")]), b"\x00\x00\x00\x00\x00",
+                          literal_block([(b"grpc-status", b"0")]))  # fmt: skip
+
+    door = FrontDoor(handle_rank, "127.0.0.1:1", max_message_bytes=1 << 20)
+    calls = valid_client_bytes()
+    block = literal_block([(b":method", b"POST"), (b":path", b"/relaygr.v1.Ranker/Rank"),
+                           (b"content-type", b"application/grpc")])  # fmt: skip
+    for ended_by_reply in (False, True):
+        conn, transport = FrontDoorConnection(door), FakeTransport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        conn.data_received(calls)  # three calls: the Rank calls wait in handle_rank
+        await asyncio.sleep(0)
+        if ended_by_reply:
+            release.set()
+            await asyncio.sleep(0.01)
+        assert not transport.closed
+        conn.data_received(frame(h2wire.HEADERS, h2wire.END_HEADERS | h2wire.END_STREAM, 1, block))
+        assert goaway_code(bytes(transport.written)) == h2wire.PROTOCOL_ERROR
+        conn.connection_lost(None)
+
+
 # ---------------------------------------------------------------------- fuzz
 
 
