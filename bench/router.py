@@ -12,7 +12,8 @@ so all paths see the same machine state; `--calls` per path. Reported: p50/p99 o
 router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the default router,
 grpc_front_door_added_* for the other; a fourth path through the smallest grpc.aio proxy
 (bench/bare_proxy.py, same core) gives bare_proxy_added_*, the cost of a Python gRPC hop on the
-machine, in the same run.
+machine, in the same run. *_cpu_ms_per_call: CPU time of each proxy process (all threads, from
+/proc) while its own chunks ran, per call.
 Layout (recorded in the JSON's config):
   pinned  (default) what the router adds on one core: the router on the last core (no other
           process of the benchmark there); this client and the ranker on the first core (the
@@ -74,6 +75,19 @@ def layout_cpus(layout: str) -> dict[str, list[int]]:
     return {"client_and_ranker": cpus[:1], "router": cpus[-1:]}
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by every thread of process `pid` (Linux /proc)."""
+    ticks = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread has just exited
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def pin_threads(pid: int, cpus: set[int] | list[int]) -> None:
     """Every thread of process `pid` onto `cpus` (threads it starts later inherit the mask)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -124,6 +138,11 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
             for stub in stubs.values():
                 await time_calls(stub, req, 50)
             ms: dict[str, list[float]] = {name: [] for name in stubs}
+            # The CPU each proxy process spends while its own chunks run (health checks and other
+            # background work included): what one routed call costs the router's core.
+            pids = {"routed": routers["relay"].proc.pid, "routed_grpc": routers["grpc"].proc.pid,
+                    "bare": bare.proc.pid}  # fmt: skip
+            cpu_s = dict.fromkeys(pids, 0.0)
             # This client's collector runs between chunks, never inside a timed call (it would
             # land on either path at random and only add noise to the difference).
             gc.collect()
@@ -132,7 +151,10 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
             try:
                 for _ in range(calls // 50):  # alternate in chunks: all see the same machine state
                     for name, stub in stubs.items():
+                        before = process_cpu_s(pids[name]) if name in pids else 0.0
                         ms[name] += await time_calls(stub, req, 50)
+                        if name in pids:
+                            cpu_s[name] += process_cpu_s(pids[name]) - before
                     gc.collect(1)
             finally:
                 gc.enable()
@@ -159,6 +181,9 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
         # core: the floor a Python gRPC router starts from on this machine.
         "bare_proxy_added_p50_ms": percentile(b_ms, 50) - percentile(d_ms, 50),
         "bare_proxy_added_p99_ms": percentile(b_ms, 99) - percentile(d_ms, 99),
+        "router_cpu_ms_per_call": cpu_s["routed"] * 1e3 / len(r_ms),
+        "grpc_front_door_cpu_ms_per_call": cpu_s["routed_grpc"] * 1e3 / len(g_ms),
+        "bare_proxy_cpu_ms_per_call": cpu_s["bare"] * 1e3 / len(b_ms),
         "rank_calls_each": len(d_ms),
     }
 
@@ -251,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
                "router_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
+               "router_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call",
                "trigger_events_per_s",
                "trigger_decision_p99_ms"]  # fmt: skip
     kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
