@@ -9,6 +9,7 @@ The key's contents are never logged.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,22 @@ class TlsSettings:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         ca, cert, key = self._read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def server_ssl_context(self, alpn: tuple[str, ...] = ("h2",)) -> ssl.SSLContext:
+        """The same mutual TLS for a server that is not gRPC's (the router's HTTP/2 relay):
+        a client certificate signed by the CA is required."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.tls_ca)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.set_alpn_protocols(list(alpn))
+        return context
+
+    def client_ssl_context(self, alpn: tuple[str, ...] = ("h2",)) -> ssl.SSLContext:
+        """The client side of the same: checks the server's certificate, presents ours."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        context.set_alpn_protocols(list(alpn))
+        return context
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.tls_enabled:

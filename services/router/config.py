@@ -120,11 +120,11 @@ class RouterConfig(KafkaSettings, TlsSettings):
         "that no longer has the psi answers prefix_required and gets the whole call",
     )  # fmt: skip
     front_door: str = setting(
-        "auto", env="RELAYGR_ROUTER_FRONT_DOOR",
-        help="relay: an HTTP/2 frame relay serves Rank on the public port and passes every other call "
-        "to the router's gRPC server on loopback (cleartext only; ~half the CPU per routed call); "
-        "grpc: the gRPC server serves everything; auto: relay, or grpc when TLS is on",
-        check=one_of("auto", "relay", "grpc"),
+        "relay", env="RELAYGR_ROUTER_FRONT_DOOR",
+        help="relay: an HTTP/2 frame relay serves Rank on the public port (with the RELAYGR_TLS_* "
+        "mutual TLS when set) and passes every other call to the router's gRPC server on loopback "
+        "(about half the CPU per routed call); grpc: the gRPC server serves everything",
+        check=one_of("relay", "grpc"),
     )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
@@ -158,17 +158,13 @@ class RouterConfig(KafkaSettings, TlsSettings):
 
     def validate(self) -> None:
         self.validate_tls()
-        if self.front_door == "relay" and self.tls_enabled:
-            raise ConfigError(
-                "RELAYGR_ROUTER_FRONT_DOOR=relay serves cleartext HTTP/2 only: use grpc with TLS"
-            )
         if self.consume_signals and self.signal_topic == self.dlq_topic:
             raise ConfigError("RELAYGR_SIGNAL_TOPIC and RELAYGR_DLQ_TOPIC must differ")
 
     @property
     def relay_front_door(self) -> bool:
         """Whether the HTTP/2 frame relay owns the public port (see front_door)."""
-        return self.front_door == "relay" or (self.front_door == "auto" and not self.tls_enabled)
+        return self.front_door != "grpc"
 
     @property
     def limits(self) -> RequestLimits:

@@ -15,14 +15,15 @@ Why: a grpc.aio hop costs ~0.6 ms of CPU per call on the build machine; this rel
 header block and one message per call and writes the reply through (bench/router.py compares the
 two in one run).
 
-The relay speaks HTTP/2 over cleartext TCP only: a router configured for TLS keeps the grpc.aio
-front door (RouterConfig validates this).
+With mutual TLS configured, the relay's listener and its connections to the rankers use it (ALPN
+h2); the router's own gRPC server then listens in cleartext on loopback only, for the relay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -328,9 +329,11 @@ class UpstreamPool:
         max_message_bytes: int,
         connect_timeout_s: float = 1.0,
         on_protocol_error: ErrorHook | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.max_message_bytes = max_message_bytes
         self.on_protocol_error = on_protocol_error
+        self.ssl_context = ssl_context  # TLS to every target when given
         self.connect_timeout_s = connect_timeout_s
         self._connections: dict[str, Upstream] = {}
         self._connecting: dict[str, asyncio.Future[Upstream]] = {}
@@ -356,10 +359,12 @@ class UpstreamPool:
                     lambda: Upstream(target, self.max_message_bytes, self.on_protocol_error),
                     host.strip("[]"),
                     int(port),
+                    ssl=self.ssl_context,
+                    server_hostname=host.strip("[]") if self.ssl_context is not None else None,
                 ),
                 self.connect_timeout_s,
             )
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{target}: cannot connect ({exc!r})") from None
         self._connections[target] = upstream
         return upstream
@@ -661,12 +666,15 @@ class FrontDoor:
         self._internal_pool = UpstreamPool(max_message_bytes, on_protocol_error=on_protocol_error)
         self._keeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Connects to the internal server, listens on host:port; returns the bound port."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Connects to the internal server, listens on host:port (TLS with `ssl_context`); returns
+        the bound port."""
         self.internal = await self._internal_pool.get(self.internal_target)
         self._keeper = asyncio.ensure_future(self._keep_internal())
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: FrontDoorConnection(self), host, port)
+        self._server = await loop.create_server(
+            lambda: FrontDoorConnection(self), host, port, ssl=ssl_context
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def _keep_internal(self) -> None:

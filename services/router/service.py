@@ -199,7 +199,9 @@ class RouterService:
         self._server: grpc.aio.Server | None = None
         self._front_door: FrontDoor | None = None
         self._upstreams = UpstreamPool(
-            int(config.max_message_mb * 2**20), on_protocol_error=self._relay_error
+            int(config.max_message_mb * 2**20),
+            on_protocol_error=self._relay_error,
+            ssl_context=config.client_ssl_context() if config.tls_enabled else None,
         )
         # The relay's request header block to each (method, target), less the grpc-timeout that
         # follows it (literals: a block can be concatenated from parts).
@@ -257,8 +259,12 @@ class RouterService:
         relay = self.config.relay_front_door
         # With the relay front door, the gRPC server listens on loopback only: the relay owns the
         # public port and passes every stream it does not serve itself through to it.
-        address = "127.0.0.1:0" if relay else f"{self.config.host}:{self.config.port}"
-        grpc_port = self.config.add_port(self._server, address)
+        if relay:  # only the relay, in this process, connects to it
+            address = "127.0.0.1:0"
+            grpc_port = self._server.add_insecure_port(address)
+        else:
+            address = f"{self.config.host}:{self.config.port}"
+            grpc_port = self.config.add_port(self._server, address)
         if not grpc_port:
             raise OSError(f"cannot bind {address}")
         if self.config.consume_signals:
@@ -270,7 +276,8 @@ class RouterService:
                 self.relay_rank, f"127.0.0.1:{grpc_port}", size,
                 on_protocol_error=self._relay_error, on_pass_through=self.metrics.relay_passed.inc,
             )  # fmt: skip
-            self.port = await door.start(self.config.host, self.config.port)
+            tls = self.config.server_ssl_context() if self.config.tls_enabled else None
+            self.port = await door.start(self.config.host, self.config.port, tls)
             self.metrics.relay_connections.set_function(lambda: len(door.connections))
         self.metrics_port = serve_metrics(self.registry, self.config.metrics_port, self.config.host)
         self._spawn(self._expire_loop(), "residency-expire")

@@ -1,6 +1,6 @@
 """Mutual TLS on the gRPC hops, with certificates this test generates: a client with a
-certificate of the deployment's CA is served through the router; plaintext and foreign
-certificates are turned away."""
+certificate of the deployment's CA is served through the router (either front door: the HTTP/2
+relay or the gRPC server); plaintext and foreign certificates are turned away."""
 
 from __future__ import annotations
 
@@ -25,14 +25,15 @@ def tls_flags(t: TlsSettings) -> list[str]:
     return ["--tls-ca", t.tls_ca, "--tls-cert", t.tls_cert, "--tls-key", t.tls_key]
 
 
-async def test_mutual_tls_router_and_ranker(tmp_path):
+@pytest.mark.parametrize("front_door", ["relay", "grpc"])
+async def test_mutual_tls_router_and_ranker(tmp_path, front_door):
     ca = make_ca("relaygr-test-ca")
     ranker_tls, router_tls, client_tls = (issue(ca, n, tmp_path / n) for n in ("ranker", "router", "client"))
     stranger = issue(make_ca("someone-else"), "stranger", tmp_path / "stranger")
     ranker = RankerService(load_config(RankerConfig, ["--device", "cpu", *tls_flags(ranker_tls)]))
     await ranker.start()
-    router = RouterService(load_config(RouterConfig, ["--rankers", f"127.0.0.1:{ranker.port}",
-                                                      "--consume-signals", "false", *tls_flags(router_tls)]))  # fmt: skip
+    router = RouterService(load_config(RouterConfig, ["--rankers", f"127.0.0.1:{ranker.port}", "--front-door",
+                                                      front_door, "--consume-signals", "false", *tls_flags(router_tls)]))  # fmt: skip
     await router.start()
     prefixes, suffixes = users(21, 1, prefix_len=50)
     request = rank_request(prefixes[0], suffixes[0], "tls")

@@ -246,16 +246,11 @@ def test_status_messages_survive_percent_encoding():
     assert percent_decode(headers[b"grpc-message"]) == message
 
 
-def test_relay_with_tls_is_refused_and_auto_falls_back_to_grpc(tmp_path):
-    files = []
-    for name in ("ca", "cert", "key"):
-        path = tmp_path / name
-        path.write_text("x")
-        files += [f"--tls-{name}", str(path)]
-    with pytest.raises(ConfigError, match="cleartext"):
-        load_config(RouterConfig, ["--rankers", "h:1", "--front-door", "relay", *files])
-    assert not load_config(RouterConfig, ["--rankers", "h:1", *files]).relay_front_door
+def test_the_relay_is_the_default_front_door():
     assert load_config(RouterConfig, ["--rankers", "h:1"]).relay_front_door
+    assert not load_config(RouterConfig, ["--rankers", "h:1", "--front-door", "grpc"]).relay_front_door
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_config(RouterConfig, ["--rankers", "h:1", "--front-door", "auto"])
 
 
 # ---------------------------------------------------------------------- the front door on loopback
