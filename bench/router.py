@@ -5,8 +5,8 @@ retrieval events per second the trigger decides on one core.
 
 Router: one ranker and two routers as real processes on loopback (`python -m services.router`,
 so with the router's own process settings): one with the default front door (the HTTP/2 frame
-relay, services/router/frontdoor.py), one with its gRPC server as the front door (what a TLS
-deployment gets). The same Rank request (a short prefix, so the ranker's own time is small) is
+relay, services/router/frontdoor.py), one with its gRPC server as the front door
+(`--front-door grpc`). The same Rank request (a short prefix, so the ranker's own time is small) is
 sent from this process directly and through each, one call at a time, alternating in chunks of 50
 so all paths see the same machine state; `--calls` per path. Reported: p50/p99 of each and
 router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the default router,
@@ -173,8 +173,8 @@ async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, li
         "rank_p99_ms_routed": percentile(r_ms, 99),
         "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
         "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
-        # The same router with its gRPC server as the front door (RELAYGR_ROUTER_FRONT_DOOR=grpc,
-        # what a TLS deployment gets), same run, same core.
+        # The same router with its gRPC server as the front door (RELAYGR_ROUTER_FRONT_DOOR=grpc),
+        # same run, same core.
         "grpc_front_door_added_p50_ms": percentile(g_ms, 50) - percentile(d_ms, 50),
         "grpc_front_door_added_p99_ms": percentile(g_ms, 99) - percentile(d_ms, 99),
         # The same hop through the smallest grpc.aio proxy (bench/bare_proxy.py), same run, same
