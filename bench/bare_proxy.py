@@ -1,6 +1,6 @@
-"""python -m bench.bare_proxy PORT TARGET: the smallest grpc.aio proxy of relaygr.v1.Ranker/Rank
+"""python -m bench.bare_proxy PORT TARGET [CA CERT KEY]: the smallest grpc.aio proxy of relaygr.v1.Ranker/Rank
 (bytes in, the same bytes to TARGET, its bytes back), with the router's gRPC I/O settings and
-event loop. bench/router.py times it beside the router: the cost of a Python gRPC hop itself, so
+event loop (mutual TLS on both sides with the three PEM files). bench/router.py times it beside the router: the cost of a Python gRPC hop itself, so
 that what the router adds can be read against it in the same run."""
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ importlib.import_module("services.router.__main__")
 import grpc  # noqa: E402
 import uvloop  # noqa: E402
 
+from shared.tls import TlsSettings  # noqa: E402
+
 
 def _same(data: bytes) -> bytes:
     return data
 
 
-async def serve(port: int, target: str) -> None:
-    channel = grpc.aio.insecure_channel(target)
+async def serve(port: int, target: str, tls: TlsSettings) -> None:
+    channel = tls.channel(target)
     forward = channel.unary_unary(
         "/relaygr.v1.Ranker/Rank", request_serializer=_same, response_deserializer=_same
     )
@@ -35,11 +37,11 @@ async def serve(port: int, target: str) -> None:
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("relaygr.v1.Ranker", {"Rank": handler}),)
     )
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    tls.add_port(server, f"127.0.0.1:{port}")
     await server.start()
     print(json.dumps({"event": "bare_proxy_ready", "port": port}), file=sys.stderr, flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(int(sys.argv[1]), sys.argv[2]))
+    uvloop.run(serve(int(sys.argv[1]), sys.argv[2], TlsSettings(*sys.argv[3:6])))

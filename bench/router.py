@@ -23,6 +23,8 @@ Layout (recorded in the JSON's config):
 Trigger: the retrieval topic is filled first (events with the workload's length mix), then a
 trigger runs in this process (uvloop, one thread) against the embedded broker and one ranker;
 events/s = events / time to decide all, decision p99 from per-event timings.
+--tls: every hop (client, proxies, ranker) over mutual TLS with certificates made for the run;
+writes router-tls-<machine>.json instead.
 Writes bench/results/router-<machine>.json and .md.
 """
 
@@ -33,13 +35,13 @@ import asyncio
 import gc
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
@@ -54,6 +56,7 @@ from shared.config import load_config
 from shared.kafka import KafkaSettings, ensure_topics, make_producer
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2_grpc as pb_grpc
+from shared.tls import PLAINTEXT, TlsSettings
 
 
 async def time_calls(stub: Any, req: Any, n: int) -> list[float]:
@@ -112,24 +115,48 @@ def pinned_here(cpus: list[int] | None) -> Iterator[None]:
         pin_threads(os.getpid(), saved)
 
 
-async def router_overhead(calls: int, broker: EmbeddedBroker, cpus: dict[str, list[int]]) -> dict[str, float]:
+def pem_files(tls: TlsSettings) -> tuple[str, ...]:
+    return (tls.tls_ca, tls.tls_cert, tls.tls_key) if tls.tls_enabled else ()
+
+
+def tls_flags(tls: TlsSettings) -> list[str]:
+    return (
+        ["--tls-ca", tls.tls_ca, "--tls-cert", tls.tls_cert, "--tls-key", tls.tls_key]
+        if tls.tls_enabled
+        else []
+    )
+
+
+async def router_overhead(
+    calls: int, broker: EmbeddedBroker, cpus: dict[str, list[int]], tls_dir: Path | None = None
+) -> dict[str, float]:
+    """What each front door (and the bare proxy) adds; every hop over mutual TLS with `tls_dir`
+    (certificates for the ranker, the proxies and this client are made there)."""
+    ranker_tls = proxy_tls = client_tls = PLAINTEXT
+    if tls_dir is not None:
+        from tests.certs import issue, make_ca  # cryptography: a dev dependency, as the benchmarks
+
+        ca = make_ca("relaygr-bench-ca")
+        ranker_tls, proxy_tls, client_tls = (
+            issue(ca, name, tls_dir / name) for name in ("ranker", "proxy", "client")
+        )
     with pinned_here(cpus.get("client_and_ranker")):
-        ranker = ServiceProcess("services.ranker", "--device", "cpu")
+        ranker = ServiceProcess("services.ranker", "--device", "cpu", *tls_flags(ranker_tls))
         target = f"127.0.0.1:{ranker.wait_event('ranker_ready', 120)['port']}"
         routers = {
             door: ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
-                                 "--consume-signals", "false", "--front-door", door)
+                                 "--consume-signals", "false", "--front-door", door, *tls_flags(proxy_tls))
             for door in ("relay", "grpc")
         }  # fmt: skip
         bare_port = free_port()
-        bare = ServiceProcess("bench.bare_proxy", str(bare_port), target)
+        bare = ServiceProcess("bench.bare_proxy", str(bare_port), target, *pem_files(proxy_tls))
         try:
             ports = {door: router.wait_event("router_ready", 120)["port"] for door, router in routers.items()}
             bare.wait_event("bare_proxy_ready", 60)
             if "router" in cpus:  # the router's core, for every proxy (they never run at once)
                 for proc in (*routers.values(), bare):
                     pin_threads(proc.proc.pid, cpus["router"])
-            channels = {name: grpc.aio.insecure_channel(address) for name, address in
+            channels = {name: client_tls.channel(address) for name, address in
                         (("direct", target), ("routed", f"127.0.0.1:{ports['relay']}"),
                          ("routed_grpc", f"127.0.0.1:{ports['grpc']}"), ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
             prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
@@ -251,9 +278,10 @@ async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, f
 
 
 async def run(args: argparse.Namespace, cpus: dict[str, list[int]]) -> dict[str, Any]:
-    with EmbeddedBroker.start() as broker:
-        row = await router_overhead(args.calls, broker, cpus)
-        row |= await trigger_throughput(args.events, broker)
+    with EmbeddedBroker.start() as broker, tempfile.TemporaryDirectory() as tmp:
+        row = await router_overhead(args.calls, broker, cpus, Path(tmp) if args.tls else None)
+        if args.events:
+            row |= await trigger_throughput(args.events, broker)
     return row
 
 
@@ -264,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=4000, help="Rank calls per path (direct, routed)")
     parser.add_argument("--layout", choices=("pinned", "shared"), default="pinned",
                         help="where the processes run (see above)")  # fmt: skip
-    parser.add_argument("--events", type=int, default=50_000)
+    parser.add_argument("--events", type=int, default=50_000, help="trigger events (0: no trigger run)")
+    parser.add_argument("--tls", action="store_true",
+                        help="every hop over mutual TLS (test certificates); writes router-tls-<machine>")  # fmt: skip
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     import uvloop
@@ -276,11 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
                "router_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
-               "router_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call",
-               "trigger_events_per_s",
-               "trigger_decision_p99_ms"]  # fmt: skip
+               "router_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call"]  # fmt: skip
+    if args.events:
+        columns += ["trigger_events_per_s", "trigger_decision_p99_ms"]
     kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
-    print("wrote", *write_result("router", config, [row], columns, **kwargs))
+    print("wrote", *write_result("router-tls" if args.tls else "router", config, [row], columns, **kwargs))
 
 
 if __name__ == "__main__":
