@@ -47,6 +47,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Pre-inference stepped layer by layer on the ranking thread, only between ranking batches,
     # instead of on its own thread and low-priority stream (the ranker's default).
     "relay-inline": {"ranker_args": ("--preinfer-concurrent", "false")},
+    # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
+    # pre-inference competing with full rankings for the device at high load.
+    "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},
 }
 
 
@@ -293,12 +296,14 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     started = time.time()
     for name in names:
+        overrides = dict(CONFIGS[name])
+        trigger_extra = tuple(overrides.pop("trigger_args", ()))
         config = StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
                              hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
                              # the trigger's estimate of the tokens a ranking call adds to the prefix
                              trigger_args=("--suffix-tokens", str(args.recent + args.candidates),
-                                           "--risk-fraction", str(args.risk_fraction)),
-                             **CONFIGS[name])  # fmt: skip
+                                           "--risk-fraction", str(args.risk_fraction), *trigger_extra),
+                             **overrides)  # fmt: skip
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
         with Stack(config) as stack:  # started from the main thread: its children live as long as it
             points = asyncio.run(sweeps(stack, args))
