@@ -79,13 +79,20 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         await producer.send_and_wait(SIGNALS, garbage, key=b"77")
         await producer.send_and_wait(SIGNALS, future_schema.SerializeToString(), key=b"78")
 
-        async def resident() -> bool:
-            return ranker.cache.used_bytes > 0
+        def recorded():
+            return router.residency.lookup(prefix.user_id, prefix.prefix_version, time.monotonic())
 
-        await eventually(resident, "the valid signal is pre-inferred on the ranker")
+        async def resident() -> bool:
+            # The ranker holds psi bytes once it accepts the PreInfer; the router records the
+            # residency when the reply reaches it, a moment later: wait for both.
+            return ranker.cache.used_bytes > 0 and recorded() is not None
+
+        await eventually(
+            resident, "the valid signal is pre-inferred on the ranker and recorded by the router"
+        )
         stats = await ranker.Stats(pb.StatsRequest(), None)
         assert stats.hbm_resident_bytes > 0
-        entry = router.residency.lookup(prefix.user_id, prefix.prefix_version, time.monotonic())
+        entry = recorded()
         assert entry is not None
         assert entry.instance == f"127.0.0.1:{ranker.port}"
 
