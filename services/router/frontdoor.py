@@ -116,15 +116,11 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 @dataclass
 class RelayReply:
     """A ranker's reply, as it goes back to the client: its header block, its DATA (the gRPC
-    message with its 5-byte prefix) and its trailer block. `message` is the gRPC message alone."""
+    message with its 5-byte prefix) and its trailer block."""
 
     header_block: bytes
     data: bytes
     trailer_block: bytes
-
-    @property
-    def message(self) -> bytes:
-        return self.data[5:]
 
 
 class StreamSink(Protocol):
@@ -219,6 +215,10 @@ class Upstream(Endpoint):
 
     # ------------------------------------------------------------------ from the server
 
+    def _sink(self, stream_id: int, end_stream: bool) -> StreamSink | None:
+        """The passed-through stream's sink, forgotten here when this frame ends the stream."""
+        return self._sinks.pop(stream_id, None) if end_stream else self._sinks.get(stream_id)
+
     def _fail(self, stream_id: int, code: grpc.StatusCode, details: str) -> None:
         call = self._calls.pop(stream_id, None)
         if call is not None and not call.future.done():
@@ -229,10 +229,8 @@ class Upstream(Endpoint):
             headers = cast(Headers, self._decoder.decode(block, raw=True))
         except hpack.HPACKError as exc:
             raise H2Error(h2wire.COMPRESSION_ERROR, f"undecodable header block: {exc}") from None
-        sink = self._sinks.get(stream_id)
+        sink = self._sink(stream_id, end_stream)
         if sink is not None:
-            if end_stream:
-                del self._sinks[stream_id]
             sink.upstream_headers(block, end_stream)
             return
         call = self._calls.get(stream_id)
@@ -254,10 +252,8 @@ class Upstream(Endpoint):
             call.future.set_result(RelayReply(call.header_block, b"".join(call.data), block))
 
     def on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        sink = self._sinks.get(stream_id)
+        sink = self._sink(stream_id, end_stream)
         if sink is not None:
-            if end_stream:
-                del self._sinks[stream_id]
             sink.upstream_data(data, end_stream)
             return
         call = self._calls.get(stream_id)
@@ -626,12 +622,9 @@ class FrontDoorConnection(Endpoint):
     def send_goaway_notice(self) -> None:
         """GOAWAY(NO_ERROR) naming the last stream accepted: the client opens new calls elsewhere
         (or on a new connection); the ones already here finish."""
-        if self.closed or self.transport is None:
+        if self.closed:
             return
-        self._write(
-            h2wire.frame(h2wire.GOAWAY, 0, 0, struct.pack(">II", self.last_peer_stream, h2wire.NO_ERROR))
-        )
-        self.flush()
+        self.send_goaway()
         if not self.busy:
             self.close()
 

@@ -23,6 +23,7 @@ the router tells every upstream peer to use no HPACK dynamic table (SETTINGS_HEA
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from collections import deque
 from collections.abc import Iterable
@@ -147,8 +148,6 @@ class Endpoint(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            import socket
-
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = settings_frame(self.local_settings())
         self._write((CONNECTION_PREFACE + hello) if self.client_side else hello)
@@ -181,12 +180,19 @@ class Endpoint(asyncio.Protocol):
         if not self._reading:
             self._flush()
 
-    def close(self, code: int = NO_ERROR, message: str = "") -> None:
-        """GOAWAY(code) and close (idempotent)."""
+    def send_goaway(self, code: int = NO_ERROR, message: str = "") -> None:
+        """GOAWAY(code) naming the last stream the peer opened: it opens no new ones here."""
         if self._closed or self.transport is None:
             return
         payload = struct.pack(">II", self.last_peer_stream, code) + message.encode()[:256]
         self._write(frame(GOAWAY, 0, 0, payload))
+        self.flush()
+
+    def close(self, code: int = NO_ERROR, message: str = "") -> None:
+        """GOAWAY(code) and close (idempotent)."""
+        if self._closed or self.transport is None:
+            return
+        self.send_goaway(code, message)
         self._flush()
         self._closed = True
         self.transport.close()

@@ -18,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.router import h2wire
 from services.router.config import RouterConfig
 from services.router.frontdoor import (
+    FrontDoor,
+    FrontDoorConnection,
+    RelayReply,
     grpc_timeout,
     percent_decode,
     percent_encode,
@@ -28,7 +31,7 @@ from services.router.h2wire import CONNECTION_PREFACE, Endpoint, frame, literal_
 from shared.config import ConfigError, load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
-from tests.unit.test_router_service import RawRanker, serve_healthy, start_router, target
+from tests.unit.test_router_service import raw_rankers_routed, serve_healthy, start_router, target
 
 # ---------------------------------------------------------------------- the frame layer
 
@@ -259,16 +262,8 @@ def test_the_relay_is_the_default_front_door():
 @pytest.fixture
 async def relayed():
     """Two raw rankers behind a router whose public port is the relay."""
-    fakes = [RawRanker("a"), RawRanker("b")]
-    for fake in fakes:
-        await fake.start()
-    router = await start_router([target(f.port) for f in fakes], "--front-door", "relay")
-    channel = grpc.aio.insecure_channel(target(router.port))
-    yield router, fakes, channel
-    await channel.close()
-    await router.shutdown(grace_s=0.2)
-    for fake in fakes:
-        await fake.stop()
+    async with raw_rankers_routed("--front-door", "relay") as routed:
+        yield routed
 
 
 async def test_the_relay_owns_the_port_and_passes_health_checks_and_streams_through(relayed):
@@ -386,15 +381,17 @@ async def test_shutdown_lets_calls_in_flight_finish():
         await slow.server.stop(0)
 
 
-async def test_a_stream_cannot_be_reopened_or_continued_after_it_ended():
-    from services.router.frontdoor import FrontDoor, FrontDoorConnection, RelayReply
+# A ranker's reply as the relay passes it on: status 200, one empty message, status OK.
+EMPTY_REPLY = RelayReply(literal_block([(b":status", b"200")]), b"\x00\x00\x00\x00\x00",
+                         literal_block([(b"grpc-status", b"0")]))  # fmt: skip
 
+
+async def test_a_stream_cannot_be_reopened_or_continued_after_it_ended():
     release = asyncio.Event()
 
     async def handle_rank(message: bytes, timeout_s: float | None) -> RelayReply:
         await release.wait()
-        return RelayReply(literal_block([(b":status", b"200")]), b"\x00\x00\x00\x00\x00",
-                          literal_block([(b"grpc-status", b"0")]))  # fmt: skip
+        return EMPTY_REPLY
 
     door = FrontDoor(handle_rank, "127.0.0.1:1", max_message_bytes=1 << 20)
     calls = valid_client_bytes()
@@ -440,12 +437,9 @@ async def test_malformed_client_bytes_never_hit_an_internal_error():
     protocol-level code; none reaches the catch-all that answers INTERNAL_ERROR (a bug)."""
     import random
 
-    from services.router.frontdoor import FrontDoor, FrontDoorConnection, RelayReply
-
     async def handle_rank(message: bytes, timeout_s: float | None) -> RelayReply:
         pb.RankRequest.FromString(message)
-        return RelayReply(literal_block([(b":status", b"200")]), b"\x00\x00\x00\x00\x00",
-                          literal_block([(b"grpc-status", b"0")]))  # fmt: skip
+        return EMPTY_REPLY
 
     door = FrontDoor(handle_rank, "127.0.0.1:1", max_message_bytes=1 << 20)
     valid = valid_client_bytes()

@@ -9,7 +9,9 @@ Real rankers (tiny preset) where scores matter; small fake rankers where only st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -483,19 +485,31 @@ class RawRanker:
         await self.server.stop(0)
 
 
-@pytest.fixture
-async def raw_pair():
-    """Two raw rankers behind a router (pure rendezvous placement), and a client channel."""
+@contextlib.asynccontextmanager
+async def raw_rankers_routed(
+    *router_flags: str,
+) -> AsyncIterator[tuple[RouterService, list[RawRanker], grpc.aio.Channel]]:
+    """Two raw rankers ("a", "b") behind a router started with `router_flags`, and a client
+    channel to the router; all stopped on exit."""
     fakes = [RawRanker("a"), RawRanker("b")]
     for fake in fakes:
         await fake.start()
-    router = await start_router([target(f.port) for f in fakes], "--load-slack", "1000")
+    router = await start_router([target(f.port) for f in fakes], *router_flags)
     channel = grpc.aio.insecure_channel(target(router.port))
-    yield router, fakes, channel
-    await channel.close()
-    await router.shutdown(grace_s=0.2)
-    for fake in fakes:
-        await fake.stop()
+    try:
+        yield router, fakes, channel
+    finally:
+        await channel.close()
+        await router.shutdown(grace_s=0.2)
+        for fake in fakes:
+            await fake.stop()
+
+
+@pytest.fixture
+async def raw_pair():
+    """Two raw rankers behind a router (pure rendezvous placement), and a client channel."""
+    async with raw_rankers_routed("--load-slack", "1000") as pair:
+        yield pair
 
 
 def raw_method(channel: grpc.aio.Channel, name: str):
