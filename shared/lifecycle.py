@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ctypes
 import gc
 import os
@@ -125,7 +126,7 @@ class Lifecycle:
             coro.close()
             raise ValueError(f"a background task named {name!r} is already running")
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}-{name}")
-        task.add_done_callback(lambda t, name=name: self._task_done(name, t))
+        task.add_done_callback(functools.partial(self._task_done, name))
         self._tasks[name] = task
         return task
 
