@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import ctypes
+import functools
 import gc
 import os
 import signal
