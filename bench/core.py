@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for batch_size in args.batches:
             shape = Shape(PROFILE_TOKENS, prefix_len - PROFILE_TOKENS, args.recent, args.candidates)
             prefixes, suffixes = batch(prefix_len * 31 + batch_size, [shape] * batch_size)
-            keys = [model.psi_key(p.user_id, p.prefix_version) for p in prefixes]
+            keys = [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes]
             sync, reps, warm = acc.synchronize, args.reps, args.warmup
             full_ms = time_call(lambda p=prefixes, s=suffixes: model.full(p, s), sync, reps, warm)
             preinfer_ms = time_call(lambda p=prefixes: model.preinfer(p), sync, reps, warm)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import subprocess
@@ -94,7 +95,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             assert psi is not None
             nbytes = host_nbytes(host_meta(psi))
             for i in range(args.reps):
-                probe = service.model.psi_key(prefix.user_id, 10_000 + i)  # a fresh arena entry each rep
+                probe = dataclasses.replace(psi.key, prefix_version=10_000 + i)  # a fresh arena entry each rep
                 t0 = time.perf_counter()
                 ok = await host.demote(probe, psi, engine)
                 demote.append((time.perf_counter() - t0) * 1e3)

@@ -36,7 +36,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from services.expander import protocol as p
 from services.expander.arena import ArenaHandshakeError, ArenaMapping, receive_arena
@@ -47,7 +47,6 @@ __all__ = [
     "ExpanderError",
     "ExpanderRefused",
     "ExpanderUnavailable",
-    "KeyLike",
 ]
 
 T = TypeVar("T")
@@ -68,23 +67,6 @@ class ExpanderRefused(ExpanderError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
-
-
-class KeyLike(Protocol):
-    """Anything keyed like a psi: EntryKey, services.ranker.psi.PsiKey."""
-
-    @property
-    def user_id(self) -> int: ...
-    @property
-    def prefix_version(self) -> int: ...
-    @property
-    def model_version(self) -> str: ...
-
-
-def _key(key: KeyLike) -> EntryKey:
-    if isinstance(key, EntryKey):
-        return key
-    return EntryKey(int(key.user_id), int(key.prefix_version), str(key.model_version))
 
 
 class ExpanderClient:
@@ -165,6 +147,11 @@ class ExpanderClient:
                 max_lease_s=lease_s,
             )
             hello = p.hello_from_wire(await client._call(p.Hello(owner)))
+            if hello.protocol != p.PROTOCOL_VERSION:
+                # Keys are not understood alike across versions (v2 added the content fingerprint).
+                raise p.ProtocolError(
+                    "invalid", f"daemon speaks protocol {hello.protocol}, this client {p.PROTOCOL_VERSION}"
+                )
             if hello.generation != arena.generation or hello.arena_bytes != arena.nbytes:
                 raise ArenaHandshakeError(
                     f"daemon restarted during connect (arena generation {arena.generation}, "
@@ -222,15 +209,15 @@ class ExpanderClient:
             self._break("daemon generation changed")
             raise ExpanderUnavailable("daemon restarted (generation changed)")
 
-    async def lookup(self, key: KeyLike) -> EntryInfo | None:
+    async def lookup(self, key: EntryKey) -> EntryInfo | None:
         """The live entry under key (WRITING or READY), or None. Changes nothing in the daemon."""
-        reply = await self._call(p.Lookup(_key(key)))
+        reply = await self._call(p.Lookup(key))
         found = reply.get("found")
         return self._parse(lambda: p.entry_from_wire(reply.get("entry")) if found else None)
 
     async def reserve(
         self,
-        key: KeyLike,
+        key: EntryKey,
         nbytes: int,
         meta: dict[str, Any] | None = None,
         owner: str | None = None,
@@ -243,7 +230,7 @@ class ExpanderClient:
         ExpanderRefused("too_large" | "no_space" | "exists"), ValueError for nbytes <= 0."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
-        request = p.Reserve(_key(key), nbytes, dict(meta or {}), owner or self._owner, self._lease(lease_s))
+        request = p.Reserve(key, nbytes, dict(meta or {}), owner or self._owner, self._lease(lease_s))
         reply = await self._call(request)
         return self._parse(lambda: p.reservation_from_wire(reply))
 
@@ -257,12 +244,12 @@ class ExpanderClient:
         await self._call(p.Abort(lease_id))
 
     async def acquire(
-        self, key: KeyLike, owner: str | None = None, lease_s: float | None = None
+        self, key: EntryKey, owner: str | None = None, lease_s: float | None = None
     ) -> Acquired | None:
         """Pins the READY entry under key for lease_s (default: the client's; never evicted
         meanwhile) and returns where its bytes are and its meta; None if there is none. release()
         it once copied out. owner as in reserve."""
-        reply = await self._call(p.Acquire(_key(key), owner or self._owner, self._lease(lease_s)))
+        reply = await self._call(p.Acquire(key, owner or self._owner, self._lease(lease_s)))
         if not reply.get("found"):
             return None
         return self._parse(lambda: p.acquired_from_wire(reply))

@@ -5,7 +5,9 @@ MAX_FRAME bytes. Requests are `{"op": OP, "id"?: int, ...fields}`; each gets exa
 order: `{"ok": true, "id"?: int, ...}` or `{"ok": false, "id"?: int, "error": KIND, "reason": str}`.
 Only offsets, sizes, keys and small metadata travel here; psi bytes go through the shared arena.
 
-Ops and fields (key = {"user_id": int, "prefix_version": int >= 0, "model_version": str}):
+Ops and fields (key = {"user_id": int, "prefix_version": int >= 0, "model_version": str,
+"fingerprint": uint64 (the prefix's content digest, shared/fingerprint.py)}; psi of other tokens
+under the same user and prefix version is another key):
 
     ping                                         -> {generation}
     hello   [owner]                              -> {arena_bytes, generation, ttl_s, max_lease_s, protocol}
@@ -37,12 +39,13 @@ import orjson
 
 from services.expander.store import Acquired, EntryInfo, EntryKey, EntryState, Reservation, StoreStats
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: keys carry the content fingerprint
 MAX_FRAME = 64 * 1024
 MAX_META_BYTES = 16 * 1024  # so that every reply carrying meta fits in one frame
 MAX_STR = 256
 _HEADER = struct.Struct(">I")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_UINT64_MAX = 2**64 - 1
 
 
 class ProtocolError(Exception):
@@ -276,21 +279,33 @@ def hello_from_wire(value: dict[str, Any]) -> HelloInfo:
     )
 
 
+_KEY_FIELDS = frozenset({"user_id", "prefix_version", "model_version", "fingerprint"})
+
+
 def key_to_wire(key: EntryKey) -> dict[str, Any]:
-    return {"user_id": key.user_id, "prefix_version": key.prefix_version, "model_version": key.model_version}
+    return {
+        "user_id": key.user_id,
+        "prefix_version": key.prefix_version,
+        "model_version": key.model_version,
+        "fingerprint": key.fingerprint,
+    }
 
 
 def key_from_wire(value: Any) -> EntryKey:
     """Raises ProtocolError("invalid")."""
     if not isinstance(value, dict):
         raise ProtocolError("invalid", "field 'key' must be an object")
-    extra = set(value) - {"user_id", "prefix_version", "model_version"}
+    extra = set(value) - _KEY_FIELDS
     if extra:
         raise ProtocolError("invalid", f"unexpected key fields: {sorted(extra)[:8]}")
+    fingerprint: Any = value.get("fingerprint")
+    if not _is_int(fingerprint) or not 0 <= fingerprint <= _UINT64_MAX:
+        raise ProtocolError("invalid", "field 'key.fingerprint' must be a 64-bit unsigned integer")
     return EntryKey(
         _int(value, "user_id", where="key."),
         _int(value, "prefix_version", minimum=0, where="key."),
         _str(value, "model_version", where="key."),
+        int(fingerprint),
     )
 
 

@@ -35,16 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from services.expander.allocator import Allocator, InvariantError
+from shared.psi_key import PsiKey
 
-
-@dataclass(frozen=True, order=True)
-class EntryKey:
-    """What a psi is valid for: same fields as services.ranker.psi.PsiKey (kept separate so the
-    expander does not import the ranker, nor torch)."""
-
-    user_id: int
-    prefix_version: int
-    model_version: str
+# What a psi is valid for (user, prefix version, model version, content fingerprint): the ranker's
+# own key type, from shared/ (no torch), so the two tiers cannot drift apart.
+EntryKey = PsiKey
 
 
 class EntryState(enum.Enum):

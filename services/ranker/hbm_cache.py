@@ -20,6 +20,11 @@ Entry lifecycle (transitions asserted in `_move`):
   copy (a returning user hits HBM without a reload) or is freed at once. An entry pinned by a
   running computation or copy is never freed.
 * EXPIRED and FREED are terminal: the entry leaves the table and its bytes are released.
+
+Keys may come in groups (`group_of`: the ranker groups psi keys by (user, prefix version, model),
+whatever their content fingerprint): `variants(key)` tells which other entries of the key's group
+are held, so a caller can tell "nothing here" from "psi of other content under this name". Each
+entry is still claimed, leased and freed by its own key only.
 """
 
 from __future__ import annotations
@@ -129,7 +134,9 @@ class HbmCache:
     budget_bytes: int
     clock: Callable[[], float]
     counters: CacheCounters = field(default_factory=CacheCounters)
+    group_of: Callable[[Hashable], Hashable] | None = None
     _entries: dict[Hashable, _Entry] = field(default_factory=dict)
+    _groups: dict[Hashable, set[Hashable]] = field(default_factory=dict)
     _used: int = 0
 
     def __post_init__(self) -> None:
@@ -141,6 +148,13 @@ class HbmCache:
     def lookup(self, key: Hashable) -> EntryView | None:
         e = self._entries.get(key)
         return None if e is None else EntryView(e.key, e.state, e.nbytes, e.lease, e.pins, e.source)
+
+    def variants(self, key: Hashable) -> list[Hashable]:
+        """Keys of the other entries held in key's group (any state), key itself excluded; empty
+        without `group_of`. No side effects."""
+        if self.group_of is None:
+            return []
+        return [k for k in self._groups.get(self.group_of(key), ()) if k != key]
 
     @property
     def used_bytes(self) -> int:
@@ -192,6 +206,8 @@ class HbmCache:
             self.counters.refused += 1
             return AdmitResult(Admission.REFUSED, "hbm_budget")
         self._entries[key] = _Entry(key, nbytes, EntryState.PRODUCING, source, lease, last_used=self.clock())
+        if self.group_of is not None:
+            self._groups.setdefault(self.group_of(key), set()).add(key)
         self._used += nbytes
         self.counters.admitted += 1
         return AdmitResult(Admission.ADMITTED)
@@ -315,5 +331,11 @@ class HbmCache:
             if e.pins:
                 raise InvalidTransition(f"{e.key!r}: cannot leave the cache while pinned")
             del self._entries[e.key]
+            if self.group_of is not None:
+                group = self.group_of(e.key)
+                members = self._groups[group]
+                members.discard(e.key)
+                if not members:
+                    del self._groups[group]
             self._used -= e.nbytes
             e.handle = None

@@ -20,7 +20,6 @@ import torch
 
 from kernels.device import Accelerator
 from services.expander.client import ExpanderClient, ExpanderRefused, ExpanderUnavailable
-from services.expander.store import EntryKey
 from services.ranker.engine import Engine
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
@@ -28,10 +27,6 @@ from shared.logging import get_logger
 
 log = get_logger("ranker.host_tier")
 _LEASE_S = 10.0
-
-
-def _entry_key(key: PsiKey) -> EntryKey:
-    return EntryKey(key.user_id, key.prefix_version, key.model_version)
 
 
 class HostTier:
@@ -89,7 +84,7 @@ class HostTier:
         if client is None:
             return None
         try:
-            info = await client.lookup(_entry_key(key))
+            info = await client.lookup(key)
         except ExpanderUnavailable:
             await self._lost()
             return None
@@ -103,7 +98,7 @@ class HostTier:
         meta = host_meta(psi)
         nbytes = host_nbytes(meta)
         try:
-            reservation = await client.reserve(_entry_key(key), nbytes, meta, self.owner, _LEASE_S)
+            reservation = await client.reserve(key, nbytes, meta, self.owner, _LEASE_S)
         except ExpanderRefused as exc:
             # "exists": an earlier demotion of this very psi is already there; the HBM copy can go.
             log.debug("demotion_refused", user=key.user_id, reason=exc.reason)
@@ -133,7 +128,7 @@ class HostTier:
         if client is None or arena is None:
             return None
         try:
-            acquired = await client.acquire(_entry_key(key), self.owner, _LEASE_S)
+            acquired = await client.acquire(key, self.owner, _LEASE_S)
         except ExpanderUnavailable:
             await self._lost()
             return None

@@ -209,8 +209,9 @@ class HSTURanker(nn.Module):
     def device(self) -> torch.device:
         return self.item_emb.weight.device
 
-    def psi_key(self, user_id: int, prefix_version: int) -> PsiKey:
-        return PsiKey(user_id, prefix_version, self.model_version)
+    def psi_key(self, user_id: int, prefix_version: int, fingerprint: int) -> PsiKey:
+        """The key of psi this model computes for that prefix (fingerprint: its content digest)."""
+        return PsiKey(user_id, prefix_version, self.model_version, fingerprint)
 
     # ------------------------------------------------------------------ entry points
 
@@ -269,7 +270,7 @@ class HSTURanker(nn.Module):
             for b, p in enumerate(prefixes):
                 start, end = seq.offsets_host[b], seq.offsets_host[b + 1]
                 block = kv_all if len(prefixes) == 1 else kv_all[:, :, start:end].contiguous()
-                key = self.psi_key(p.user_id, p.prefix_version)
+                key = self.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest)
                 psis.append(Psi(key, block, seq.timestamps[start:end].clone()))
         return psis
 

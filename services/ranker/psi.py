@@ -5,8 +5,9 @@ heads interleaved in the feature dimension), plus the prefix tokens' int64 times
 suffix's time bias needs them). A cache owns and moves it as one block; a layer's K or V is a
 contiguous [P, H*D] slab, so reloads can proceed layer by layer.
 
-Every psi is stamped with (user, prefix version, model version). Using psi for any other key would
-silently produce wrong scores, so `require_match` refuses it loudly.
+Every psi is stamped with its PsiKey (user, prefix version, model version, content fingerprint:
+shared/psi_key.py). Using psi for any other key would silently produce wrong scores, so
+`require_match` refuses it loudly.
 """
 
 from __future__ import annotations
@@ -15,19 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.psi_key import PsiKey
+
+__all__ = ["Psi", "PsiKey", "PsiMismatchError"]
+
 
 class PsiMismatchError(ValueError):
-    """A psi was offered for a user, prefix version or model version it was not computed for."""
-
-
-@dataclass(frozen=True, order=True)
-class PsiKey:
-    user_id: int
-    prefix_version: int
-    model_version: str
-
-    def __str__(self) -> str:
-        return f"user={self.user_id} prefix_version={self.prefix_version} model={self.model_version}"
+    """A psi was offered for a user, prefix version, model version or prefix content it was not
+    computed for."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class Psi:
         if self.key != expected:
             fields = [
                 f"{name} {getattr(self.key, name)!r} != expected {getattr(expected, name)!r}"
-                for name in ("user_id", "prefix_version", "model_version")
+                for name in ("user_id", "prefix_version", "model_version", "fingerprint")
                 if getattr(self.key, name) != getattr(expected, name)
             ]
             raise PsiMismatchError("psi refused: " + "; ".join(fields))

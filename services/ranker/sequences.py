@@ -6,9 +6,13 @@ past the edge passes dicts or protobuf messages around.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import torch
+
+from shared.fingerprint import PrefixFingerprint, prefix_fingerprint
 
 
 class InvalidSequenceError(ValueError):
@@ -69,18 +73,38 @@ class Behaviors:
         return self.items.numel()
 
 
+def _host(t: torch.Tensor) -> npt.NDArray[np.int64]:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
 @dataclass(frozen=True)
 class UserPrefix:
-    """The cacheable prefix [U, S_l] of one user: profile tokens and long-term behaviours."""
+    """The cacheable prefix [U, S_l] of one user: profile tokens and long-term behaviours.
+
+    `fingerprint` names its content (shared/fingerprint.py). The edge that decoded the prefix
+    from the wire passes the one it computed there (`known_fingerprint`); otherwise it is
+    computed here from the tensors, with the same result (the wire layout: actions as int32)."""
 
     user_id: int
     prefix_version: int
     profile: torch.Tensor  # profile feature ids
     long_term: Behaviors
+    known_fingerprint: InitVar[PrefixFingerprint | None] = None
+    fingerprint: PrefixFingerprint = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, known_fingerprint: PrefixFingerprint | None) -> None:
         if self.profile.dim() != 1 or _any_negative(self.profile):
             raise InvalidSequenceError("profile must be a 1-D tensor of non-negative ids")
+        if known_fingerprint is None:
+            lt = self.long_term
+            known_fingerprint = prefix_fingerprint(
+                _host(self.profile), _host(lt.items), _host(lt.actions), _host(lt.timestamps)
+            )
+        elif (known_fingerprint.length, known_fingerprint.profile_len) != (self.length, self.profile.numel()):
+            raise InvalidSequenceError(
+                f"fingerprint of {known_fingerprint.length} tokens for a prefix of {self.length}"
+            )
+        object.__setattr__(self, "fingerprint", known_fingerprint)  # frozen: set once, here
 
     @property
     def length(self) -> int:

@@ -24,9 +24,9 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import torch
@@ -108,6 +108,10 @@ class _Metrics:
                                  registry=registry)  # fmt: skip
         self.fallbacks = Counter("relaygr_ranker_fallbacks_total", "cached paths that fell back to full",
                                  ["reason"], registry=registry)  # fmt: skip
+        self.content_mismatch = Counter("relaygr_ranker_prefix_content_mismatch",
+                                        "ranking calls whose prefix tokens differ from those of psi held under "
+                                        "the same (user, prefix version): ranked without it",
+                                        registry=registry)  # fmt: skip
         self.hbm_bytes = Gauge("relaygr_ranker_hbm_bytes", "psi bytes in accelerator memory", ["kind"],
                                registry=registry)  # fmt: skip
         self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
@@ -122,6 +126,11 @@ class _Production:
     task: asyncio.Task[None] | None = None
 
 
+def _psi_name(key: Hashable) -> Hashable:
+    assert isinstance(key, PsiKey)
+    return key.name
+
+
 class RankerService(pb_grpc.RankerServicer):
     def __init__(self, config: RankerConfig) -> None:
         self.config = config
@@ -132,7 +141,8 @@ class RankerService(pb_grpc.RankerServicer):
         else:
             self.model = HSTURanker.from_seed(spec, config.seed, self.accel.device)
         self.spec = self.model.spec
-        self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic)
+        # psi keys grouped by (user, prefix version, model): tells a content mismatch from a miss.
+        self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic, group_of=_psi_name)
         self.engine = Engine(
             self.model,
             self.accel,
@@ -171,6 +181,7 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.graph_replays.set_function(lambda: graphs.replays)
             self.metrics.graph_eager.set_function(lambda: sum(graphs.fallbacks.values()))
         self._reloads = 0
+        self._content_mismatches = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._stopped = asyncio.Event()
@@ -297,7 +308,7 @@ class RankerService(pb_grpc.RankerServicer):
             prefix = checked_prefix(request.prefix, self.config.limits)
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
+        key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
         if len(self._signal_at) > 100_000:
             self._signal_at.clear()  # a bound, not an LRU: lead times are a statistic
         self._signal_at.setdefault(key, time.monotonic())
@@ -306,7 +317,10 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.preinfers.labels("refused").inc()
             self._preinfers_shed += 1
             return pb.PreInferReply(
-                outcome=pb.PreInferReply.REFUSED, reason="rank_overloaded", instance_id=self.instance_id
+                outcome=pb.PreInferReply.REFUSED,
+                reason="rank_overloaded",
+                instance_id=self.instance_id,
+                fingerprint=key.fingerprint,
             )
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
         result = self.cache.admit(key, self.spec.psi_bytes(prefix.length), lease)
@@ -314,7 +328,9 @@ class RankerService(pb_grpc.RankerServicer):
         if result.outcome is Admission.ADMITTED:
             outcome = await self._start_production(key, prefix)
         self.metrics.preinfers.labels(pb.PreInferReply.Outcome.Name(outcome).lower()).inc()
-        return pb.PreInferReply(outcome=outcome, reason=result.reason, instance_id=self.instance_id)
+        return pb.PreInferReply(
+            outcome=outcome, reason=result.reason, instance_id=self.instance_id, fingerprint=key.fingerprint
+        )
 
     def _lease_deadline(self, unix_ms: int) -> float:
         now_ms = time.time() * 1e3
@@ -389,7 +405,7 @@ class RankerService(pb_grpc.RankerServicer):
         try:
             prefix, suffix = rank_inputs(request, self.config.limits)
             deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
-            key = self.model.psi_key(prefix.user_id, prefix.prefix_version)
+            key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
             served, result, cache_ms = await self._rank(
                 key, request.request_id, prefix, suffix, deadline, context.add_done_callback
             )
@@ -446,6 +462,11 @@ class RankerService(pb_grpc.RankerServicer):
         if signalled is not None:
             self._lead_ms.append((time.monotonic() - signalled) * 1e3)
         claim = self.cache.claim(key)
+        if claim.outcome is Claim.MISS and self.cache.variants(key):
+            # psi of other tokens under this (user, prefix version): not this call's, whatever its
+            # state (resident, being produced, a hot copy). Its key differs, so it is neither
+            # served, joined nor reloaded; the call goes on as a miss of its own content.
+            self._content_mismatch(key)
         if claim.outcome is Claim.IN_FLIGHT:
             served = "inflight_join"
             claim = await self._join(key, deadline, prefix.length)
@@ -474,6 +495,13 @@ class RankerService(pb_grpc.RankerServicer):
                 self.cache.unpin(key)
                 after_reply(lambda _context: self._after_consume(key))
         return "full_recompute", await self.engine.rank_full(prefix.tensors(), suffix), cache_ms
+
+    def _content_mismatch(self, key: PsiKey) -> None:
+        self._content_mismatches += 1
+        self.metrics.content_mismatch.inc()
+        log.warning("prefix_content_mismatch", user=key.user_id, prefix_version=key.prefix_version,
+                    fingerprint=f"{key.fingerprint:016x}",
+                    held=[f"{cast(PsiKey, k).fingerprint:016x}" for k in self.cache.variants(key)])  # fmt: skip
 
     async def _join(self, key: PsiKey, deadline: float, prefix_len: int) -> ClaimResult:
         """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
@@ -570,6 +598,7 @@ class RankerService(pb_grpc.RankerServicer):
             lead_time_p50_ms=percentile(list(self._lead_ms), 50) if self._lead_ms else 0.0,
             hbm_hits=self.cache.counters.hits,
             hbm_misses=self.cache.counters.misses,
+            prefix_content_mismatches=self._content_mismatches,
             reloads=self._reloads,
             hbm_evictable_bytes=self.cache.evictable_bytes,
         )

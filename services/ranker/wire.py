@@ -12,6 +12,7 @@ import numpy.typing as npt
 import torch
 
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
+from shared.fingerprint import PrefixFingerprint, prefix_fingerprint
 from shared.protos import ranker_pb2 as pb
 from shared.wire import (
     I32,
@@ -50,11 +51,13 @@ def behaviors_from_proto(msg: pb.Behaviors, name: str, max_len: int) -> Behavior
 class CheckedPrefix:
     """A ranking call's fallback prefix: fully validated, but turned into tensors only when a
     path reads its tokens (a full recompute, a reload that falls back to pre-inference). An HBM
-    hit reads only its identity and length, and skips that conversion."""
+    hit reads only its identity, length and content fingerprint (computed once, here at the
+    edge, from the wire bytes), and skips that conversion."""
 
     user_id: int
     prefix_version: int
     length: int
+    fingerprint: PrefixFingerprint
     _profile: npt.NDArray[np.int64] = field(repr=False)
     _long_term: tuple[npt.NDArray[np.int64], ...] = field(repr=False)
     _tensors: UserPrefix | None = field(default=None, repr=False)
@@ -68,10 +71,16 @@ class CheckedPrefix:
                     self.prefix_version,
                     torch.from_numpy(self._profile),
                     Behaviors(items, actions, timestamps),
+                    self.fingerprint,
                 )
             except InvalidSequenceError as exc:
                 raise WireError(str(exc)) from None
         return self._tensors
+
+    @property
+    def digest(self) -> int:
+        """The content half of the psi's key."""
+        return self.fingerprint.digest
 
 
 class PrefixRequired(Exception):
@@ -81,12 +90,15 @@ class PrefixRequired(Exception):
 @dataclass(frozen=True)
 class PrefixReference:
     """A ranking call's prefix named, not carried (RankRequest.prefix_ref): enough for an HBM hit,
-    an in-flight join or a reload; any path that needs the tokens raises PrefixRequired, which the
-    service answers with FAILED_PRECONDITION so that the caller sends the prefix."""
+    an in-flight join or a reload of psi of exactly this content (`digest`, the fingerprint the
+    reference carries; 0, absent, matches no psi); any path that needs the tokens raises
+    PrefixRequired, which the service answers with FAILED_PRECONDITION so that the caller sends
+    the prefix."""
 
     user_id: int
     prefix_version: int
     length: int
+    digest: int
 
     def tensors(self) -> UserPrefix:
         raise PrefixRequired(
@@ -103,8 +115,10 @@ def checked_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> CheckedPrefix:
     profile = decode(msg.profile_le, I64, "prefix.profile", limits.max_profile_tokens)
     require_non_negative(profile, "prefix.profile")
     long_term = _behavior_arrays(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
+    lt = msg.long_term  # the wire bytes are the fingerprint's layout: hashed as they came
+    fingerprint = prefix_fingerprint(msg.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le)
     return CheckedPrefix(
-        msg.user_id, msg.prefix_version, len(profile) + len(long_term[0]), profile, long_term
+        msg.user_id, msg.prefix_version, len(profile) + len(long_term[0]), fingerprint, profile, long_term
     )
 
 
@@ -136,7 +150,7 @@ def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[FallbackPre
         length = req.prefix_ref.length
         if not 0 < length <= limits.max_profile_tokens + limits.max_prefix_tokens:
             raise WireError(f"prefix_ref.length: {length} is not a possible prefix length")
-        return PrefixReference(req.user_id, req.prefix_version, length), suffix
+        return PrefixReference(req.user_id, req.prefix_version, length, req.prefix_ref.fingerprint), suffix
     if req.prefix.user_id != req.user_id or req.prefix.prefix_version != req.prefix_version:
         raise WireError("prefix.user_id / prefix_version must equal the request's")
     return checked_prefix(req.prefix, limits), suffix
@@ -183,8 +197,10 @@ def by_reference(request: pb.RankRequest) -> pb.RankRequest:
     """The same ranking call naming its prefix instead of carrying it (see PrefixRef)."""
     slim = pb.RankRequest()
     slim.CopyFrom(request)
-    length = len(request.prefix.profile_le) // 8 + len(request.prefix.long_term.items_le) // 8
-    slim.prefix_ref.length = length  # a oneof: this clears `prefix`
+    p, lt = request.prefix, request.prefix.long_term
+    fingerprint = prefix_fingerprint(p.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le)
+    slim.prefix_ref.length = fingerprint.length  # a oneof: this clears `prefix`
+    slim.prefix_ref.fingerprint = fingerprint.digest
     return slim
 
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/protos/ranker.proto\x12\nrelaygr.v1\"H\n\tBehaviors\x12\x10\n\x08items_le\x18\x01 \x01(\x0c\x12\x12\n\nactions_le\x18\x02 \x01(\x0c\x12\x15\n\rtimestamps_le\x18\x03 \x01(\x0c\"s\n\nUserPrefix\x12\x0f\n\x07user_id\x18\x01 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x02 \x01(\x04\x12\x12\n\nprofile_le\x18\x03 \x01(\x0c\x12(\n\tlong_term\x18\x04 \x01(\x0b\x32\x15.relaygr.v1.Behaviors\"m\n\x0fPreInferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prefix\x18\x02 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x03\"\xeb\x01\n\rPreInferReply\x12\x32\n\x07outcome\x18\x01 \x01(\x0e\x32!.relaygr.v1.PreInferReply.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x80\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_RESIDENT\x10\x02\x12\x15\n\x11\x41LREADY_PRODUCING\x10\x03\x12\x14\n\x10RELOAD_SCHEDULED\x10\x04\x12\x0b\n\x07REFUSED\x10\x05\"X\n\x0cStageTimings\x12\x10\n\x08\x63\x61\x63he_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\x1b\n\tPrefixRef\x12\x0e\n\x06length\x18\x01 \x01(\r\"\xff\x01\n\x0bRankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x03 \x01(\x04\x12(\n\x06prefix\x18\x04 \x01(\x0b\x32\x16.relaygr.v1.UserPrefixH\x00\x12+\n\nprefix_ref\x18\x08 \x01(\x0b\x32\x15.relaygr.v1.PrefixRefH\x00\x12%\n\x06recent\x18\x05 \x01(\x0b\x32\x15.relaygr.v1.Behaviors\x12\x15\n\rcandidates_le\x18\x06 \x01(\x0c\x12\x12\n\nquery_time\x18\x07 \x01(\x03\x42\n\n\x08\x66\x61llback\"\x9b\x01\n\tRankReply\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\'\n\tserved_by\x18\x02 \x01(\x0e\x32\x14.relaygr.v1.ServedBy\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.relaygr.v1.StageTimings\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"q\n\rLatencySample\x12\x12\n\nprefix_len\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0c\n\x04\x66ull\x18\x05 \x01(\x08\x12\x0b\n\x03seq\x18\x06 \x01(\x04\"\x99\x04\n\nStatsReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x18\n\x10hbm_budget_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12hbm_resident_bytes\x18\x04 \x01(\x03\x12\x18\n\x10hbm_leased_bytes\x18\x05 \x01(\x03\x12\x18\n\x10preinfer_backlog\x18\x06 \x01(\x05\x12\x18\n\x10rank_queue_depth\x18\x07 \x01(\x05\x12\x19\n\x11preinfers_refused\x18\x08 \x01(\x03\x12\x13\n\x0brank_p50_ms\x18\t \x01(\x01\x12\x13\n\x0brank_p99_ms\x18\n \x01(\x01\x12\x31\n\x0erecent_batches\x18\x0b \x03(\x0b\x32\x19.relaygr.v1.LatencySample\x12\x1a\n\x12\x65xpander_connected\x18\x0c \x01(\x08\x12\x1b\n\x13psi_bytes_per_token\x18\r \x01(\x03\x12\x11\n\tdemotions\x18\x0e \x01(\x03\x12\x0f\n\x07reloads\x18\x0f \x01(\x03\x12\x1b\n\x13hbm_evictable_bytes\x18\x10 \x01(\x03\x12\x14\n\x0cpsi_produced\x18\x11 \x01(\x03\x12\x13\n\x0bpsi_expired\x18\x12 \x01(\x03\x12\x18\n\x10lead_time_p50_ms\x18\x13 \x01(\x01\x12\x10\n\x08hbm_hits\x18\x14 \x01(\x03\x12\x12\n\nhbm_misses\x18\x15 \x01(\x03*j\n\x08ServedBy\x12\x19\n\x15SERVED_BY_UNSPECIFIED\x10\x00\x12\x0b\n\x07HBM_HIT\x10\x01\x12\x11\n\rINFLIGHT_JOIN\x10\x02\x12\x0f\n\x0b\x44RAM_RELOAD\x10\x03\x12\x12\n\x0e\x46ULL_RECOMPUTE\x10\x04\x32\xbf\x01\n\x06Ranker\x12\x42\n\x08PreInfer\x12\x1b.relaygr.v1.PreInferRequest\x1a\x19.relaygr.v1.PreInferReply\x12\x36\n\x04Rank\x12\x17.relaygr.v1.RankRequest\x1a\x15.relaygr.v1.RankReply\x12\x39\n\x05Stats\x12\x18.relaygr.v1.StatsRequest\x1a\x16.relaygr.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/protos/ranker.proto\x12\nrelaygr.v1\"H\n\tBehaviors\x12\x10\n\x08items_le\x18\x01 \x01(\x0c\x12\x12\n\nactions_le\x18\x02 \x01(\x0c\x12\x15\n\rtimestamps_le\x18\x03 \x01(\x0c\"s\n\nUserPrefix\x12\x0f\n\x07user_id\x18\x01 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x02 \x01(\x04\x12\x12\n\nprofile_le\x18\x03 \x01(\x0c\x12(\n\tlong_term\x18\x04 \x01(\x0b\x32\x15.relaygr.v1.Behaviors\"m\n\x0fPreInferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06prefix\x18\x02 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12\x1e\n\x16lease_deadline_unix_ms\x18\x03 \x01(\x03\"\x80\x02\n\rPreInferReply\x12\x32\n\x07outcome\x18\x01 \x01(\x0e\x32!.relaygr.v1.PreInferReply.Outcome\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\x06\"\x80\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\x14\n\x10\x41LREADY_RESIDENT\x10\x02\x12\x15\n\x11\x41LREADY_PRODUCING\x10\x03\x12\x14\n\x10RELOAD_SCHEDULED\x10\x04\x12\x0b\n\x07REFUSED\x10\x05\"X\n\x0cStageTimings\x12\x10\n\x08\x63\x61\x63he_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"0\n\tPrefixRef\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x06\"\xff\x01\n\x0bRankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07user_id\x18\x02 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x03 \x01(\x04\x12(\n\x06prefix\x18\x04 \x01(\x0b\x32\x16.relaygr.v1.UserPrefixH\x00\x12+\n\nprefix_ref\x18\x08 \x01(\x0b\x32\x15.relaygr.v1.PrefixRefH\x00\x12%\n\x06recent\x18\x05 \x01(\x0b\x32\x15.relaygr.v1.Behaviors\x12\x15\n\rcandidates_le\x18\x06 \x01(\x0c\x12\x12\n\nquery_time\x18\x07 \x01(\x03\x42\n\n\x08\x66\x61llback\"\x9b\x01\n\tRankReply\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\'\n\tserved_by\x18\x02 \x01(\x0e\x32\x14.relaygr.v1.ServedBy\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.relaygr.v1.StageTimings\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\x0e\n\x0cStatsRequest\"q\n\rLatencySample\x12\x12\n\nprefix_len\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\x05\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0c\n\x04\x66ull\x18\x05 \x01(\x08\x12\x0b\n\x03seq\x18\x06 \x01(\x04\"\xbc\x04\n\nStatsReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x18\n\x10hbm_budget_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12hbm_resident_bytes\x18\x04 \x01(\x03\x12\x18\n\x10hbm_leased_bytes\x18\x05 \x01(\x03\x12\x18\n\x10preinfer_backlog\x18\x06 \x01(\x05\x12\x18\n\x10rank_queue_depth\x18\x07 \x01(\x05\x12\x19\n\x11preinfers_refused\x18\x08 \x01(\x03\x12\x13\n\x0brank_p50_ms\x18\t \x01(\x01\x12\x13\n\x0brank_p99_ms\x18\n \x01(\x01\x12\x31\n\x0erecent_batches\x18\x0b \x03(\x0b\x32\x19.relaygr.v1.LatencySample\x12\x1a\n\x12\x65xpander_connected\x18\x0c \x01(\x08\x12\x1b\n\x13psi_bytes_per_token\x18\r \x01(\x03\x12\x11\n\tdemotions\x18\x0e \x01(\x03\x12\x0f\n\x07reloads\x18\x0f \x01(\x03\x12\x1b\n\x13hbm_evictable_bytes\x18\x10 \x01(\x03\x12\x14\n\x0cpsi_produced\x18\x11 \x01(\x03\x12\x13\n\x0bpsi_expired\x18\x12 \x01(\x03\x12\x18\n\x10lead_time_p50_ms\x18\x13 \x01(\x01\x12\x10\n\x08hbm_hits\x18\x14 \x01(\x03\x12\x12\n\nhbm_misses\x18\x15 \x01(\x03\x12!\n\x19prefix_content_mismatches\x18\x16 \x01(\x03*j\n\x08ServedBy\x12\x19\n\x15SERVED_BY_UNSPECIFIED\x10\x00\x12\x0b\n\x07HBM_HIT\x10\x01\x12\x11\n\rINFLIGHT_JOIN\x10\x02\x12\x0f\n\x0b\x44RAM_RELOAD\x10\x03\x12\x12\n\x0e\x46ULL_RECOMPUTE\x10\x04\x32\xbf\x01\n\x06Ranker\x12\x42\n\x08PreInfer\x12\x1b.relaygr.v1.PreInferRequest\x1a\x19.relaygr.v1.PreInferReply\x12\x36\n\x04Rank\x12\x17.relaygr.v1.RankRequest\x1a\x15.relaygr.v1.RankReply\x12\x39\n\x05Stats\x12\x18.relaygr.v1.StatsRequest\x1a\x16.relaygr.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.protos.ranker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVEDBY']._serialized_start=1788
-  _globals['_SERVEDBY']._serialized_end=1894
+  _globals['_SERVEDBY']._serialized_start=1865
+  _globals['_SERVEDBY']._serialized_end=1971
   _globals['_BEHAVIORS']._serialized_start=42
   _globals['_BEHAVIORS']._serialized_end=114
   _globals['_USERPREFIX']._serialized_start=116
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREINFERREQUEST']._serialized_start=233
   _globals['_PREINFERREQUEST']._serialized_end=342
   _globals['_PREINFERREPLY']._serialized_start=345
-  _globals['_PREINFERREPLY']._serialized_end=580
-  _globals['_PREINFERREPLY_OUTCOME']._serialized_start=452
-  _globals['_PREINFERREPLY_OUTCOME']._serialized_end=580
-  _globals['_STAGETIMINGS']._serialized_start=582
-  _globals['_STAGETIMINGS']._serialized_end=670
-  _globals['_PREFIXREF']._serialized_start=672
-  _globals['_PREFIXREF']._serialized_end=699
-  _globals['_RANKREQUEST']._serialized_start=702
-  _globals['_RANKREQUEST']._serialized_end=957
-  _globals['_RANKREPLY']._serialized_start=960
-  _globals['_RANKREPLY']._serialized_end=1115
-  _globals['_STATSREQUEST']._serialized_start=1117
-  _globals['_STATSREQUEST']._serialized_end=1131
-  _globals['_LATENCYSAMPLE']._serialized_start=1133
-  _globals['_LATENCYSAMPLE']._serialized_end=1246
-  _globals['_STATSREPLY']._serialized_start=1249
-  _globals['_STATSREPLY']._serialized_end=1786
-  _globals['_RANKER']._serialized_start=1897
-  _globals['_RANKER']._serialized_end=2088
+  _globals['_PREINFERREPLY']._serialized_end=601
+  _globals['_PREINFERREPLY_OUTCOME']._serialized_start=473
+  _globals['_PREINFERREPLY_OUTCOME']._serialized_end=601
+  _globals['_STAGETIMINGS']._serialized_start=603
+  _globals['_STAGETIMINGS']._serialized_end=691
+  _globals['_PREFIXREF']._serialized_start=693
+  _globals['_PREFIXREF']._serialized_end=741
+  _globals['_RANKREQUEST']._serialized_start=744
+  _globals['_RANKREQUEST']._serialized_end=999
+  _globals['_RANKREPLY']._serialized_start=1002
+  _globals['_RANKREPLY']._serialized_end=1157
+  _globals['_STATSREQUEST']._serialized_start=1159
+  _globals['_STATSREQUEST']._serialized_end=1173
+  _globals['_LATENCYSAMPLE']._serialized_start=1175
+  _globals['_LATENCYSAMPLE']._serialized_end=1288
+  _globals['_STATSREPLY']._serialized_start=1291
+  _globals['_STATSREPLY']._serialized_end=1863
+  _globals['_RANKER']._serialized_start=1974
+  _globals['_RANKER']._serialized_end=2165
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class PreInferRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PreInferReply(_message.Message):
-    __slots__ = ("outcome", "reason", "instance_id")
+    __slots__ = ("outcome", "reason", "instance_id", "fingerprint")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[PreInferReply.Outcome]
@@ -71,10 +71,12 @@ class PreInferReply(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     outcome: PreInferReply.Outcome
     reason: str
     instance_id: str
-    def __init__(self, outcome: _Optional[_Union[PreInferReply.Outcome, str]] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    fingerprint: int
+    def __init__(self, outcome: _Optional[_Union[PreInferReply.Outcome, str]] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms")
@@ -89,10 +91,12 @@ class StageTimings(_message.Message):
     def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class PrefixRef(_message.Message):
-    __slots__ = ("length",)
+    __slots__ = ("length", "fingerprint")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     length: int
-    def __init__(self, length: _Optional[int] = ...) -> None: ...
+    fingerprint: int
+    def __init__(self, length: _Optional[int] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class RankRequest(_message.Message):
     __slots__ = ("request_id", "user_id", "prefix_version", "prefix", "prefix_ref", "recent", "candidates_le", "query_time")
@@ -149,7 +153,7 @@ class LatencySample(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., tokens: _Optional[int] = ..., batch: _Optional[int] = ..., compute_ms: _Optional[float] = ..., full: _Optional[bool] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses")
+    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses", "prefix_content_mismatches")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HBM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +175,7 @@ class StatsReply(_message.Message):
     LEAD_TIME_P50_MS_FIELD_NUMBER: _ClassVar[int]
     HBM_HITS_FIELD_NUMBER: _ClassVar[int]
     HBM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CONTENT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_version: str
     hbm_budget_bytes: int
@@ -192,4 +197,5 @@ class StatsReply(_message.Message):
     lead_time_p50_ms: float
     hbm_hits: int
     hbm_misses: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ...) -> None: ...
+    prefix_content_mismatches: int
+    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., prefix_content_mismatches: _Optional[int] = ...) -> None: ...

@@ -87,7 +87,7 @@ def test_model_on_cuda_cached_equals_full_bf16():
     prefixes, suffixes = batch(1, [Shape(16, 2000, 64, 256), Shape(0, 0, 3, 1), Shape(4, 500, 0, 20)])
     full = model.full(prefixes, suffixes)
     psis = model.preinfer(prefixes)
-    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1) for p in prefixes])
+    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes])
     for f, c in zip(full, cached, strict=True):
         assert_bf16_close(c, f)
 
@@ -99,5 +99,5 @@ def test_model_on_cuda_float32_reference_is_exact():
     prefixes, suffixes = batch(2, [Shape(3, 1500, 10, 50), Shape(0, 7, 0, 1)])
     full = model.full(prefixes, suffixes)
     psis = model.preinfer(prefixes)
-    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1) for p in prefixes])
+    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes])
     assert max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True)) <= 1e-5

@@ -94,11 +94,11 @@ async def main():
     sock, user, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     data = random.Random(user).randbytes(n)
     client = await ExpanderClient.connect(sock, owner="writer")
-    r = await client.reserve(EntryKey(user, 3, "m1"), n, {"layers": 8, "dtype": "bfloat16"})
+    r = await client.reserve(EntryKey(user, 3, "m1", 0), n, {"layers": 8, "dtype": "bfloat16"})
     client.arena.view(r.offset, n)[:] = data
     await client.commit(r.lease_id)
     if len(sys.argv) > 4:  # leave a second reservation uncommitted, then die
-        r2 = await client.reserve(EntryKey(user + 1, 3, "m1"), n)
+        r2 = await client.reserve(EntryKey(user + 1, 3, "m1", 0), n)
         client.arena.view(r2.offset, n)[:] = data
         print(json.dumps({"offset": r.offset, "sha": hashlib.sha256(data).hexdigest()}), flush=True)
         import os; os._exit(0)
@@ -113,7 +113,7 @@ from services.expander import ExpanderClient, EntryKey
 async def main():
     sock, user = sys.argv[1], int(sys.argv[2])
     client = await ExpanderClient.connect(sock, owner="reader")
-    a = await client.acquire(EntryKey(user, 3, "m1"))
+    a = await client.acquire(EntryKey(user, 3, "m1", 0))
     if a is None:
         print(json.dumps(None)); return
     data = bytes(client.arena.view(a.offset, a.nbytes))
@@ -149,11 +149,11 @@ async def test_a_dead_writers_reservation_is_released(shared_daemon: Daemon) -> 
     run_snippet(WRITER, sock, 201, 1 << 20, "die")  # commits user 201, dies holding 202's write lease
     async with await ExpanderClient.connect(sock) as client:
         for _ in range(100):  # the daemon sees the disconnect asynchronously
-            if await client.lookup(EntryKey(202, 3, "m1")) is None:
+            if await client.lookup(EntryKey(202, 3, "m1", 0)) is None:
                 break
             await asyncio.sleep(0.02)
-        assert await client.lookup(EntryKey(202, 3, "m1")) is None
-        info = await client.lookup(EntryKey(201, 3, "m1"))
+        assert await client.lookup(EntryKey(202, 3, "m1", 0)) is None
+        info = await client.lookup(EntryKey(201, 3, "m1", 0))
         assert info is not None
         assert info.state is EntryState.READY
 
@@ -161,7 +161,7 @@ async def test_a_dead_writers_reservation_is_released(shared_daemon: Daemon) -> 
 async def test_client_operations_and_zero_copy_tensors(shared_daemon: Daemon) -> None:
     sock = str(shared_daemon.socket_path)
     async with await ExpanderClient.connect(sock, owner="t") as client:
-        key = EntryKey(301, 1, "m1")
+        key = EntryKey(301, 1, "m1", 0)
         assert client.arena.nbytes == ARENA
         assert client.arena.base_address > 0
         await client.ping()
@@ -181,7 +181,7 @@ async def test_client_operations_and_zero_copy_tensors(shared_daemon: Daemon) ->
             await client.commit(r.lease_id)
         assert refused.value.reason == "unknown_lease"
         with pytest.raises(ExpanderRefused) as refused:
-            await client.reserve(EntryKey(302, 1, "m1"), ARENA + 1)
+            await client.reserve(EntryKey(302, 1, "m1", 0), ARENA + 1)
         assert refused.value.reason == "too_large"
         with pytest.raises(ExpanderRefused) as refused:
             await client.acquire(key, lease_s=MAX_LEASE * 2)
@@ -194,9 +194,9 @@ async def test_client_operations_and_zero_copy_tensors(shared_daemon: Daemon) ->
         assert stats.pinned >= 1
         assert stats.hits >= 1
         await client.release(a.lease_id)
-        abandoned = await client.reserve(EntryKey(303, 1, "m1"), 5)
+        abandoned = await client.reserve(EntryKey(303, 1, "m1", 0), 5)
         await client.abort(abandoned.lease_id)
-        assert await client.lookup(EntryKey(303, 1, "m1")) is None
+        assert await client.lookup(EntryKey(303, 1, "m1", 0)) is None
         # A live tensor defers the unmap instead of raising; the tensor stays readable.
         live = client.arena.tensor(r.offset, 16)
     assert client.arena.closed
@@ -234,7 +234,7 @@ def _raw_reply(sock: socket.socket) -> dict[str, Any] | None:
     return reply
 
 
-KEY = {"user_id": 1, "prefix_version": 0, "model_version": "m"}
+KEY = {"user_id": 1, "prefix_version": 0, "model_version": "m", "fingerprint": 2**64 - 1}
 BAD = [
     (b"not json", "bad_frame"),
     (b"[1, 2]", "bad_frame"),
@@ -251,6 +251,13 @@ BAD = [
     (json.dumps({"op": "reserve", "key": KEY, "nbytes": 4096, "lease_s": 1, "meta": []}).encode(), "invalid"),
     (json.dumps({"op": "reserve", "key": KEY, "nbytes": 2**70, "lease_s": 1}).encode(), "invalid"),
     (json.dumps({"op": "lookup", "key": {"user_id": 1}}).encode(), "invalid"),
+    (json.dumps({"op": "lookup", "key": {**KEY, "fingerprint": -1}}).encode(), "invalid"),
+    (json.dumps({"op": "lookup", "key": {**KEY, "fingerprint": 2**64}}).encode(), "invalid"),
+    (json.dumps({"op": "lookup", "key": {**KEY, "fingerprint": "ab"}}).encode(), "invalid"),
+    (
+        json.dumps({"op": "lookup", "key": {k: v for k, v in KEY.items() if k != "fingerprint"}}).encode(),
+        "invalid",
+    ),
     (json.dumps({"op": "lookup", "key": KEY, "extra": 1}).encode(), "invalid"),
     (json.dumps({"op": "commit", "lease_id": "x"}).encode(), "invalid"),
     (json.dumps({"op": "acquire", "key": KEY, "lease_s": 1e9}).encode(), "invalid"),
@@ -327,7 +334,7 @@ async def test_kill_9_makes_calls_fail_promptly_and_a_new_daemon_takes_over(daem
     first = daemon_factory()
     sock = str(first.socket_path)
     client = await ExpanderClient.connect(sock, call_timeout_s=5.0)
-    held = await client.reserve(EntryKey(1, 1, "m1"), 4096)
+    held = await client.reserve(EntryKey(1, 1, "m1", 0), 4096)
     first.kill()  # SIGKILL: no clean-up at all
     with pytest.raises(ExpanderUnavailable):
         await client.commit(held.lease_id)
@@ -341,7 +348,7 @@ async def test_kill_9_makes_calls_fail_promptly_and_a_new_daemon_takes_over(daem
     second = daemon_factory(first.socket_path)
     fresh = await ExpanderClient.connect(sock)
     assert fresh.generation != client.generation
-    assert await fresh.lookup(EntryKey(1, 1, "m1")) is None
+    assert await fresh.lookup(EntryKey(1, 1, "m1", 0)) is None
     await fresh.close()
     await client.close()
     assert second.stop() == 0

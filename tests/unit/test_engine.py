@@ -78,7 +78,7 @@ async def test_ranking_overtakes_a_long_preinference(model):
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):
     prefixes, suffixes = batch(5, [Shape(2, 50, 4, 4)] * 2)
     psi = model.preinfer(prefixes[:1])[0]
-    wrong_key = model.psi_key(999, 1)
+    wrong_key = model.psi_key(999, 1, 0)
     with pytest.raises(ValueError, match="psi refused"):
         await engine.rank_cached(suffixes[0], psi, wrong_key)
     job = asyncio.ensure_future(engine.rank_full(prefixes[1], suffixes[1]))

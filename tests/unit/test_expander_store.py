@@ -28,8 +28,8 @@ TTL = 10.0
 MAX_LEASE = 5.0
 
 
-def key(user: int, version: int = 1, model: str = "m1") -> EntryKey:
-    return EntryKey(user, version, model)
+def key(user: int, version: int = 1, model: str = "m1", fingerprint: int = 0) -> EntryKey:
+    return EntryKey(user, version, model, fingerprint)
 
 
 def make(pages: int = 16) -> Store:

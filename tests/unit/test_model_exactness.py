@@ -23,7 +23,7 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def relay(model: HSTURanker, prefixes, suffixes) -> list[torch.Tensor]:
     psis = model.preinfer(prefixes)
-    keys = [model.psi_key(p.user_id, p.prefix_version) for p in prefixes]
+    keys = [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes]
     return model.rank_cached(suffixes, psis, keys)
 
 
@@ -104,19 +104,22 @@ def test_scores_depend_on_the_prefix(tiny):
 def test_psi_of_another_user_version_or_model_is_refused(tiny):
     prefixes, suffixes = batch(6, [Shape(1, 50, 2, 3)])
     (psi,) = tiny.preinfer(prefixes)
-    good = tiny.psi_key(prefixes[0].user_id, prefixes[0].prefix_version)
+    good = tiny.psi_key(prefixes[0].user_id, prefixes[0].prefix_version, prefixes[0].fingerprint.digest)
     tiny.rank_cached(suffixes, [psi], [good])
     other_model = HSTURanker.from_seed(preset("tiny"), seed=99)
     wrong = [
         dataclasses.replace(good, user_id=good.user_id + 1),
         dataclasses.replace(good, prefix_version=good.prefix_version + 1),
-        other_model.psi_key(good.user_id, good.prefix_version),
+        other_model.psi_key(good.user_id, good.prefix_version, good.fingerprint),
+        dataclasses.replace(good, fingerprint=good.fingerprint ^ 1),
     ]
-    for key, field in zip(wrong, ("user_id", "prefix_version", "model_version"), strict=True):
+    for key, field in zip(wrong, ("user_id", "prefix_version", "model_version", "fingerprint"), strict=True):
         with pytest.raises(PsiMismatchError, match=field):
             tiny.rank_cached(suffixes, [psi], [key])
     with pytest.raises(PsiMismatchError, match="model_version"):
-        other_model.rank_cached(suffixes, [psi], [other_model.psi_key(good.user_id, good.prefix_version)])
+        other_model.rank_cached(
+            suffixes, [psi], [other_model.psi_key(good.user_id, good.prefix_version, good.fingerprint)]
+        )
 
 
 def test_psi_layout_and_size(tiny):
