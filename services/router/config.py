@@ -37,6 +37,13 @@ def _positive_int(value: int) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
+_MAX_HEADER_BYTES = 16 << 20  # HTTP/2 cannot announce more sensibly; nor should a router hold it
+
+
+def _header_bytes(value: int) -> str | None:
+    return None if 1024 <= value <= _MAX_HEADER_BYTES else f"must be 1024-{_MAX_HEADER_BYTES} bytes"
+
+
 @dataclass(frozen=True)
 class RouterConfig(KafkaSettings, TlsSettings):
     host: str = setting("127.0.0.1", env="RELAYGR_ROUTER_HOST", help="gRPC bind address")
@@ -155,9 +162,38 @@ class RouterConfig(KafkaSettings, TlsSettings):
     max_message_mb: float = setting(
         64.0, env="RELAYGR_ROUTER_MAX_MESSAGE_MB", help="gRPC message size limit", check=positive
     )
+    # Front-door abuse limits (issue 12): what one call or one client connection may cost.
+    max_header_list_bytes: int = setting(
+        65_536, env="RELAYGR_ROUTER_MAX_HEADER_LIST_BYTES",
+        help="largest request header list (metadata; HTTP/2's size: name + value + 32 per field); a call "
+        "over it fails alone with RESOURCE_EXHAUSTED, its connection goes on (both front doors)",
+        check=_header_bytes,
+    )  # fmt: skip
+    max_header_block_bytes: int = setting(
+        262_144, env="RELAYGR_ROUTER_MAX_HEADER_BLOCK_BYTES",
+        help="relay front door: a header block (HEADERS + CONTINUATIONs, compressed) over this closes its "
+        "connection with ENHANCE_YOUR_CALM (the memory one connection may hold for headers); "
+        ">= RELAYGR_ROUTER_MAX_HEADER_LIST_BYTES",
+        check=_header_bytes,
+    )  # fmt: skip
+    reset_burst: int = setting(
+        1000, env="RELAYGR_ROUTER_RESET_BURST",
+        help="relay front door: streams one client connection may reset (RST_STREAM) or have refused "
+        "in a burst before it is closed with ENHANCE_YOUR_CALM (rapid reset, CVE-2023-44487)",
+        check=_positive_int,
+    )  # fmt: skip
+    reset_rate_per_s: float = setting(
+        100.0, env="RELAYGR_ROUTER_RESET_RATE_PER_S",
+        help="relay front door: the sustained rate of such streams allowed per connection", check=positive,
+    )  # fmt: skip
 
     def validate(self) -> None:
         self.validate_tls()
+        if self.max_header_block_bytes < self.max_header_list_bytes:
+            raise ConfigError(
+                "RELAYGR_ROUTER_MAX_HEADER_BLOCK_BYTES must be >= RELAYGR_ROUTER_MAX_HEADER_LIST_BYTES "
+                "(else a header list within the limit could close its connection)"
+            )
         if self.consume_signals and self.signal_topic == self.dlq_topic:
             raise ConfigError("RELAYGR_SIGNAL_TOPIC and RELAYGR_DLQ_TOPIC must differ")
 

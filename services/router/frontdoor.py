@@ -17,6 +17,15 @@ two in one run).
 
 With mutual TLS configured, the relay's listener and its connections to the rankers use it (ALPN
 h2); the router's own gRPC server then listens in cleartext on loopback only, for the relay.
+
+Errors cost as little as they can, as in grpcio: a header list over `max_header_list_bytes` fails
+its own stream (trailers-only RESOURCE_EXHAUSTED saying why; the block is still decoded whole, so
+the connection's HPACK state stays in step and its other streams go on). The connection is closed
+only for what leaves it unusable or is abuse: a malformed header block (COMPRESSION_ERROR), a
+header block over `max_header_block_bytes` (ENHANCE_YOUR_CALM, from h2wire), and a client that
+makes the router start and abandon streams faster than its `ResetBudget` allows (its RST_STREAMs
+and the streams refused for their headers or for concurrency: the rapid-reset attack,
+CVE-2023-44487; ENHANCE_YOUR_CALM).
 """
 
 from __future__ import annotations
@@ -25,14 +34,15 @@ import asyncio
 import contextlib
 import ssl
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 import grpc
-import hpack
 
 from services.router import h2wire
+from services.router.h2headers import DecodedBlock, HeaderBlockError, HeaderDecoder
 from services.router.h2wire import Endpoint, H2Error, literal_block
 from shared.logging import get_logger
 
@@ -42,7 +52,9 @@ RANK_PATH = b"/relaygr.v1.Ranker/Rank"
 ErrorHook = Callable[[str, int], None]
 """Told of every connection closed for a protocol violation: (peer, HTTP/2 error code), the
 peer "client" (a front door connection) or "upstream" (a ranker, or the router's own server)."""
-Headers = list[tuple[bytes, bytes]]  # a decoded header block (raw bytes)
+RefusalHook = Callable[[str], None]
+"""Told of every client stream refused while its connection goes on, with the reason:
+"header_list_too_large" or "too_many_streams"."""
 _GRPC_CONTENT_TYPE = b"application/grpc"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
@@ -158,8 +170,9 @@ class Upstream(Endpoint):
         self.address = address
         self._on_protocol_error = on_protocol_error
         self.max_message_bytes = max_message_bytes
-        self._decoder = hpack.Decoder()
-        self._decoder.max_allowed_table_size = 0
+        # Table size 0 (announced): every block is self-contained. A reply's header list is only
+        # read for its status; one over the block cap fails its call, not the connection.
+        self._decoder = HeaderDecoder(self.max_header_block_bytes, max_table_size=0)
         self._next_stream = 1
         self._calls: dict[int, _Call] = {}
         self._sinks: dict[int, StreamSink] = {}
@@ -225,10 +238,7 @@ class Upstream(Endpoint):
             call.future.set_exception(rpc_error(code, details))
 
     def on_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
-        try:
-            headers = cast(Headers, self._decoder.decode(block, raw=True))
-        except hpack.HPACKError as exc:
-            raise H2Error(h2wire.COMPRESSION_ERROR, f"undecodable header block: {exc}") from None
+        headers = _decode(self._decoder, block).headers
         sink = self._sink(stream_id, end_stream)
         if sink is not None:
             sink.upstream_headers(block, end_stream)
@@ -236,6 +246,13 @@ class Upstream(Endpoint):
         call = self._calls.get(stream_id)
         if call is None:
             return  # a call we gave up on
+        if headers is None:
+            call.ended = True
+            self.reset(stream_id)
+            self._fail(
+                stream_id, grpc.StatusCode.INTERNAL, f"{self.address} sent a reply header list too large"
+            )
+            return
         call.ended = end_stream
         if call.header_block is None and not end_stream:
             call.header_block = block
@@ -303,6 +320,14 @@ class Upstream(Endpoint):
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink.upstream_reset(h2wire.INTERNAL_ERROR)
+
+
+def _decode(decoder: HeaderDecoder, block: bytes) -> DecodedBlock:
+    """The block decoded; a malformed one is a connection error (COMPRESSION_ERROR)."""
+    try:
+        return decoder.decode(block)
+    except HeaderBlockError as exc:
+        raise H2Error(h2wire.COMPRESSION_ERROR, f"undecodable header block: {exc}") from None
 
 
 def _status(headers: list[tuple[bytes, bytes]]) -> tuple[int, str]:
@@ -383,6 +408,28 @@ class FrontDoorError(Exception):
         self.message = message
 
 
+class ResetBudget:
+    """A token bucket over the streams one client connection makes the router start and then
+    abandon: `burst` at once, refilled at `per_s`. `spend` is False once the client has overdrawn
+    it: the connection is then closed (ENHANCE_YOUR_CALM). Legitimate clients reset streams too (a
+    call past its deadline): the defaults allow a sustained 100 per second on one connection."""
+
+    __slots__ = ("_at", "_clock", "burst", "per_s", "tokens")
+
+    def __init__(self, burst: int, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self.tokens = float(burst)
+        self._clock = clock
+        self._at = clock()
+
+    def spend(self, cost: int = 1) -> bool:
+        now = self._clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self._at) * self.per_s) - cost
+        self._at = now
+        return self.tokens >= 0
+
+
 class _RankStream:
     __slots__ = ("parts", "size", "task", "timeout_s")
 
@@ -421,7 +468,9 @@ class FrontDoorConnection(Endpoint):
     def __init__(self, door: FrontDoor) -> None:
         super().__init__()
         self.door = door
-        self._decoder = hpack.Decoder()
+        self.max_header_block_bytes = door.max_header_block_bytes
+        self._decoder = HeaderDecoder(door.max_header_list_bytes)
+        self._resets = ResetBudget(door.reset_burst, door.reset_rate_per_s)
         self._ranks: dict[int, _RankStream] = {}
         self._passed: dict[int, _PassThrough] = {}
         self._newest = 0  # the highest stream id this client has opened
@@ -429,9 +478,14 @@ class FrontDoorConnection(Endpoint):
     def local_settings(self) -> list[tuple[int, int]]:
         # The client's header blocks are decoded here, never forwarded as they are: let it use
         # its dynamic table (smaller blocks, cheaper to decode).
+        # MAX_HEADER_LIST_SIZE is advisory (RFC 9113 6.5.2): a client that honours it fails an
+        # oversized call itself; one that does not is answered RESOURCE_EXHAUSTED here.
         return [
             (key, value) for key, value in super().local_settings() if key != h2wire.HEADER_TABLE_SIZE
-        ] + [(h2wire.MAX_CONCURRENT_STREAMS, self.door.max_concurrent_streams)]
+        ] + [
+            (h2wire.MAX_CONCURRENT_STREAMS, self.door.max_concurrent_streams),
+            (h2wire.MAX_HEADER_LIST_SIZE, self.door.max_header_list_bytes),
+        ]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -457,25 +511,29 @@ class FrontDoorConnection(Endpoint):
     # ------------------------------------------------------------------ client frames
 
     def on_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
-        try:
-            headers = cast(Headers, self._decoder.decode(block, raw=True))
-        except hpack.HPACKError as exc:
-            raise H2Error(h2wire.COMPRESSION_ERROR, f"undecodable header block: {exc}") from None
+        # Decoded first, whatever becomes of the stream: the HPACK state must follow every block.
+        decoded = _decode(self._decoder, block)
         link = self._passed.get(stream_id)
+        rank = self._ranks.get(stream_id)
+        if link is None and rank is None:
+            if stream_id <= self._newest:
+                raise H2Error(h2wire.PROTOCOL_ERROR, f"stream {stream_id} reopened (STREAM_CLOSED)")
+            self._newest = stream_id
+        headers = decoded.headers
+        if headers is None:
+            self._refuse_headers(stream_id, decoded.size, len(block), end_stream)
+            return
         if link is not None:  # the client's trailers on a passed-through stream
             link.upstream.send_headers(link.upstream_stream, literal_block(headers), end_stream)
             link.upstream.flush()
             return
-        rank = self._ranks.get(stream_id)
         if rank is not None:
             if rank.task is not None or not end_stream:
                 raise H2Error(h2wire.PROTOCOL_ERROR, "HEADERS after END_STREAM, or trailers without it")
             self._start_rank(stream_id, rank)
             return
-        if stream_id <= self._newest:
-            raise H2Error(h2wire.PROTOCOL_ERROR, f"stream {stream_id} reopened (STREAM_CLOSED)")
-        self._newest = stream_id
         if len(self._ranks) + len(self._passed) >= self.door.max_concurrent_streams:
+            self._refused("too_many_streams")
             self.reset(stream_id, h2wire.REFUSED_STREAM)
             return
         fields = dict(headers)
@@ -530,6 +588,40 @@ class FrontDoorConnection(Endpoint):
         link = self._passed.pop(stream_id, None)
         if link is not None:
             link.upstream.close_stream(link.upstream_stream)
+        self._spend()
+
+    # ------------------------------------------------------------------ refusals
+
+    def _spend(self, cost: int = 1) -> None:
+        """Charges the client's ResetBudget; closes the connection once it is overdrawn."""
+        if not self._resets.spend(cost):
+            raise H2Error(h2wire.ENHANCE_YOUR_CALM, "too many streams reset or refused")
+
+    def _refused(self, reason: str) -> None:
+        if self.door.on_refused is not None:
+            self.door.on_refused(reason)
+
+    def _refuse_headers(self, stream_id: int, size: int, block_bytes: int, end_stream: bool) -> None:
+        """Fails the one stream whose header list is over the limit: RESOURCE_EXHAUSTED (or, if
+        its response has begun, RST_STREAM ENHANCE_YOUR_CALM, which gRPC reads the same); the
+        connection goes on. Costs the client's budget by the block's size (decoding it cost us)."""
+        limit = self.door.max_header_list_bytes
+        log.info("client_header_list_too_large", stream=stream_id, size=size, limit=limit)
+        self._refused("header_list_too_large")
+        rank = self._ranks.pop(stream_id, None)
+        if rank is not None and rank.task is not None:
+            rank.task.cancel()
+        link = self._passed.pop(stream_id, None)
+        if link is not None:
+            link.upstream.close_stream(link.upstream_stream)
+        if stream_id in self._send:  # our response headers went out already
+            self.reset(stream_id, h2wire.ENHANCE_YOUR_CALM)
+        else:
+            message = f"request header list of {size} bytes exceeds the router's limit of {limit} bytes"
+            self._answer(stream_id, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            if not end_stream:
+                self.reset(stream_id, h2wire.NO_ERROR)  # a complete response: stop sending the rest
+        self._spend(1 + block_bytes // 4096)
 
     # ------------------------------------------------------------------ Rank
 
@@ -644,11 +736,25 @@ class FrontDoor:
         max_concurrent_streams: int = 1000,
         on_protocol_error: ErrorHook | None = None,
         on_pass_through: Callable[[], None] | None = None,
+        *,
+        max_header_list_bytes: int = 65_536,
+        max_header_block_bytes: int = 262_144,
+        reset_burst: int = 1000,
+        reset_rate_per_s: float = 100.0,
+        on_refused: RefusalHook | None = None,
     ) -> None:
+        """`max_header_list_bytes`: a client stream whose header list is larger fails alone;
+        `max_header_block_bytes`: a header block larger than this closes its connection;
+        `reset_burst` / `reset_rate_per_s`: each connection's ResetBudget."""
         self.handle_rank = handle_rank
         self.internal_target = internal_target
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_streams = max_concurrent_streams
+        self.max_header_list_bytes = max_header_list_bytes
+        self.max_header_block_bytes = max_header_block_bytes
+        self.reset_burst = reset_burst
+        self.reset_rate_per_s = reset_rate_per_s
+        self.on_refused = on_refused
         self.connections: set[FrontDoorConnection] = set()
         self.internal: Upstream | None = None
         self.draining = False
@@ -702,6 +808,7 @@ __all__ = [
     "FrontDoor",
     "FrontDoorError",
     "RelayReply",
+    "ResetBudget",
     "Upstream",
     "UpstreamPool",
     "grpc_frame",

@@ -12,6 +12,9 @@ the router tells every upstream peer to use no HPACK dynamic table (SETTINGS_HEA
 `Endpoint` is one HTTP/2 connection as an asyncio protocol, client or server side:
 * frames are parsed from a buffer with RFC 9113's limits (frame size, padding, CONTINUATION
   sequences, stream id rules); a violation is a connection error: GOAWAY with its code, then close;
+* a header block being assembled (HEADERS + CONTINUATIONs) is bounded in bytes and in frames
+  (`max_header_block_bytes`): past either, the connection is closed with ENHANCE_YOUR_CALM, so an
+  endless CONTINUATION sequence (CVE-2024-27316) costs at most that much memory;
 * flow control both ways: what we send waits for the peer's windows (stream and connection) and is
   queued meanwhile; what we receive is acknowledged in large steps against the big windows we
   advertise (the router's memory bound is the message size limit, enforced by the subclass);
@@ -31,6 +34,7 @@ from typing import cast
 
 __all__ = [
     "CONNECTION_PREFACE",
+    "ENHANCE_YOUR_CALM",
     "H2_ERROR_NAMES",
     "Endpoint",
     "H2Error",
@@ -47,14 +51,17 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # Settings.
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 2, 3, 4, 5
+MAX_HEADER_LIST_SIZE = 6
 # Error codes.
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
 
 H2_ERROR_NAMES = {
     NO_ERROR: "no_error", PROTOCOL_ERROR: "protocol_error", INTERNAL_ERROR: "internal_error",
     FLOW_CONTROL_ERROR: "flow_control_error", FRAME_SIZE_ERROR: "frame_size_error",
     REFUSED_STREAM: "refused_stream", CANCEL: "cancel", COMPRESSION_ERROR: "compression_error",
+    ENHANCE_YOUR_CALM: "enhance_your_calm",
 }  # fmt: skip
 
 MAX_WINDOW = (1 << 31) - 1
@@ -65,7 +72,9 @@ OUR_MAX_FRAME_SIZE = DEFAULT_FRAME_SIZE
 # Received bytes are acknowledged once this much is unacknowledged (per stream and connection);
 # the windows we advertise are MAX_WINDOW, so a sender never waits on us in practice.
 _REPLENISH_AT = 1 << 24
-_MAX_HEADER_BLOCK = 1 << 20  # a header block (HEADERS + CONTINUATIONs) larger than this is refused
+# A header block's frames average at least this many bytes, or the connection is closed: empty
+# CONTINUATIONs cost CPU without ever reaching the byte cap.
+_MIN_BLOCK_BYTES_PER_FRAME = 1024
 
 
 class H2Error(Exception):
@@ -121,6 +130,9 @@ class Endpoint(asyncio.Protocol):
     """One HTTP/2 connection (see the module doc). Subclasses implement the `on_*` hooks."""
 
     client_side = False
+    max_header_block_bytes = 1 << 20
+    """The most bytes one header block (HEADERS + CONTINUATIONs) may carry; more is a connection
+    error (ENHANCE_YOUR_CALM). A subclass or instance may set its own."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -139,6 +151,7 @@ class Endpoint(asyncio.Protocol):
         self._block: bytearray | None = None  # a header block being assembled
         self._block_stream = 0
         self._block_end_stream = False
+        self._block_frames = 0
         self.last_peer_stream = 0  # the highest stream id the peer opened
         self.goaway_received: int | None = None  # the peer's last-stream-id once it sent GOAWAY
 
@@ -256,8 +269,8 @@ class Endpoint(asyncio.Protocol):
             if self._block is None:
                 raise H2Error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
             self._block += payload
-            if len(self._block) > _MAX_HEADER_BLOCK:
-                raise H2Error(PROTOCOL_ERROR, "header block too large")
+            self._block_frames += 1
+            self._check_block()
             if flags & END_HEADERS:
                 self._end_block()
         elif frame_type == SETTINGS:
@@ -272,6 +285,8 @@ class Endpoint(asyncio.Protocol):
         elif frame_type == RST_STREAM:
             if not stream_id or len(payload) != 4:
                 raise H2Error(PROTOCOL_ERROR, "bad RST_STREAM")
+            if not self.client_side and stream_id > self.last_peer_stream:
+                raise H2Error(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")  # RFC 9113 6.4
             self._forget(stream_id)
             self.on_reset(stream_id, int.from_bytes(payload, "big"))
         elif frame_type == GOAWAY:
@@ -309,8 +324,19 @@ class Endpoint(asyncio.Protocol):
         self._block = bytearray(payload)
         self._block_stream = stream_id
         self._block_end_stream = bool(flags & END_STREAM)
+        self._block_frames = 1
+        self._check_block()
         if flags & END_HEADERS:
             self._end_block()
+
+    def _check_block(self) -> None:
+        """The bounds on a header block being assembled (see the module doc)."""
+        assert self._block is not None
+        size, cap = len(self._block), self.max_header_block_bytes
+        if size > cap:
+            raise H2Error(ENHANCE_YOUR_CALM, f"header block over {cap} bytes")
+        if self._block_frames > 16 and size < self._block_frames * _MIN_BLOCK_BYTES_PER_FRAME:
+            raise H2Error(ENHANCE_YOUR_CALM, f"header block of {self._block_frames} frames, {size} bytes")
 
     def _end_block(self) -> None:
         assert self._block is not None

@@ -15,7 +15,8 @@ The load an instance reports to `healthy()` is max(polled load, calls this route
 it): the poll sees every router's work but is up to one interval old; the local count is exact for
 this router and immediate, so a burst between two polls still spreads.
 
-Only the "relaygr.v1.Ranker" health name counts: a router (which serves "relaygr.v1.Router")
+Only the "relaygr.v1.Ranker" health name counts, and never for a target whose Stats names a
+router (ROUTER_ID_PREFIX): a router also answers "relaygr.v1.Ranker" (the API it serves), but one
 listed by mistake as a ranker never joins, so routers cannot forward in a loop.
 """
 
@@ -39,6 +40,7 @@ from shared.tls import PLAINTEXT, TlsSettings
 log = get_logger("router.membership")
 T = TypeVar("T")
 RANKER_HEALTH_NAME = "relaygr.v1.Ranker"
+ROUTER_ID_PREFIX = "router@"  # a router's Stats instance_id: "router@host:port"
 # The methods forwarded as bytes (`Membership.call`), by the router's method name.
 FORWARDED_METHODS = {"rank": "/relaygr.v1.Ranker/Rank", "preinfer": "/relaygr.v1.Ranker/PreInfer"}
 
@@ -229,6 +231,10 @@ class Membership:
         if isinstance(stats, pb.StatsReply):
             state.stats = stats
             state.polled_load = float(stats.rank_queue_depth + stats.preinfer_backlog)
+        if state.stats is not None and state.stats.instance_id.startswith(ROUTER_ID_PREFIX):
+            state.failures = self.fail_after
+            self._set(state, False, "a router, not a ranker")
+            return
         if isinstance(health, health_pb2.HealthCheckResponse):
             if health.status == health_pb2.HealthCheckResponse.SERVING:
                 state.failures = 0

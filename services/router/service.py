@@ -63,7 +63,7 @@ from services.router.frontdoor import (
     timeout_header,
 )
 from services.router.h2wire import H2_ERROR_NAMES, literal_block
-from services.router.membership import FORWARDED_METHODS, Membership
+from services.router.membership import FORWARDED_METHODS, ROUTER_ID_PREFIX, Membership
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
@@ -175,6 +175,10 @@ class _Metrics:
         self.relay_passed = Counter("relaygr_router_relay_passed_through_total",
                                     "streams the relay passed to the router's gRPC server (all but Rank)",
                                     registry=registry)  # fmt: skip
+        self.relay_refused = Counter("relaygr_router_relay_refused_streams_total",
+                                     "client streams the relay refused while their connection went on, by "
+                                     "reason (header_list_too_large, too_many_streams)",
+                                     ["reason"], registry=registry)  # fmt: skip
 
 
 class RouterService:
@@ -190,7 +194,7 @@ class RouterService:
             check_timeout_s=config.check_timeout_ms / 1e3,
             fail_after=config.fail_after,
             max_message_mb=config.max_message_mb,
-            on_change=lambda members: self.metrics.members.set(len(members)),
+            on_change=self._members_changed,
             tls=config,
         )
         self.residency = ResidencyMap(config.residency_max_entries)
@@ -207,6 +211,7 @@ class RouterService:
         # follows it (literals: a block can be concatenated from parts).
         self._relay_blocks: dict[tuple[str, str], bytes] = {}
         self._health = health.aio.HealthServicer()
+        self._health_updates: set[asyncio.Future[None]] = set()
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._background: dict[str, asyncio.Task[None]] = {}
@@ -218,7 +223,7 @@ class RouterService:
 
     @property
     def instance_id(self) -> str:
-        return f"router@{self.config.host}:{self.port}"
+        return f"{ROUTER_ID_PREFIX}{self.config.host}:{self.port}"
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -232,6 +237,10 @@ class RouterService:
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
             ("grpc.so_reuseport", 0),
+            # One metadata limit, as the relay's (grpcio's soft limit would refuse some calls at random
+            # between it and the hard one): a call over it fails alone, RESOURCE_EXHAUSTED.
+            ("grpc.max_metadata_size", self.config.max_header_list_bytes),
+            ("grpc.absolute_max_metadata_size", self.config.max_header_list_bytes),
         ]
         self._server = grpc.aio.server(options=opts)
         # Rank and PreInfer: bytes in, bytes out (no deserializer / serializer); Stats is parsed.
@@ -275,6 +284,10 @@ class RouterService:
             door = self._front_door = FrontDoor(
                 self.relay_rank, f"127.0.0.1:{grpc_port}", size,
                 on_protocol_error=self._relay_error, on_pass_through=self.metrics.relay_passed.inc,
+                max_header_list_bytes=self.config.max_header_list_bytes,
+                max_header_block_bytes=self.config.max_header_block_bytes,
+                reset_burst=self.config.reset_burst, reset_rate_per_s=self.config.reset_rate_per_s,
+                on_refused=lambda reason: self.metrics.relay_refused.labels(reason).inc(),
             )  # fmt: skip
             tls = self.config.server_ssl_context() if self.config.tls_enabled else None
             self.port = await door.start(self.config.host, self.config.port, tls)
@@ -283,9 +296,9 @@ class RouterService:
         self._spawn(self._expire_loop(), "residency-expire")
         if self._consumer is not None:
             self._spawn(self._consume_loop(self._consumer), "signals")
-        # Not "relaygr.v1.Ranker": membership only admits rankers, so routers never forward in a loop.
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._sync_ranker_health()
         settle_heap()  # request-time collections then never traverse the libraries' objects
         log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
                  front_door="relay" if self.config.relay_front_door else "grpc",
@@ -348,6 +361,23 @@ class RouterService:
             log.info("router_stopped", port=self.port)
         finally:
             self._stopped.set()  # whatever failed above, the process must still exit
+
+    def _members_changed(self, members: list[str]) -> None:
+        self.metrics.members.set(len(members))
+        if self._server is not None:  # health is served: follow the change
+            task = asyncio.ensure_future(self._sync_ranker_health())
+            self._health_updates.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(self._health_updates.discard)
+
+    async def _sync_ranker_health(self) -> None:
+        """Health of "relaygr.v1.Ranker", the API this router serves: SERVING while at least one
+        ranker is healthy, NOT_SERVING otherwise (Watch follows). Reads membership when it runs, so
+        however the updates interleave, the last one states the current membership. (A router
+        listed as a ranker still never joins: membership refuses an instance whose Stats names a
+        router.)"""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        status = serving if self.membership.members() else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set(RANKER_SERVICE, status)
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)
@@ -626,11 +656,15 @@ class RouterService:
         return reply
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
-        """The router's view: instance_id "router@host:port"; the HBM, backlog, queue-depth and
-        refusal fields are sums over the healthy rankers' last polled Stats; model_version is the
-        rankers' common version ("" when they differ); rank_p50/p99 are this router's own
-        end-to-end Rank latencies (recent window); recent_batches is empty; expander_connected is
-        true only if every healthy ranker has its host tier."""
+        """The fleet as this router sees it (the contract is in ranker.proto, StatsReply):
+        instance_id "router@host:port"; every byte, backlog, queue and counter field (hbm_hits,
+        hbm_misses, demotions, reloads, psi_produced, psi_expired, preinfers_refused, ...) is the sum
+        over the healthy rankers' last polled Stats (up to one check interval old; a ranker that
+        leaves membership leaves the sums, so they can fall); model_version is the rankers'
+        common version ("" when they differ); lead_time_p50_ms is the highest ranker's;
+        rank_p50/p99 are this router's own end-to-end Rank latencies (recent window);
+        recent_batches is empty; expander_connected is true only if every healthy ranker has its
+        host tier."""
         stats = list(self.membership.stats().values())
         versions = {s.model_version for s in stats}
         window = list(self._rank_ms)
@@ -640,6 +674,7 @@ class RouterService:
             hbm_budget_bytes=sum(s.hbm_budget_bytes for s in stats),
             hbm_resident_bytes=sum(s.hbm_resident_bytes for s in stats),
             hbm_leased_bytes=sum(s.hbm_leased_bytes for s in stats),
+            hbm_evictable_bytes=sum(s.hbm_evictable_bytes for s in stats),
             preinfer_backlog=sum(s.preinfer_backlog for s in stats),
             rank_queue_depth=sum(s.rank_queue_depth for s in stats),
             preinfers_refused=sum(s.preinfers_refused for s in stats),
@@ -647,6 +682,13 @@ class RouterService:
             rank_p99_ms=percentile(window, 99) if window else 0.0,
             expander_connected=bool(stats) and all(s.expander_connected for s in stats),
             psi_bytes_per_token=stats[0].psi_bytes_per_token if stats else 0,
+            demotions=sum(s.demotions for s in stats),
+            reloads=sum(s.reloads for s in stats),
+            psi_produced=sum(s.psi_produced for s in stats),
+            psi_expired=sum(s.psi_expired for s in stats),
+            lead_time_p50_ms=max((s.lead_time_p50_ms for s in stats), default=0.0),
+            hbm_hits=sum(s.hbm_hits for s in stats),
+            hbm_misses=sum(s.hbm_misses for s in stats),
         )
 
     def _observe(
