@@ -7,6 +7,12 @@ password is a `Secret`: masked in reprs, ConfigErrors and structured logs (even 
 settings object), revealed only to aiokafka. Session timing is configurable because a consumer
 group join takes about session_timeout_ms / 2 on Tansu, and real Kafka refuses values under its
 group.min.session.timeout.ms (6000 by default).
+
+Record sizes (shared/wire.py states the limits): topics created here get max.message.bytes =
+`max_record_bytes`; producers may send that plus a dead letter's headroom; consumers fetch that
+much per partition. `record_limits` reads what the broker says of existing topics (describe_configs:
+real Kafka reports every topic's max.message.bytes; Tansu reports only what a topic was created
+with, and enforces nothing), so a service sizes its producer after the topics it writes to.
 """
 
 from __future__ import annotations
@@ -19,14 +25,22 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
 from shared.config import ConfigError, Secret, one_of, setting
+from shared.wire import DEAD_LETTER_HEADROOM_BYTES, DEFAULT_MAX_RECORD_BYTES
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 # The mechanisms that need only a user name and password (aiokafka's sasl_plain_* arguments).
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+MAX_MESSAGE_BYTES = "max.message.bytes"  # the topic config that bounds a record batch
+_MIN_RECORD_BYTES = 64 << 10
+
+
+def _record_bytes(value: int) -> str | None:
+    return None if value >= _MIN_RECORD_BYTES else f"must be >= {_MIN_RECORD_BYTES}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,9 @@ class KafkaSettings:
     # when fetch_max_wait_ms runs out (aiokafka's 500 ms default put ~250 ms on every hop).
     fetch_max_wait_ms: int = setting(5, env="RELAYGR_KAFKA_FETCH_MAX_WAIT_MS",
                                      help="longest a fetch waits for data (the signal path's per-hop latency on Tansu)")  # fmt: skip
+    max_record_bytes: int = setting(DEFAULT_MAX_RECORD_BYTES, env="RELAYGR_KAFKA_MAX_RECORD_BYTES",
+                                    help="max.message.bytes of the topics the services create, and the record "
+                                    "limit assumed where the broker reports none", check=_record_bytes)  # fmt: skip
 
     def __post_init__(self) -> None:
         """Checks the security settings as a whole (each field alone is checked by load_config)."""
@@ -113,8 +130,10 @@ class KafkaSettings:
 
 
 def producer_args(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:
-    """acks=all, no idempotence (Tansu rejects the idempotent producer; consumers dedupe by id)."""
-    return settings.client_args() | {"acks": "all", "linger_ms": 1} | overrides
+    """acks=all, no idempotence (Tansu rejects the idempotent producer; consumers dedupe by id);
+    records up to the record limit, dead letters (the original plus headers) included."""
+    size = settings.max_record_bytes + DEAD_LETTER_HEADROOM_BYTES
+    return settings.client_args() | {"acks": "all", "linger_ms": 1, "max_request_size": size} | overrides
 
 
 def consumer_args(settings: KafkaSettings, group_id: str, **overrides: Any) -> dict[str, Any]:
@@ -128,6 +147,8 @@ def consumer_args(settings: KafkaSettings, group_id: str, **overrides: Any) -> d
             "session_timeout_ms": settings.session_timeout_ms,
             "heartbeat_interval_ms": settings.heartbeat_interval_ms,
             "fetch_max_wait_ms": settings.fetch_max_wait_ms,
+            # One fetch holds a record at the limit (a larger one still comes, alone, but slower).
+            "max_partition_fetch_bytes": settings.max_record_bytes + DEAD_LETTER_HEADROOM_BYTES,
         }
         | overrides
     )
@@ -148,15 +169,17 @@ def make_consumer(
 
 
 async def ensure_topics(settings: KafkaSettings, topics: dict[str, int], timeout_s: float = 30.0) -> None:
-    """Creates missing topics ({name: partitions}); existing ones are left as they are. Retries
-    while the broker is unreachable (it may be starting or restarting)."""
+    """Creates missing topics ({name: partitions}) with max.message.bytes = the record limit plus
+    a dead letter's headroom; existing ones are left as they are. Retries while the broker is
+    unreachable (it may be starting or restarting)."""
+    configs = {MAX_MESSAGE_BYTES: str(settings.max_record_bytes + DEAD_LETTER_HEADROOM_BYTES)}
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         admin = AIOKafkaAdminClient(**admin_args(settings))
         try:
             await admin.start()
             existing = set(await admin.list_topics())
-            new = [NewTopic(n, p, 1) for n, p in topics.items() if n not in existing]
+            new = [NewTopic(n, p, 1, topic_configs=configs) for n, p in topics.items() if n not in existing]
             if new:
                 with contextlib.suppress(TopicAlreadyExistsError):  # another service won the race
                     await admin.create_topics(new)
@@ -167,3 +190,35 @@ async def ensure_topics(settings: KafkaSettings, topics: dict[str, int], timeout
             await asyncio.sleep(0.2)
         finally:
             await admin.close()
+
+
+async def record_limits(settings: KafkaSettings, topics: list[str]) -> dict[str, int | None]:
+    """Each topic's max.message.bytes as the broker reports it (None: the broker reports none, or
+    could not be asked; the caller then assumes `settings.max_record_bytes`). Never raises for a
+    broker that does not answer DescribeConfigs."""
+    admin = AIOKafkaAdminClient(**admin_args(settings))
+    try:
+        await admin.start()
+        replies = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, t, configs={MAX_MESSAGE_BYTES: None}) for t in topics]
+        )
+        return parse_record_limits(replies, topics)
+    except Exception:  # an old or partial broker: fall back to the setting
+        return dict.fromkeys(topics)
+    finally:
+        await admin.close()
+
+
+def parse_record_limits(replies: list[Any], topics: list[str]) -> dict[str, int | None]:
+    """max.message.bytes per topic from DescribeConfigs responses (any version: each resource is
+    (error_code, error_message, type, name, entries), each entry (name, value, ...))."""
+    limits: dict[str, int | None] = dict.fromkeys(topics)
+    for reply in replies:
+        for resource in reply.resources:
+            error_code, _message, _type, name, entries = resource[:5]
+            if error_code or name not in limits:
+                continue
+            for entry in entries:
+                if entry[0] == MAX_MESSAGE_BYTES and entry[1] is not None and str(entry[1]).isdigit():
+                    limits[name] = int(entry[1])
+    return limits

@@ -60,6 +60,17 @@ class TriggerConfig(KafkaSettings, TlsSettings):
     report_interval_s: float = setting(10.0, env="RELAYGR_TRIGGER_REPORT_INTERVAL_S",
                                        help="period of the trigger_decisions log line (decision counts, latency "
                                        "model), logged only when something was decided", check=positive)  # fmt: skip
+    record_attempts: int = setting(3, env="RELAYGR_TRIGGER_RECORD_ATTEMPTS",
+                                   help="attempts to write a signal or dead letter the broker refused (then the "
+                                   "signal is dead-lettered, the dead letter logged and skipped)", check=positive)  # fmt: skip
+    retry_backoff_ms: float = setting(50.0, env="RELAYGR_TRIGGER_RETRY_BACKOFF_MS",
+                                      help="first wait between attempts (doubles, at most 1 s)", check=positive)  # fmt: skip
+    broker_retry_s: float = setting(30.0, env="RELAYGR_TRIGGER_BROKER_RETRY_S",
+                                    help="how long writes are retried while the broker is unreachable",
+                                    check=positive)  # fmt: skip
+    drain_timeout_s: float = setting(10.0, env="RELAYGR_TRIGGER_DRAIN_TIMEOUT_S",
+                                     help="at shutdown, longest wait for the batch in hand to be finished",
+                                     check=positive)  # fmt: skip
     metrics_port: int = setting(0, env="RELAYGR_TRIGGER_METRICS_PORT", help="Prometheus port (0: pick)",
                                 check=port_number)  # fmt: skip
     log_level: str = setting("info", env="RELAYGR_LOG_LEVEL", help="log level",

@@ -4,109 +4,62 @@ One owner object, `TriggerService`, with `start()` / `run()` / `shutdown()` and 
 tasks: the consumer loop (a consumer-group member on the retrieval topic: it scales by partitions)
 and the rankers' Stats poller (which calibrates the latency model and the per-instance ledgers).
 
-Delivery: at-least-once. Offsets are committed after every signal and dead letter of the batch
-was acknowledged by the broker; a restart may resend signals, which PreInfer absorbs (idempotent
-by request id and by psi key). A malformed event goes to the dead-letter topic with its reason and
-its offset is committed with the rest; nothing else is lost and nothing crashes the loop.
+Delivery: at-least-once, and nothing blocks a partition. Each record of a batch is validated in
+full (services/trigger/events.py) and decided once; its output (a signal, or a dead letter: the
+original record with the reason in headers, shared/dlq.py) is written with per-record retries
+(services/trigger/delivery.py); offsets are committed once every output of the batch is on the
+broker or given up. A record seen again before its offset was committed is skipped
+(services/trigger/progress.py), so a redelivered batch neither counts nor signals twice. A
+restart may resend signals, which PreInfer absorbs (idempotent by request id and by psi key).
+
+Sizes (shared/wire.py): the producer takes records up to the record limit of the topics (read
+from the broker at start-up, else RELAYGR_KAFKA_MAX_RECORD_BYTES) plus a dead letter's headroom,
+so whatever the broker accepted on the retrieval topic can be dead-lettered; an event whose
+signal would not fit the signal topic is refused up front, with that reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import signal
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.router.membership import Membership
 from services.router.placement import preference
 from services.trigger.admission import Bounds, InstanceLedger, OfferedLoad, Policy, Reason, decide
 from services.trigger.config import TriggerConfig
+from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
+from services.trigger.events import (
+    SCHEMA_VERSION,
+    EventError,
+    EventMeta,
+    parse_event,
+    parse_record,
+    signal_size_bound,
+)
 from services.trigger.latency_model import LatencyModel, Sample
-from shared.kafka import ensure_topics, make_consumer, make_producer
+from services.trigger.progress import Processed
+from shared.kafka import ensure_topics, make_consumer, make_producer, record_limits
 from shared.lifecycle import settle_heap
 from shared.logging import get_logger
 from shared.metrics import serve_metrics
 from shared.modelspec import preset
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
-from shared.wire import RequestLimits
+from shared.wire import DEAD_LETTER_HEADROOM_BYTES, RequestLimits
+
+__all__ = ["SCHEMA_VERSION", "EventError", "EventMeta", "TriggerService", "parse_event", "serve"]
 
 log = get_logger("trigger")
-SCHEMA_VERSION = 1
 _DECISION_US_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
-
-
-class EventError(ValueError):
-    """A retrieval event that cannot be acted on (it goes to the dead-letter topic)."""
-
-
-@dataclass(frozen=True)
-class EventMeta:
-    """What the trigger reads of a retrieval event (it never decodes the token arrays)."""
-
-    request_id: str
-    user_id: int
-    prefix_version: int
-    prefix_len: int
-    ranking_deadline_unix_ms: int
-
-
-def parse_event(raw: bytes | None, limits: RequestLimits) -> tuple[EventMeta, ev.RetrievalEvent]:
-    """Decodes and checks the structure of a retrieval event. Raises EventError with the reason."""
-    if not raw:
-        raise EventError("empty event")
-    event = ev.RetrievalEvent()
-    try:
-        event.ParseFromString(raw)
-    except Exception as exc:  # protobuf raises DecodeError, and others on garbage
-        raise EventError(f"not a RetrievalEvent: {type(exc).__name__}") from None
-    if event.schema_version != SCHEMA_VERSION:
-        raise EventError(f"unsupported schema_version {event.schema_version} (expected {SCHEMA_VERSION})")
-    if not event.request_id:
-        raise EventError("request_id is required")
-    if not event.HasField("prefix"):
-        raise EventError("prefix is required")
-    p = event.prefix
-    if p.user_id != event.user_id or p.prefix_version != event.prefix_version:
-        raise EventError("prefix.user_id / prefix_version must equal the event's")
-    lt = p.long_term
-    if len(p.profile_le) % 8 or len(lt.items_le) % 8 or len(lt.timestamps_le) % 8 or len(lt.actions_le) % 4:
-        raise EventError("token arrays must hold whole little-endian values")
-    n = len(lt.items_le) // 8
-    if len(lt.timestamps_le) // 8 != n or len(lt.actions_le) // 4 != n:
-        raise EventError("items, actions and timestamps must have one entry per behaviour")
-    if n > limits.max_prefix_tokens or len(p.profile_le) // 8 > limits.max_profile_tokens:
-        raise EventError("prefix exceeds the size limits")
-    if event.prefix_len != n + len(p.profile_le) // 8:
-        raise EventError(
-            f"prefix_len {event.prefix_len} does not match the prefix ({n + len(p.profile_le) // 8})"
-        )
-    if event.ranking_deadline_unix_ms <= 0:
-        raise EventError("ranking_deadline_unix_ms is required")
-    meta = EventMeta(event.request_id, event.user_id, event.prefix_version, event.prefix_len,
-                     event.ranking_deadline_unix_ms)  # fmt: skip
-    return meta, event
-
-
-def dead_letter(reason: str, record: Any, service: str) -> bytes:
-    return orjson.dumps(
-        {
-            "reason": reason,
-            "service": service,
-            "source_topic": record.topic,
-            "partition": record.partition,
-            "offset": record.offset,
-            "key": record.key.decode(errors="replace") if record.key else None,
-            "value_b64": base64.b64encode(record.value or b"").decode(),
-        }
-    )
+# A signal record's framing and key (a user id) besides its value.
+_SIGNAL_RECORD_OVERHEAD_BYTES = 512
 
 
 class _Metrics:
@@ -116,6 +69,9 @@ class _Metrics:
         self.dead_letters = Counter(
             "relaygr_trigger_dead_letters_total", "malformed events", registry=registry
         )
+        self.redelivered = Counter("relaygr_trigger_redelivered_total",
+                                   "records seen again before their offset was committed (skipped)",
+                                   registry=registry)  # fmt: skip
         self.decision_us = Histogram("relaygr_trigger_decision_us", "per-event decision time", registry=registry,
                                      buckets=_DECISION_US_BUCKETS)  # fmt: skip
         self.calibrated = Gauge(
@@ -146,35 +102,64 @@ class TriggerService:
         self.metrics = _Metrics(self.registry)
         self.counts: dict[str, int] = {r.value: 0 for r in Reason} | {"dead_letter": 0}
         self.decision_ns: list[int] = []  # recent per-event decision times (bench reads them)
+        self.retry = RetryPolicy(config.record_attempts, config.retry_backoff_ms / 1e3, config.broker_retry_s)
+        # Until start() reads the topics' limits from the broker: the configured record limit.
+        self.signal_limit_bytes = config.max_record_bytes - _SIGNAL_RECORD_OVERHEAD_BYTES
+        self._instance_name_bytes = max((len(t.encode()) for t in config.rankers), default=0)
+        self._processed = Processed()
         self._queue_depth: dict[str, int] = {}
         self._offered: dict[str, OfferedLoad] = {}
         self._seen_seq: dict[str, int] = {}
         self._psi_per_token: dict[str, int] = {}
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
+        self._outbox: Outbox | None = None
+        self._consume_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stop_intake = asyncio.Event()
         self._stopped = asyncio.Event()
         self._stopping = False
         self.metrics_port = 0
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _topics(self) -> dict[str, int]:
+        c = self.config
+        return {c.retrieval_topic: c.topic_partitions, c.signal_topic: c.topic_partitions, c.dlq_topic: 1}
+
     async def start(self) -> None:
         c = self.config
-        await ensure_topics(c, {c.retrieval_topic: c.topic_partitions, c.signal_topic: c.topic_partitions,
-                                c.dlq_topic: 1})  # fmt: skip
-        self._producer = make_producer(c)
+        await ensure_topics(c, self._topics())
+        producer_limit = await self._size_limits()
+        self._producer = make_producer(c, max_request_size=producer_limit)
         await self._producer.start()
+        self._outbox = Outbox(self._producer, c.dlq_topic, self.retry, self.registry, self._recover_topics)
         self._consumer = make_consumer(c, [c.retrieval_topic], c.group_id, max_poll_records=1000)
         await self._consumer.start()
         if self.membership is not None:
             await self.membership.start()
             self._tasks.append(asyncio.create_task(self._poll_stats(), name="trigger-stats"))
-        self._tasks.append(asyncio.create_task(self._consume(), name="trigger-consume"))
+        self._consume_task = asyncio.create_task(self._consume(), name="trigger-consume")
+        self._tasks.append(self._consume_task)
         self.metrics_port = serve_metrics(self.registry, c.metrics_port)
         settle_heap()  # decision-time collections then never traverse the libraries' objects
         log.info("trigger_ready", policy=self.policy.value, rankers=list(c.rankers), slo_ms=c.slo_ms,
-                 metrics_port=self.metrics_port, topic=c.retrieval_topic)  # fmt: skip
+                 metrics_port=self.metrics_port, topic=c.retrieval_topic,
+                 signal_limit_bytes=self.signal_limit_bytes, producer_limit_bytes=producer_limit)  # fmt: skip
+
+    async def _size_limits(self) -> int:
+        """Sets the signal limit from the broker's view of the topics; returns the producer's
+        max_request_size: room for a dead letter of anything the retrieval topic accepts."""
+        c = self.config
+        reported = await record_limits(c, [c.retrieval_topic, c.signal_topic, c.dlq_topic])
+        retrieval = reported[c.retrieval_topic] or c.max_record_bytes
+        signals = reported[c.signal_topic] or c.max_record_bytes
+        dlq = reported[c.dlq_topic] or c.max_record_bytes + DEAD_LETTER_HEADROOM_BYTES
+        self.signal_limit_bytes = signals - _SIGNAL_RECORD_OVERHEAD_BYTES
+        if dlq < retrieval + DEAD_LETTER_HEADROOM_BYTES:
+            log.warning("dlq_smaller_than_retrieval", retrieval_max_message_bytes=retrieval, dlq_max_message_bytes=dlq,
+                        consequence="a malformed event this large cannot be dead-lettered: logged and skipped")  # fmt: skip
+        return max(retrieval, signals, c.max_record_bytes) + DEAD_LETTER_HEADROOM_BYTES
 
     async def run(self) -> None:
         await self.start()
@@ -184,11 +169,17 @@ class TriggerService:
         await self._stopped.wait()
 
     async def shutdown(self) -> None:
-        """Stops intake; the batch in hand is finished (signals out, offsets committed) first."""
+        """Stops intake; the batch in hand is finished first (its outputs written or given up,
+        its offsets committed), for at most drain_timeout_s; then everything stops."""
         if self._stopping:
             return
         self._stopping = True
         try:
+            self._stop_intake.set()
+            if self._consume_task is not None:
+                done, _ = await asyncio.wait({self._consume_task}, timeout=self.config.drain_timeout_s)
+                if not done:
+                    log.warning("trigger_drain_timed_out", timeout_s=self.config.drain_timeout_s)
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -202,65 +193,83 @@ class TriggerService:
         finally:
             self._stopped.set()  # whatever failed above, the process must still exit
 
+    def outbox_counts(self) -> dict[str, int]:
+        """Writes retried, signals dead-lettered, dead letters given up (zeros before start)."""
+        if self._outbox is None:
+            return {"retries": 0, "signals_dead_lettered": 0, "undeliverable": 0}
+        return dict(self._outbox.counts)
+
     # ------------------------------------------------------------------ the consumer loop
 
     async def _consume(self) -> None:
+        """Batch by batch until intake stops; a batch is always finished once it is fetched."""
         assert self._consumer is not None
-        while True:
-            batch: dict[Any, list[Any]] = {}
+        while not self._stop_intake.is_set():
             try:
                 batch = await self._consumer.getmany(timeout_ms=100, max_records=1000)
-                if not batch:
+            except KafkaError as exc:
+                log.warning("trigger_fetch_failed", error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            if batch:
+                await self._process(batch)
+                await self._commit(batch)
+
+    async def _process(self, batch: dict[Any, list[Any]]) -> None:
+        """Decides every new record of the batch, then writes their outputs. Never raises (but
+        for cancellation): a record whose handling fails unexpectedly is dead-lettered."""
+        assert self._outbox is not None
+        outputs: list[Output] = []
+        for tp, records in batch.items():
+            for record in records:
+                if self._processed.seen(tp, record):
+                    self.metrics.redelivered.inc()
                     continue
-                deliveries = []
-                for records in batch.values():
-                    for record in records:
-                        delivery = await self._handle(record)
-                        if delivery is not None:
-                            deliveries.append(delivery)
-                # Commit only once every signal and dead letter of the batch is acknowledged.
-                await asyncio.gather(*deliveries)
-                await self._consumer.commit()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # broker trouble: recreate what a restarted broker lost, retry
-                log.warning("trigger_batch_failed", error=repr(exc))
-                await self._recover(batch)
+                try:
+                    output = self._handle(record)
+                except Exception as exc:  # a bug must not block the partition: the record is set aside
+                    log.error("event_handling_failed", error=repr(exc), partition=record.partition,
+                              offset=record.offset)  # fmt: skip
+                    output = dead_letter(record, f"internal error: {exc!r}", self.config.dlq_topic)
+                self._processed.add(tp, record)
+                if output is not None:
+                    outputs.append(output)
+        await self._outbox.deliver(outputs)
 
-    async def _recover(self, batch: dict[Any, list[Any]]) -> None:
-        """After a broker failure: topics again (a memory-only broker forgets them), then the
-        batch in hand from the last commit. Never raises."""
-        c = self.config
-        with contextlib.suppress(Exception):
-            await ensure_topics(c, {c.retrieval_topic: c.topic_partitions, c.signal_topic: c.topic_partitions,
-                                    c.dlq_topic: 1}, timeout_s=2.0)  # fmt: skip
-        with contextlib.suppress(Exception):
-            await self._rewind(batch)
-        await asyncio.sleep(0.2)
-
-    async def _rewind(self, batch: dict[Any, list[Any]]) -> None:
+    async def _commit(self, batch: dict[Any, list[Any]]) -> None:
         assert self._consumer is not None
-        for tp in batch:
-            committed = await self._consumer.committed(tp)
-            with contextlib.suppress(Exception):
-                self._consumer.seek(tp, committed if committed is not None else batch[tp][0].offset)
+        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+        try:
+            await self._consumer.commit(offsets)
+        except Exception as exc:  # e.g. a rebalance: the records may come again, and are skipped
+            log.warning("trigger_commit_failed", error=repr(exc))
+            return
+        for tp, offset in offsets.items():
+            self._processed.committed(tp, offset)
 
-    async def _handle(self, record: Any) -> asyncio.Future[Any] | None:
-        """Decides one event; returns the delivery future of its signal or dead letter, if any."""
-        assert self._producer is not None
+    async def _recover_topics(self) -> None:
+        """After a broker failure: the topics again (a memory-only broker forgets them). Never raises."""
+        with contextlib.suppress(Exception):
+            await ensure_topics(self.config, self._topics(), timeout_s=2.0)
+
+    def _handle(self, record: Any) -> Output | None:
+        """Validates and decides one record; returns its output (a signal or a dead letter), if any."""
         t0 = time.perf_counter_ns()
         try:
-            meta, event = parse_event(record.value, self.limits)
+            meta, event = parse_record(record.key, record.value, self.limits)
+            bound = signal_size_bound(event, self._instance_name_bytes)
+            if bound > self.signal_limit_bytes:
+                raise EventError(f"a pre-infer signal for this event would take up to {bound} bytes, over the "
+                                 f"signal topic's record limit of {self.signal_limit_bytes}")  # fmt: skip
         except EventError as exc:
             self.counts["dead_letter"] += 1
             self.metrics.dead_letters.inc()
             log.info("event_dead_lettered", reason=str(exc), partition=record.partition, offset=record.offset)
-            return await self._producer.send(self.config.dlq_topic, dead_letter(str(exc), record, "trigger"),
-                                             key=record.key)  # fmt: skip
+            return dead_letter(record, str(exc), self.config.dlq_topic)
         reason, target = self.decide(meta)
         self.counts[reason.value] += 1
         self.metrics.decisions.labels(reason.value).inc()
-        delivery = None
+        output = None
         if reason is Reason.ADMITTED:
             lease_ms = meta.ranking_deadline_unix_ms + int(self.config.lease_slack_ms)
             signal_msg = ev.PreInferSignal(
@@ -271,14 +280,13 @@ class TriggerService:
                 lease_deadline_unix_ms=lease_ms,
                 expected_instance=target or "",
             )
-            delivery = await self._producer.send(
-                self.config.signal_topic, signal_msg.SerializeToString(), key=str(meta.user_id).encode()
-            )
+            output = Output(record, Kind.SIGNAL, self.config.signal_topic, signal_msg.SerializeToString(),
+                            str(meta.user_id).encode())  # fmt: skip
         elapsed = time.perf_counter_ns() - t0
         self.metrics.decision_us.observe(elapsed / 1e3)
         if len(self.decision_ns) < 200_000:
             self.decision_ns.append(elapsed)
-        return delivery
+        return output
 
     def decide(self, meta: EventMeta) -> tuple[Reason, str | None]:
         """The decision for one event, and the instance it was accounted on (pure but for the ledger)."""
