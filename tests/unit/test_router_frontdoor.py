@@ -7,6 +7,7 @@ test_router_service.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 
@@ -21,6 +22,8 @@ from services.router.frontdoor import (
     FrontDoor,
     FrontDoorConnection,
     RelayReply,
+    ResetBudget,
+    grpc_frame,
     grpc_timeout,
     percent_decode,
     percent_encode,
@@ -470,3 +473,273 @@ async def test_malformed_client_bytes_never_hit_an_internal_error():
         conn.connection_lost(None)
     assert codes.get(-1, 0) > 0  # some inputs still work
     assert len(codes) > 2  # and several kinds of error were met
+
+
+# ---------------------------------------------------------------------- per-stream errors and abuse
+
+RANK_HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/relaygr.v1.Ranker/Rank"),
+                (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]  # fmt: skip
+RANK_DATA = grpc_frame(pb.RankRequest(request_id="r", user_id=7).SerializeToString())
+
+
+def header_frames(stream_id: int, block: bytes, end_stream: bool = False, size: int = 16_384) -> bytes:
+    """A header block as a client sends it: HEADERS, then CONTINUATIONs of `size` bytes."""
+    parts = [block[i : i + size] for i in range(0, len(block), size)] or [b""]
+    out = b""
+    for i, part in enumerate(parts):
+        flags = (h2wire.END_HEADERS if i == len(parts) - 1 else 0) | (
+            h2wire.END_STREAM if end_stream and not i else 0
+        )
+        out += frame(h2wire.HEADERS if not i else h2wire.CONTINUATION, flags, stream_id, part)
+    return out
+
+
+def statuses(written: bytes) -> dict[int, tuple[int, str]]:
+    """(grpc-status, grpc-message) of every stream the front door ended with a status."""
+    out = {}
+    for frame_type, flags, stream_id, payload in frames(written):
+        if frame_type == h2wire.HEADERS and flags & h2wire.END_STREAM:
+            fields = dict(hpack.Decoder().decode(payload, raw=True))  # the door's blocks are literals
+            out[stream_id] = (int(fields[b"grpc-status"]), percent_decode(fields.get(b"grpc-message", b"")))
+    return out
+
+
+def open_connection(door: FrontDoor) -> tuple[FrontDoorConnection, FakeTransport]:
+    conn, transport = FrontDoorConnection(door), FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.data_received(CONNECTION_PREFACE + settings_frame([]))
+    return conn, transport
+
+
+async def test_an_oversized_header_list_fails_its_own_stream_and_the_connection_goes_on():
+    """Finding 4 on the frame level: stream 1 is in flight, stream 3 carries 100 KB of metadata
+    (HEADERS + CONTINUATIONs, then its message), stream 5 names a table entry that stream 3's
+    block added after its oversized field: 1 and 5 are served, 3 alone fails."""
+    release = asyncio.Event()
+    served = []
+
+    async def handle_rank(message: bytes, timeout_s: float | None) -> RelayReply:
+        served.append(message)
+        await release.wait()
+        return EMPTY_REPLY
+
+    door = FrontDoor(handle_rank, "127.0.0.1:1", max_message_bytes=1 << 20)
+    conn, transport = open_connection(door)
+    encoder = hpack.Encoder()
+    conn.data_received(
+        header_frames(1, encoder.encode(RANK_HEADERS)) + frame(h2wire.DATA, h2wire.END_STREAM, 1, RANK_DATA)
+    )
+    big = encoder.encode([*RANK_HEADERS, (b"x-big", b"v" * 100_000), (b"x-after", b"kept")])
+    conn.data_received(header_frames(3, big) + frame(h2wire.DATA, h2wire.END_STREAM, 3, RANK_DATA))
+    following = encoder.encode([*RANK_HEADERS, (b"x-after", b"kept")])
+    conn.data_received(header_frames(5, following) + frame(h2wire.DATA, h2wire.END_STREAM, 5, RANK_DATA))
+    await asyncio.sleep(0)
+    release.set()
+    await asyncio.sleep(0.01)
+    written = bytes(transport.written)
+    assert not transport.closed
+    assert goaway_code(written) is None
+    ended = statuses(written)
+    assert ended[1][0] == ended[5][0] == 0
+    code, message = ended[3]
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "exceeds the router's limit of 65536 bytes" in message
+    assert (h2wire.RST_STREAM, 0, 3, struct.pack(">I", h2wire.NO_ERROR)) in frames(written)  # stop sending
+    assert len(served) == 2
+    conn.connection_lost(None)
+
+
+def test_the_door_announces_its_header_list_limit():
+    door = FrontDoor(lambda m, t: None, "127.0.0.1:1", max_message_bytes=1 << 20,  # type: ignore[arg-type,return-value]
+                     max_header_list_bytes=4096)  # fmt: skip
+    conn, transport = FrontDoorConnection(door), FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    settings = next(f for f in frames(bytes(transport.written)) if f[0] == h2wire.SETTINGS)[3]
+    pairs = dict(struct.unpack_from(">HI", settings, i) for i in range(0, len(settings), 6))
+    assert pairs[h2wire.MAX_HEADER_LIST_SIZE] == 4096
+
+
+def test_a_continuation_flood_is_cut_off_at_the_block_cap_with_bounded_memory():
+    """CVE-2024-27316: HEADERS then CONTINUATIONs that never end the block."""
+    import tracemalloc
+
+    cap = 65_536
+    door = FrontDoor(lambda m, t: None, "127.0.0.1:1", max_message_bytes=1 << 20,  # type: ignore[arg-type,return-value]
+                     max_header_list_bytes=16_384, max_header_block_bytes=cap)  # fmt: skip
+    conn, transport = open_connection(door)
+    chunk = bytes(16_384)
+    fed = 0
+    tracemalloc.start()
+    try:
+        conn.data_received(frame(h2wire.HEADERS, 0, 1, b"\x00\x7f\xff\xff\x03" + chunk[5:]))
+        while not transport.closed and fed < 100 * cap:
+            conn.data_received(frame(h2wire.CONTINUATION, 0, 1, chunk))
+            fed += len(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert goaway_code(bytes(transport.written)) == h2wire.ENHANCE_YOUR_CALM
+    assert fed <= cap  # the frame that crossed the cap was the last one read
+    assert peak < 4 * cap
+
+
+def test_a_flood_of_empty_continuations_is_cut_off():
+    door = FrontDoor(lambda m, t: None, "127.0.0.1:1", max_message_bytes=1 << 20)  # type: ignore[arg-type,return-value]
+    conn, transport = open_connection(door)
+    conn.data_received(frame(h2wire.HEADERS, 0, 1, b"\x82") + frame(h2wire.CONTINUATION, 0, 1) * 10_000)
+    assert goaway_code(bytes(transport.written)) == h2wire.ENHANCE_YOUR_CALM
+    assert conn._block_frames <= 17
+
+
+async def test_rapid_reset_is_cut_off_after_the_burst():
+    """CVE-2023-44487: a call opened and reset at once, over and over, on one connection."""
+    started = []
+
+    async def handle_rank(message: bytes, timeout_s: float | None) -> RelayReply:
+        started.append(message)
+        await asyncio.sleep(60)
+        return EMPTY_REPLY
+
+    burst = 50
+    door = FrontDoor(handle_rank, "127.0.0.1:1", max_message_bytes=1 << 20, reset_burst=burst,
+                     reset_rate_per_s=0.001)  # fmt: skip
+    conn, transport = open_connection(door)
+    encoder = hpack.Encoder()
+    attack = b"".join(
+        header_frames(stream_id, encoder.encode(RANK_HEADERS)) + frame(h2wire.DATA, h2wire.END_STREAM, stream_id, RANK_DATA)
+        + frame(h2wire.RST_STREAM, 0, stream_id, struct.pack(">I", h2wire.CANCEL))
+        for stream_id in range(1, 2000, 2)
+    )  # fmt: skip
+    conn.data_received(attack)
+    await asyncio.sleep(0)
+    written = bytes(transport.written)
+    assert goaway_code(written) == h2wire.ENHANCE_YOUR_CALM
+    last_stream = next(struct.unpack_from(">I", p)[0] for t, _, _, p in frames(written) if t == h2wire.GOAWAY)
+    assert last_stream == 2 * (burst + 1) - 1  # the 51st reset overdrew the budget
+    assert not conn._ranks
+    assert len(started) <= burst + 1
+
+
+def test_the_reset_budget_refills_at_its_rate():
+    now = [0.0]
+    budget = ResetBudget(3, 2.0, clock=lambda: now[0])
+    assert all(budget.spend() for _ in range(3))
+    assert not budget.spend()  # overdrawn
+    now[0] = 1.0  # +2 tokens (from -1)
+    assert budget.spend()
+    now[0] = 100.0  # refills to the burst, not beyond
+    assert budget.spend(3)
+    assert not budget.spend()
+
+
+# ---------------------------------------------------------------------- the same on loopback
+
+
+async def rank_calls(channel: grpc.aio.Channel, n: int, **kwargs) -> list[object]:
+    rank = channel.unary_unary("/relaygr.v1.Ranker/Rank")
+    request = pb.RankRequest(request_id="ok", user_id=3).SerializeToString()
+    return await asyncio.gather(
+        *(rank(request, timeout=10, **kwargs) for _ in range(n)), return_exceptions=True
+    )
+
+
+@pytest.mark.parametrize("door", ["relay", "grpc"])
+async def test_a_100kb_metadata_header_fails_its_call_alone_on_either_front_door(door):
+    """Finding 4 as found: one channel, calls in flight, one of them with a 100 KB header."""
+    async with raw_rankers_routed("--front-door", door) as (router, _fakes, channel):
+        others = asyncio.ensure_future(rank_calls(channel, 20))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/relaygr.v1.Ranker/Rank")(
+                RANK_DATA[5:], timeout=10, metadata=(("x-big", "v" * 100_000),)
+            )
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        results = await others
+        assert all(isinstance(r, bytes) for r in results), results
+        assert all(isinstance(r, bytes) for r in await rank_calls(channel, 5))  # the channel still works
+        if door == "relay":
+            assert (
+                router.registry.get_sample_value(
+                    "relaygr_router_relay_refused_streams_total", {"reason": "header_list_too_large"}
+                )
+                == 1
+            )
+            assert router.registry.get_sample_value("relaygr_router_relay_connections") == 1
+
+
+async def attack(port: int, payloads, limit_bytes: int) -> tuple[int, bool]:
+    """Writes `payloads` (an iterator of bytes) on a raw connection until the router closes it or
+    `limit_bytes` have gone; returns (bytes sent, whether the router cut the connection off)."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = 0
+    closed = asyncio.Event()
+
+    async def drain_replies() -> None:
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65_536):
+                pass
+        closed.set()
+
+    draining = loop.create_task(drain_replies())
+    try:
+        writer.write(CONNECTION_PREFACE + settings_frame([]))
+        for payload in payloads:
+            if closed.is_set() or sent >= limit_bytes:
+                break
+            writer.write(payload)
+            sent += len(payload)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closed.wait(), 10)
+        return sent, closed.is_set()
+    finally:
+        writer.close()
+        draining.cancel()
+
+
+async def test_a_rapid_reset_attacker_is_cut_off_and_other_clients_are_served():
+    async with raw_rankers_routed("--reset-burst", "200") as (router, fakes, channel):
+        encoder = hpack.Encoder()
+        block = encoder.encode(RANK_HEADERS)
+
+        def streams():
+            for stream_id in range(1, 1 << 30, 2):
+                yield (header_frames(stream_id, encoder.encode(RANK_HEADERS) if stream_id > 1 else block)
+                       + frame(h2wire.DATA, h2wire.END_STREAM, stream_id, RANK_DATA)
+                       + frame(h2wire.RST_STREAM, 0, stream_id, struct.pack(">I", h2wire.CANCEL)))  # fmt: skip
+
+        served = asyncio.ensure_future(rank_calls(channel, 40))
+        sent, cut_off = await attack(router.port, streams(), limit_bytes=50 << 20)
+        assert cut_off
+        assert all(isinstance(r, bytes) for r in await served)
+        assert (
+            router.registry.get_sample_value(
+                "relaygr_router_relay_protocol_errors_total", {"peer": "client", "code": "enhance_your_calm"}
+            )
+            == 1
+        )
+        assert sum(len(f.received) for f in fakes) <= 40 + 201 + 5  # the attack reached rankers boundedly
+        assert sent < 50 << 20
+
+
+async def test_a_continuation_flood_is_cut_off_and_other_clients_are_served():
+    async with raw_rankers_routed() as (router, _fakes, channel):
+        first = frame(h2wire.HEADERS, 0, 1, literal_block(RANK_HEADERS) + b"\x00\x01a\x7f\xff\xff\xff\x01")
+
+        def flood():
+            yield first
+            while True:
+                yield frame(h2wire.CONTINUATION, 0, 1, bytes(16_384))
+
+        served = asyncio.ensure_future(rank_calls(channel, 40))
+        sent, cut_off = await attack(router.port, flood(), limit_bytes=64 << 20)
+        assert cut_off
+        assert sent < 64 << 20
+        assert all(isinstance(r, bytes) for r in await served)
+        assert (
+            router.registry.get_sample_value(
+                "relaygr_router_relay_protocol_errors_total", {"peer": "client", "code": "enhance_your_calm"}
+            )
+            == 1
+        )
