@@ -20,6 +20,8 @@ strings, the token arrays) is left to the ranker, which parses and validates the
 
 from __future__ import annotations
 
+from shared.fingerprint import prefix_fingerprint
+
 __all__ = ["MalformedMessage", "preinfer_key", "rank_by_reference", "rank_key"]
 
 _MASK64 = (1 << 64) - 1
@@ -190,6 +192,10 @@ _RANK_PREFIX_REF = 8 << 3 | _LEN  # RankRequest.prefix_ref (PrefixRef), the same
 _PROFILE = 3 << 3 | _LEN  # UserPrefix.profile_le
 _LONG_TERM = 4 << 3 | _LEN  # UserPrefix.long_term (Behaviors)
 _ITEMS = 1 << 3 | _LEN  # Behaviors.items_le
+_ACTIONS = 2 << 3 | _LEN  # Behaviors.actions_le
+_TIMESTAMPS = 3 << 3 | _LEN  # Behaviors.timestamps_le
+_REF_LENGTH = 1 << 3 | _VARINT  # PrefixRef.length
+_REF_FINGERPRINT = 2 << 3 | _FIXED64  # PrefixRef.fingerprint
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -201,17 +207,32 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
-def rank_by_reference(data: bytes) -> bytes | None:
-    """The serialized RankRequest with its prefix replaced by a PrefixRef of the same length: what
-    the router forwards to the instance its residency map says holds the user's psi. None when
-    the request does not lend itself to that, and is forwarded as it came: no prefix or already a
-    reference; the prefix, its profile, its long-term behaviours or their items sent more than once
-    (the parser would merge them); a token array that is not whole int64 values; a prefix of
-    another user or version than the request's (the ranker refuses that, and must see it).
+def _single(spans: list[tuple[int, int, int]], width: int) -> tuple[int, int] | None:
+    """The payload of a bytes field sent at most once, holding whole `width`-byte values (absent:
+    empty), else None."""
+    if len(spans) > 1:
+        return None
+    if not spans:
+        return 0, 0
+    _, a, b = spans[0]
+    return None if (b - a) % width else (a, b)
 
-    Only the prefix's identity and length are checked here. Its token values were validated when
-    the PreInfer that produced this psi carried them: (user, prefix version) names one prefix,
-    and the ranker checks the length against its psi. Raises MalformedMessage."""
+
+def rank_by_reference(data: bytes, resident_fingerprint: int) -> bytes | None:
+    """The serialized RankRequest with its prefix replaced by a PrefixRef (its length and content
+    fingerprint): what the router forwards to the instance its residency map says holds psi of
+    `resident_fingerprint`. None when the request does not lend itself to that, and is forwarded
+    as it came: its prefix's tokens are not the resident psi's (another fingerprint: the ranker
+    must see them, rank them in full and count the mismatch); no prefix or already a reference;
+    the prefix, its profile, its long-term behaviours or their arrays sent more than once (the
+    parser would merge them); token arrays that are not whole values or disagree in length; a
+    prefix of another user or version than the request's (the ranker refuses that, and must see
+    it).
+
+    The fingerprint is computed from the token bytes as they are (shared/fingerprint.py hashes
+    the wire layout), the same digest the ranker computed when the PreInfer carried them. Token
+    values are not validated here: those of psi were, when its PreInfer carried them, and other
+    tokens never leave as a reference. Raises MalformedMessage."""
     request_key = [0, 0]
     top: dict[int, list[tuple[int, int, int]]] = {_RANK_PREFIX: [], _RANK_PREFIX_REF: []}
     _scan(data, 0, len(data), _MAX_DEPTH, _RANK_KEY, request_key, top)
@@ -224,13 +245,27 @@ def rank_by_reference(data: bytes) -> bytes | None:
     profile, long_term = inner[_PROFILE], inner[_LONG_TERM]
     if request_key != prefix_key or len(profile) > 1 or len(long_term) != 1:
         return None
-    items: dict[int, list[tuple[int, int, int]]] = {_ITEMS: []}
-    _scan(data, long_term[0][1], long_term[0][2], _MAX_DEPTH - 2, {}, [], items)
-    if len(items[_ITEMS]) != 1:
+    arrays: dict[int, list[tuple[int, int, int]]] = {_ITEMS: [], _ACTIONS: [], _TIMESTAMPS: []}
+    _scan(data, long_term[0][1], long_term[0][2], _MAX_DEPTH - 2, {}, [], arrays)
+    prof = _single(profile, 8)
+    items, actions, stamps = (
+        _single(arrays[t], w) for t, w in ((_ITEMS, 8), (_ACTIONS, 4), (_TIMESTAMPS, 8))
+    )
+    if prof is None or items is None or actions is None or stamps is None:
         return None
-    profile_bytes = profile[0][2] - profile[0][1] if profile else 0
-    item_bytes = items[_ITEMS][0][2] - items[_ITEMS][0][1]
-    if profile_bytes % 8 or item_bytes % 8 or not item_bytes:
+    n = (items[1] - items[0]) // 8
+    if not n or (actions[1] - actions[0]) // 4 != n or (stamps[1] - stamps[0]) // 8 != n:
         return None
-    ref = b"\x08" + _varint_bytes((profile_bytes + item_bytes) // 8)  # PrefixRef.length = 1, varint
+    view = memoryview(data)
+    fingerprint = prefix_fingerprint(*(view[a:b] for a, b in (prof, items, actions, stamps)))
+    if fingerprint.digest != resident_fingerprint:
+        return None
+    ref = b"".join(
+        (
+            bytes((_REF_LENGTH,)),
+            _varint_bytes(fingerprint.length),
+            bytes((_REF_FINGERPRINT,)),
+            fingerprint.digest.to_bytes(8, "little"),
+        )
+    )
     return b"".join((data[:field_start], data[b:], bytes((_RANK_PREFIX_REF,)), _varint_bytes(len(ref)), ref))

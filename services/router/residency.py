@@ -1,9 +1,13 @@
-"""Where a user's psi was pre-inferred: user -> (prefix version, instance, lease deadline).
+"""Where a user's psi was pre-inferred: user -> (prefix version, content fingerprint, instance,
+lease deadline).
 
 The router records an entry when a ranker accepts a PreInfer it forwarded. For that user's ranking
 request the entry takes precedence over the hash while the lease has not passed (the caller also
 checks that the instance is still healthy), so the request finds its psi even if membership or
-loads changed between the signal and the ranking call.
+loads changed between the signal and the ranking call. The entry names psi by content too
+(`fingerprint`, as the ranker computed it from the PreInfer's tokens): the router sends a ranking
+call by reference only when its own prefix has that fingerprint (passthrough.rank_by_reference),
+so a call whose tokens differ under the same prefix version goes whole, and is ranked from them.
 
 Pure bookkeeping, driven from one asyncio loop (not thread-safe), with the clock passed in:
 
@@ -25,6 +29,7 @@ __all__ = ["Residency", "ResidencyMap"]
 class Residency:
     user_id: int
     prefix_version: int
+    fingerprint: int  # psi's content digest (shared/fingerprint.py), from the PreInferReply
     instance: str
     deadline: float  # the caller's clock (the router: time.monotonic())
 
@@ -45,13 +50,23 @@ class ResidencyMap:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, user_id: int, prefix_version: int, instance: str, deadline: float, now: float) -> None:
-        """Records (or replaces) the user's entry. An already-expired deadline records nothing."""
+    def record(
+        self,
+        user_id: int,
+        prefix_version: int,
+        instance: str,
+        deadline: float,
+        now: float,
+        *,
+        fingerprint: int,
+    ) -> None:
+        """Records (or replaces) the user's entry: psi of content `fingerprint` on `instance`. An
+        already-expired deadline records nothing (and drops the user's older entry)."""
         if deadline <= now:
             self._entries.pop(user_id, None)
             return
         self._entries.pop(user_id, None)
-        self._entries[user_id] = Residency(user_id, prefix_version, instance, deadline)
+        self._entries[user_id] = Residency(user_id, prefix_version, fingerprint, instance, deadline)
         heapq.heappush(self._deadlines, (deadline, user_id))
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -61,7 +76,9 @@ class ResidencyMap:
             heapq.heapify(self._deadlines)
 
     def lookup(self, user_id: int, prefix_version: int, now: float) -> Residency | None:
-        """The user's live entry for exactly this prefix version, else None. No side effects."""
+        """The user's live entry for exactly this prefix version, else None (whatever the content:
+        placement follows the user's psi; the caller checks a reference against `fingerprint`).
+        No side effects."""
         entry = self._entries.get(user_id)
         if entry is None or entry.prefix_version != prefix_version or entry.deadline <= now:
             return None

@@ -121,6 +121,7 @@ class _Malformed(ValueError):
 class _Placement(NamedTuple):
     order: list[str]
     source: str  # "residency" | "hash" | "round_robin" | "none"
+    fingerprint: int = 0  # content of the psi the residency entry names (source "residency")
 
 
 class _Children:
@@ -413,13 +414,13 @@ class RouterService:
                 user_id, self.membership.healthy(), self.config.load_factor, slack=self.config.load_slack
             )
         entry = self.residency.lookup(user_id, prefix_version, time.monotonic())
-        source = "hash"
         if entry is not None and entry.instance in order:
             order.remove(entry.instance)
             order.insert(0, entry.instance)
-            source = "residency"
-        self.metrics.placement_of(method, source).inc()
-        return _Placement(order, source)
+            self.metrics.placement_of(method, "residency").inc()
+            return _Placement(order, "residency", entry.fingerprint)
+        self.metrics.placement_of(method, "hash").inc()
+        return _Placement(order, "hash")
 
     async def forward(
         self,
@@ -428,16 +429,16 @@ class RouterService:
         prefix_version: int,
         request: bytes,
         deadline: float,
-        slim: Callable[[], bytes | None] | None = None,
+        slim: Callable[[int], bytes | None] | None = None,
         invoke: Invoke | None = None,
     ) -> tuple[str, Any]:
         """Sends one idempotent call along the user's placement order until an instance answers.
 
         `method` is "rank" or "preinfer", `request` the serialized request (sent unchanged to each
         attempt), `deadline` on time.monotonic(). `slim`, for a ranking call, makes the request
-        by reference (see rank_by_reference): sent instead of `request` to the instance the
-        residency map names, and followed by `request` there when that instance answers
-        prefix_required. `invoke` makes one attempt (default: the ranker's gRPC channel, the reply
+        by reference to the resident psi's fingerprint (see rank_by_reference): sent instead of
+        `request` to the instance the residency map names, and followed by `request` there when
+        that instance answers prefix_required. `invoke` makes one attempt (default: the ranker's gRPC channel, the reply
         as bytes; the relay front door passes its own). Returns (target, the reply); raises
         ForwardError with the status the caller should get.
         """
@@ -480,7 +481,12 @@ class RouterService:
                 timeout = min(remaining, cap)
             try:
                 reply = await self._call(
-                    invoke, target, method, request, timeout, slim if target == slim_to else None
+                    invoke,
+                    target,
+                    method,
+                    request,
+                    timeout,
+                    partial(slim, placement.fingerprint) if slim is not None and target == slim_to else None,
                 )
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -575,7 +581,12 @@ class RouterService:
         if reply.outcome in _ACCEPTED:
             now = time.monotonic()
             self.residency.record(
-                user_id, prefix_version, target, self._lease_deadline(lease_deadline_unix_ms), now
+                user_id,
+                prefix_version,
+                target,
+                self._lease_deadline(lease_deadline_unix_ms),
+                now,
+                fingerprint=reply.fingerprint,
             )
         return reply, raw
 
@@ -689,6 +700,7 @@ class RouterService:
             lead_time_p50_ms=max((s.lead_time_p50_ms for s in stats), default=0.0),
             hbm_hits=sum(s.hbm_hits for s in stats),
             hbm_misses=sum(s.hbm_misses for s in stats),
+            prefix_content_mismatches=sum(s.prefix_content_mismatches for s in stats),
         )
 
     def _observe(

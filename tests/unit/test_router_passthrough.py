@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from services.ranker.wire import by_reference
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
+from shared.fingerprint import prefix_fingerprint
 from shared.protos import ranker_pb2 as pb
 
 U64 = (1 << 64) - 1
@@ -332,15 +333,46 @@ def without_fallback(msg: pb.RankRequest) -> pb.RankRequest:
     return out
 
 
+def digest_of(msg: pb.RankRequest) -> int:
+    """The content fingerprint of the request's prefix, as the ranker computes it."""
+    p, lt = msg.prefix, msg.prefix.long_term
+    return prefix_fingerprint(p.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le).digest
+
+
+GOOD_DIGEST = digest_of(rank_message(77, 4))
+
+
 def test_a_reference_replaces_the_prefix_and_keeps_everything_else():
     msg = rank_message(77, 4)
-    slim = rank_by_reference(msg.SerializeToString())
+    slim = rank_by_reference(msg.SerializeToString(), digest_of(msg))
     assert slim is not None
     got = pb.RankRequest.FromString(slim)
     assert got.WhichOneof("fallback") == "prefix_ref"
     assert got.prefix_ref.length == 2 + 5  # profile (16 bytes) + long-term items (40 bytes)
+    assert got.prefix_ref.fingerprint == digest_of(msg)
     assert without_fallback(got) == without_fallback(msg)
-    assert len(slim) == by_reference(msg).ByteSize()  # the prefix's bytes are gone
+    assert slim == by_reference(msg).SerializeToString()  # what the ranker's own client makes
+
+
+def test_a_prefix_with_other_tokens_than_the_resident_psi_goes_whole():
+    """Finding 3 at the router: same user, prefix version and length, one token changed. The
+    residency map names psi of the old tokens; a reference would let the ranker serve it."""
+    old = rank_message(77, 4)
+    new = rank_message(77, 4)
+    items = bytearray(new.prefix.long_term.items_le)
+    items[-1] ^= 1  # the last token's item id
+    new.prefix.long_term.items_le = bytes(items)
+    assert digest_of(new) != digest_of(old)
+    assert rank_by_reference(new.SerializeToString(), digest_of(old)) is None
+    for field in ("actions_le", "timestamps_le"):  # any array of the token, not only the item id
+        other = rank_message(77, 4)
+        changed = bytearray(getattr(other.prefix.long_term, field))
+        changed[0] ^= 0x10
+        setattr(other.prefix.long_term, field, bytes(changed))
+        assert rank_by_reference(other.SerializeToString(), digest_of(old)) is None
+    profile = rank_message(77, 4)
+    profile.prefix.profile_le = profile.prefix.profile_le[:8] + bytes(8)
+    assert rank_by_reference(profile.SerializeToString(), digest_of(old)) is None
 
 
 def _duplicated_prefix() -> bytes:
@@ -358,6 +390,30 @@ def _ragged_items() -> bytes:
     msg = rank_message(77, 4)
     msg.prefix.long_term.items_le = b"\x01" * 7
     return msg.SerializeToString()
+
+
+def _ragged_actions() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix.long_term.actions_le = b"\x02" * 21
+    return msg.SerializeToString()
+
+
+def _fewer_timestamps() -> bytes:
+    msg = rank_message(77, 4)
+    msg.prefix.long_term.timestamps_le = msg.prefix.long_term.timestamps_le[8:]
+    return msg.SerializeToString()
+
+
+def _two_actions() -> bytes:
+    msg = rank_message(77, 4)
+    extra = length_delimited(2, b"\x02" * 20)  # Behaviors.actions_le again: the parser keeps the last
+    prefix = msg.prefix
+    long_term = prefix.long_term.SerializeToString() + extra
+    body = prefix.SerializeToString().replace(
+        length_delimited(4, prefix.long_term.SerializeToString()), length_delimited(4, long_term)
+    )
+    msg.ClearField("prefix")
+    return msg.SerializeToString() + length_delimited(4, body)
 
 
 def _no_items() -> bytes:
@@ -392,6 +448,9 @@ def _no_prefix() -> bytes:
         _duplicated_prefix,
         _other_version,
         _ragged_items,
+        _ragged_actions,
+        _fewer_timestamps,
+        _two_actions,
         _no_items,
         _two_long_terms,
         _already_by_reference,
@@ -401,12 +460,13 @@ def _no_prefix() -> bytes:
 def test_requests_that_do_not_lend_themselves_to_a_reference_go_as_they_came(make):
     data = make()
     pb.RankRequest.FromString(data)  # all are requests the parser reads
-    assert rank_by_reference(data) is None
+    assert rank_by_reference(data, GOOD_DIGEST) is None
 
 
 def test_random_corruption_never_makes_a_reference_the_parser_would_read_otherwise():
     """Mutated requests: a reference says what the request says apart from the prefix (replaced
-    by its length); a request the parser refuses makes a reference it refuses too."""
+    by its length and fingerprint, which are the parsed prefix's); a request the parser refuses
+    makes a reference it refuses too; a reference is never made for another fingerprint."""
     rng = random.Random(99)
     refused = 0
 
@@ -419,18 +479,26 @@ def test_random_corruption_never_makes_a_reference_the_parser_would_read_otherwi
     seeds = [rank_message(rng.getrandbits(64), rng.getrandbits(64)).SerializeToString() for _ in range(4)]
     made = 0
     for _ in range(3000):
-        data = bytearray(rng.choice(seeds))
+        seed = rng.choice(seeds)
+        data = bytearray(seed)
         for _ in range(rng.randint(1, 2)):
             at = rng.randrange(len(data))
             data[at] = rng.choice([rng.randrange(256), 0x80, 0x00, 0x0C, 0x0B])
         data_b = bytes(data)
+        original = parsed(data_b)
+        # As the residency map would hold it: the fingerprint of the tokens pre-inferred (what
+        # the parser reads; for bytes it refuses, the seed's, unless a token was hit).
         try:
-            slim = rank_by_reference(data_b)
+            resident = digest_of(original if original is not None else pb.RankRequest.FromString(seed))
+        except ValueError:  # ragged token arrays: no psi was ever made of them
+            resident = digest_of(pb.RankRequest.FromString(seed))
+        try:
+            slim = rank_by_reference(data_b, resident)
+            assert rank_by_reference(data_b, resident ^ 1) is None
         except MalformedMessage:
             continue
         if slim is None:
             continue
-        original = parsed(data_b)
         if original is None:
             # Broken below what the router reads (a nested message, UTF-8): the ranker refuses
             # the reference just as it would have refused the request.
@@ -444,6 +512,7 @@ def test_random_corruption_never_makes_a_reference_the_parser_would_read_otherwi
         assert original.prefix.prefix_version == original.prefix_version
         tokens = len(original.prefix.profile_le) // 8 + len(original.prefix.long_term.items_le) // 8
         assert got.prefix_ref.length == tokens
+        assert got.prefix_ref.fingerprint == digest_of(original)
         made += 1
     assert made > 300  # most mutations land in the token arrays and still make a reference
     assert refused > 20

@@ -26,7 +26,7 @@ from services.router.membership import Membership
 from services.router.placement import Instance, preference
 from services.router.service import RouterService
 from shared.broker import free_port
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
 from tests.rankers import preinfer_request, rank_request, users
@@ -124,7 +124,14 @@ async def test_residency_takes_precedence_over_the_hash(routed, rankers):
     prefixes, suffixes = users(12, 1, prefix_len=100)
     p, s = prefixes[0], suffixes[0]
     hashed = preference(p.user_id, idle(router))
-    router.residency.record(p.user_id, p.prefix_version, hashed[1], time.monotonic() + 60, time.monotonic())
+    router.residency.record(
+        p.user_id,
+        p.prefix_version,
+        hashed[1],
+        time.monotonic() + 60,
+        time.monotonic(),
+        fingerprint=p.fingerprint.digest,
+    )
     reply = await stub.Rank(rank_request(p, s, "a"), timeout=30)
     assert reply.instance_id == by_target[hashed[1]]
     # Another prefix version is another psi: the residency entry does not apply to it.
@@ -165,7 +172,14 @@ async def test_a_reference_to_psi_that_is_gone_is_followed_by_the_whole_call(rou
     full = await stub.Rank(rank_request(p, s, "f"), timeout=30)
     # The map says psi is on an instance that does not have it (expired, evicted, restarted).
     holder = preference(p.user_id, idle(router))[1]
-    router.residency.record(p.user_id, p.prefix_version, holder, time.monotonic() + 60, time.monotonic())
+    router.residency.record(
+        p.user_id,
+        p.prefix_version,
+        holder,
+        time.monotonic() + 60,
+        time.monotonic(),
+        fingerprint=p.fingerprint.digest,
+    )
     reply = await stub.Rank(rank_request(p, s, "r"), timeout=30)
     assert reply.instance_id == by_target[holder]
     assert reply.served_by == pb.FULL_RECOMPUTE
@@ -182,7 +196,14 @@ async def test_ranking_by_reference_can_be_turned_off(rankers):
         prefixes, suffixes = users(16, 1, prefix_len=200)
         p, s = prefixes[0], suffixes[0]
         holder = preference(p.user_id, idle(router))[1]
-        router.residency.record(p.user_id, p.prefix_version, holder, time.monotonic() + 60, time.monotonic())
+        router.residency.record(
+            p.user_id,
+            p.prefix_version,
+            holder,
+            time.monotonic() + 60,
+            time.monotonic(),
+            fingerprint=p.fingerprint.digest,
+        )
         reply = await stub.Rank(rank_request(p, s, "r"), timeout=30)
         assert reply.served_by == pb.FULL_RECOMPUTE
         assert by_reference_count(router, "resent") == by_reference_count(router, "hit") == 0
@@ -551,7 +572,9 @@ async def test_preinfer_is_forwarded_byte_for_byte_and_recorded_from_the_bytes(r
     assert resident.instance == hashed[0]
     assert resident.deadline > time.monotonic() + 50  # the lease read from the bytes, not the default
     # The user's ranking call follows the residency entry, even where the hash would differ.
-    router.residency.record(user_id, version, hashed[1], time.monotonic() + 60, time.monotonic())
+    router.residency.record(
+        user_id, version, hashed[1], time.monotonic() + 60, time.monotonic(), fingerprint=0
+    )
     await raw_method(channel, "Rank")(
         pb.RankRequest(request_id="r", user_id=user_id, prefix_version=version).SerializeToString(), timeout=5
     )
@@ -627,3 +650,81 @@ async def test_reflection_still_describes_the_ranker_service(raw_pair):
     services = {svc.name: svc for f in files for svc in f.service}
     assert {m.name for m in services["Ranker"].method} == {"Rank", "PreInfer", "Stats"}
     assert {m.input_type for m in services["Ranker"].method} >= {".relaygr.v1.RankRequest"}
+
+
+# ---------------------------------------------------------------------- health and Stats of the router
+
+
+class CountingRanker(FakeRanker):
+    """A fake ranker whose Stats report fixed counters."""
+
+    async def Stats(self, request, context):
+        return pb.StatsReply(instance_id=self.name, hbm_hits=15, hbm_misses=2, demotions=1, reloads=3,
+                             psi_produced=20, psi_expired=4, preinfers_refused=5, hbm_evictable_bytes=7,
+                             lead_time_p50_ms=10.0 if self.name == "a" else 30.0)  # fmt: skip
+
+
+async def test_router_health_for_the_ranker_api_follows_membership():
+    fakes = [FakeRanker("a", "ok"), FakeRanker("b", "ok")]
+    for fake in fakes:
+        await fake.start()
+    router = await start_router([target(f.port) for f in fakes])
+    channel = grpc.aio.insecure_channel(target(router.port))
+    health_stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service="relaygr.v1.Ranker")
+    watch = health_stub.Watch(request, timeout=BOUND_S * 2)
+    try:
+        assert (await health_stub.Check(request, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        await fakes[0].stop()  # one left: still serving
+        await eventually(lambda: len(router.membership.healthy()) == 1, "one ranker left")
+        assert (await health_stub.Check(request, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+        await fakes[1].stop()
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (
+            await health_stub.Check(request, timeout=5)
+        ).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await fakes[1].start(fakes[1].port)  # back: serving again
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        watch.cancel()
+        await channel.close()
+        await router.shutdown(grace_s=0.2)
+        await fakes[1].stop()
+
+
+async def test_router_stats_sum_the_rankers_counters():
+    fakes = [CountingRanker("a", "ok"), CountingRanker("b", "ok")]
+    for fake in fakes:
+        await fake.start()
+    router = await start_router([target(f.port) for f in fakes])
+    channel = grpc.aio.insecure_channel(target(router.port))
+    try:
+        await eventually(lambda: len(router.membership.stats()) == 2, "both rankers polled")
+        stats = await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+        assert stats.instance_id == router.instance_id
+        assert (stats.hbm_hits, stats.hbm_misses, stats.demotions, stats.reloads) == (30, 4, 2, 6)
+        assert (stats.psi_produced, stats.psi_expired, stats.preinfers_refused) == (40, 8, 10)
+        assert stats.hbm_evictable_bytes == 14
+        assert stats.lead_time_p50_ms == 30.0
+    finally:
+        await channel.close()
+        await router.shutdown(grace_s=0.2)
+        for fake in fakes:
+            await fake.stop()
+
+
+def test_header_limits_are_validated():
+    base = ["--rankers", "h:1"]
+    config = load_config(RouterConfig, base)
+    assert (config.max_header_list_bytes, config.max_header_block_bytes) == (65_536, 262_144)
+    with pytest.raises(ConfigError, match="MAX_HEADER_BLOCK_BYTES must be >="):
+        load_config(
+            RouterConfig, [*base, "--max-header-list-bytes", "100000", "--max-header-block-bytes", "70000"]
+        )
+    with pytest.raises(ConfigError, match="1024-"):
+        load_config(RouterConfig, [*base, "--max-header-list-bytes", "10"])
+    with pytest.raises(ConfigError, match=">= 1"):
+        load_config(RouterConfig, [*base, "--reset-burst", "0"])
+    with pytest.raises(ConfigError, match="> 0"):
+        load_config(RouterConfig, [*base, "--reset-rate-per-s", "0"])
