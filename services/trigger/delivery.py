@@ -19,9 +19,8 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     CorruptRecordException,
     InvalidTopicError,
@@ -41,6 +40,14 @@ _MAX_BACKOFF_S = 1.0
 # Errors of the record itself: sending it again cannot succeed.
 _PERMANENT = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError, CorruptRecordException,
               InvalidTopicError)  # fmt: skip
+
+
+class Sender(Protocol):
+    """What the outbox needs of a producer (AIOKafkaProducer)."""
+
+    async def send(
+        self, topic: str, value: bytes | None, *, key: bytes | None, headers: list[tuple[str, bytes]] | None
+    ) -> asyncio.Future[Any]: ...
 
 
 class Kind(enum.Enum):
@@ -96,7 +103,7 @@ class Outbox:
     """Writes a batch's outputs with per-record retries; `deliver` returns when each one is on
     the broker or given up (never raises but for cancellation)."""
 
-    def __init__(self, producer: AIOKafkaProducer, dlq_topic: str, policy: RetryPolicy,
+    def __init__(self, producer: Sender, dlq_topic: str, policy: RetryPolicy,
                  registry: CollectorRegistry, recover: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
         self.producer = producer
         self.dlq_topic = dlq_topic

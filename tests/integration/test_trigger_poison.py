@@ -199,14 +199,16 @@ class FlakyProducer:
         self._producer, self.topic, self.failures, self.error = producer, topic, failures, error
         self.calls = 0
 
-    async def send(self, topic: str, value: bytes | None, **kwargs: Any) -> asyncio.Future[Any]:
+    async def send(
+        self, topic: str, value: bytes | None, *, key: bytes | None, headers: list[tuple[str, bytes]] | None
+    ) -> asyncio.Future[Any]:
         if topic == self.topic:
             self.calls += 1
             if self.calls <= self.failures:
                 failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
                 failed.set_exception(self.error)
                 return failed
-        return await self._producer.send(topic, value, **kwargs)
+        return await self._producer.send(topic, value, key=key, headers=headers)
 
 
 async def test_a_failed_signal_write_is_retried_without_deciding_twice(broker, ranker):
@@ -216,7 +218,7 @@ async def test_a_failed_signal_write_is_retried_without_deciding_twice(broker, r
         flaky = FlakyProducer(
             trigger._outbox.producer, trigger.config.signal_topic, 2, KafkaConnectionError()
         )
-        trigger._outbox.producer = flaky  # type: ignore[assignment]
+        trigger._outbox.producer = flaky
         await publish(broker, trigger.config.retrieval_topic, [(b"3", event(3, "r3", 200))])
         signals = await read_all(broker, trigger.config.signal_topic, 1)
         assert [ev.PreInferSignal.FromString(r.value).request_id for r in signals] == ["r3"]
@@ -236,13 +238,15 @@ async def test_a_signal_that_cannot_be_written_is_dead_lettered(broker, ranker):
         flaky = FlakyProducer(
             trigger._outbox.producer, trigger.config.signal_topic, 10**6, ValueError("refused")
         )
-        trigger._outbox.producer = flaky  # type: ignore[assignment]
+        trigger._outbox.producer = flaky
         original = event(4, "r4", 30)
         await publish(broker, trigger.config.retrieval_topic, [(b"4", original)])
         [letter] = [read_dead_letter(r) for r in await read_all(broker, trigger.config.dlq_topic, 1)]
-        assert letter.value == original and letter.key == b"4"
+        assert letter.value == original
+        assert letter.key == b"4"
         assert "pre-infer signal not delivered after 2 attempt(s)" in letter.reason
-        assert flaky.calls == 2 and admitted(trigger) == 1
+        assert flaky.calls == 2
+        assert admitted(trigger) == 1
         assert await eventually(lambda: _at(trigger, 1), "offset committed")
     finally:
         await trigger.shutdown()
@@ -270,17 +274,19 @@ class GatedProducer:
     def __init__(self, producer: Any) -> None:
         self._producer, self.gate, self.waiting = producer, asyncio.Event(), asyncio.Event()
 
-    async def send(self, topic: str, value: bytes | None, **kwargs: Any) -> asyncio.Future[Any]:
+    async def send(
+        self, topic: str, value: bytes | None, *, key: bytes | None, headers: list[tuple[str, bytes]] | None
+    ) -> asyncio.Future[Any]:
         self.waiting.set()
         await self.gate.wait()
-        return await self._producer.send(topic, value, **kwargs)
+        return await self._producer.send(topic, value, key=key, headers=headers)
 
 
 async def test_shutdown_finishes_the_batch_in_hand(broker):
     trigger = await start_trigger(broker, None)
     assert trigger._outbox is not None
     gated = GatedProducer(trigger._outbox.producer)
-    trigger._outbox.producer = gated  # type: ignore[assignment]
+    trigger._outbox.producer = gated
     await publish(broker, trigger.config.retrieval_topic, [(b"1", b"\xff bad"), (b"2", b"")])
     await asyncio.wait_for(gated.waiting.wait(), BOUND_S)
     stopping = asyncio.ensure_future(trigger.shutdown())

@@ -1,0 +1,203 @@
+"""The trigger's validation of retrieval records: every failure dead-lettered with a precise reason,
+whatever the admission decision; the size limits agree end to end."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from aiokafka import ConsumerRecord
+
+from services.trigger.config import TriggerConfig
+from services.trigger.delivery import Kind
+from services.trigger.events import (
+    EventError,
+    check_key,
+    locate_wire_fault,
+    parse_event,
+    parse_record,
+    signal_size_bound,
+)
+from services.trigger.service import TriggerService
+from shared.config import load_config
+from shared.dlq import read_dead_letter
+from shared.protos import events_pb2 as ev
+from shared.wire import DEFAULT_MAX_RECORD_BYTES, MAX_TIMESTAMP, RequestLimits, encode, prefix_message
+
+LIMITS = RequestLimits()
+USER = 42
+
+
+def make_event(tokens: int = 8, user: int = USER, profile: int = 2) -> ev.RetrievalEvent:
+    rng = np.random.default_rng(tokens)
+    prefix = prefix_message(user, 3, rng.integers(0, 100, profile), rng.integers(0, 10**6, tokens),
+                            rng.integers(0, 4, tokens), rng.integers(10**9, 2 * 10**9, tokens))  # fmt: skip
+    return ev.RetrievalEvent(schema_version=1, request_id="req", event_time_unix_ms=int(time.time() * 1e3),
+                             user_id=user, prefix_version=3, prefix_len=tokens + profile, prefix=prefix,
+                             ranking_deadline_unix_ms=int(time.time() * 1e3) + 60_000)  # fmt: skip
+
+
+def reason(e: ev.RetrievalEvent, key: bytes | None = str(USER).encode()) -> str:
+    with pytest.raises(EventError) as caught:
+        parse_record(key, e.SerializeToString(), LIMITS)
+    return str(caught.value)
+
+
+def test_a_valid_event_and_its_key():
+    meta, _ = parse_record(b"42", make_event().SerializeToString(), LIMITS)
+    assert (meta.user_id, meta.prefix_version, meta.prefix_len) == (USER, 3, 10)
+
+
+def test_empty_value_and_tombstone_have_their_own_reasons():
+    with pytest.raises(EventError, match=r"^tombstone: the record has no value \(null\)$"):
+        parse_event(None, LIMITS)
+    with pytest.raises(EventError, match=r"^empty value: 0 bytes is not a RetrievalEvent$"):
+        parse_event(b"", LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b"\x08", "at byte 1 (schema_version): truncated varint"),
+        (b"\x08\x01\x3a\x10abc", "at byte 2 (prefix): length 16 runs past the end (3 bytes left)"),
+        (b"\x12\x02\xff\xfe", "at byte 2 (request_id): invalid UTF-8"),
+        (b"\x3a\x04\x1a\x05ab", "at byte 2 (prefix.profile_le): length 5 runs past the end (2 bytes left)"),
+        (b"\x0f", "at byte 0 (schema_version): invalid wire type 7"),
+        (b"\x19\x01\x02", "at byte 0 (event_time_unix_ms): 8-byte value truncated (2 bytes left)"),
+    ],
+)
+def test_decode_errors_say_where(raw, where):
+    with pytest.raises(EventError) as caught:
+        parse_event(raw, LIMITS)
+    assert str(caught.value) == f"not a RetrievalEvent: {where}"
+
+
+def test_the_locator_walks_well_formed_messages_whole():
+    raw = make_event().SerializeToString()
+    assert locate_wire_fault(raw, ev.RetrievalEvent.DESCRIPTOR) == (
+        "the wire format is well formed, yet protobuf refused it"
+    )
+
+
+def test_the_key_is_the_user_id_in_decimal_ascii():
+    check_key(b"42", 42)
+    with pytest.raises(
+        EventError, match=r"^null key: retrieval events are keyed by user id \(expected b'42'\)$"
+    ):
+        check_key(None, 42)
+    with pytest.raises(EventError, match=r"^key 'user-42' is not a decimal user id"):
+        check_key(b"user-42", 42)
+    with pytest.raises(EventError, match=r"^key '43' is not the event's user_id 42$"):
+        check_key(b"43", 42)
+    with pytest.raises(EventError, match=r"^key '042' is not the event's user_id 42$"):
+        check_key(b"042", 42)
+    assert "key '\\xff" in reason(make_event(), key=b"\xff\xfe")
+    assert reason(make_event(), key=None).startswith("null key")
+
+
+def _broken(field: str, value: object) -> ev.RetrievalEvent:
+    e = make_event()
+    target = e.prefix.long_term if field in ("items_le", "actions_le", "timestamps_le") else e.prefix
+    if field in ("items_le", "actions_le", "timestamps_le", "profile_le"):
+        setattr(target, field, value)
+    else:
+        setattr(e, field, value)
+    return e
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("items_le", encode([1, -5, 3, 4, 5, 6, 7, 8]), "prefix.long_term.items: values must be non-negative"),
+        ("profile_le", encode([-1, 2]), "prefix.profile: values must be non-negative"),
+        ("actions_le", encode([0, 1, 2, -3, 0, 1, 2, 3], np.dtype("<i4")),
+         "prefix.long_term.actions: values must be non-negative"),
+        ("timestamps_le", encode([1, 2, 3, 4, 5, 6, 7, MAX_TIMESTAMP]),
+         f"prefix.long_term.timestamps: values must be below {MAX_TIMESTAMP}"),
+        ("timestamps_le", encode([1, 2, 3, 4, 5, 6, 7, -1]), "prefix.long_term.timestamps: values must be non-negative"),
+        ("items_le", encode(range(8)) + b"\x01", "prefix.long_term.items: 65 bytes is not a whole number of 8-byte values"),
+        ("actions_le", encode(range(7), np.dtype("<i4")),
+         "prefix.long_term: 8 items, 7 actions and 8 timestamps must match"),
+        ("event_time_unix_ms", -1, "event_time_unix_ms -1 is out of range"),
+        ("ranking_deadline_unix_ms", 0, "ranking_deadline_unix_ms is required"),
+        ("ranking_deadline_unix_ms", MAX_TIMESTAMP * 1000, f"ranking_deadline_unix_ms {MAX_TIMESTAMP * 1000} is out of range"),
+        ("prefix_len", 11, "prefix_len 11 does not match the prefix (10 tokens)"),
+        ("schema_version", 2, "unsupported schema_version 2 (expected 1)"),
+        ("request_id", "", "request_id is required"),
+        ("user_id", 43, "prefix.user_id / prefix_version (42 / 3) must equal the event's (43 / 3)"),
+    ],
+)  # fmt: skip
+def test_each_invalid_field_has_its_reason(field, value, expected):
+    assert reason(_broken(field, value), key=b"43" if field == "user_id" else b"42") == expected
+
+
+def test_token_limits():
+    limits = RequestLimits(max_profile_tokens=1, max_prefix_tokens=4)
+    with pytest.raises(EventError, match=r"prefix\.profile: 2 values exceeds the limit of 1"):
+        parse_event(make_event(tokens=4).SerializeToString(), limits)
+    with pytest.raises(EventError, match=r"prefix\.long_term\.items: 5 values exceeds the limit of 4"):
+        parse_event(make_event(tokens=5, profile=1).SerializeToString(), limits)
+
+
+def test_a_signal_at_the_token_limits_fits_the_default_record_limit():
+    """The largest valid event yields a signal that fits: the limits in shared/wire.py agree."""
+    e = make_event(tokens=LIMITS.max_prefix_tokens, profile=LIMITS.max_profile_tokens)
+    raw = e.SerializeToString()
+    parse_record(b"42", raw, LIMITS)
+    assert LIMITS.max_prefix_wire_bytes == 1_312_768
+    assert e.prefix.ByteSize() < LIMITS.max_prefix_wire_bytes + 64
+    signal = ev.PreInferSignal(schema_version=1, request_id=e.request_id, signal_time_unix_ms=2**62, prefix=e.prefix,
+                               lease_deadline_unix_ms=2**62, expected_instance="x" * 255)  # fmt: skip
+    assert len(signal.SerializeToString()) <= signal_size_bound(e, 255)
+    assert signal_size_bound(e, 255) < DEFAULT_MAX_RECORD_BYTES - 512
+
+
+def trigger(*flags: str) -> TriggerService:
+    """A trigger that decides without a broker (policy off: every valid event is not at risk)."""
+    return TriggerService(load_config(TriggerConfig, ["--policy", "off", "--dlq-topic", "dlq", *flags]))
+
+
+def record(value: bytes | None, key: bytes | None = b"42", offset: int = 0) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(topic="retrieval", partition=1, offset=offset, timestamp=1, timestamp_type=0, key=key,
+                          value=value, checksum=None, serialized_key_size=len(key or b""),
+                          serialized_value_size=len(value or b""), headers=[("trace", b"t1")])  # fmt: skip
+
+
+def test_every_failure_is_dead_lettered_whatever_the_decision():
+    service = trigger()
+    bad = _broken("items_le", encode([1, -5, 3, 4, 5, 6, 7, 8]))
+    out = service._handle(record(bad.SerializeToString()))
+    assert out is not None
+    assert out.kind is Kind.DEAD_LETTER
+    assert (out.topic, out.key, out.value) == ("dlq", b"42", bad.SerializeToString())
+    assert service.counts["dead_letter"] == 1
+    assert service.counts["not_at_risk"] == 0
+    assert service._handle(record(make_event().SerializeToString())) is None  # decided, no output
+    assert service.counts["not_at_risk"] == 1
+
+
+def test_an_event_whose_signal_would_not_fit_is_refused_up_front():
+    service = trigger("--max-record-bytes", str(64 << 10))
+    raw = make_event(tokens=4000).SerializeToString()  # ~80 KB
+    out = service._handle(record(raw))
+    assert out is not None
+    assert out.kind is Kind.DEAD_LETTER
+    headers = dict(out.headers or [])
+    assert headers["relaygr.dlq.reason"].startswith(b"a pre-infer signal for this event would take up to ")
+    assert headers["trace"] == b"t1"  # the original headers travel too
+    assert service.counts["dead_letter"] == 1
+
+
+def test_the_dead_letter_reads_back():
+    out = trigger()._handle(record(None, offset=9))
+    assert out is not None
+    letter = read_dead_letter(
+        ConsumerRecord(topic="dlq", partition=0, offset=0, timestamp=1, timestamp_type=0, key=out.key, value=out.value,
+                       checksum=None, serialized_key_size=2, serialized_value_size=-1, headers=out.headers or [])
+    )  # fmt: skip
+    assert (letter.reason, letter.source_topic, letter.partition, letter.offset, letter.service) == (
+        "tombstone: the record has no value (null)", "retrieval", 1, 9, "trigger"
+    )  # fmt: skip
+    assert letter.value is None
+    assert letter.headers == (("trace", b"t1"),)
