@@ -11,6 +11,7 @@ import platform
 import re
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,15 @@ import torch
 
 from shared.stats import median, percentile
 
-__all__ = ["machine", "markdown_table", "median", "percentile", "write_result"]
+__all__ = [
+    "machine",
+    "markdown_table",
+    "median",
+    "parse_metrics",
+    "percentile",
+    "scrape_metrics",
+    "write_result",
+]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -80,13 +89,36 @@ def write_result(
     columns: Sequence[str],
     out_dir: Path = RESULTS_DIR,
     header: str = "",
+    tag: str = "",
+    footer: str = "",
 ) -> tuple[Path, Path]:
-    """Writes <name>-<device>.json and .md; returns both paths."""
+    """Writes <name>-<device>[-<tag>].json and .md (title, header, the results table, footer);
+    returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     info = machine()
-    stem = f"{name}-{device_slug(info['device'])}"
+    stem = f"{name}-{device_slug(info['device'])}{'-' + tag if tag else ''}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps({"machine": info, "config": config, "results": results}, indent=2) + "\n")
     title = f"# {name} on {info['device']} (commit {info['commit']})\n\n"
-    md_path.write_text(title + header + markdown_table(results, columns))
+    md_path.write_text(title + header + markdown_table(results, columns) + footer)
     return json_path, md_path
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a Prometheus exposition text, keyed by `name` or `name{labels}` exactly as
+    written (comments and blank lines skipped). ValueError on a line that is not a sample."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if not head:
+            raise ValueError(f"not a Prometheus sample: {line!r}")
+        out[head] = float(value)
+    return out
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = 5.0) -> dict[str, float]:
+    """The samples of a service's /metrics endpoint (blocking; OSError when unreachable)."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout_s) as reply:
+        return parse_metrics(reply.read().decode())

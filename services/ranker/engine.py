@@ -14,6 +14,10 @@ On CUDA, batches against psi replay a captured CUDA graph when one fits (GraphLi
 eagerly; both give the same scores.
 A job whose caller has gone (its future cancelled) is dropped before it runs.
 
+Device time (services/ranker/device_time.py): every ranking batch, pre-inference and copy adds
+its device time to `device_time` by kind; the pre-inference cost of each psi is kept by key until
+a ranking batch consumes it or the cache reports it expired unused (`device_time.expired_unused`).
+
 Blocking: `submit_*` never block the event loop (a lock held for microseconds); results arrive on
 the loop via call_soon_threadsafe. Errors in one job fail that job's future only.
 """
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from kernels.device import Accelerator
+from services.ranker.device_time import WORKS, DeviceTime, SectionTimer
 from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
@@ -126,8 +131,10 @@ class _PreInferJob(_Job):
 @dataclass
 class _CopyJob(_Job):
     issue: Callable[[], Any] = field(kw_only=True)  # issues the copy, returns the result value
+    work: str = field(kw_only=True, default="copy")  # its kind in the device-time ledger
     event: Any = None
     value: Any = None
+    timer: SectionTimer | None = None
 
 
 class Engine:
@@ -146,7 +153,7 @@ class Engine:
         self._copies: collections.deque[_CopyJob] = collections.deque()
         self._copies_in_flight: list[_CopyJob] = []
         self._calls: collections.deque[_CallJob] = collections.deque()
-        self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]]] | None = None
+        self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]], SectionTimer] | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
         cuda = accel.backend == "cuda"
@@ -156,6 +163,7 @@ class Engine:
         self._preinfer_stream = torch.cuda.Stream(accel.device, priority=0) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
+        self.device_time = DeviceTime()
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
@@ -217,10 +225,13 @@ class Engine:
     async def preinfer(self, prefix: UserPrefix) -> Psi:
         return await self._push(self._preinfers, _PreInferJob(**self._job_args(prefix.length), prefix=prefix))
 
-    async def copy(self, issue: Callable[[], Any]) -> Any:
+    async def copy(self, issue: Callable[[], Any], work: str = "copy") -> Any:
         """Runs `issue` on the engine thread (on the copy stream on CUDA) and resolves once the
-        copies it enqueued have completed. `issue` returns the value to resolve with."""
-        return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue))
+        copies it enqueued have completed. `issue` returns the value to resolve with. `work` names
+        the copy in the device-time ledger ("copy", "reload" or "demote"; ValueError otherwise)."""
+        if work not in WORKS or work in ("rank", "preinfer"):
+            raise ValueError(f"a copy is 'copy', 'reload' or 'demote', not {work!r}")
+        return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue, work=work))
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Runs fn on the device thread (on the ranking stream on CUDA); resolves with its result."""
@@ -354,6 +365,7 @@ class Engine:
         return batch
 
     def _run_rank_batch(self, batch: list[_RankJob]) -> None:
+        self.device_time.begin()
         started = time.perf_counter()
         try:
             suffixes = [j.suffix for j in batch]
@@ -376,8 +388,15 @@ class Engine:
             for j in batch:
                 j.resolve(error=exc)
             return
+        finally:
+            # The scores are on the host (or the batch failed): its device work is over.
+            self.device_time.end()
+            self.device_time.add("rank", time.perf_counter() - started)
         done = time.perf_counter()
         compute_ms = (done - started) * 1e3
+        for j in batch:
+            if j.key is not None:
+                self.device_time.consumed(j.key)
         with self._cv:
             self._batches_run += 1
             tokens = sum(j.tokens for j in batch)
@@ -395,16 +414,21 @@ class Engine:
         if not job.alive():
             return True
         try:
+            job.timer = SectionTimer(cuda=self._copy_stream is not None)
             if self._copy_stream is not None:
                 # Copies read psi that compute just produced: order after it, on the copy stream.
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.accel.device))
                 with torch.cuda.stream(self._copy_stream):
-                    job.value = job.issue()
+                    with job.timer.section():
+                        job.value = job.issue()
                     job.event = torch.cuda.Event()
                     job.event.record(self._copy_stream)
                 self._copies_in_flight.append(job)
             else:
-                job.resolve(job.issue())
+                with job.timer.section():
+                    value = job.issue()
+                self.device_time.add(job.work, job.timer.total_s())
+                job.resolve(value)
         except Exception as exc:
             job.resolve(error=exc)
         return True
@@ -413,6 +437,8 @@ class Engine:
         still = []
         for job in self._copies_in_flight:
             if job.event.query():
+                if job.timer is not None:  # complete: reading its events does not block
+                    self.device_time.add(job.work, job.timer.total_s())
                 job.resolve(job.value)
             else:
                 still.append(job)
@@ -452,23 +478,37 @@ class Engine:
                         tokens += job.tokens
             if not jobs:
                 return False
-            self._active = (jobs, self.model.preinfer_steps([j.prefix for j in jobs]))
-        jobs, steps = self._active
+            self.device_time.begin()
+            timer = SectionTimer(cuda=self.accel.backend == "cuda")
+            self._active = (jobs, self.model.preinfer_steps([j.prefix for j in jobs]), timer)
+        jobs, steps, timer = self._active
         try:
-            next(steps)
+            with timer.section():
+                next(steps)
         except StopIteration as done:
             self._active = None
             if self.accel.backend == "cuda":
                 torch.cuda.current_stream(self.accel.device).synchronize()  # psi complete before use
             else:
                 self.accel.synchronize()
+            self.device_time.end()
+            self._account_preinfer(jobs, done.value, timer.total_s())
             for j, psi in zip(jobs, done.value, strict=True):
                 j.resolve(psi)
         except Exception as exc:
             self._active = None
+            self.device_time.end()
             for j in jobs:
                 j.resolve(error=exc)
         return True
+
+    def _account_preinfer(self, jobs: list[_PreInferJob], psis: list[Psi], seconds: float) -> None:
+        """Books a finished pre-inference batch: its time, and each psi's share by tokens (the
+        cost that is wasted if that psi expires unused)."""
+        self.device_time.add("preinfer", seconds)
+        tokens = sum(j.tokens for j in jobs) or 1
+        for j, psi in zip(jobs, psis, strict=True):
+            self.device_time.produced(psi.key, seconds * j.tokens / tokens)
 
     def _fail_all(self) -> None:
         pending: list[_Job] = [

@@ -1,0 +1,190 @@
+"""Where the accelerator's time goes: cumulative device seconds by kind of work, busy time, and the
+pre-inference time of psi that no ranking call used.
+
+`DeviceTime` is the ledger the engine writes into (from its threads) and the metrics endpoint reads
+(from its HTTP thread); every method takes one lock for microseconds. `DeviceTimeCollector` exposes
+it as Prometheus counters, read at scrape time:
+
+    relaygr_ranker_device_seconds_total{work="rank"|"preinfer"|"copy"|"reload"|"demote"}
+    relaygr_ranker_device_busy_seconds_total
+    relaygr_ranker_unused_psi_device_seconds_total
+    relaygr_ranker_unused_psi_total
+
+What the numbers mean (the engine measures them; services/ranker/engine.py):
+  rank      synchronised wall time of each ranking batch (its compute_ms: the scores are on the
+            host at its end, so the device work is done);
+  preinfer  on CUDA, CUDA-event time of each pre-inference step on the stream it ran on; on the
+            CPU, wall time of each step;
+  copy      host <-> device psi copies on the copy stream (event time on CUDA, wall time on the
+            CPU); a caller may name them "reload" or "demote" instead;
+  busy      wall time during which at least one ranking batch or pre-inference was outstanding
+            on the device (copies excluded: they run on the copy engine, beside compute);
+  unused psi  the pre-inference time of each psi whose lease expired before any ranking call
+            consumed it. The cost of a psi is kept, by key, from its production until it is
+            consumed (then it was useful) or reported expired (then it was wasted).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+
+import torch
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+WORKS = ("rank", "preinfer", "copy", "reload", "demote")
+
+
+@dataclass(frozen=True)
+class DeviceTimeSnapshot:
+    """The ledger at one instant (seconds are cumulative since the engine was made)."""
+
+    work_s: dict[str, float]
+    busy_s: float
+    unused_psi_s: float
+    unused_psi: int
+
+
+class DeviceTime:
+    """Thread-safe ledger of device time. `max_tracked` bounds the psi costs held by key (the
+    oldest are dropped: a psi neither consumed nor expired that long is not reported)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, max_tracked: int = 65_536) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work_s = dict.fromkeys(WORKS, 0.0)
+        self._busy_s = 0.0
+        self._active = 0
+        self._busy_since = 0.0
+        self._psi_cost: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+        self._max_tracked = max_tracked
+        self._unused_s = 0.0
+        self._unused = 0
+
+    def add(self, work: str, seconds: float) -> None:
+        """Adds `seconds` of device time to `work` (one of WORKS; ValueError otherwise)."""
+        if work not in self._work_s:
+            raise ValueError(f"unknown kind of device work {work!r} (one of {', '.join(WORKS)})")
+        with self._lock:
+            self._work_s[work] += max(0.0, seconds)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Marks the device busy for the block (nested and concurrent blocks count once)."""
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end()
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = self._clock()
+            self._active += 1
+
+    def end(self) -> None:
+        with self._lock:
+            if self._active <= 0:
+                raise RuntimeError("DeviceTime.end() without begin()")
+            self._active -= 1
+            if self._active == 0:
+                self._busy_s += self._clock() - self._busy_since
+
+    def produced(self, key: Hashable, seconds: float) -> None:
+        """The psi under `key` cost `seconds` of pre-inference (replaces an earlier cost)."""
+        with self._lock:
+            self._psi_cost.pop(key, None)
+            self._psi_cost[key] = seconds
+            while len(self._psi_cost) > self._max_tracked:
+                self._psi_cost.popitem(last=False)
+
+    def consumed(self, key: Hashable) -> None:
+        """A ranking call used the psi under `key`: its cost was not wasted."""
+        with self._lock:
+            self._psi_cost.pop(key, None)
+
+    def expired_unused(self, key: Hashable) -> float:
+        """The psi under `key` expired before any ranking call used it: its pre-inference time is
+        counted as unused (once). Returns that time (0 if unknown or already settled)."""
+        with self._lock:
+            seconds = self._psi_cost.pop(key, None)
+            if seconds is None:
+                return 0.0
+            self._unused_s += seconds
+            self._unused += 1
+            return seconds
+
+    def snapshot(self) -> DeviceTimeSnapshot:
+        with self._lock:
+            busy = self._busy_s + (self._clock() - self._busy_since if self._active else 0.0)
+            return DeviceTimeSnapshot(dict(self._work_s), busy, self._unused_s, self._unused)
+
+
+class SectionTimer:
+    """The device time of one piece of work issued in host sections (e.g. one pre-inference's
+    layer steps). On CUDA each section is bracketed by timing events on the current stream and
+    `total_s()` must be called once the work has completed (after a synchronise); elsewhere the
+    work is synchronous and sections are timed by the wall clock."""
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wall_s = 0.0
+
+    @contextlib.contextmanager
+    def section(self) -> Iterator[None]:
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._wall_s += time.perf_counter() - started
+
+    def total_s(self) -> float:
+        """Seconds over all sections. Blocks on CUDA until the last section has completed."""
+        return self._wall_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+
+
+class DeviceTimeCollector(Collector):
+    """Prometheus view of a DeviceTime, read at scrape time."""
+
+    def __init__(self, ledger: DeviceTime) -> None:
+        self._ledger = ledger
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        snap = self._ledger.snapshot()
+        work = CounterMetricFamily(
+            "relaygr_ranker_device_seconds", "device time spent, by kind of work", labels=["work"]
+        )
+        for name, seconds in snap.work_s.items():
+            work.add_metric([name], seconds)
+        yield work
+        yield CounterMetricFamily(
+            "relaygr_ranker_device_busy_seconds",
+            "wall time with a ranking batch or a pre-inference outstanding on the device",
+            value=snap.busy_s,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_unused_psi_device_seconds",
+            "pre-inference time of psi that expired before any ranking call used it",
+            value=snap.unused_psi_s,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_unused_psi",
+            "psi that expired before any ranking call used it",
+            value=snap.unused_psi,
+        )

@@ -1,0 +1,100 @@
+"""The device-time ledger (services/ranker/device_time.py) and the engine's bookkeeping into it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from bench.report import parse_metrics
+from bench.synthetic import Shape, batch
+from kernels.device import accelerator
+from services.ranker.device_time import DeviceTime, DeviceTimeCollector
+from services.ranker.engine import Engine, EngineConfig
+from services.ranker.model import HSTURanker
+from shared.modelspec import preset
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_overlapping_busy_intervals_count_once():
+    clock = FakeClock()
+    ledger = DeviceTime(clock)
+    ledger.begin()  # a ranking batch
+    clock.now += 1.0
+    ledger.begin()  # a pre-inference on its own thread, overlapping
+    clock.now += 2.0
+    ledger.end()
+    clock.now += 0.5
+    assert ledger.snapshot().busy_s == pytest.approx(3.5)  # still open: counted up to now
+    ledger.end()
+    clock.now += 10.0  # idle
+    assert ledger.snapshot().busy_s == pytest.approx(3.5)
+    with pytest.raises(RuntimeError):
+        ledger.end()
+
+
+def test_psi_cost_is_unused_only_if_it_expires_before_any_consumption():
+    ledger = DeviceTime()
+    ledger.produced("a", 0.25)
+    ledger.produced("b", 0.5)
+    ledger.consumed("a")
+    assert ledger.expired_unused("a") == 0.0  # consumed first: it was useful
+    assert ledger.expired_unused("b") == 0.5
+    assert ledger.expired_unused("b") == 0.0  # settled once
+    snap = ledger.snapshot()
+    assert (snap.unused_psi_s, snap.unused_psi) == (0.5, 1)
+
+
+def test_tracked_costs_are_bounded():
+    ledger = DeviceTime(max_tracked=2)
+    for key in "abc":
+        ledger.produced(key, 1.0)
+    assert ledger.expired_unused("a") == 0.0  # the oldest was dropped
+    assert ledger.expired_unused("c") == 1.0
+
+
+def test_unknown_work_is_refused():
+    with pytest.raises(ValueError, match="unknown kind"):
+        DeviceTime().add("nap", 1.0)
+
+
+async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
+    model = HSTURanker.from_seed(preset("tiny"), seed=0)
+    engine = Engine(model, accelerator("cpu"), EngineConfig(max_wait_s=0.0))
+    engine.start()
+    try:
+        prefixes, suffixes = batch(3, [Shape(2, 300, 4, 8)] * 2)
+        psis = await asyncio.gather(*(engine.preinfer(p) for p in prefixes))
+        after_preinfer = engine.device_time.snapshot()
+        assert after_preinfer.work_s["preinfer"] > 0
+        assert after_preinfer.work_s["rank"] == 0
+        await engine.rank_cached(suffixes[0], psis[0], psis[0].key)  # consumes psi 0
+        await engine.rank_full(prefixes[1], suffixes[1])
+        with pytest.raises(ValueError, match="a copy is"):
+            await engine.copy(lambda: None, work="rank")
+        await engine.copy(lambda: None, work="reload")
+        snap = engine.device_time.snapshot()
+        assert snap.work_s["rank"] > 0
+        assert snap.busy_s >= snap.work_s["rank"]  # busy covers the batches (and pre-inference)
+        # psi 0 was used; psi 1 expires unused: its share of the pre-inference is wasted.
+        assert engine.device_time.expired_unused(psis[0].key) == 0.0
+        wasted = engine.device_time.expired_unused(psis[1].key)
+        assert 0 < wasted <= snap.work_s["preinfer"]
+    finally:
+        engine.stop()
+
+    registry = CollectorRegistry()
+    registry.register(DeviceTimeCollector(engine.device_time))
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert samples['relaygr_ranker_device_seconds_total{work="rank"}'] == pytest.approx(snap.work_s["rank"])
+    assert samples["relaygr_ranker_unused_psi_device_seconds_total"] == pytest.approx(wasted)
+    assert samples["relaygr_ranker_unused_psi_total"] == 1
+    assert samples["relaygr_ranker_device_busy_seconds_total"] > 0
