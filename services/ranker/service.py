@@ -38,6 +38,7 @@ from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.config import RankerConfig
 from services.ranker.cost_model import CostModel
+from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, RankResult
 from services.ranker.graphs import GraphLimits
 from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
@@ -164,6 +165,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.host: HostTier | None = None
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
+        self.registry.register(DeviceTimeCollector(self.engine.device_time))
         self._productions: dict[PsiKey, _Production] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -289,6 +291,7 @@ class RankerService(pb_grpc.RankerServicer):
         while True:
             await asyncio.sleep(0.05)
             for key in self.cache.expire():
+                self.engine.device_time.expired_unused(key)
                 log.debug("psi_expired", key=str(key))
             self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)
             self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
