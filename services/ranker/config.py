@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.ranker.admission import AdmissionConfig
+from services.ranker.call_cost import CostPrior
 from shared.config import ConfigError, fraction, non_negative, one_of, port_number, positive, setting
 from shared.modelspec import PRESETS
 from shared.tls import TlsSettings
@@ -74,28 +75,33 @@ class RankerConfig(TlsSettings):
     max_inflight_ranks: int = setting(256, env="RELAYGR_MAX_INFLIGHT_RANKS",
                                       help="hard cap on Rank calls in flight (queued + running); more get "
                                       "RESOURCE_EXHAUSTED", check=positive)  # fmt: skip
-    # Adaptive admission (services/ranker/admission.py), from the measured Rank throughput.
+    # Admission (services/ranker/admission.py): calls weighed by their predicted cost.
     admission_target_ms: float = setting(5000.0, env="RELAYGR_ADMISSION_TARGET_MS",
-                                         help="bound on Rank calls in flight = measured calls/s x this (the "
-                                         "queued work, in time): beyond it calls are refused at once with "
-                                         "RESOURCE_EXHAUSTED, whatever their deadline (0: no adaptive admission, "
-                                         "only the hard cap)", check=non_negative)  # fmt: skip
+                                         help="bound on the predicted engine time of the Rank calls in flight "
+                                         "(queued work, from the measured per-batch / per-token costs): beyond "
+                                         "it calls are refused at once with RESOURCE_EXHAUSTED, whatever their "
+                                         "deadline (0: no adaptive admission, only the hard cap)",
+                                         check=non_negative)  # fmt: skip
     admission_deadline_fraction: float = setting(0.5, env="RELAYGR_ADMISSION_DEADLINE_FRACTION",
-                                                 help="a Rank call is admitted only if the calls in flight "
-                                                 "and itself take, at the measured rate, at most this share of its "
-                                                 "remaining deadline; else RESOURCE_EXHAUSTED at once",
+                                                 help="a Rank call is admitted only if the predicted work in "
+                                                 "flight and its own end within this share of its remaining "
+                                                 "deadline; else RESOURCE_EXHAUSTED at once",
                                                  check=fraction)  # fmt: skip
-    # A burst of a few batches is normal traffic, not overload: below this the limit would refuse
+    # A burst of a few batches is normal traffic, not overload: below this the work bound would refuse
     # calls whose deadline leaves plenty of time (the deadline check still refuses those that lack it).
     admission_min_limit: int = setting(0, env="RELAYGR_ADMISSION_MIN_LIMIT",
-                                       help="the adaptive limit never goes below this many calls in flight "
-                                       "(0: 4 x max_batch)", check=non_negative)  # fmt: skip
-    admission_prior_rps: float = setting(16.0, env="RELAYGR_ADMISSION_PRIOR_RPS",
-                                         help="Rank calls/s assumed before any is measured (worth 8 calls: it "
-                                         "fades as calls complete)", check=positive)  # fmt: skip
+                                       help="the work bound does not refuse while fewer Rank calls than this "
+                                       "are in flight (0: 4 x max_batch)", check=non_negative)  # fmt: skip
+    admission_prior_batch_ms: float = setting(1.0, env="RELAYGR_ADMISSION_PRIOR_BATCH_MS",
+                                              help="cost of a ranking batch assumed before any is measured "
+                                              "(worth 2 batches: it fades as batches are measured)",
+                                              check=non_negative)  # fmt: skip
+    admission_prior_token_us: float = setting(10.0, env="RELAYGR_ADMISSION_PRIOR_TOKEN_US",
+                                              help="cost per computed token assumed before any batch is measured",
+                                              check=non_negative)  # fmt: skip
     admission_window_s: float = setting(2.0, env="RELAYGR_ADMISSION_WINDOW_S",
-                                        help="time constant of the measured throughput, in busy seconds "
-                                        "(shorter: reacts faster, noisier)", check=positive)  # fmt: skip
+                                        help="time constant of the reported Rank throughput, in busy seconds",
+                                        check=positive)  # fmt: skip
     admission_shed_preinfer_ms: float = setting(1000.0, env="RELAYGR_ADMISSION_SHED_PREINFER_MS",
                                                 help="PreInfer is refused (reason rank_overloaded) for this long "
                                                 "after a Rank call was refused (0: never)",
@@ -132,6 +138,10 @@ class RankerConfig(TlsSettings):
                 "RELAYGR_ADMISSION_MIN_LIMIT (0: 4 x RELAYGR_MAX_BATCH) must not exceed "
                 "RELAYGR_MAX_INFLIGHT_RANKS"
             )
+        if self.admission_prior_batch_ms + self.admission_prior_token_us <= 0:
+            raise ConfigError(
+                "RELAYGR_ADMISSION_PRIOR_BATCH_MS and RELAYGR_ADMISSION_PRIOR_TOKEN_US must not both be 0"
+            )
 
     @property
     def admission(self) -> AdmissionConfig:
@@ -140,9 +150,12 @@ class RankerConfig(TlsSettings):
             deadline_fraction=self.admission_deadline_fraction,
             min_limit=self.admission_min_limit or 4 * self.max_batch,
             max_limit=self.max_inflight_ranks,
-            prior_rps=self.admission_prior_rps,
             window_s=self.admission_window_s,
             shed_s=self.admission_shed_preinfer_ms / 1e3,
+            prior=CostPrior(
+                per_batch_s=self.admission_prior_batch_ms / 1e3,
+                per_token_s=self.admission_prior_token_us / 1e6,
+            ),
         )
 
     @property

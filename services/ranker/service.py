@@ -10,9 +10,10 @@ falls back to full inference; only bad input (INVALID_ARGUMENT) and overload
 (RESOURCE_EXHAUSTED, refused at once) are not answered with scores.
 
 Overload: every Rank call first passes the admission limiter (services/ranker/admission.py), an
-O(1) decision made before the request is decoded into tensors or touches the engine: a bound on
-calls in flight from the measured throughput, and a check of the call's remaining deadline. While
-it refuses ranking calls, PreInfer is refused too (REFUSED, reason "rank_overloaded").
+O(1) decision made before the request is decoded into tensors or touches the engine: each call is
+weighed by its predicted engine time (from its token counts and the costs measured on this
+instance's batches), against a bound on the predicted work in flight and the call's remaining
+deadline. While it refuses ranking calls, PreInfer is refused too (REFUSED, reason "rank_overloaded").
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
+from services.ranker.call_cost import CallWork
 from services.ranker.config import RankerConfig
 from services.ranker.cost_model import CostModel
 from services.ranker.device_time import DeviceTimeCollector
@@ -88,13 +90,17 @@ class _Metrics:
                                  "without a graph (no graph for the shape yet, or too large)",
                                  registry=registry)  # fmt: skip
         self.rank_refusals = Counter("relaygr_ranker_rank_refusals_total",
-                                     "Rank calls refused by admission control (limit: in-flight bound, "
+                                     "Rank calls refused by admission control (limit: the cap on calls, "
+                                     "work: the bound on predicted work, "
                                      "deadline: the call's remaining deadline)", ["reason"],
                                      registry=registry)  # fmt: skip
         self.rank_inflight = Gauge("relaygr_ranker_rank_inflight", "Rank calls in flight (queued + running)",
                                    registry=registry)  # fmt: skip
+        self.rank_inflight_work = Gauge("relaygr_ranker_rank_inflight_work_ms",
+                                        "predicted engine time of the Rank calls in flight",
+                                        registry=registry)  # fmt: skip
         self.rank_admission_limit = Gauge("relaygr_ranker_rank_admission_limit",
-                                          "Rank calls in flight allowed now", registry=registry)  # fmt: skip
+                                          "the cap on Rank calls in flight", registry=registry)  # fmt: skip
         self.rank_throughput = Gauge("relaygr_ranker_rank_throughput_rps",
                                      "measured Rank calls/s while busy (the prior until calls complete)",
                                      registry=registry)  # fmt: skip
@@ -130,6 +136,17 @@ class _Production:
 def _psi_name(key: Hashable) -> Hashable:
     assert isinstance(key, PsiKey)
     return key.name
+
+
+def _call_work(request: pb.RankRequest) -> CallWork:
+    """What a ranking call will compute, from its fields' sizes (before decoding; malformed sizes
+    are refused later, by the decoder): its suffix against psi when it names its prefix by
+    reference (sent when the psi is believed resident), else its prefix and suffix in full."""
+    suffix = (len(request.recent.items_le) + len(request.candidates_le)) // 8  # int64 ids
+    if request.HasField("prefix_ref"):
+        return CallWork.of(request.prefix_ref.length, suffix, against_psi=True)
+    prefix = (len(request.prefix.profile_le) + len(request.prefix.long_term.items_le)) // 8
+    return CallWork.of(prefix, suffix, against_psi=False)
 
 
 class RankerService(pb_grpc.RankerServicer):
@@ -177,6 +194,7 @@ class RankerService(pb_grpc.RankerServicer):
         # Read at scrape time: nothing to update on the Rank path.
         self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
         self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
+        self.metrics.rank_inflight_work.set_function(lambda: self.admission.inflight_work_s * 1e3)
         self.metrics.rank_throughput.set_function(lambda: self.admission.throughput or 0.0)
         graphs = self.engine.graph_stats()
         if graphs is not None:
@@ -279,6 +297,11 @@ class RankerService(pb_grpc.RankerServicer):
             log.info("rank_graphs_warm", captured=captured, tokens_per_user=list(self.config.graph_warm_tokens),
                      ms=round((time.perf_counter() - started) * 1e3, 1))  # fmt: skip
         self.engine.forget_batches()
+        # Measured, not assumed: one full ranking and one against psi, now warm, give admission
+        # its first costs per batch, token and attention pair (services/ranker/call_cost.py).
+        await self.engine.rank_full(prefix, suffix)
+        await self.engine.rank_cached(short, psi, psi.key)
+        self.admission.costs.observe_batches(self.engine.recent_batches())
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -290,6 +313,7 @@ class RankerService(pb_grpc.RankerServicer):
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(0.05)
+            self.admission.costs.observe_batches(self.engine.recent_batches())
             for key in self.cache.expire():
                 self.engine.device_time.expired_unused(key)
                 log.debug("psi_expired", key=str(key))
@@ -398,12 +422,13 @@ class RankerService(pb_grpc.RankerServicer):
         started = time.perf_counter()
         remaining = context.time_remaining()
         # Admission first: O(1), before any decoding or engine work, so that a refusal is fast.
-        refusal = self.admission.try_acquire(remaining)
-        if refusal is not None:
-            self._refuse(refusal)
+        admitted = self.admission.try_acquire(_call_work(request), remaining)
+        if isinstance(admitted, Refusal):
+            self._refuse(admitted)
             await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"ranker {self.instance_id} {refusal.reason}"
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"ranker {self.instance_id} {admitted.reason}"
             )
+            raise AssertionError("unreachable: abort raises")  # pragma: no cover
         served = ""
         try:
             prefix, suffix = rank_inputs(request, self.config.limits)
@@ -424,7 +449,7 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.rank_errors.labels("cancelled").inc()
             raise
         finally:
-            self.admission.release(served=bool(served))
+            self.admission.release(admitted, served=bool(served))
         total_ms = (time.perf_counter() - started) * 1e3
         self._rank_ms.append(total_ms)
         self.metrics.rank_ms.labels(served).observe(total_ms)
@@ -446,6 +471,7 @@ class RankerService(pb_grpc.RankerServicer):
             self._overload_logged_at = now
             log.warning("rank_overloaded", instance=self.instance_id, kind=refusal.kind,
                         inflight=self.admission.inflight, limit=self.admission.limit,
+                        inflight_work_ms=round(self.admission.inflight_work_s * 1e3, 1),
                         throughput_rps=self.admission.throughput, refused=dict(self.admission.refused))  # fmt: skip
 
     async def _rank(

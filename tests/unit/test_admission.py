@@ -1,20 +1,22 @@
-"""The Rank admission limiter as a pure object, driven by a fake clock (no timing assertions).
-
-Completions are counted when they happen and busy time as it passes, so with exponential
-weighting the estimate reads high by about exp(service_s / (2 x window_s)): rates are compared
-with a tolerance of a few percent.
-"""
+"""The Rank admission limiter as a pure object: calls weighed by their predicted cost, driven by
+a fake clock (no timing assertions). Costs come from a fit to synthetic measured batches."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
-from services.ranker.admission import AdmissionConfig, AdmissionLimiter
+from services.ranker.admission import AdmissionConfig, AdmissionLimiter, Admitted, Refusal
+from services.ranker.call_cost import CallWork, CostPrior
 from services.ranker.config import RankerConfig
 from shared.config import ConfigError, load_config
+
+# Measured costs the limiter is taught (the shape of the tiny preset on this CPU).
+BATCH_S, TOKEN_S, PAIR_S = 2e-3, 5e-6, 100e-9
+HIT = CallWork.of(4096, 48, against_psi=True)  # ~2 ms
+SHORT_FULL = CallWork.of(300, 48, against_psi=False)  # ~14 ms
+LONG_FULL = CallWork.of(4096, 48, against_psi=False)  # ~1.72 s
 
 
 class FakeClock:
@@ -28,238 +30,177 @@ class FakeClock:
         self.now += seconds
 
 
-def limiter(**overrides: float) -> tuple[AdmissionLimiter, FakeClock]:
+def seconds(work: CallWork) -> float:
+    return BATCH_S + TOKEN_S * work.tokens + PAIR_S * work.pairs
+
+
+def limiter(measured: bool = True, **overrides: object) -> tuple[AdmissionLimiter, FakeClock]:
+    """A limiter; `measured`: it has seen batches timed exactly by the costs above."""
     clock = FakeClock()
-    return AdmissionLimiter(AdmissionConfig(**overrides), clock), clock  # type: ignore[arg-type]
+    lim = AdmissionLimiter(AdmissionConfig(**overrides), clock)  # type: ignore[arg-type]
+    if measured:
+        for prefix in (0, 200, 800, 1600, 3200, 6400) * 20:
+            work = CallWork.of(prefix, 64, against_psi=prefix == 0)
+            lim.costs.observe(work.tokens, work.pairs, seconds(work))
+    return lim, clock
 
 
-def serve(lim: AdmissionLimiter, clock: FakeClock, calls: int, service_s: float, concurrent: int = 1) -> None:
-    """`calls` served in waves of `concurrent`, each wave taking service_s: a rate of
-    concurrent / service_s calls per busy second."""
-    for _ in range(calls // concurrent):
-        for _ in range(concurrent):
-            assert lim.try_acquire() is None
-        clock.advance(service_s)
-        for _ in range(concurrent):
-            lim.release(served=True)
+def admit(lim: AdmissionLimiter, work: CallWork, remaining_s: float | None = None) -> Admitted:
+    decision = lim.try_acquire(work, remaining_s)
+    assert isinstance(decision, Admitted), decision
+    return decision
 
 
-def saturate(lim: AdmissionLimiter, clock: FakeClock, seconds: float, rate: float) -> None:
-    """Overload: callers keep the instance at its limit, and it completes `rate` calls/s whatever
-    the concurrency (CPU-bound, no batching gain). Refusals are what the limiter is for here."""
-    for _ in range(int(seconds * rate)):
-        while lim.try_acquire() is None:
-            pass
-        clock.advance(1.0 / rate)
-        lim.release(served=True)
+def refuse(lim: AdmissionLimiter, work: CallWork, remaining_s: float | None = None) -> Refusal:
+    decision = lim.try_acquire(work, remaining_s)
+    assert isinstance(decision, Refusal), decision
+    return decision
 
 
-def test_the_prior_gives_the_first_limit():
-    lim, _ = limiter(prior_rps=12.0, target_s=0.25)
-    assert lim.throughput == pytest.approx(12.0)  # 3 calls per 0.25 s
+def test_the_limiter_predicts_from_the_measured_costs():
+    lim, _ = limiter()
+    # The prior (1 ms a batch) still weighs a little against 120 measured batches.
+    for work in (HIT, SHORT_FULL, LONG_FULL):
+        assert lim.costs.seconds(work) == pytest.approx(seconds(work), rel=0.1)
+
+
+def test_cheap_calls_are_admitted_where_an_expensive_one_is_refused():
+    lim, _ = limiter(deadline_fraction=0.5)
+    admit(lim, SHORT_FULL, remaining_s=1.0)
+    refusal = refuse(lim, LONG_FULL, remaining_s=1.0)  # ~1.7 s of work for 0.5 s of budget
+    assert refusal.kind == "deadline"
+    assert "this call's 4144 tokens in full" in refusal.reason
+    assert "1000 ms left" in refusal.reason
+    for _ in range(20):  # the same deadline fits calls against psi and short recomputes
+        admit(lim, HIT, remaining_s=1.0)
+        admit(lim, SHORT_FULL, remaining_s=1.0)
+    assert lim.inflight == 41
+    assert lim.inflight_work_s == pytest.approx(21 * seconds(SHORT_FULL) + 20 * seconds(HIT), rel=0.1)
+    assert lim.refused == {"limit": 0, "work": 0, "deadline": 1}
+
+
+def test_work_in_flight_counts_against_a_call_s_deadline():
+    lim, _ = limiter(deadline_fraction=0.5)
+    mid = CallWork.of(1500, 48, against_psi=False)  # ~0.24 s
+    admit(lim, mid, remaining_s=1.0)
+    admit(lim, mid, remaining_s=1.0)  # ~0.48 s of work: within half of 1 s
+    refusal = refuse(lim, mid, remaining_s=1.0)  # ~0.72 s
+    assert "2 ranking calls in flight (48" in refusal.reason
+    admit(lim, mid, remaining_s=2.0)  # a caller who waits longer is admitted
+    admit(lim, HIT, remaining_s=None)  # no deadline: only the work bound applies
+
+
+def test_an_idle_instance_refuses_a_call_that_alone_would_outlive_its_deadline():
+    lim, _ = limiter(deadline_fraction=0.5)
+    refusal = refuse(lim, LONG_FULL, remaining_s=1.0)
+    assert refusal.kind == "deadline"
+    assert refusal.reason.startswith("overloaded: 0 ranking calls in flight (0 ms of predicted work)")
+    assert lim.inflight == 0
+    admit(lim, LONG_FULL, remaining_s=4.0)  # its own deadline leaves room for it
+
+
+def test_before_any_measurement_the_prior_admits_long_calls_to_measure_them():
+    lim, _ = limiter(measured=False, prior=CostPrior(per_batch_s=1e-3, per_token_s=10e-6))
+    assert lim.costs.measured == 0
+    decision = admit(lim, LONG_FULL, remaining_s=1.0)  # no quadratic cost in the prior
+    assert decision.work_s == pytest.approx(1e-3 + 4144 * 10e-6, rel=1e-3)
+    lim.release(decision, served=True)
+    lim.costs.observe(LONG_FULL.tokens, LONG_FULL.pairs, seconds(LONG_FULL))  # the engine's batch
+    lim.costs.observe(HIT.tokens, HIT.pairs, seconds(HIT))
+    assert refuse(lim, LONG_FULL, remaining_s=1.0).kind == "deadline"  # now it knows
+    admit(lim, HIT, remaining_s=1.0)
+
+
+def test_work_bound_refuses_beyond_target_but_not_below_min_limit():
+    lim, _ = limiter(target_s=1.0, min_limit=2)
+    admit(lim, LONG_FULL)  # 1.7 s > 1 s, but below min_limit calls in flight
+    admit(lim, HIT)
+    refusal = refuse(lim, HIT)
+    assert refusal.kind == "work"
+    assert "exceed the bound of 1000 ms" in refusal.reason
+    assert lim.refused["work"] == 1
+
+
+def test_the_work_bound_fits_many_cheap_calls_or_few_expensive_ones():
+    cheap, _ = limiter(target_s=0.5, min_limit=1)
+    n_cheap = 0
+    while isinstance(cheap.try_acquire(SHORT_FULL), Admitted):
+        n_cheap += 1
+    assert n_cheap == pytest.approx(0.5 / seconds(SHORT_FULL), abs=2)  # ~35
+    dear, _ = limiter(target_s=0.5, min_limit=1)
+    mid = CallWork.of(1500, 48, against_psi=False)
+    n_dear = 0
+    while isinstance(dear.try_acquire(mid), Admitted):
+        n_dear += 1
+    assert n_dear == 2
+
+
+def test_release_returns_the_call_s_work_and_zero_when_empty():
+    lim, _ = limiter()
+    a, b = admit(lim, SHORT_FULL), admit(lim, HIT)
+    lim.release(a, served=True)
+    assert lim.inflight == 1
+    assert lim.inflight_work_s == pytest.approx(b.work_s)
+    lim.release(b, served=False)
+    assert lim.inflight == 0
+    assert lim.inflight_work_s == 0.0
+    with pytest.raises(RuntimeError):
+        lim.release(b, served=True)
+
+
+def test_the_hard_cap_holds_whatever_the_cost():
+    lim, _ = limiter(max_limit=3, min_limit=1)
     for _ in range(3):
-        assert lim.try_acquire() is None
-    refusal = lim.try_acquire()
-    assert refusal is not None
+        admit(lim, HIT)
+    refusal = refuse(lim, HIT)
     assert refusal.kind == "limit"
     assert refusal.reason == "overloaded: 3 ranking calls in flight, limit 3"
-    assert lim.inflight == 3
-    assert lim.refused == {"limit": 1, "deadline": 0}
-
-
-def test_without_a_prior_the_prior_rate_holds_until_busy_time_is_measured():
-    lim, clock = limiter(prior_rps=2.0, target_s=1.0, prior_calls=0.0)
-    assert lim.throughput is None
-    assert lim.limit == 2
-    assert lim.try_acquire(remaining_s=1e-6) is None  # nothing measured: no deadline check
-    clock.advance(0.5)
-    lim.release(served=True)
-    assert lim.throughput == pytest.approx(2.0, rel=0.2)
-
-
-def test_an_instance_overloaded_from_the_start_still_lowers_its_limit():
-    # Every admitted call outlives its caller's deadline: none is ever served. Busy time alone
-    # must bring the limit down (without the prior there would never be a first measurement).
-    lim, clock = limiter(prior_rps=32.0, target_s=0.25, window_s=2.0)
-    for _ in range(8):
-        assert lim.try_acquire() is None
-    clock.advance(1.0)
-    for _ in range(8):
-        lim.release(served=False)
-    assert lim.limit < 8
-    for _ in range(lim.limit):
-        assert lim.try_acquire() is None
-    clock.advance(1.0)
-    assert lim.try_acquire() is not None
-    assert lim.limit == 1
-
-
-def test_limit_is_throughput_times_target():
-    lim, clock = limiter(target_s=0.25, prior_rps=32.0, window_s=1.0)
-    serve(lim, clock, calls=800, service_s=0.05, concurrent=4)  # 80 calls per busy second
-    assert lim.throughput == pytest.approx(80.0, rel=0.03)
-    assert lim.limit == math.ceil(lim.throughput * 0.25)  # ~80/s x 0.25 s
-    assert lim.limit in (20, 21)
-
-
-def test_idle_time_is_not_read_as_low_capacity():
-    lim, clock = limiter(target_s=0.25, window_s=0.5)
-    for _ in range(200):  # one call every second, each served in 10 ms
-        serve(lim, clock, calls=1, service_s=0.01)
-        clock.advance(0.99)
-    measured = lim.throughput
-    assert measured == pytest.approx(100.0, rel=0.01)  # not 1 call/s
-    assert lim.limit == math.ceil(measured * 0.25)  # ~25
-    clock.advance(3600.0)  # a long idle spell keeps the estimate
-    assert lim.try_acquire() is None
-    assert lim.throughput == pytest.approx(measured)
-
-
-def test_limit_falls_when_the_instance_slows_down_and_refuses_beyond_it():
-    lim, clock = limiter(target_s=0.25, window_s=2.0)
-    saturate(lim, clock, seconds=10.0, rate=80.0)
-    assert lim.limit in (20, 21)  # ~80/s x 0.25 s
-    saturate(lim, clock, seconds=20.0, rate=6.0)  # contention: the same calls take ~13x longer
-    assert lim.throughput == pytest.approx(6.0, rel=0.05)
-    assert lim.limit == 2  # ceil(~6/s x 0.25 s)
-    assert lim.inflight == 1
-    assert lim.try_acquire() is None
-    refusal = lim.try_acquire()
-    assert refusal is not None
-    assert refusal.kind == "limit"
-    assert "2 ranking calls in flight, limit 2" in refusal.reason
-
-
-def test_limit_recovers_when_the_instance_speeds_up():
-    lim, clock = limiter(target_s=0.25, window_s=1.0)
-    saturate(lim, clock, seconds=5.0, rate=8.0)
-    assert lim.throughput == pytest.approx(8.0, rel=0.1)
-    assert lim.limit <= 3
-    saturate(lim, clock, seconds=5.0, rate=80.0)
-    assert lim.throughput == pytest.approx(80.0, rel=0.1)
-    assert lim.limit == math.ceil(lim.throughput * 0.25)
-
-
-def test_min_and_max_bound_the_limit():
-    lim, clock = limiter(target_s=0.25, min_limit=3, max_limit=10, prior_rps=12.0)
-    serve(lim, clock, calls=16, service_s=1.0)  # 1/s: 0.25 -> the floor
     assert lim.limit == 3
-    serve(lim, clock, calls=3000, service_s=0.001, concurrent=3)  # 3000/s -> the cap
-    assert lim.limit == 10
 
 
 def test_target_zero_keeps_only_the_hard_cap():
-    lim, clock = limiter(target_s=0.0, max_limit=5, window_s=20.0)
-    serve(lim, clock, calls=16, service_s=1.0)
-    assert lim.throughput == pytest.approx(1.0, rel=0.03)  # still measured
-    assert lim.limit == 5
+    lim, _ = limiter(target_s=0.0, max_limit=5, min_limit=1)
     for _ in range(5):
-        assert lim.try_acquire(remaining_s=0.001) is None  # no deadline check either
-    refusal = lim.try_acquire()
-    assert refusal is not None
-    assert refusal.kind == "limit"
+        admit(lim, LONG_FULL, remaining_s=0.001)  # no deadline check either
+    assert refuse(lim, HIT).kind == "limit"
 
 
-def test_a_call_whose_deadline_is_too_short_for_the_queue_is_refused():
-    lim, clock = limiter(target_s=1.0, prior_rps=10.0)
-    serve(lim, clock, calls=40, service_s=0.1)  # 10 calls/s
-    assert lim.throughput == pytest.approx(10.0, rel=0.03)
-    for _ in range(4):
-        assert lim.try_acquire(remaining_s=10.0) is None
-    refusal = lim.try_acquire(remaining_s=0.3)  # needs (4 + 1) / 10 = 0.5 s
-    assert refusal is not None
-    assert refusal.kind == "deadline"
-    assert "4 ranking calls in flight" in refusal.reason
-    assert "300 ms left" in refusal.reason
-    assert lim.try_acquire(remaining_s=0.9) is not None  # ~0.5 s is more than half of 0.9 s
-    assert lim.try_acquire(remaining_s=1.2) is None
-    assert lim.try_acquire(remaining_s=None) is None  # no deadline: only the limit applies
-    assert lim.refused == {"limit": 0, "deadline": 2}
-
-
-def test_a_burst_that_fits_its_deadlines_is_admitted_one_that_does_not_is_refused():
-    lim, clock = limiter(target_s=1.0, deadline_fraction=0.5)
-    saturate(lim, clock, seconds=5.0, rate=48.0)
-    while lim.inflight:  # the callers gave up: no completions to count
-        lim.release(served=False)
-    assert lim.throughput == pytest.approx(48.0, rel=0.05)
-    for _ in range(16):  # ~1/3 s of work, callers that wait 30 s
-        assert lim.try_acquire(remaining_s=30.0) is None
-    clock.advance(16 / 48)
-    for _ in range(16):
-        lim.release(served=True)
-    admitted = 0
-    while lim.try_acquire(remaining_s=1.0) is None:  # callers that wait 1 s: ~0.5 s of work
-        admitted += 1
-    assert admitted == pytest.approx(24, abs=2)
-
-
-def test_an_idle_instance_admits_a_call_whatever_it_measured():
-    lim, clock = limiter(target_s=0.25, window_s=1.0)
-    saturate(lim, clock, seconds=10.0, rate=0.5)  # a bad spell: 2 s per call
-    while lim.inflight:
-        lim.release(served=False)
-    assert lim.try_acquire(remaining_s=0.1) is None  # 2 s expected, 0.1 s left: admitted (idle)
-    assert lim.try_acquire(remaining_s=0.1) is not None  # not when a call is ahead
-    clock.advance(0.01)  # the spell is over: the probe comes back fast
-    lim.release(served=True)
-    for _ in range(50):
-        assert lim.try_acquire(remaining_s=0.1) is None
+def test_idle_time_is_not_read_as_low_throughput():
+    lim, clock = limiter(window_s=0.5)
+    assert lim.throughput is None
+    for _ in range(200):  # one call every second, each served in 10 ms
+        decision = admit(lim, HIT)
         clock.advance(0.01)
-        lim.release(served=True)
-    assert lim.limit > 1
+        lim.release(decision, served=True)
+        clock.advance(0.99)
+    assert lim.throughput == pytest.approx(100.0, rel=0.02)  # not 1 call/s (EW: ~1% high)
 
 
 def test_unserved_calls_take_busy_time_but_add_no_throughput():
-    lim, clock = limiter(target_s=0.25)
-    serve(lim, clock, calls=20, service_s=0.01)
-    before = lim.throughput
-    assert before is not None
-    for _ in range(10):  # cancelled by their callers after 100 ms each
-        assert lim.try_acquire() is None
-        clock.advance(0.1)
-        lim.release(served=False)
-    after = lim.throughput
-    assert after is not None
-    assert after < before / 2
-
-
-def test_busy_time_accrues_while_calls_are_in_flight_even_without_completions():
-    lim, clock = limiter(target_s=0.25)
-    serve(lim, clock, calls=300, service_s=0.01)
-    assert lim.limit > 20
-    assert lim.try_acquire() is None
-    clock.advance(10.0)  # a stalled call: nothing completes for 5 windows
-    refusal = lim.try_acquire()  # the estimate catches up here
-    throughput = lim.throughput
-    assert throughput is not None
-    assert throughput < 4.0
-    assert lim.limit == 1  # ceil(< 4/s x 0.25 s)
-    assert refusal is not None
-    assert refusal.kind == "limit"
+    lim, clock = limiter()
+    for served in (True,) * 20 + (False,) * 10:
+        decision = admit(lim, HIT)
+        clock.advance(0.01 if served else 0.1)
+        lim.release(decision, served=served)
+    assert lim.throughput is not None
+    assert lim.throughput < 50.0
 
 
 def test_shedding_holds_for_shed_s_after_a_refusal():
-    lim, clock = limiter(target_s=1.0, prior_rps=1.0, shed_s=1.0)
+    lim, clock = limiter(shed_s=1.0, max_limit=1, min_limit=1)
     assert not lim.shedding()
-    assert lim.try_acquire() is None
+    admit(lim, HIT)
     assert not lim.shedding()  # admissions do not shed
-    assert lim.try_acquire() is not None
+    refuse(lim, HIT)
     assert lim.shedding()
     clock.advance(0.9)
     assert lim.shedding()
     clock.advance(0.2)
     assert not lim.shedding()
-    never, _ = limiter(target_s=1.0, prior_rps=1.0, shed_s=0.0)
-    assert never.try_acquire() is None
-    assert never.try_acquire() is not None
+    never, _ = limiter(shed_s=0.0, max_limit=1, min_limit=1)
+    admit(never, HIT)
+    refuse(never, HIT)
     assert not never.shedding()
-
-
-def test_release_without_acquire_is_an_error():
-    lim, _ = limiter()
-    with pytest.raises(RuntimeError):
-        lim.release(served=True)
 
 
 @pytest.mark.parametrize(
@@ -271,8 +212,6 @@ def test_release_without_acquire_is_an_error():
         {"min_limit": 0},
         {"min_limit": 9, "max_limit": 8},
         {"window_s": 0.0},
-        {"prior_rps": 0.0},
-        {"prior_calls": -1.0},
         {"shed_s": -1.0},
     ],
 )
@@ -289,12 +228,19 @@ def test_ranker_settings_build_the_limiter_config():
             "RELAYGR_ADMISSION_WINDOW_S": "0.5",
             "RELAYGR_ADMISSION_DEADLINE_FRACTION": "0.8",
             "RELAYGR_ADMISSION_SHED_PREINFER_MS": "0",
+            "RELAYGR_ADMISSION_PRIOR_BATCH_MS": "3",
+            "RELAYGR_ADMISSION_PRIOR_TOKEN_US": "20",
         },
     )
     assert config.admission == AdmissionConfig(
-        target_s=0.1, deadline_fraction=0.8, min_limit=2, max_limit=64, window_s=0.5, shed_s=0.0
+        target_s=0.1,
+        deadline_fraction=0.8,
+        min_limit=2,
+        max_limit=64,
+        window_s=0.5,
+        shed_s=0.0,
+        prior=CostPrior(per_batch_s=3e-3, per_token_s=20e-6),
     )
-    assert load_config(RankerConfig, ["--admission-prior-rps", "4"], env={}).admission.prior_rps == 4.0
     # One set of defaults, except the floor, which the ranker derives from its batch size.
     assert load_config(RankerConfig, [], env={}).admission == dataclasses.replace(
         AdmissionConfig(), min_limit=32
@@ -310,9 +256,10 @@ def test_ranker_settings_build_the_limiter_config():
         ["--admission-window-s", "0"],
         ["--admission-deadline-fraction", "0"],
         ["--admission-deadline-fraction", "1.5"],
-        ["--admission-prior-rps", "0"],
+        ["--admission-prior-batch-ms", "-1"],
+        ["--admission-prior-token-us", "-1"],
+        ["--admission-prior-batch-ms", "0", "--admission-prior-token-us", "0"],
         ["--admission-shed-preinfer-ms", "-1"],
-        ["--admission-prior-rps", "-1"],
         ["--admission-min-limit", "10", "--max-inflight-ranks", "4"],
     ],
 )
