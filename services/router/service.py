@@ -34,7 +34,6 @@ is idempotent, so a redelivered signal is harmless.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import contextlib
 import signal
@@ -44,9 +43,8 @@ from functools import partial
 from typing import Any, NamedTuple, NoReturn
 
 import grpc
-import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -67,6 +65,7 @@ from services.router.membership import FORWARDED_METHODS, ROUTER_ID_PREFIX, Memb
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
 from services.router.residency import ResidencyMap
+from shared.dlq import dead_letter_headers
 from shared.kafka import ensure_topics, make_consumer, make_producer
 from shared.lifecycle import settle_heap
 from shared.logging import get_logger
@@ -842,18 +841,18 @@ class RouterService:
         return "lost"
 
     async def _dead_letter(self, record: ConsumerRecord[Any, Any], reason: str) -> None:
+        """The original record, the reason in headers (shared/dlq.py). A dead letter that can never
+        be written (too large) is logged and skipped; other errors raise (the batch is retried)."""
         assert self._producer is not None
-        key = record.key.decode("utf-8", "replace") if record.key is not None else None
-        payload = {
-            "reason": reason,
-            "source_topic": record.topic,
-            "partition": record.partition,
-            "offset": record.offset,
-            "key": key,
-            "value_b64": base64.b64encode(record.value).decode() if record.value is not None else None,
-            "service": "router",
-        }
-        await self._producer.send_and_wait(self.config.dlq_topic, orjson.dumps(payload), key=record.key)
+        headers = dead_letter_headers(record, reason, "router", int(time.time() * 1e3))
+        try:
+            await self._producer.send_and_wait(
+                self.config.dlq_topic, record.value, key=record.key, headers=headers
+            )
+        except (MessageSizeTooLargeError, RecordTooLargeError) as exc:
+            log.error("dead_letter_undeliverable", reason=reason, topic=record.topic, partition=record.partition,
+                      offset=record.offset, error=repr(exc))  # fmt: skip
+            return
         log.warning("signal_dead_lettered", reason=reason, topic=record.topic, partition=record.partition,
                     offset=record.offset)  # fmt: skip
 

@@ -12,7 +12,6 @@ import asyncio
 import time
 
 import grpc
-import orjson
 import pytest
 import torch
 from aiokafka import AIOKafkaConsumer
@@ -21,6 +20,7 @@ from bench.synthetic import Shape, request
 from relaygr.processes import ServiceProcess
 from services.ranker.wire import prefix_to_proto, rank_request
 from shared.broker import EmbeddedBroker
+from shared.dlq import read_dead_letter
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
@@ -140,7 +140,8 @@ async def test_malformed_events_are_dead_lettered(stack):
         deadline = time.monotonic() + 30
         while len(reasons) < 3 and time.monotonic() < deadline:
             for records in (await consumer.getmany(timeout_ms=500)).values():
-                reasons += [orjson.loads(r.value)["reason"] for r in records if b'"trigger"' in r.value]
+                letters = [read_dead_letter(r) for r in records]
+                reasons += [d.reason for d in letters if d.service == "trigger"]
     finally:
         await consumer.stop()
     assert len(reasons) == 3

@@ -5,10 +5,8 @@ reason, and the consumer group's committed offsets cover every record."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 
-import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -19,6 +17,7 @@ from services.router.config import RouterConfig
 from services.router.service import RouterService
 from shared.broker import EmbeddedBroker
 from shared.config import load_config
+from shared.dlq import DeadLetter, read_dead_letter
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import events_pb2
 from shared.protos import ranker_pb2 as pb
@@ -97,24 +96,24 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         assert entry.instance == f"127.0.0.1:{ranker.port}"
 
         await dlq.start()
-        records: list[dict] = []
+        records: list[DeadLetter] = []
 
         async def two_dead_letters() -> bool:
             batch = await dlq.getmany(timeout_ms=200)
-            records.extend(orjson.loads(r.value) for rs in batch.values() for r in rs)
+            records.extend(read_dead_letter(r) for rs in batch.values() for r in rs)
             return len(records) >= 2
 
         await eventually(two_dead_letters, "two records on the DLQ")
-        by_key = {r["key"]: r for r in records}
-        assert set(by_key) == {"77", "78"}
-        assert "undecodable" in by_key["77"]["reason"]
-        assert "schema_version 2" in by_key["78"]["reason"]
-        assert base64.b64decode(by_key["77"]["value_b64"]) == garbage
+        by_key = {r.key: r for r in records}
+        assert set(by_key) == {b"77", b"78"}
+        assert "undecodable" in by_key[b"77"].reason
+        assert "schema_version 2" in by_key[b"78"].reason
+        assert by_key[b"77"].value == garbage  # the original bytes (shared/dlq.py)
         for record in records:
-            assert record["service"] == "router"
-            assert record["source_topic"] == SIGNALS
-            assert record["partition"] in (0, 1)
-            assert record["offset"] >= 0
+            assert record.service == "router"
+            assert record.source_topic == SIGNALS
+            assert record.partition in (0, 1)
+            assert record.offset >= 0
 
         consumer = router._consumer
         assert consumer is not None
