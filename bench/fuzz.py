@@ -1,10 +1,12 @@
 """Malformed retrieval events against the real trigger on the embedded broker.
 
 A seeded stream of well-formed events interleaved with malformed ones (random bytes, truncated
-messages, and valid events with one field broken at a time) goes to the retrieval topic. The
-trigger must survive (crashes: its process exited), dead-letter every malformed event with a
-reason (dlq_events), decide every well-formed one (lost_events: well-formed events never
-decided), and commit offsets up to the end of every partition.
+messages, valid events with one field broken at a time, and records whose key is not the user id,
+null keys and tombstones) goes to the retrieval topic. The trigger must survive (crashes: its
+process exited), dead-letter every malformed event with a reason (dlq_events: records on the DLQ
+that read as dead letters, shared/dlq.py; dlq_unreadable: any that do not), decide every
+well-formed one (lost_events: well-formed events never decided), and commit offsets up to the
+end of every partition.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from bench.synthetic import Shape, request
 from relaygr.processes import ServiceProcess
 from services.ranker.wire import prefix_to_proto
 from shared.broker import EmbeddedBroker
+from shared.dlq import read_dead_letter
 from shared.kafka import KafkaSettings, ensure_topics, make_producer
 from shared.protos import events_pb2 as ev
 
@@ -37,7 +40,7 @@ def _valid(rng: random.Random, i: int) -> ev.RetrievalEvent:
 
 def malformed(rng: random.Random, base: ev.RetrievalEvent) -> bytes:
     """One malformed encoding of an event (never a well-formed one)."""
-    kind = rng.randrange(9)
+    kind = rng.randrange(11)
     e = ev.RetrievalEvent()
     e.CopyFrom(base)
     if kind == 0:
@@ -57,9 +60,31 @@ def malformed(rng: random.Random, base: ev.RetrievalEvent) -> bytes:
         e.user_id += 1
     elif kind == 7:
         e.ranking_deadline_unix_ms = 0
+    elif kind == 8 and e.prefix.long_term.items_le:
+        e.prefix.long_term.items_le = (-1).to_bytes(8, "little", signed=True) + e.prefix.long_term.items_le[
+            8:
+        ]
+    elif kind == 9:
+        e.event_time_unix_ms = -rng.randint(1, 10**12)
     else:
         e.ClearField("prefix")
     return e.SerializeToString()
+
+
+def malformed_record(rng: random.Random, base: ev.RetrievalEvent) -> tuple[bytes | None, bytes | None]:
+    """(key, value) of a malformed retrieval record: a malformed value under the user's key, or a
+    well-formed value under a wrong, non-numeric or null key, or a tombstone."""
+    key = str(base.user_id).encode()
+    kind = rng.randrange(12)
+    if kind == 0:
+        return str(base.user_id + 1).encode(), base.SerializeToString()
+    if kind == 1:
+        return b"user-" + key, base.SerializeToString()
+    if kind == 2:
+        return None, base.SerializeToString()
+    if kind == 3:
+        return key, None
+    return key, malformed(rng, base)
 
 
 PARTITIONS = 4
@@ -76,20 +101,26 @@ async def _committed(bootstrap: str, topic: str) -> dict[TopicPartition, int | N
         await consumer.stop()
 
 
-async def _count(bootstrap: str, topic: str, timeout_s: float) -> int:
+async def _dead_letters(bootstrap: str, topic: str, timeout_s: float) -> tuple[int, int]:
+    """(records that read as dead letters, records that do not) on the DLQ."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
     await consumer.start()
-    n, deadline = 0, time.monotonic() + timeout_s
+    n = bad = 0
+    deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=300)
-            got = sum(len(v) for v in batch.values())
-            n += got
-            if not got and n:
+            records = [r for v in batch.values() for r in v]
+            for record in records:
+                try:
+                    n += bool(read_dead_letter(record).reason)
+                except ValueError:
+                    bad += 1
+            if not records and n + bad:
                 break
     finally:
         await consumer.stop()
-    return n
+    return n, bad
 
 
 def run_fuzz(malformed_count: int = 10_000, good_count: int = 500, seed: int = 0) -> dict[str, Any]:
@@ -108,8 +139,11 @@ def run_fuzz(malformed_count: int = 10_000, good_count: int = 500, seed: int = 0
             rng.shuffle(order)
             acks = []
             for i, kind in enumerate(order):
-                value = malformed(rng, base) if kind == "bad" else _valid(rng, i + 1).SerializeToString()
-                acks.append(await producer.send(RETRIEVAL, value, key=str(i).encode()))
+                if kind == "bad":
+                    key, value = malformed_record(rng, base)
+                else:
+                    key, value = str(i + 1).encode(), _valid(rng, i + 1).SerializeToString()
+                acks.append(await producer.send(RETRIEVAL, value, key=key))
             ends: dict[TopicPartition, int] = {}
             for meta in await asyncio.gather(*acks):
                 tp = TopicPartition(RETRIEVAL, meta.partition)
@@ -135,7 +169,7 @@ def run_fuzz(malformed_count: int = 10_000, good_count: int = 500, seed: int = 0
             time.sleep(0.5)  # the last commit
             crashed = trigger.proc.poll() is not None
             committed = asyncio.run(_committed(broker.bootstrap, RETRIEVAL))
-            dlq_events = asyncio.run(_count(broker.bootstrap, DLQ, 20.0))
+            dlq_events, dlq_unreadable = asyncio.run(_dead_letters(broker.bootstrap, DLQ, 20.0))
         finally:
             trigger.stop()
     return {
@@ -144,6 +178,7 @@ def run_fuzz(malformed_count: int = 10_000, good_count: int = 500, seed: int = 0
         "well_formed": good_count,
         "crashes": int(crashed),
         "dlq_events": dlq_events,
+        "dlq_unreadable": dlq_unreadable,
         "lost_events": max(0, good_count - int(decided)),
         "offsets_committed": bool(end) and all(committed.get(tp) == off for tp, off in end.items()),
     }
