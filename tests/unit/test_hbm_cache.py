@@ -239,3 +239,19 @@ def test_invariants_under_random_operations(sequence):
             if n:  # a pinned entry is never gone
                 assert c.lookup(k) is not None
                 assert c.lookup(k).pins >= n
+
+
+def test_variants_are_the_other_entries_of_a_group_until_they_leave(clock):
+    """Keys grouped by name (the ranker: (user, prefix version, model)); a claim is by key only."""
+    c = HbmCache(100, clock, group_of=lambda key: key[0])
+    c.admit(("u", "old"), 30, lease())
+    assert c.variants(("u", "new")) == [("u", "old")]
+    assert c.variants(("u", "old")) == []
+    assert c.variants(("v", "new")) == []
+    c.produced(("u", "old"), "psi-old")
+    assert c.claim(("u", "new")).outcome is Claim.MISS  # another content: never this psi
+    assert c.lookup(("u", "old")).state is EntryState.RESIDENT  # and untouched
+    clock.now = 11.0
+    c.expire()
+    assert c.variants(("u", "new")) == []
+    assert make(clock).variants(("u", "new")) == []  # no groups: no variants
