@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import shlex
@@ -521,9 +522,105 @@ def run_rapid_reset(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def _other_tokens(prefix: Any, at: int) -> Any:
+    """The same user, prefix version and length, the long-term item at `at` changed."""
+    from services.ranker.sequences import Behaviors, UserPrefix
+
+    items = prefix.long_term.items.clone()
+    items[at] = (items[at] + 1) % 1000
+    lt = prefix.long_term
+    return UserPrefix(
+        prefix.user_id, prefix.prefix_version, prefix.profile, Behaviors(items, lt.actions, lt.timestamps)
+    )
+
+
+def run_prefix_content_mismatch(args: argparse.Namespace) -> dict[str, Any]:
+    """Finding 3 of issue 12: through the router, each user's prefix A is pre-inferred; then
+    ranking calls arrive under the same (user, prefix version) with other tokens of the same
+    length (one item changed: the first, the middle or the last), then with A itself, then with
+    the other tokens again. `wrong_scores` counts calls whose scores differ from a full ranking
+    of their own tokens (the tiny model, float32 on the CPU) by more than 1e-5; `lost_events`
+    the PreInfers not accepted; `prefix_content_mismatches` the rankers' own count."""
+    import torch
+
+    from bench.synthetic import Shape, batch
+    from services.ranker.model import HSTURanker
+    from services.ranker.wire import preinfer_request, rank_request
+    from shared.modelspec import preset
+    from shared.protos import ranker_pb2 as pb
+
+    n = args.mismatch_users
+    prefixes, suffixes = batch(args.seed + 12, [Shape(3, args.mismatch_prefix_len, 8, 16)] * n)
+    others = [_other_tokens(p, (0, len(p.long_term) // 2, -1)[i % 3]) for i, p in enumerate(prefixes)]
+    reference = HSTURanker.from_seed(preset("tiny"), seed=0)  # the rankers' weights
+    calls: list[tuple[Any, Any, bool]] = []  # (prefix, suffix, other tokens?) in send order
+    for wave in (others, prefixes, others):
+        calls += [(p, s, wave is others) for p, s in zip(wave, suffixes, strict=True)]
+    want = [reference.full([p], [s])[0] for p, s, _ in calls]
+    replies: list[Any] = []
+    lost = 0
+
+    async def drive(port: int, ranker_targets: list[str]) -> int:
+        nonlocal lost
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.RankerStub(channel)
+        rankers = [grpc.aio.insecure_channel(t) for t in ranker_targets]
+        try:
+            lease = int(time.time() * 1e3) + 30_000
+            for i, p in enumerate(prefixes):
+                try:
+                    pre = await stub.PreInfer(preinfer_request(p, f"pa{i}", lease), timeout=10)
+                    lost += pre.outcome not in (pb.PreInferReply.ACCEPTED, pb.PreInferReply.RELOAD_SCHEDULED)
+                except grpc.aio.AioRpcError:
+                    lost += 1
+
+            async def stats() -> list[Any]:
+                return [await pb_grpc.RankerStub(c).Stats(pb.StatsRequest(), timeout=5) for c in rankers]
+
+            for _ in range(600):  # psi produced, or a minute passed
+                if sum(s.psi_produced for s in await stats()) >= n - lost:
+                    break
+                await asyncio.sleep(0.1)
+            for i, (p, s, _) in enumerate(calls):
+                try:
+                    replies.append(await stub.Rank(rank_request(p, s, f"r{i}"), timeout=30))
+                except grpc.aio.AioRpcError as exc:
+                    replies.append(exc.code().name)
+            return sum(s.prefix_content_mismatches for s in await stats())
+        finally:
+            for c in rankers:
+                await c.close()
+            await channel.close()
+
+    with _front_door_stack(args) as stack:
+        mismatches = asyncio.run(drive(stack.router_port, stack.ranker_targets))
+    answered = [
+        (r, w, other)
+        for r, w, (_, _, other) in zip(replies, want, calls, strict=True)
+        if not isinstance(r, str)
+    ]
+    wrong = sum(1 for r, w, _ in answered if float((torch.tensor(list(r.scores)) - w).abs().max()) > 1e-5)
+    served = [(pb.ServedBy.Name(r.served_by).lower(), other) for r, _, other in answered]
+    record = {
+        "scenario": "prefix_content_mismatch",
+        "calls": len(calls),
+        "failed": len(calls) - len(answered),
+        "lost_events": lost,
+        "wrong_scores": wrong,
+        "mismatch_calls": sum(1 for _, _, other in calls if other),
+        "prefix_content_mismatches": mismatches,
+        "served_other_tokens": dict(collections.Counter(name for name, other in served if other)),
+        "served_own_tokens": dict(collections.Counter(name for name, other in served if not other)),
+        "prefix_len": args.mismatch_prefix_len + 3,
+    }
+    print(f"prefix_content_mismatch {record}", flush=True)
+    return record
+
+
 FRONT_DOOR_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "router_oversized_header": run_router_oversized_header,
     "rapid_reset": run_rapid_reset,
+    "prefix_content_mismatch": run_prefix_content_mismatch,
 }
 
 
@@ -557,6 +654,9 @@ def main(argv: list[str] | None = None) -> None:
                         choices=list(FRONT_DOOR_SCENARIOS), help="front-door abuse scenarios (none given: skip)")  # fmt: skip
     parser.add_argument("--oversized-calls", type=int, default=5, help="router_oversized_header: 100 KB calls")  # fmt: skip
     parser.add_argument("--attack-s", type=float, default=5.0, help="rapid_reset: how long the attack runs")
+    parser.add_argument("--mismatch-users", type=int, default=12, help="prefix_content_mismatch: users")
+    parser.add_argument("--mismatch-prefix-len", type=int, default=1000,
+                        help="prefix_content_mismatch: long-term tokens per prefix")  # fmt: skip
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]

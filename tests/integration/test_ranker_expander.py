@@ -14,6 +14,7 @@ import pytest
 from bench.synthetic import Shape, batch
 from relaygr.processes import ServiceProcess
 from services.ranker.model import HSTURanker
+from services.ranker.sequences import Behaviors, UserPrefix
 from shared.modelspec import preset
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -171,3 +172,29 @@ async def test_expander_kill_never_fails_a_ranking_call(stack, reference):
         await r.wait(lambda s: s.expander_connected)
     reply = await rankers[0].stub.Rank(rank_request(prefixes[0], suffixes[0], "after"), timeout=30)
     assert close(reply.scores, full_scores(reference, prefixes[0], suffixes[0]))
+
+
+async def test_psi_in_host_dram_is_never_reloaded_for_other_tokens(stack, reference):
+    """Finding 3 through the DRAM tier: psi of prefix A is in host DRAM; a call with prefix B
+    (same user, prefix version and length, one token changed) on the other ranker is ranked
+    from B's tokens, with no reload; A's own call still reloads it."""
+    _, (a, b), _ = stack
+    prefixes, suffixes = batch(13, [Shape(3, 1000, 8, 16)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    items = prefix.long_term.items.clone()
+    items[-1] = (items[-1] + 1) % 1000
+    lt = prefix.long_term
+    other = UserPrefix(
+        prefix.user_id, prefix.prefix_version, prefix.profile, Behaviors(items, lt.actions, lt.timestamps)
+    )
+    want, want_other = full_scores(reference, prefix, suffix), full_scores(reference, other, suffix)
+    assert not close(want, want_other)  # serving A's psi to B would be caught
+    await produce_and_consume_on(a, prefix, suffix, "seed")
+    await a.wait(lambda st: st.demotions == 1)
+    ranked = await b.stub.Rank(rank_request(other, suffix, "other"), timeout=30)
+    assert ranked.served_by == pb.FULL_RECOMPUTE
+    assert close(ranked.scores, want_other)
+    assert (await b.stats()).reloads == 0
+    ranked = await b.stub.Rank(rank_request(prefix, suffix, "own"), timeout=30)
+    assert ranked.served_by == pb.DRAM_RELOAD
+    assert close(ranked.scores, want)
