@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import time
@@ -31,7 +32,7 @@ from typing import Any
 import grpc
 
 from bench.replay import ReplayResult, replay
-from bench.report import RESULTS_DIR, device_slug, machine, markdown_table
+from bench.report import RESULTS_DIR, device_slug, machine, markdown_table, scrape_metrics
 from bench.workload import Materializer, WorkloadConfig, generate
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
 from shared.kafka import KafkaSettings, make_producer
@@ -103,8 +104,28 @@ async def eps_against_full(router: Any, result: ReplayResult, materializer: Mate
     return worst
 
 
+_DEVICE_SECONDS = 'relaygr_ranker_device_seconds_total{work="%s"}'
+
+
+async def device_counters(stack: Stack) -> dict[str, float]:
+    """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for port in stack.ranker_metrics_ports:
+        samples = await asyncio.to_thread(scrape_metrics, port)
+        totals["rank"] += samples.get(_DEVICE_SECONDS % "rank", 0.0)
+        totals["preinfer"] += samples.get(_DEVICE_SECONDS % "preinfer", 0.0)
+        totals["copy"] += sum(samples.get(_DEVICE_SECONDS % w, 0.0) for w in ("copy", "reload", "demote"))
+        totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
+        totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
+    return dict(totals)
+
+
 async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
                     eps_sample: int) -> Point:  # fmt: skip
+    """Replays one workload through the running stack. Besides the replay's summary, records the
+    rankers' counters over the point: psi produced / wasted, reloads, resident bytes, and device
+    time (busy_fraction: busy seconds per ranker over the replay; device_*_s: seconds of ranking,
+    pre-inference, copies, and pre-inference of psi that expired unused, until 1 s after it)."""
     workload = generate(workload_config)
     materializer = Materializer.for_workload(workload)
     before = await ranker_stats(stack.ranker_targets)
@@ -123,6 +144,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
                                         options=[("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
     router = pb_grpc.RankerStub(channel)
     sampler = asyncio.ensure_future(sample_resident())
+    device_before, started = await device_counters(stack), time.perf_counter()
     try:
         result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
                               materializer=materializer, slo_ms=slo_ms)  # fmt: skip
@@ -130,8 +152,11 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         stop.set()
         await sampler
         await producer.stop()
+    replay_s = time.perf_counter() - started
+    busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
     after = await ranker_stats(stack.ranker_targets)
+    device = await device_counters(stack)
     eps = await eps_against_full(router, result, materializer) if eps_sample else 0.0
     await channel.close()
     produced = sum(a.psi_produced - b.psi_produced for a, b in zip(after, before, strict=True))
@@ -146,6 +171,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "preinfers_refused": sum(
             a.preinfers_refused - b.preinfers_refused for a, b in zip(after, before, strict=True)
         ),
+        "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
+        **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
     }
     point = Point(sweep, value, result.summary(slo_ms), rankers, eps)
     s = point.summary
@@ -296,20 +323,26 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     started = time.time()
     for name in names:
-        overrides = dict(CONFIGS[name])
-        trigger_extra = tuple(overrides.pop("trigger_args", ()))
-        config = StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
-                             hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
-                             # the trigger's estimate of the tokens a ranking call adds to the prefix
-                             trigger_args=("--suffix-tokens", str(args.recent + args.candidates),
-                                           "--risk-fraction", str(args.risk_fraction), *trigger_extra),
-                             **overrides)  # fmt: skip
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
-        with Stack(config) as stack:  # started from the main thread: its children live as long as it
+        # Started from the main thread: its children live as long as it.
+        with Stack(stack_config(name, args)) as stack:
             points = asyncio.run(sweeps(stack, args))
         records.append(config_record(name, points, args.slo_ms))
     run_config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "merge")}
     write_report(records, run_config | {"wall_s": time.time() - started}, machine(), args)
+
+
+def stack_config(name: str, args: argparse.Namespace) -> StackConfig:
+    """The stack of configuration `name` (CONFIGS) with the run's settings: rankers, device,
+    preset, slo_ms, hbm_budget_mb, arena_gb, recent, candidates, risk_fraction."""
+    overrides = dict(CONFIGS[name])
+    trigger_extra = tuple(overrides.pop("trigger_args", ()))
+    return StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
+                       hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
+                       # the trigger's estimate of the tokens a ranking call adds to the prefix
+                       trigger_args=("--suffix-tokens", str(args.recent + args.candidates),
+                                     "--risk-fraction", str(args.risk_fraction), *trigger_extra),
+                       **overrides)  # fmt: skip
 
 
 def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], info: dict[str, Any],

@@ -1,0 +1,549 @@
+"""Goodput: the highest offered rate each configuration serves within the SLO, found, never floored.
+
+    python -m bench.goodput --device cuda --preset bench --slo-ms 50 --configs baseline,relay \\
+        --workloads L2048,L4096,L8192,L12288,mix --repeats 2          # the GPU run (see README)
+    python -m bench.goodput --configs baseline,relay --workloads L256 --grid 2 4 --slo-ms 1 \\
+        --min-duration-s 1 --min-calls 4                               # a CPU smoke run (tiny model)
+
+Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-loop replays
+(bench/workload.py, bench/relay.py's run_point) at rates chosen by `LimitSearch`:
+  1. grid: the rates of `--grid` in ascending order, extended geometrically (x `--growth`) past
+     its top while every point meets, up to `--cap-rps` (a result is censored only if the cap
+     itself meets). Stepping stops at the first miss (P99 > SLO, or any call failed or unsent),
+     but not before every grid rate at which an earlier configuration met on the same workload
+     and repeat has been measured: P99s of all configurations compare at equal rates.
+  2. down: if the first grid rate misses, rates grid[0] / growth^k until one meets or the next
+     would fall under `--floor-rps` (then goodput is 0).
+  3. bisect between the highest rate that met below the first miss and the first miss, until
+     they are within `--precision` (10%) of each other: goodput_rps is the former,
+     first_miss_rps the latter.
+  4. compare (the length mix only): every rate at which the baseline met that this
+     configuration has not measured yet, for the never-worse table. These do not move the limit.
+Each point lasts max(`--min-duration-s`, `--min-calls` / rate) seconds (10 s and 400 calls by
+default) and records how many calls it sent. `--repeats` N repeats the headline workloads (L4096
+and the mix) N times in the same run; the report gives the median and every value.
+
+Why configuration by configuration (each stack up once, all its workloads, then the next) and not
+rate by rate across configurations: two stacks on one accelerator would measure each other, and
+restarting a stack per rate costs its warm-up (minutes on a GPU: kernel compiles, graph capture)
+and discards warm state that belongs to it. The same grid is still stepped by every configuration
+(rule 1), and the baseline runs first so that every later configuration knows the rates it must
+reach for the comparisons.
+
+Per point: P50 / P99 / P99.9, calls, served-by fractions (hbm_hit, inflight_join, partial_prefix,
+dram_reload, full_recompute), the device's busy fraction and device seconds of ranking,
+pre-inference and unused psi (the rankers' counters, services/ranker/device_time.py).
+
+Writes bench/results/goodput-<device>[-<tag>].json and .md (goodput per configuration and
+workload, relay / baseline, the never-worse table) and one PNG per workload (P99 vs rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import relay
+from bench.report import RESULTS_DIR, machine, markdown_table, write_result
+from bench.workload import WorkloadConfig, generate
+from relaygr.launcher import Stack
+
+HEADLINE = ("L4096", "mix")  # the workloads repeated by --repeats
+NEVER_WORSE = "mix"  # the workload of the never-worse table
+REFERENCE = "baseline"
+NEVER_WORSE_TOLERANCE = 1.1  # relay P99 / baseline P99 allowed at a rate where the baseline meets
+_RATE_TOL = 1e-6
+_SERVED = ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute")
+
+
+# ---------------------------------------------------------------------- the search (pure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One measured rate. `record` holds everything else the report keeps about it."""
+
+    rate_rps: float
+    p99_ms: float
+    meets_slo: bool
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    grid: tuple[float, ...]  # ascending rates every configuration steps through
+    precision: float = 0.10  # bisect until first_miss <= goodput x (1 + precision)
+    growth: float = 2.0  # geometric step past the grid's top, and under its bottom
+    cap_rps: float = 10_000.0  # the grid is never extended past this
+    floor_rps: float = 0.0  # stepping down stops under this (0: grid[0] / 64)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.grid or any(r <= 0 for r in self.grid) or list(self.grid) != sorted(set(self.grid)):
+            problems.append("grid must be distinct positive rates in ascending order")
+        if not 0 < self.precision < 1:
+            problems.append("precision must be in (0, 1)")
+        if self.growth <= 1:
+            problems.append("growth must be > 1")
+        if self.grid and self.cap_rps < self.grid[-1]:
+            problems.append("cap_rps must be >= the grid's top")
+        if self.floor_rps < 0 or (self.grid and self.floor_rps > self.grid[0]):
+            problems.append("floor_rps must be in [0, grid[0]]")
+        if problems:
+            raise ValueError("SearchConfig: " + "; ".join(problems))
+
+    @property
+    def floor(self) -> float:
+        return self.floor_rps or self.grid[0] / 64
+
+    def ladder(self) -> list[float]:
+        """The grid and its extension up to the cap (the cap itself last)."""
+        rates = list(self.grid)
+        while rates[-1] < self.cap_rps:
+            rates.append(min(self.cap_rps, rates[-1] * self.growth))
+        return rates
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    goodput_rps: float  # the highest rate that met below the first miss (0: none met)
+    first_miss_rps: float | None  # None only when censored
+    censored: bool  # the cap met: the limit is above it
+    points: list[tuple[str, Point]]  # (phase, point) in measurement order
+
+
+class LimitSearch:
+    """The rate search as a state machine over measurements (the caller measures):
+
+        search = LimitSearch(config, must_reach=..., compare=...)
+        while (rate := search.next_rate()) is not None:
+            search.observe(measure(rate))
+        result = search.result()
+
+    `must_reach`: the grid is stepped at least up to this rate even past the first miss (the
+    highest grid rate an earlier configuration met). `compare`: rates measured at the end if not
+    measured already (they never move the limit). Pure: no I/O, no clock."""
+
+    def __init__(self, config: SearchConfig, must_reach: float = 0.0, compare: Sequence[float] = ()) -> None:
+        self.config = config
+        self.must_reach = must_reach
+        self._compare = sorted(set(compare))
+        self._ladder = config.ladder()
+        self._points: list[tuple[str, Point]] = []
+        self._phase = "grid"
+        self._next: float | None = self._ladder[0]
+        self._censored = False
+        self._lo = 0.0
+        self._hi: float | None = None
+
+    def next_rate(self) -> float | None:
+        """The next rate to measure, or None when the search is over."""
+        return self._next
+
+    def observe(self, point: Point) -> None:
+        """Records the measurement of the rate next_rate() gave; decides the next one."""
+        if self._next is None or not math.isclose(point.rate_rps, self._next, rel_tol=_RATE_TOL):
+            raise ValueError(f"observed rate {point.rate_rps} but {self._next} was asked for")
+        self._points.append((self._phase, point))
+        self._next = self._advance(point)
+
+    def result(self) -> SearchResult:
+        if self._next is not None:
+            raise RuntimeError("the search is not over")
+        return SearchResult(self._lo, self._hi, self._censored, list(self._points))
+
+    # ------------------------------------------------------------------ transitions
+
+    def _measured(self, rate: float) -> bool:
+        return any(math.isclose(p.rate_rps, rate, rel_tol=_RATE_TOL) for _, p in self._points)
+
+    def _misses(self) -> list[float]:
+        return [p.rate_rps for phase, p in self._points if phase != "compare" and not p.meets_slo]
+
+    def _advance(self, point: Point) -> float | None:
+        if self._phase == "grid":
+            i = len([1 for phase, _ in self._points if phase == "grid"])
+            missed = bool(self._misses())
+            if i < len(self._ladder) and (not missed or self._ladder[i] <= self.must_reach * (1 + _RATE_TOL)):
+                return self._ladder[i]
+            if not missed:  # the cap met
+                self._censored = True
+                self._lo = point.rate_rps
+                return self._start_compare()
+            if self._points[0][1].meets_slo:
+                return self._start_bisect()
+            self._phase = "down"
+            return self._step_down(self._ladder[0])
+        if self._phase == "down":
+            if point.meets_slo:
+                return self._start_bisect()
+            return self._step_down(point.rate_rps)
+        if self._phase == "bisect":
+            if point.meets_slo:
+                self._lo = point.rate_rps
+            else:
+                self._hi = point.rate_rps
+            return self._bisect_next()
+        return self._compare_next()
+
+    def _step_down(self, rate: float) -> float | None:
+        lower = rate / self.config.growth
+        if lower < self.config.floor * (1 - _RATE_TOL):
+            return self._start_bisect()  # nothing met: goodput 0
+        return lower
+
+    def _start_bisect(self) -> float | None:
+        self._phase = "bisect"
+        self._hi = min(self._misses())
+        met = [p.rate_rps for _, p in self._points if p.meets_slo and p.rate_rps < self._hi]
+        self._lo = max(met, default=0.0)
+        return self._bisect_next()
+
+    def _bisect_next(self) -> float | None:
+        assert self._hi is not None
+        if self._lo <= 0 or self._hi <= self._lo * (1 + self.config.precision):
+            return self._start_compare()
+        return (self._lo + self._hi) / 2
+
+    def _start_compare(self) -> float | None:
+        self._phase = "compare"
+        return self._compare_next()
+
+    def _compare_next(self) -> float | None:
+        return next((r for r in self._compare if not self._measured(r)), None)
+
+
+def find_limit(
+    measure: Callable[[float], Point],
+    config: SearchConfig,
+    must_reach: float = 0.0,
+    compare: Sequence[float] = (),
+) -> SearchResult:
+    """Runs a LimitSearch with a synchronous `measure(rate) -> Point`."""
+    search = LimitSearch(config, must_reach, compare)
+    while (rate := search.next_rate()) is not None:
+        search.observe(measure(rate))
+    return search.result()
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+def workload_config(name: str, base: WorkloadConfig) -> WorkloadConfig:
+    """`L<n>`: every prefix exactly n tokens; `mix`: the ML-100K length mix of `base`."""
+    if name == "mix":
+        return dataclasses.replace(base, fixed_prefix_len=None)
+    match = re.fullmatch(r"L(\d+)", name)
+    if match is None:
+        raise ValueError(f"unknown workload {name!r}: L<prefix tokens> or mix")
+    return dataclasses.replace(base, fixed_prefix_len=int(match.group(1)))
+
+
+def point_config(
+    workload: WorkloadConfig, rate: float, min_duration_s: float, min_calls: int
+) -> WorkloadConfig:
+    """The workload at `rate`, long enough for max(min_duration_s, min_calls / rate) seconds and
+    at least min_calls planned calls (a Poisson count can fall short: then it is lengthened)."""
+    cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(min_duration_s, min_calls / rate))
+    for _ in range(8):
+        planned = len(generate(cfg))
+        if planned >= min_calls:
+            return cfg
+        cfg = dataclasses.replace(
+            cfg, duration_s=cfg.duration_s * max(1.1, 1.05 * min_calls / max(planned, 1))
+        )
+    raise RuntimeError(f"cannot plan {min_calls} calls at {rate} req/s")
+
+
+# ---------------------------------------------------------------------- running it
+
+
+class Runner:
+    """Measures points through one running stack; every point gets fresh prefix versions."""
+
+    def __init__(self, stack: Stack, args: argparse.Namespace) -> None:
+        self.stack = stack
+        self.args = args
+        self._points = 0
+
+    async def measure(self, workload: WorkloadConfig, rate: float) -> Point:
+        a = self.args
+        self._points += 1
+        # One (user, version) must always name the same tokens, and no point may hit psi that an
+        # earlier one left in the tiers: each point has its own version range.
+        cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
+                           a.min_duration_s, a.min_calls)  # fmt: skip
+        p = await relay.run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0)
+        s = p.summary
+        record = {
+            "rate_rps": rate,
+            "p50_ms": s["p50_ms"],
+            "p99_ms": s["p99_ms"],
+            "p999_ms": s["p999_ms"],
+            "meets_slo": p.ok,
+            "calls": s["sent"],
+            "ok": s["ok"],
+            "failed": s["failed"],
+            "duration_s": cfg.duration_s,
+            "offered_rps": s["offered_rps"],
+            "lag_ms_p99": s["lag_ms_p99"],
+            **{k: s.get(k, 0.0) for k in _SERVED},
+            **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
+                                         "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate")},
+        }  # fmt: skip
+        await asyncio.sleep(a.settle_s)
+        return Point(rate, s["p99_ms"], p.ok, record)
+
+    async def search(self, workload: WorkloadConfig, config: SearchConfig, must_reach: float,
+                     compare: Sequence[float]) -> SearchResult:  # fmt: skip
+        search = LimitSearch(config, must_reach, compare)
+        while (rate := search.next_rate()) is not None:
+            search.observe(await self.measure(workload, rate))
+        return search.result()
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(workload, repeat) in run order: every workload once, then the headline ones again."""
+    out = [(w, 0) for w in args.workloads]
+    for r in range(1, args.repeats):
+        out += [(w, r) for w in args.workloads if w in HEADLINE]
+    return out
+
+
+def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo_ms: float) -> dict[str, Any]:
+    return {
+        "config": config,
+        "workload": workload,
+        "repeat": repeat,
+        "slo_ms": slo_ms,
+        "goodput_rps": result.goodput_rps,
+        "first_miss_rps": result.first_miss_rps,
+        "censored": result.censored,
+        "points": [p.record | {"phase": phase} for phase, p in result.points],
+    }
+
+
+async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: SearchConfig,
+                     earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    """Every (workload, repeat) of the plan through one configuration's stack."""
+    base = WorkloadConfig(seed=args.seed, users=args.users, recent_tokens=args.recent, candidates=args.candidates,
+                          length_scale=args.length_scale, max_prefix_len=args.max_prefix_len,
+                          session_mean_requests=args.session_mean_requests)  # fmt: skip
+    runner = Runner(stack, args)
+    # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
+    # (allocator growth, lazy initialisation) that belong to no configuration.
+    warm = dataclasses.replace(
+        base, duration_s=args.warmup_s, rate_rps=search.grid[0], version_base=999_000_000
+    )
+    await relay.run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0)
+    records = []
+    for workload, repeat in plan(args):
+        same = [r for r in earlier if r["workload"] == workload and r["repeat"] == repeat]
+        must_reach = max((p["rate_rps"] for r in same for p in r["points"]
+                          if p["meets_slo"] and p["phase"] == "grid"), default=0.0)  # fmt: skip
+        compare = []
+        if workload == NEVER_WORSE:
+            compare = [
+                p["rate_rps"] for r in same if r["config"] == REFERENCE for p in r["points"] if p["meets_slo"]
+            ]
+        print(f"[{name}] {workload} repeat {repeat}: grid from {search.grid[0]:g} req/s"
+              f"{f', at least to {must_reach:g}' if must_reach else ''}", flush=True)  # fmt: skip
+        result = await runner.search(workload_config(workload, base), search, must_reach, compare)
+        record = record_of(name, workload, repeat, result, args.slo_ms)
+        print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
+              f"{result.first_miss_rps}{' (CENSORED at the cap)' if result.censored else ''}", flush=True)  # fmt: skip
+        records.append(record)
+    return records
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def summary_rows(records: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]]:
+    """Per workload: each configuration's median goodput over repeats (every value beside it),
+    and each configuration's median over the reference's."""
+    rows = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        row: dict[str, Any] = {"workload": workload}
+        medians = {}
+        for config in configs:
+            values = [
+                r["goodput_rps"] for r in records if r["workload"] == workload and r["config"] == config
+            ]
+            if values:
+                medians[config] = statistics.median(values)
+                row[config] = f"{medians[config]:.4g} ({', '.join(f'{v:.4g}' for v in values)})"
+        for config in configs:
+            if config != REFERENCE and config in medians and medians.get(REFERENCE):
+                row[f"{config} / {REFERENCE}"] = medians[config] / medians[REFERENCE]
+        rows.append(row)
+    return rows
+
+
+def never_worse_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every rate at which the reference met the SLO on the never-worse workload: each other
+    configuration's P99 at that rate (same repeat) beside the reference's, and their ratio."""
+    rows = []
+    for ref in (r for r in records if r["workload"] == NEVER_WORSE and r["config"] == REFERENCE):
+        others = [r for r in records if r["workload"] == NEVER_WORSE and r["repeat"] == ref["repeat"]
+                  and r["config"] != REFERENCE]  # fmt: skip
+        for p in sorted((p for p in ref["points"] if p["meets_slo"]), key=lambda p: p["rate_rps"]):
+            for other in others:
+                twin = next((q for q in other["points"]
+                             if math.isclose(q["rate_rps"], p["rate_rps"], rel_tol=_RATE_TOL)), None)  # fmt: skip
+                ratio = twin["p99_ms"] / p["p99_ms"] if twin is not None and p["p99_ms"] > 0 else float("nan")
+                rows.append({
+                    "repeat": ref["repeat"],
+                    "rate_rps": p["rate_rps"],
+                    f"{REFERENCE}_p99_ms": p["p99_ms"],
+                    "config": other["config"],
+                    "p99_ms": twin["p99_ms"] if twin is not None else "not measured",
+                    "ratio": ratio,
+                    "not_worse": bool(ratio <= NEVER_WORSE_TOLERANCE) if twin is not None else "",
+                })  # fmt: skip
+    return rows
+
+
+def plot(records: list[dict[str, Any]], slo_ms: float, stem: Path, device: str) -> list[Path]:
+    """One PNG per workload: ranking P99 vs offered rate, a line per (configuration, repeat)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in (r for r in records if r["workload"] == workload):
+            pts = sorted(r["points"], key=lambda p: p["rate_rps"])
+            ax.plot([p["rate_rps"] for p in pts], [p["p99_ms"] for p in pts], marker="o",
+                    label=f"{r['config']} #{r['repeat']} (goodput {r['goodput_rps']:.3g})")  # fmt: skip
+        ax.axhline(slo_ms, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
+        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_ylabel("ranking P99 (ms)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{workload}: ranking P99 vs rate ({device})")
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        path = stem.with_name(f"{stem.name}-p99-vs-rate-{workload}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args: argparse.Namespace,
+                 configs: list[str]) -> list[Path]:  # fmt: skip
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    session = (f"sessions of mean {args.session_mean_requests:g} requests (geometric), think times ML-100K gaps "
+               f"x{run_config['think_scale']:g}, retrieval -> ranking gap {run_config['gap_ms']} ms")  # fmt: skip
+    header = (f"SLO {args.slo_ms:g} ms, preset {args.preset}, {args.rankers} ranker(s); {session}; each point "
+              f">= {args.min_duration_s:g} s and >= {args.min_calls} calls; limits bisected to "
+              f"{args.precision:.0%}.\n\n## Goodput (req/s): median (every repeat)\n\n"
+              + markdown_table(summary_rows(records, configs), ["workload", *configs,
+                               *[f"{c} / {REFERENCE}" for c in configs if c != REFERENCE]])
+              + "\n## Every search\n\n")  # fmt: skip
+    footer = ""
+    rows = never_worse_rows(records)
+    if any(r["workload"] == NEVER_WORSE for r in records):
+        columns = ["repeat", "rate_rps", f"{REFERENCE}_p99_ms", "config", "p99_ms", "ratio", "not_worse"]
+        table = markdown_table(rows, columns) if rows else f"{REFERENCE} met the SLO at no rate.\n"
+        footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
+    json_path, md_path = write_result("goodput", run_config, records,
+                                      ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored"],
+                                      out_dir=out_dir, header=header, tag=args.tag, footer=footer)  # fmt: skip
+    stem = json_path.with_suffix("")
+    pngs = plot(records, args.slo_ms, stem, machine()["device"])
+    print(md_path.read_text())
+    print("wrote", json_path, md_path, *pngs)
+    return [json_path, md_path, *pngs]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(relay.CONFIGS)
+    )
+    p.add_argument(
+        "--workloads", default="L2048,L4096,L8192,L12288,mix", help="comma-separated: L<tokens> | mix"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="runs of each headline workload (L4096, mix)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rankers", type=int, default=1)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--slo-ms", type=float, default=300.0)
+    p.add_argument("--grid", type=float, nargs="+", default=[2, 4, 8, 16], help="ascending rates (req/s)")
+    p.add_argument("--growth", type=float, default=2.0, help="step past the grid's top / under its bottom")
+    p.add_argument("--cap-rps", type=float, default=4096.0, help="the grid is never extended past this")
+    p.add_argument("--floor-rps", type=float, default=0.0, help="lowest rate stepped down to (0: grid[0]/64)")
+    p.add_argument(
+        "--precision", type=float, default=0.10, help="bisect until first miss <= goodput x (1+this)"
+    )
+    p.add_argument("--min-duration-s", type=float, default=10.0, help="each point lasts at least this")
+    p.add_argument("--min-calls", type=int, default=400, help="each point sends at least this many calls")
+    p.add_argument("--risk-fraction", type=float, default=0.5,
+                   help="trigger: at risk when predicted full ranking > this x SLO")  # fmt: skip
+    p.add_argument("--length-scale", type=float, default=16.0, help="mix: ML-100K lengths x this")
+    p.add_argument("--max-prefix-len", type=int, default=16384, help="mix: clip")
+    p.add_argument("--session-mean-requests", type=float, default=3.0, help="1: no reuse across requests")
+    p.add_argument("--users", type=int, default=100_000)
+    p.add_argument("--recent", type=int, default=64)
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--hbm-budget-mb", type=float, default=512.0)
+    p.add_argument("--arena-gb", type=float, default=1.0)
+    p.add_argument("--settle-s", type=float, default=2.0, help="pause between points")
+    p.add_argument("--warmup-s", type=float, default=4.0, help="a discarded replay per stack")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [c for c in args.configs if c not in relay.CONFIGS]
+    if unknown:
+        p.error(f"unknown configurations {unknown}")
+    try:
+        for w in args.workloads:
+            workload_config(w, WorkloadConfig())
+        args.search = SearchConfig(
+            tuple(args.grid), args.precision, args.growth, args.cap_rps, args.floor_rps
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.repeats < 1 or args.min_calls < 1 or args.min_duration_s <= 0:
+        p.error("--repeats and --min-calls must be >= 1, --min-duration-s > 0")
+    if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
+        p.error("--tag: letters, digits, '.', '_' and '-' only")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    """Runs the benchmark; returns the paths written (JSON, markdown, PNGs)."""
+    args = parse_args(argv)
+    # The reference runs first: later configurations step at least through the rates it met.
+    configs = sorted(args.configs, key=lambda c: c != REFERENCE)
+    started = time.time()
+    records: list[dict[str, Any]] = []
+    for name in configs:
+        print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
+        with Stack(relay.stack_config(name, args)) as stack:  # from the main thread: children live as long
+            records += asyncio.run(run_config(stack, name, args, args.search, records))
+    defaults = WorkloadConfig()
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "search")}
+    settings |= {"configs": configs, "think_scale": defaults.think_scale, "wall_s": time.time() - started,
+                 "gap_ms": [defaults.gap_min_ms, defaults.gap_max_ms], "protocol": "bench/goodput.py docstring"}  # fmt: skip
+    return write_report(records, settings, args, configs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The goodput search (bench/goodput.py) against synthetic P99 curves: it finds the limit to within
+the precision, extends past the grid instead of censoring, and never confuses a floor for a limit."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench.goodput import (
+    LimitSearch,
+    Point,
+    SearchConfig,
+    find_limit,
+    never_worse_rows,
+    point_config,
+    summary_rows,
+    workload_config,
+)
+from bench.workload import WorkloadConfig, generate
+
+SLO = 50.0
+GRID = SearchConfig(grid=(10, 20, 40, 80, 160, 320), cap_rps=5000)
+
+
+def curve(limit: float, noise: float = 0.0, seed: int = 0):
+    """A measure(rate) whose P99 grows with the rate and crosses the SLO at `limit` (x a seeded
+    uniform factor in [1 - noise, 1 + noise] per measurement); records what it was asked."""
+    rng = random.Random(seed)
+    asked: list[float] = []
+
+    def measure(rate: float) -> Point:
+        asked.append(rate)
+        p99 = SLO * rate / (limit * (1 + rng.uniform(-noise, noise)))
+        return Point(rate, p99, p99 <= SLO)
+
+    measure.asked = asked  # type: ignore[attr-defined]
+    return measure
+
+
+def check_bracket(result, precision: float) -> None:
+    """goodput met, first miss missed, within the precision of each other."""
+    assert result.first_miss_rps is not None
+    assert not result.censored
+    assert result.first_miss_rps <= result.goodput_rps * (1 + precision) + 1e-9
+    outcome = {p.rate_rps: p.meets_slo for _, p in result.points}
+    assert outcome[result.goodput_rps] is True
+    assert outcome[result.first_miss_rps] is False
+
+
+@pytest.mark.parametrize("limit", [11.0, 27.0, 55.5, 137.0, 300.0, 319.0])
+@pytest.mark.parametrize("precision", [0.10, 0.02])
+def test_monotone_curve_limit_found_within_precision(limit, precision):
+    config = SearchConfig(GRID.grid, precision=precision, cap_rps=GRID.cap_rps)
+    measure = curve(limit)
+    result = find_limit(measure, config)
+    check_bracket(result, precision)
+    assert result.goodput_rps <= limit < result.first_miss_rps
+    # The grid is stepped in order up to the first miss, then bisected.
+    grid_rates = [p.rate_rps for phase, p in result.points if phase == "grid"]
+    assert grid_rates == [r for r in GRID.grid if r <= limit] + [min(r for r in GRID.grid if r > limit)]
+    assert {phase for phase, _ in result.points} <= {"grid", "bisect"}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_noisy_curve_still_brackets_a_met_and_a_missed_rate(seed):
+    result = find_limit(curve(100.0, noise=0.1, seed=seed), GRID)
+    check_bracket(result, 0.10)
+    assert 100.0 * 0.9 / 1.1 <= result.goodput_rps <= 100.0 * 1.1
+    assert result.first_miss_rps >= 100.0 * 0.9  # type: ignore[operator]
+
+
+def test_a_configuration_that_never_meets_steps_down_to_the_floor():
+    config = SearchConfig(GRID.grid, cap_rps=GRID.cap_rps, floor_rps=1.0)
+    measure = curve(0.01)
+    result = find_limit(measure, config)
+    assert result.goodput_rps == 0.0
+    assert not result.censored
+    assert measure.asked == [10, 5, 2.5, 1.25]  # type: ignore[attr-defined]
+    assert result.first_miss_rps == 1.25  # the lowest rate tried
+    assert [phase for phase, _ in result.points] == ["grid", "down", "down", "down"]
+
+
+def test_a_miss_at_the_grid_bottom_steps_down_then_bisects():
+    result = find_limit(curve(3.3), SearchConfig(GRID.grid, cap_rps=GRID.cap_rps))
+    check_bracket(result, 0.10)
+    assert result.goodput_rps <= 3.3 < result.first_miss_rps  # type: ignore[operator]
+    assert [p.rate_rps for phase, p in result.points if phase == "down"] == [5, 2.5]
+
+
+def test_meeting_past_the_grid_extends_it_geometrically_then_finds_the_limit():
+    result = find_limit(curve(1000.0), GRID)
+    check_bracket(result, 0.10)
+    assert result.goodput_rps <= 1000.0 < result.first_miss_rps  # type: ignore[operator]
+    grid_rates = [p.rate_rps for phase, p in result.points if phase == "grid"]
+    assert grid_rates == [10, 20, 40, 80, 160, 320, 640, 1280]
+
+
+def test_meeting_everywhere_up_to_the_cap_is_reported_censored():
+    config = SearchConfig(GRID.grid, cap_rps=1000)
+    measure = curve(1e9)
+    result = find_limit(measure, config)
+    assert result.censored
+    assert result.first_miss_rps is None
+    assert result.goodput_rps == 1000
+    assert measure.asked == [10, 20, 40, 80, 160, 320, 640, 1000]  # type: ignore[attr-defined]
+
+
+def test_must_reach_keeps_stepping_the_grid_but_not_the_limit():
+    """A later configuration measures every grid rate an earlier one met (equal-rate comparisons),
+    yet its limit is still bracketed by its own first miss, even when a higher rate meets again."""
+
+    def measure(rate: float) -> Point:
+        p99 = 60.0 if rate == 40 or 25 < rate < 40 else 10.0  # misses in (25, 40], meets elsewhere
+        return Point(rate, p99, p99 <= SLO)
+
+    result = find_limit(measure, GRID, must_reach=160)
+    assert [p.rate_rps for phase, p in result.points if phase == "grid"] == [10, 20, 40, 80, 160]
+    check_bracket(result, 0.10)
+    assert 20 <= result.goodput_rps <= 25 < result.first_miss_rps <= 40  # type: ignore[operator]
+
+
+def test_compare_rates_are_measured_once_at_the_end_and_do_not_move_the_limit():
+    measure = curve(55.0)
+    alone = find_limit(curve(55.0), GRID)
+    result = find_limit(measure, GRID, compare=[20, 30, 10])
+    assert (result.goodput_rps, result.first_miss_rps) == (alone.goodput_rps, alone.first_miss_rps)
+    compared = [p.rate_rps for phase, p in result.points if phase == "compare"]
+    assert compared == [30]  # 10 and 20 were grid points already
+    assert len(measure.asked) == len(set(measure.asked))  # type: ignore[attr-defined]
+
+
+def test_the_search_refuses_misuse():
+    search = LimitSearch(GRID)
+    with pytest.raises(ValueError, match="asked for"):
+        search.observe(Point(11.0, 1.0, True))
+    with pytest.raises(RuntimeError, match="not over"):
+        search.result()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"grid": ()},
+        {"grid": (20, 10)},
+        {"grid": (10, 10)},
+        {"grid": (0, 10)},
+        {"grid": (10,), "precision": 0},
+        {"grid": (10,), "growth": 1.0},
+        {"grid": (10, 20), "cap_rps": 15},
+        {"grid": (10,), "floor_rps": 20},
+    ],
+)
+def test_bad_search_configs_are_refused(kwargs):
+    with pytest.raises(ValueError, match="SearchConfig"):
+        SearchConfig(**kwargs)
+
+
+def test_workload_names():
+    base = WorkloadConfig()
+    assert workload_config("L4096", base).fixed_prefix_len == 4096
+    assert workload_config("mix", base).fixed_prefix_len is None
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_config("L4k", base)
+
+
+@pytest.mark.parametrize("rate", [2.0, 40.0, 400.0])
+def test_each_point_lasts_at_least_10_s_and_400_calls(rate):
+    cfg = point_config(WorkloadConfig(seed=3, users=1000), rate, min_duration_s=10.0, min_calls=400)
+    assert cfg.duration_s >= max(10.0, 400 / rate)
+    assert len(generate(cfg)) >= 400
+
+
+def _record(config: str, repeat: int, goodput: float, points: list[tuple[float, float]]) -> dict:
+    return {
+        "config": config,
+        "workload": "mix",
+        "repeat": repeat,
+        "goodput_rps": goodput,
+        "points": [{"rate_rps": r, "p99_ms": p, "meets_slo": p <= SLO} for r, p in points],
+    }
+
+
+def test_never_worse_rows_set_every_rate_the_baseline_met_beside_the_relay():
+    records = [
+        _record("baseline", 0, 20, [(10, 20.0), (20, 40.0), (40, 80.0)]),
+        _record("relay", 0, 40, [(10, 21.0), (40, 45.0)]),
+    ]
+    rows = never_worse_rows(records)
+    assert [(r["rate_rps"], r["p99_ms"]) for r in rows] == [(10, 21.0), (20, "not measured")]
+    assert math.isclose(rows[0]["ratio"], 21.0 / 20.0)
+    assert rows[0]["not_worse"] is True
+
+
+def test_summary_gives_the_median_over_repeats_and_the_ratio():
+    records = [
+        _record("baseline", 0, 10, []),
+        _record("baseline", 1, 30, []),
+        _record("relay", 0, 40, []),
+        _record("relay", 1, 60, []),
+    ]
+    (row,) = summary_rows(records, ["baseline", "relay"])
+    assert row["baseline"] == "20 (10, 30)"
+    assert row["relay / baseline"] == pytest.approx(2.5)
