@@ -39,6 +39,7 @@ from services.ranker.service import RankerService
 from services.ranker.transfer import host_meta, host_nbytes
 from services.ranker.wire import by_reference, preinfer_request, rank_request
 from shared.config import load_config
+from shared.fingerprint import CHUNK_TOKENS
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
 
@@ -95,7 +96,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             assert psi is not None
             nbytes = host_nbytes(host_meta(psi))
             for i in range(args.reps):
-                probe = dataclasses.replace(psi.key, prefix_version=10_000 + i)  # a fresh arena entry each rep
+                probe = dataclasses.replace(
+                    psi.key, prefix_version=10_000 + i
+                )  # a fresh arena entry each rep
                 t0 = time.perf_counter()
                 ok = await host.demote(probe, psi, engine)
                 demote.append((time.perf_counter() - t0) * 1e3)
@@ -263,10 +266,53 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def fingerprint_cost(prefix_len: int, reps: int = 200) -> dict[str, float]:
+    """CPU microseconds per call (median of `reps`) of what names psi by content on the Rank hit
+    path, for a prefix of prefix_len tokens (16 of them profile): `fingerprint_us`, the chained
+    hash of the prefix's wire bytes that the ranker computes for a call carrying its prefix
+    (shared/fingerprint.py); `by_reference_us`, the router's rewrite of such a call into one by
+    reference (scan, hash, check against the resident fingerprint, splice)."""
+    import numpy as np
+
+    from services.router.passthrough import rank_by_reference
+    from shared.fingerprint import prefix_fingerprint
+    from shared.wire import behaviors_message, encode, prefix_message
+
+    rng = np.random.default_rng(prefix_len)
+    n = prefix_len - 16
+    items, actions, stamps = (
+        rng.integers(0, 1 << 20, n),
+        rng.integers(0, 4, n),
+        np.sort(rng.integers(0, 1 << 31, n)),
+    )
+    prefix = prefix_message(1, 1, np.arange(16), items, actions, stamps)
+    lt = prefix.long_term
+    request = pb.RankRequest(
+        request_id="r", user_id=1, prefix_version=1, prefix=prefix,
+        recent=behaviors_message(items[:64], actions[:64], stamps[:64]), candidates_le=encode(items[:256]),
+    ).SerializeToString()  # fmt: skip
+    resident = prefix_fingerprint(prefix.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le).digest
+
+    def per_call_us(fn: Any) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return round(median(times), 1)
+
+    return {
+        "fingerprint_us": per_call_us(
+            lambda: prefix_fingerprint(prefix.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le)
+        ),
+        "by_reference_us": per_call_us(lambda: rank_by_reference(request, resident)),
+    }
+
+
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = await run(args)
     latency = await rank_latency(args)
-    return [row | latency.get(row["prefix_len"], {}) for row in rows]
+    return [row | latency.get(row["prefix_len"], {}) | fingerprint_cost(row["prefix_len"]) for row in rows]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,8 +346,13 @@ def main(argv: list[str] | None = None) -> None:
         "rank_*_aio_client: asyncio stub, by reference; the client's garbage collector runs between "
         "calls, never inside one"
     )
+    config["fingerprint_timing"] = (
+        "fingerprint_us / by_reference_us: CPU of this client process, median per call (see "
+        "fingerprint_cost); chunk of " + str(CHUNK_TOKENS) + " tokens"
+    )
     columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
-               "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_p99_ms_with_prefix", "rank_samples", "cpu_steal_pct"]  # fmt: skip
+               "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_p99_ms_with_prefix", "rank_samples", "cpu_steal_pct",
+               "fingerprint_us", "by_reference_us"]  # fmt: skip
     kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
     print("wrote", *write_result("ranker", config, results, columns, **kwargs))
 

@@ -15,7 +15,9 @@ Structural errors raise `MalformedMessage` (the router answers INVALID_ARGUMENT)
 varint or field, a varint longer than 10 bytes, a tag or a length longer than 5 bytes or beyond
 32 bits, field number 0 (outside groups), wire type 6 or 7, a length that runs past the end, an
 unmatched or missing end-group, groups nested deeper than the parser's limit (100). Everything below the fields read here (nested messages, UTF-8 of
-strings, the token arrays) is left to the ranker, which parses and validates the whole request.
+strings, the token values) is left to the ranker, which parses and validates the whole request;
+the prefix's token arrays are only hashed, as bytes, to name its psi by content
+(`rank_by_reference`).
 """
 
 from __future__ import annotations
