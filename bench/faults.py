@@ -19,6 +19,8 @@ Scenarios:
   broker_restart    the (memory-only) broker stopped, a new one on the same port 1 s later
   ranker_stall      one ranker frozen (SIGSTOP) for 1.5 s: a slow instance
   ranker_cut_off    one ranker frozen until the end: the router only sees timeouts
+poison pills and size limits through the trigger (bench/trigger_faults.py: oversized_malformed_event,
+max_size_valid_event; `--trigger-scenarios` with none skips them),
 an overload run (run_overload; `--overload-rate 0` skips it), and a fuzz run (bench/fuzz.py):
 inputs (malformed events), crashes, dlq_events, lost_events.
 """
@@ -42,6 +44,7 @@ import grpc
 
 from bench.replay import ReplayResult, replay
 from bench.report import RESULTS_DIR, write_result
+from bench.trigger_faults import run_max_size_valid_event, run_oversized_malformed_event
 from bench.workload import Materializer, WorkloadConfig, generate
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
 from shared.kafka import KafkaSettings, make_producer
@@ -624,6 +627,12 @@ FRONT_DOOR_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] 
 }
 
 
+TRIGGER_SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "oversized_malformed_event": run_oversized_malformed_event,
+    "max_size_valid_event": run_max_size_valid_event,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -657,10 +666,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mismatch-users", type=int, default=12, help="prefix_content_mismatch: users")
     parser.add_argument("--mismatch-prefix-len", type=int, default=1000,
                         help="prefix_content_mismatch: long-term tokens per prefix")  # fmt: skip
+    parser.add_argument("--trigger-scenarios", nargs="*", default=list(TRIGGER_SCENARIOS),
+                        choices=list(TRIGGER_SCENARIOS), help="poison pills and size limits (bench/trigger_faults.py)")  # fmt: skip
+    parser.add_argument("--poison-valid-events", type=int, default=40,
+                        help="trigger scenarios: valid events among the poison pills")  # fmt: skip
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args(argv)
     records = [run_scenario(name, args) for name in args.scenarios]
     records += [FRONT_DOOR_SCENARIOS[name](args) for name in args.front_door_scenarios]
+    records += [TRIGGER_SCENARIOS[name](args) for name in args.trigger_scenarios]
     if args.overload_rate:
         records.append(run_overload(args))
     if args.fuzz:
