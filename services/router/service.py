@@ -52,15 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.ranker.wire import prefix_from_proto
 from services.router.config import RouterConfig
-from services.router.frontdoor import (
-    FrontDoor,
-    FrontDoorError,
-    RelayReply,
-    UpstreamPool,
-    grpc_frame,
-    timeout_header,
-)
-from services.router.h2wire import H2_ERROR_NAMES, literal_block
+from services.router.frontdoor import H2_ERROR_NAMES, FrontDoor, FrontDoorError, RelayReply, UpstreamPool
 from services.router.membership import FORWARDED_METHODS, ROUTER_ID_PREFIX, Membership
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.placement import preference
@@ -209,7 +201,6 @@ class RouterService:
         )
         # The relay's request header block to each (method, target), less the grpc-timeout that
         # follows it (literals: a block can be concatenated from parts).
-        self._relay_blocks: dict[tuple[str, str], bytes] = {}
         self._health = health.aio.HealthServicer()
         self._health_updates: set[asyncio.Future[None]] = set()
         self._consumer: AIOKafkaConsumer | None = None
@@ -638,14 +629,8 @@ class RouterService:
     async def _relay_call(self, target: str, method: str, request: bytes, timeout_s: float) -> RelayReply:
         """One attempt over the relay's own HTTP/2 connection to `target`."""
         upstream = await self._upstreams.get(target)
-        start = self._relay_blocks.get((method, target))
-        if start is None:
-            start = self._relay_blocks[(method, target)] = literal_block(
-                ((b":method", b"POST"), (b":scheme", b"http"), (b":path", FORWARDED_METHODS[method].encode()),
-                 (b":authority", target.encode()), (b"content-type", b"application/grpc"), (b"te", b"trailers"))
-            )  # fmt: skip
-        block = start + literal_block(((b"grpc-timeout", timeout_header(timeout_s)),))
-        return await self.membership.tracked(target, upstream.call(block, grpc_frame(request), timeout_s))
+        call = upstream.unary(FORWARDED_METHODS[method].encode(), request, timeout_s)
+        return await self.membership.tracked(target, call)
 
     async def PreInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A serialized PreInferRequest, forwarded with the same placement as Rank; an accepted one

@@ -10,7 +10,7 @@ import random
 import hpack
 import pytest
 
-from services.router.h2headers import ENTRY_OVERHEAD, HeaderBlockError, HeaderDecoder
+from services.router.frontdoor.h2headers import ENTRY_OVERHEAD, HeaderBlockError, HeaderDecoder
 
 
 def header_sets(seed: int, n: int) -> list[list[tuple[bytes, bytes]]]:

@@ -16,9 +16,16 @@ import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.router import h2wire
 from services.router.config import RouterConfig
-from services.router.frontdoor import (
+from services.router.frontdoor import h2wire
+from services.router.frontdoor.h2wire import (
+    CONNECTION_PREFACE,
+    Endpoint,
+    frame,
+    literal_block,
+    settings_frame,
+)
+from services.router.frontdoor.relay import (
     FrontDoor,
     FrontDoorConnection,
     RelayReply,
@@ -30,7 +37,6 @@ from services.router.frontdoor import (
     status_block,
     timeout_header,
 )
-from services.router.h2wire import CONNECTION_PREFACE, Endpoint, frame, literal_block, settings_frame
 from shared.config import ConfigError, load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc

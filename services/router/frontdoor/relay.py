@@ -41,9 +41,9 @@ from typing import Protocol
 
 import grpc
 
-from services.router import h2wire
-from services.router.h2headers import DecodedBlock, HeaderBlockError, HeaderDecoder
-from services.router.h2wire import Endpoint, H2Error, literal_block
+from services.router.frontdoor import h2wire
+from services.router.frontdoor.h2headers import DecodedBlock, HeaderBlockError, HeaderDecoder
+from services.router.frontdoor.h2wire import Endpoint, H2Error, literal_block
 from shared.logging import get_logger
 
 log = get_logger("router.frontdoor")
@@ -58,7 +58,7 @@ RefusalHook = Callable[[str], None]
 _GRPC_CONTENT_TYPE = b"application/grpc"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-# Request headers a pass-through stream keeps (the rest are connection-specific or re-derived).
+# Request headers a pass-through stream drops (connection-specific: RFC 9113 8.2.2); the rest pass.
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 
 
@@ -176,6 +176,7 @@ class Upstream(Endpoint):
         self._next_stream = 1
         self._calls: dict[int, _Call] = {}
         self._sinks: dict[int, StreamSink] = {}
+        self._request_blocks: dict[bytes, bytes] = {}  # path -> its constant request headers
 
     @property
     def usable(self) -> bool:
@@ -188,6 +189,19 @@ class Upstream(Endpoint):
         self._next_stream += 2
         self.open_send(stream_id)
         return stream_id
+
+    async def unary(self, path: bytes, message: bytes, timeout_s: float) -> RelayReply:
+        """One unary gRPC call of `path` (b"/pkg.Service/Method") with the serialized `message`;
+        the request's header block is built here (its constant part once per path)."""
+        start = self._request_blocks.get(path)
+        if start is None:
+            start = self._request_blocks[path] = literal_block(
+                ((b":method", b"POST"), (b":scheme", b"http"), (b":path", path),
+                 (b":authority", self.address.encode()), (b"content-type", _GRPC_CONTENT_TYPE),
+                 (b"te", b"trailers"))
+            )  # fmt: skip
+        block = start + literal_block(((b"grpc-timeout", timeout_header(timeout_s)),))
+        return await self.call(block, grpc_frame(message), timeout_s)
 
     async def call(self, block: bytes, data: bytes, timeout_s: float) -> RelayReply:
         """One unary call: header `block`, `data` (a framed gRPC message); the reply, or

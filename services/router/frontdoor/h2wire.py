@@ -1,4 +1,4 @@
-"""HTTP/2 for the router's frame relay (services/router/frontdoor.py): frames, flow control and
+"""HTTP/2 for the router's frame relay (services/router/frontdoor/relay.py): frames, flow control and
 header blocks, nothing gRPC-specific and no I/O policy.
 
 Why not a full HTTP/2 stack: a forwarded Rank call through grpc.aio (or through the `h2`
