@@ -340,9 +340,8 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
     runner = Runner(stack, args)
     # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
     # (allocator growth, lazy initialisation) that belong to no configuration.
-    warm = dataclasses.replace(
-        base, duration_s=args.warmup_s, rate_rps=search.grid[0], version_base=999_000_000
-    )
+    warm = dataclasses.replace(workload_config(args.workloads[0], base), duration_s=args.warmup_s,
+                               rate_rps=search.grid[0], version_base=999_000_000)  # fmt: skip
     await relay.run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0)
     records = []
     for workload, repeat in plan(args):

@@ -1,0 +1,46 @@
+"""bench.goodput end to end on the CPU stack (tiny model): baseline and relay, one short workload,
+an SLO no point can meet, so each search steps down to its floor and ends in a few points."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import goodput
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path):
+    paths = goodput.main([
+        "--configs", "relay,baseline", "--workloads", "L128", "--repeats", "1", "--slo-ms", "0.01",
+        "--grid", "4", "8", "--floor-rps", "2", "--min-duration-s", "1", "--min-calls", "4",
+        "--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1",
+        "--out-dir", str(tmp_path), "--tag", "smoke",
+    ])  # fmt: skip
+    json_path = next(p for p in paths if p.suffix == ".json")
+    assert json_path.name.startswith("goodput-")
+    assert json_path.name.endswith("-smoke.json")
+    assert {p.suffix for p in paths} == {".json", ".md", ".png"}
+    run = json.loads(json_path.read_text())
+    assert {"machine", "config", "results"} <= run.keys()
+    assert run["config"]["configs"] == ["baseline", "relay"]  # the reference runs first
+    assert sorted(r["config"] for r in run["results"]) == ["baseline", "relay"]
+    for record in run["results"]:
+        assert record["workload"] == "L128"
+        assert record["repeat"] == 0
+        assert record["first_miss_rps"] is not None
+        assert not record["censored"]
+        assert record["goodput_rps"] == 0.0  # nothing meets a 10 us SLO
+        assert [p["rate_rps"] for p in record["points"]] == [4.0, 2.0]  # grid bottom, then down to the floor
+        for point in record["points"]:
+            assert point["meets_slo"] is False
+            assert point["calls"] >= 4
+            assert point["p99_ms"] > 0
+            assert 0.0 <= point["busy_fraction"] <= 1.0
+            assert point["device_rank_s"] > 0  # the ranker's counters were scraped
+            for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
+                assert 0.0 <= point[key] <= 1.0
+    md = next(p for p in paths if p.suffix == ".md").read_text()
+    assert "relay / baseline" in md
