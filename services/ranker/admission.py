@@ -11,10 +11,10 @@ the psi resident), prefix + suffix tokens otherwise. The engine runs calls in ar
 call admitted now completes after about W + w, W the predicted work in flight and w its own.
 A call is refused at once (the caller, or the router, can try elsewhere) instead of waiting in a
 queue it would time out in:
-  * deadline  when W + w exceeds `deadline_fraction` of the call's remaining deadline (the rest
-              is margin: predictions are averages, and time outside the engine is not in them).
-              This holds on an idle instance too: a call that by itself would outlive its
-              deadline is refused with its reason instead of taking the engine for nothing;
+  * deadline  when d x (W + w) exceeds `deadline_fraction` of the call's remaining deadline (the
+              rest is margin: predictions are averages). d is the measured drain factor below.
+              This holds on an idle instance too, as w alone: a call that by itself would outlive
+              its deadline is refused with its reason instead of taking the engine for nothing;
   * work      when W + w exceeds `target_s` while at least `min_limit` calls are in flight: the
               bound on work held for callers with long deadlines or none (below min_limit calls
               a burst of a few batches is admitted whatever the prediction says);
@@ -28,6 +28,15 @@ Prediction errors: the cost model is refitted on every measured batch, so a slow
 measured) has no quadratic cost, so long calls are admitted until one has been measured. A call
 refused for its own length is one the instance measured as too long for that deadline; shorter
 calls keep being admitted and keep the fit current.
+
+What batch times miss (the event loop's decoding and replies, GIL and CPU contention between the
+engine threads, work admitted and then abandoned by its caller) is measured as the drain factor
+d: busy seconds (time with a call in flight) per predicted second of *served* work, weighted
+exponentially over the last `window_s` of busy time, starting from 1 worth `prior_s` busy
+seconds. A call cancelled half-way took busy time and delivered nothing, so it raises d: an
+instance whose admitted calls time out admits less. Idle time does not age it. On an idle
+instance d is not applied (there is no queue to drain, and a stale d must not refuse every call
+for ever: the next admitted call is what updates it).
 
 `throughput` (served calls per second of busy time, exponentially weighted over `window_s` of busy
 time) is reported as a metric; admission does not use it.
@@ -52,7 +61,8 @@ class AdmissionConfig:
     deadline_fraction: float = 0.5  # admitted only if predicted completion <= this x deadline left
     min_limit: int = 1  # below this many calls in flight the work bound does not refuse
     max_limit: int = 256  # the hard cap on calls in flight
-    window_s: float = 2.0  # time constant of the reported throughput, in busy seconds
+    window_s: float = 2.0  # time constant of the drain factor and the throughput, in busy seconds
+    prior_s: float = 1.0  # weight of the prior drain factor (1), in busy seconds
     shed_s: float = 1.0  # how long after a refusal `shedding()` holds; 0: never
     prior: CostPrior = field(default_factory=CostPrior)
 
@@ -65,6 +75,8 @@ class AdmissionConfig:
             raise ValueError("min_limit must be >= 1 and <= max_limit")
         if self.window_s <= 0:
             raise ValueError("window_s must be > 0")
+        if self.prior_s < 0:
+            raise ValueError("prior_s must be >= 0")
         if self.shed_s < 0:
             raise ValueError("shed_s must be >= 0")
 
@@ -101,6 +113,9 @@ class AdmissionLimiter:
         self.refused = {"limit": 0, "work": 0, "deadline": 0}
         self._done = 0.0  # served calls, exponentially weighted
         self._busy_s = 0.0  # busy seconds, same weighting
+        # The drain factor's terms: busy seconds and predicted seconds of served calls, prior first.
+        self._drain_busy_s = config.prior_s
+        self._drain_done_s = config.prior_s
         self._last = clock()
         self._refused_at = float("-inf")
 
@@ -116,7 +131,10 @@ class AdmissionLimiter:
             return
         decay = math.exp(-dt / self.config.window_s)
         self._done *= decay
-        self._busy_s = self._busy_s * decay + self.config.window_s * (1.0 - decay)
+        self._drain_done_s *= decay
+        gained = self.config.window_s * (1.0 - decay)
+        self._busy_s = self._busy_s * decay + gained
+        self._drain_busy_s = self._drain_busy_s * decay + gained
 
     @property
     def throughput(self) -> float | None:
@@ -125,6 +143,13 @@ class AdmissionLimiter:
         if self._busy_s <= 0.0:
             return None
         return self._done / self._busy_s
+
+    @property
+    def drain_factor(self) -> float:
+        """Measured busy seconds per predicted second of served work (1 before measurements)."""
+        if self._drain_done_s <= 1e-9 * self._drain_busy_s:
+            return 1e9  # busy for many windows with nothing served
+        return self._drain_busy_s / self._drain_done_s
 
     @property
     def limit(self) -> int:
@@ -153,16 +178,18 @@ class AdmissionLimiter:
             )
         work_s = self.costs.seconds(work)
         if c.target_s > 0:
-            expected_s = self.inflight_work_s + work_s
+            drain = self.drain_factor if self.inflight else 1.0
+            expected_s = drain * (self.inflight_work_s + work_s)
             ahead = f"{self.inflight} ranking calls in flight ({self.inflight_work_s * 1e3:.0f} ms of predicted work)"
             own = f"this call's {work.describe()} ({work_s * 1e3:.0f} ms)"
             if remaining_s is not None and expected_s > c.deadline_fraction * remaining_s:
                 return self._refuse(
                     "deadline",
-                    f"overloaded: {ahead} + {own}: ~{expected_s * 1e3:.0f} ms to answer, the call has "
+                    f"overloaded: {ahead} + {own}, drained at x{drain:.2f}: ~{expected_s * 1e3:.0f} ms to "
+                    f"answer, the call has "
                     f"{max(remaining_s, 0.0) * 1e3:.0f} ms left",
                 )
-            if self.inflight >= c.min_limit and expected_s > c.target_s:
+            if self.inflight >= c.min_limit and self.inflight_work_s + work_s > c.target_s:
                 return self._refuse(
                     "work", f"overloaded: {ahead} + {own} exceed the bound of {c.target_s * 1e3:.0f} ms"
                 )
@@ -182,3 +209,4 @@ class AdmissionLimiter:
         self.inflight_work_s = max(0.0, self.inflight_work_s - admitted.work_s) if self.inflight else 0.0
         if served:
             self._done += 1.0
+            self._drain_done_s += admitted.work_s

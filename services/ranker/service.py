@@ -99,6 +99,9 @@ class _Metrics:
         self.rank_inflight_work = Gauge("relaygr_ranker_rank_inflight_work_ms",
                                         "predicted engine time of the Rank calls in flight",
                                         registry=registry)  # fmt: skip
+        self.rank_drain_factor = Gauge("relaygr_ranker_rank_drain_factor", "busy seconds per predicted "
+                                       "second of served Rank work (admission scales queued work by it)",
+                                       registry=registry)  # fmt: skip
         self.rank_admission_limit = Gauge("relaygr_ranker_rank_admission_limit",
                                           "the cap on Rank calls in flight", registry=registry)  # fmt: skip
         self.rank_throughput = Gauge("relaygr_ranker_rank_throughput_rps",
@@ -195,6 +198,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
         self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
         self.metrics.rank_inflight_work.set_function(lambda: self.admission.inflight_work_s * 1e3)
+        self.metrics.rank_drain_factor.set_function(lambda: self.admission.drain_factor)
         self.metrics.rank_throughput.set_function(lambda: self.admission.throughput or 0.0)
         graphs = self.engine.graph_stats()
         if graphs is not None:
@@ -472,6 +476,7 @@ class RankerService(pb_grpc.RankerServicer):
             log.warning("rank_overloaded", instance=self.instance_id, kind=refusal.kind,
                         inflight=self.admission.inflight, limit=self.admission.limit,
                         inflight_work_ms=round(self.admission.inflight_work_s * 1e3, 1),
+                        drain_factor=round(self.admission.drain_factor, 2),
                         throughput_rps=self.admission.throughput, refused=dict(self.admission.refused))  # fmt: skip
 
     async def _rank(

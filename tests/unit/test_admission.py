@@ -212,6 +212,7 @@ def test_shedding_holds_for_shed_s_after_a_refusal():
         {"min_limit": 0},
         {"min_limit": 9, "max_limit": 8},
         {"window_s": 0.0},
+        {"prior_s": -1.0},
         {"shed_s": -1.0},
     ],
 )
@@ -273,3 +274,38 @@ def test_the_default_floor_is_four_batches():
     config = load_config(RankerConfig, ["--max-batch", "6"], env={})
     assert config.admission.min_limit == 24
     assert load_config(RankerConfig, ["--admission-min-limit", "3"], env={}).admission.min_limit == 3
+
+
+def test_calls_abandoned_by_their_callers_raise_the_drain_factor_and_refusals_follow():
+    lim, clock = limiter(deadline_fraction=0.5, window_s=1.0)
+    mid = CallWork.of(1500, 48, against_psi=False)  # ~0.24 s predicted
+    assert lim.drain_factor == pytest.approx(1.0)
+    for _ in range(10):  # each takes 3 x its prediction and its caller gives up
+        decision = admit(lim, mid, remaining_s=10.0)
+        clock.advance(3 * decision.work_s)
+        lim.release(decision, served=False)
+    assert lim.drain_factor > 10.0  # busy time, nothing delivered
+    first = admit(lim, mid, remaining_s=1.0)  # idle: its own prediction alone is judged
+    refusal = refuse(lim, mid, remaining_s=1.0)  # one ahead: ~0.48 s x the drain factor
+    assert "drained at x" in refusal.reason
+    clock.advance(first.work_s)
+    lim.release(first, served=True)
+    for _ in range(40):  # the instance recovers: calls take what was predicted, and are served
+        decision = admit(lim, mid)
+        clock.advance(decision.work_s)
+        lim.release(decision, served=True)
+    # Completions are counted when they happen, busy time as it passes: with exponential weighting
+    # the factor reads low by about exp(-service_s / (2 x window_s)), ~0.89 here.
+    assert lim.drain_factor == pytest.approx(1.0, rel=0.15)
+    admit(lim, mid, remaining_s=1.0)
+    admit(lim, mid, remaining_s=1.0)
+
+
+def test_batching_gains_lower_the_drain_factor():
+    lim, clock = limiter()
+    for _ in range(400):  # four calls at a time finish together in 1.5 x one call's prediction
+        batch = [admit(lim, SHORT_FULL) for _ in range(4)]
+        clock.advance(1.5 * batch[0].work_s)
+        for decision in batch:
+            lim.release(decision, served=True)
+    assert lim.drain_factor == pytest.approx(1.5 / 4, rel=0.15)
