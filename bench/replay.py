@@ -102,7 +102,7 @@ class ReplayResult:
     def summary(self, slo_ms: float) -> dict[str, Any]:
         """The run in one flat dict (nested only for per-code / per-path counts).
 
-        Keys: slo_ms; planned, sent, ok, failed, failed_by_code, publish_failed; p50_ms, p99_ms,
+        Keys: slo_ms; planned, sent, ok, failed, failed_by_code, publish_failed; p50_ms, p90_ms, p99_ms,
         p999_ms, max_ms (client latency of OK calls); {cache,queue,compute,server_total,network}
         _ms_{p50,p99} (the replies' server timings; network = client latency - server total);
         hbm_hit, inflight_join, dram_reload, full_recompute (fractions of OK calls) and
@@ -125,6 +125,7 @@ class ReplayResult:
             "publish_failed": sum(1 for r in self.records if r.publish_error),
             # Client-side ranking latency of OK calls (the headline numbers).
             "p50_ms": percentile(lat, 50),
+            "p90_ms": percentile(lat, 90),
             "p99_ms": percentile(lat, 99),
             "p999_ms": percentile(lat, 99.9),
             "max_ms": max(lat, default=float("nan")),

@@ -1,9 +1,84 @@
-"""`relaygr`: the command-line entry point."""
+"""`relaygr`: the command-line entry point.
+
+Every command checks all of its values before it starts anything (a process, a model, a timed
+run): argparse types reject malformed flags, then the services' own config classes check what
+the stack will run with (relaygr/preflight.py), flags and RELAYGR_* environment alike. A bad value
+ends in one line on stderr, `relaygr: error: ...`, and exit status 2 (argparse's convention).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from shared.config import ConfigError
+from shared.modelspec import PRESETS
+
+EXIT_USAGE = 2  # argparse's status for a bad command line
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) naming where to read more."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see `{self.prog} --help`)")
+
+
+def fail(message: str) -> NoReturn:
+    """Prints `relaygr: error: <message>` (one line) to stderr and exits with status 2."""
+    sys.stderr.write(f"relaygr: error: {' '.join(message.split())}\n")
+    raise SystemExit(EXIT_USAGE)
+
+
+def _integer(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (NaN and infinity are refused: no SLO or budget means either)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def bootstrap_servers(text: str) -> str:
+    """Kafka bootstrap servers: host:port[,host:port...], ports 1-65535."""
+    servers = [s.strip() for s in text.split(",")]
+    for server in servers:
+        host, sep, port = server.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
+            raise argparse.ArgumentTypeError(
+                f"must be host:port[,host:port...] with ports 1-65535, got {server!r}"
+            )
+    return ",".join(servers)
+
+
+positive_int = _integer(1)
+non_negative_int = _integer(0)
+
+
+def _preset_help() -> str:
+    shapes = "; ".join(
+        f"{name}: {s.num_layers} layers, {s.num_heads} heads x {s.head_dim}, {s.dtype}"
+        for name, s in sorted(PRESETS.items())
+    )
+    return f"model preset ({shapes}; default: %(default)s)"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -12,62 +87,102 @@ def _demo(args: argparse.Namespace) -> int:
 
         print_core_demo(run_core_demo(users=4, seed=args.seed, prefix_len=2000))
         return 0
-    from relaygr.demo import DemoConfig, main
+    from relaygr.demo import DemoConfig, check, main
+    from relaygr.preflight import one_line
 
-    return main(DemoConfig(duration_s=args.duration_s, rate_rps=args.rate, slo_ms=args.slo_ms, seed=args.seed,
-                           rankers=args.rankers))  # fmt: skip
+    config = DemoConfig(duration_s=args.duration_s, rate_rps=args.rate, slo_ms=args.slo_ms, seed=args.seed,
+                        rankers=args.rankers)  # fmt: skip
+    try:
+        check(config)
+    except ConfigError as exc:
+        fail(one_line(exc))
+    return main(config)
 
 
 def _up(args: argparse.Namespace) -> int:
     from relaygr.launcher import StackConfig, run_until_interrupted
+    from relaygr.preflight import check_stack, one_line
 
     config = StackConfig(
         rankers=args.rankers,
         device=args.device,
         preset=args.preset,
-        kafka_bootstrap=args.kafka,
+        kafka_bootstrap=args.kafka or "",
         trigger_policy=args.policy,
         expander=not args.no_expander,
         placement=args.placement,
         slo_ms=args.slo_ms,
         hbm_budget_mb=args.hbm_budget_mb,
     )
+    try:
+        check_stack(config)
+    except ConfigError as exc:
+        fail(one_line(exc))
     return run_until_interrupted(config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="relaygr", description="RelayGR: relay-race inference for GR ranking"
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (subcommands `demo` and `up`); errors exit via `fail`."""
+    parser = _Parser(
+        prog="relaygr",
+        description="RelayGR: relay-race inference for generative-recommendation ranking.",
+        epilog="Settings not listed here are read by each service from RELAYGR_* environment variables "
+        "(`python -m services.<name> --help` lists them); they are checked before anything starts.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,up}")
+
     demo = sub.add_parser(
-        "demo", help="the relay vs the baseline on the CPU: the whole stack, a replayed workload"
+        "demo",
+        help="relay vs baseline on the CPU: the model-level comparison, then the whole stack twice",
+        description="Compares full vs cached inference of the tiny model, then brings the whole stack up "
+        "twice on the CPU (baseline, then relay) and replays the same open-loop workload through each.",
     )
-    demo.add_argument("--duration-s", type=float, default=60.0, help="replay length per configuration")
-    demo.add_argument("--rate", type=float, default=1.5, help="offered ranking requests per second")
-    demo.add_argument("--slo-ms", type=float, default=None,
-                      help="ranking SLO (default: calibrated on this machine, the measured full ranking of "
-                      "the workload's p90-length request)")  # fmt: skip
-    demo.add_argument("--rankers", type=int, default=1)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--core-only", action="store_true", help="only the model-level comparison (seconds)")
+    demo.add_argument("--duration-s", type=positive_float, default=60.0, metavar="S",
+                      help="replay length per configuration, seconds (default: %(default)s)")  # fmt: skip
+    demo.add_argument("--rate", type=positive_float, default=1.5, metavar="RPS",
+                      help="offered ranking requests per second (default: %(default)s)")  # fmt: skip
+    demo.add_argument("--slo-ms", type=positive_float, default=None, metavar="MS",
+                      help="ranking SLO in ms (default: calibrated on this machine: the measured full "
+                      "ranking of the workload's p90-length request)")  # fmt: skip
+    demo.add_argument("--rankers", type=positive_int, default=1, metavar="N",
+                      help="ranker processes per stack (default: %(default)s)")  # fmt: skip
+    demo.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                      help="seed of the workload and the model weights (default: %(default)s)")  # fmt: skip
+    demo.add_argument("--core-only", action="store_true",
+                      help="only the model-level comparison (seconds; options but --seed are ignored) "
+                      "(default: the whole demo)")  # fmt: skip
     demo.set_defaults(func=_demo)
-    up = sub.add_parser("up", help="start the whole relay (broker, expander, rankers, router, trigger)")
-    up.add_argument(
-        "--rankers", type=int, default=2, help="ranker instances (one per GPU with --device cuda)"
+
+    up = sub.add_parser(
+        "up",
+        help="start the whole relay (broker, expander, rankers, router, trigger) until Ctrl-C",
+        description="Starts every service as its own process, streams their logs, stops all on Ctrl-C.",
     )
-    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    up.add_argument("--preset", default="tiny")
-    up.add_argument(
-        "--kafka", default="", help="Kafka bootstrap servers (default: start the embedded broker)"
-    )
-    up.add_argument("--policy", choices=["sequence", "all", "off"], default="sequence", help="trigger policy")
-    up.add_argument("--no-expander", action="store_true", help="run without the host-DRAM tier")
-    up.add_argument("--placement", choices=["affinity", "round_robin"], default="affinity")
-    up.add_argument("--slo-ms", type=float, default=50.0)
-    up.add_argument("--hbm-budget-mb", type=float, default=512.0)
+    up.add_argument("--rankers", type=positive_int, default=2, metavar="N",
+                    help="ranker instances; with --device cuda ranker i runs on GPU i (default: %(default)s)")  # fmt: skip
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the rankers run: cpu, or cuda (needs --rankers GPUs) (default: %(default)s)")  # fmt: skip
+    up.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help=_preset_help())
+    up.add_argument("--kafka", type=bootstrap_servers, default=None, metavar="HOST:PORT[,...]",
+                    help="an existing Kafka's bootstrap servers (default: start the embedded broker)")  # fmt: skip
+    up.add_argument("--policy", choices=["sequence", "all", "off"], default="sequence",
+                    help="trigger policy: sequence pre-infers the requests at risk of missing the SLO, all "
+                    "pre-infers every request, off never (default: %(default)s)")  # fmt: skip
+    up.add_argument("--no-expander", action="store_true",
+                    help="run without the host-DRAM tier (default: with it)")  # fmt: skip
+    up.add_argument("--placement", choices=["affinity", "round_robin"], default="affinity",
+                    help="router placement: affinity sends a user's calls to the instance holding its psi, "
+                    "round_robin ignores it (needs >= 2 rankers) (default: %(default)s)")  # fmt: skip
+    up.add_argument("--slo-ms", type=positive_float, default=50.0, metavar="MS",
+                    help="ranking P99 SLO the trigger admits pre-inference against (default: %(default)s)")  # fmt: skip
+    up.add_argument("--hbm-budget-mb", type=positive_float, default=512.0, metavar="MB",
+                    help="psi bytes each ranker keeps in accelerator memory, MiB (default: %(default)s)")  # fmt: skip
     up.set_defaults(func=_up)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 
