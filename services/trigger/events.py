@@ -112,29 +112,38 @@ def parse_record(
     return meta, event
 
 
+# Unsigned views find every bad value with one max(): a negative id is >= 2**63 as uint64 (2**31
+# as uint32), and a timestamp outside [0, MAX_TIMESTAMP) is >= MAX_TIMESTAMP either way.
+_U64, _U32 = np.dtype("<u8"), np.dtype("<u4")
+
+
 def _check_prefix(p: pb.UserPrefix, limits: RequestLimits) -> int:
     """The ranker's checks of a prefix (services/ranker/wire.py), on views. Returns its tokens."""
-    arrays = (("prefix.profile", p.profile_le, I64), ("prefix.long_term.items", p.long_term.items_le, I64),
-              ("prefix.long_term.actions", p.long_term.actions_le, I32),
-              ("prefix.long_term.timestamps", p.long_term.timestamps_le, I64))  # fmt: skip
-    for name, raw, dtype in arrays:
+    lt = p.long_term
+    # (name, bytes, signed dtype, unsigned view, first bad unsigned value); each field read once:
+    # upb copies a bytes field on every access.
+    arrays = (("prefix.profile", p.profile_le, I64, _U64, 1 << 63),
+              ("prefix.long_term.items", lt.items_le, I64, _U64, 1 << 63),
+              ("prefix.long_term.actions", lt.actions_le, I32, _U32, 1 << 31),
+              ("prefix.long_term.timestamps", lt.timestamps_le, I64, _U64, MAX_TIMESTAMP))  # fmt: skip
+    for name, raw, dtype, _, _ in arrays:
         if len(raw) % dtype.itemsize:
             raise WireError(f"{name}: {len(raw)} bytes is not a whole number of {dtype.itemsize}-byte values")
-    profile = len(p.profile_le) // 8
-    n = len(p.long_term.items_le) // 8
+    profile, n = len(arrays[0][1]) // 8, len(arrays[1][1]) // 8
     if profile > limits.max_profile_tokens:
         raise WireError(f"prefix.profile: {profile} values exceeds the limit of {limits.max_profile_tokens}")
     if n > limits.max_prefix_tokens:
         raise WireError(f"prefix.long_term.items: {n} values exceeds the limit of {limits.max_prefix_tokens}")
-    actions, timestamps = len(p.long_term.actions_le) // 4, len(p.long_term.timestamps_le) // 8
+    actions, timestamps = len(arrays[2][1]) // 4, len(arrays[3][1]) // 8
     if not n == actions == timestamps:
         raise WireError(
             f"prefix.long_term: {n} items, {actions} actions and {timestamps} timestamps must match"
         )
-    for name, raw, dtype in arrays:
-        view: npt.NDArray[np.signedinteger[Any]] = np.frombuffer(raw, dtype=dtype)
-        upper = MAX_TIMESTAMP if name.endswith("timestamps") else None
-        require_non_negative(view, name, upper)
+    for name, raw, dtype, unsigned, bad in arrays:
+        if raw and int(np.frombuffer(raw, dtype=unsigned).max()) >= bad:
+            # Now the precise message, with the same words as the ranker's.
+            view: npt.NDArray[np.signedinteger[Any]] = np.frombuffer(raw, dtype=dtype)
+            require_non_negative(view, name, MAX_TIMESTAMP if name.endswith("timestamps") else None)
     return profile + n
 
 
