@@ -18,7 +18,7 @@ Prints SLO attainment and the latency percentiles that the number of calls suppo
 where calls were served and what the trigger decided, and writes the report to
 runs/demo-<time>.json and .md. If the relay pre-inferred nothing or
 served no call from HBM, the demo showed nothing: it says so loudly, with the trigger's decision
-counts, and exits with status 2. CPU numbers show the mechanism, not GPU performance.
+counts, and exits with status 3. CPU numbers show the mechanism, not GPU performance.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ PRESET = "tiny"
 CALIBRATION_PERCENTILES = (10.0, 50.0, 75.0, 100.0)
 # Probe calls use the workload's tokens under versions it never uses: no psi exists for them.
 PROBE_VERSION_OFFSET = 500_000_000
-EXIT_NOTHING_SHOWN = 2
+EXIT_NOTHING_SHOWN = 3  # 2 is a bad command line (relaygr/cli.py)
 # A latency percentile is reported only when at least this many calls are expected beyond it.
 # With fewer, the nearest-rank estimate is the sample's slowest call or next to it, and one
 # slow call sets it (P99 of 73 calls is their maximum): P90 needs 20 calls, P99 200, P99.9 2000.
