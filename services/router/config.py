@@ -130,8 +130,9 @@ class RouterConfig(KafkaSettings, TlsSettings):
         "relay", env="RELAYGR_ROUTER_FRONT_DOOR",
         help="relay: an HTTP/2 frame relay serves Rank on the public port (with the RELAYGR_TLS_* "
         "mutual TLS when set) and passes every other call to the router's gRPC server on loopback "
-        "(about half the CPU per routed call); grpc: the gRPC server serves everything",
-        check=one_of("relay", "grpc"),
+        "(about half the CPU per routed call); h2: the same relay built on the h2 library; grpc: the "
+        "gRPC server serves everything",
+        check=one_of("relay", "h2", "grpc"),
     )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
@@ -199,7 +200,8 @@ class RouterConfig(KafkaSettings, TlsSettings):
 
     @property
     def relay_front_door(self) -> bool:
-        """Whether the HTTP/2 frame relay owns the public port (see front_door)."""
+        """Whether an HTTP/2 relay (hand-written or h2's) owns the public port, the gRPC server
+        then listening on loopback for it (see front_door)."""
         return self.front_door != "grpc"
 
     @property
