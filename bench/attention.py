@@ -1,111 +1,166 @@
-"""Attention kernel microbenchmark: achieved TFLOP/s of the Triton HSTU attention per config.
+"""Attention kernel benchmark: achieved TFLOP/s of the Triton HSTU attention, bias on.
 
-    python -m bench.attention            # on a CUDA device
+    python -m bench.attention                 # on a CUDA device; writes bench/results/attention-<device>.json
+    python -m bench.attention --sweep         # also times every tile configuration in SWEEP (printed only)
 
-Two shapes of the bench preset (4 heads x 256): the cached ranking call (320 suffix tokens per user
-against an 8k prefix) and the full sequence (8k causal). Prints one row per kernel configuration
-and bias setting; used to choose the defaults in kernels/hstu_attention/triton_impl.py.
+Two shapes of the bench preset (4 heads x 256, bf16, real random bias tables):
+
+* full: causal attention over prefix_len + recent + candidates new tokens per user (the full
+  ranking pass and, without the candidates, pre-inference), no cached prefix;
+* cached: recent + candidates new tokens per user against a prefix_len cached prefix (psi).
+
+FLOPs count visible (query, key) pairs: 4 * head_dim * heads per pair (QK^T and AV). Times are
+medians of triton.testing.do_bench (CUDA events, L2 flushed before each call), on random data;
+the bf16 matmul peak (8192^3) is measured in the same run, so `tflops / matmul_peak_tflops` is
+comparable across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import itertools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton.testing
 
+from bench.report import write_result
 from kernels.hstu_attention import AttentionParams, PrefixKV, SeqLayout
-from kernels.hstu_attention.triton_impl import KernelConfig, hstu_attention_triton, plan_triton
+from kernels.hstu_attention.triton_impl import (
+    NO_PREFIX_CONFIG,
+    PREFIX_CONFIG,
+    KernelConfig,
+    TritonPlan,
+    hstu_attention_triton,
+    plan_triton,
+)
+
+SWEEP = [
+    KernelConfig(128, 64, 8, 2),
+    KernelConfig(64, 64, 4, 2),
+    KernelConfig(64, 64, 8, 2),
+    KernelConfig(128, 32, 8, 3),
+]
 
 
-def make_case(batch: int, new_len: int, n_hist: int, prefix_len: int, heads: int = 4, dim: int = 256):
+@dataclass
+class Case:
+    name: str
+    batch: int
+    prefix_len: int
+    recent: int
+    candidates: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seq: SeqLayout
+    prefix: PrefixKV | None
+    pos: torch.Tensor
+    tim: torch.Tensor
+    flops: int
+
+
+def visible_pairs(n_new: int, n_hist: int, prefix_len: int) -> int:
+    """Visible (query, key) pairs of one sequence (layout.py's masking rule)."""
+    hist = n_hist * (n_hist + 1) // 2  # history token i sees history keys 0..i
+    cands = (n_new - n_hist) * (n_hist + 1)  # each candidate: every history key and itself
+    return hist + cands + n_new * prefix_len
+
+
+def make_case(name: str, batch: int, prefix_len: int, recent: int, candidates: int,
+              heads: int = 4, dim: int = 256, layers: int = 8) -> Case:  # fmt: skip
     dev = "cuda"
+    cached = name == "cached"
+    new_len = recent + candidates + (0 if cached else prefix_len)
+    n_hist = new_len - candidates
     total = batch * new_len
     uvqk = torch.randn(total, 4, heads, dim, device=dev, dtype=torch.bfloat16)
     q, k, v = uvqk[:, 0], uvqk[:, 1], uvqk[:, 2]
-    ts = torch.sort(torch.randint(0, 10**7, (batch, new_len))).values
-    ts[:, n_hist:] = ts[:, -1:]  # candidates share the query time
-    ts = ts.flatten().to(dev)
-    seq = SeqLayout.build([new_len] * batch, [n_hist] * batch, ts)
+    # One user's timeline: prefix, recent, then candidates at the query time.
+    ts = torch.sort(torch.randint(0, 10**9, (batch, prefix_len + recent + candidates))).values
+    ts[:, prefix_len + recent :] = ts[:, -1:]
+    new_ts = ts[:, prefix_len:] if cached else ts
+    seq = SeqLayout.build([new_len] * batch, [n_hist] * batch, new_ts.flatten().to(dev))
     prefix = None
-    if prefix_len:
+    if cached:
         kv = [
-            torch.randn(8, 2, prefix_len, heads * dim, device=dev, dtype=torch.bfloat16) for _ in range(batch)
+            torch.randn(layers, 2, prefix_len, heads * dim, device=dev, dtype=torch.bfloat16)
+            for _ in range(batch)
         ]
-        pts = [torch.sort(torch.randint(0, 10**7, (prefix_len,), device=dev)).values for _ in range(batch)]
-        prefix = PrefixKV.build(kv, pts)
-    pos = torch.randn(8, heads, 160, device=dev)
-    tim = torch.randn(8, heads, 96, device=dev)
-    flops = 0
-    for i in range(new_len):
-        keys = prefix_len + (min(i, n_hist - 1) + 1 if i < n_hist else n_hist + 1)
-        flops += keys
-    flops *= 4 * dim * heads * batch
-    return q, k, v, seq, prefix, pos, tim, flops
+        prefix = PrefixKV.build(kv, [ts[b, :prefix_len].to(dev) for b in range(batch)])
+    pos = torch.randn(layers, heads, 160, device=dev)
+    tim = torch.randn(layers, heads, 96, device=dev)
+    plen = prefix_len if cached else 0
+    flops = 4 * dim * heads * batch * visible_pairs(new_len, n_hist, plen)
+    return Case(name, batch, prefix_len, recent, candidates, q, k, v, seq, prefix, pos, tim, flops)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def matmul_peak_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * n**3 / ms / 1e9
+
+
+def time_case(case: Case, plan: TritonPlan, params: AttentionParams, config: KernelConfig | None) -> float:
+    call = functools.partial(hstu_attention_triton, case.q, case.k, case.v, case.seq, case.prefix, plan, 3, params,
+                             config=config)  # fmt: skip
+    return float(triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prefix", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--recent", type=int, default=64)
+    parser.add_argument("--candidates", type=int, default=256)
     parser.add_argument("--case", choices=["cached", "full", "both"], default="both")
-    parser.add_argument(
-        "--config",
-        type=int,
-        nargs=4,
-        metavar=("BM", "BN", "WARPS", "STAGES"),
-        default=None,
-        help="time this one configuration only (e.g. under a profiler)",
-    )
-    parser.add_argument("--splits", type=int, nargs="+", default=None,
-                        help="time the default cached configuration at these prefix split counts")  # fmt: skip
-    args = parser.parse_args()
+    parser.add_argument("--sweep", action="store_true", help="also time every configuration in SWEEP")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
-    cases = {}
-    if args.case in ("cached", "both"):
-        cases["cached"] = make_case(args.batch, 320, 64, args.prefix)
-    if args.case in ("full", "both"):
-        cases["full"] = make_case(max(1, args.batch // 4), args.prefix + 320, args.prefix + 64, 0)
-    shapes = [
-        (64, 64, 8, 2),
-        (64, 64, 4, 2),
-        (64, 64, 8, 3),
-        (64, 32, 4, 3),
-        (128, 64, 8, 2),
-        (128, 32, 8, 2),
-    ]
-    configs = [
-        KernelConfig(bm, bn, w, st, fast)
-        for (bm, bn, w, st), fast in itertools.product(shapes, [True, False])
-    ]
-    if args.config:
-        configs = [KernelConfig(*args.config)]
-    for name, (q, k, v, seq, prefix, pos, tim, flops) in cases.items():
-        plan_ms = triton.testing.do_bench(functools.partial(plan_triton, seq, prefix, pos, tim, params))
-        plan = plan_triton(seq, prefix, pos, tim, params)
-        print(f"{name:6s} plan (bias indices, once per forward): {plan_ms:.3f} ms")
-        if args.splits and prefix is not None:
-            for splits in args.splits:
-                call = functools.partial(
-                    hstu_attention_triton, q, k, v, seq, prefix, plan, 3, params, splits=splits
-                )
-                ms = triton.testing.do_bench(call, warmup=5, rep=30)
-                print(
-                    f"{name:6s} splits={splits:3d}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True
-                )
-            continue
-        for cfg in configs:
+    peak = matmul_peak_tflops()
+    print(f"device {torch.cuda.get_device_name()}: bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    names = ["full", "cached"] if args.case == "both" else [args.case]
+    results: list[dict[str, Any]] = []
+    for name in names:
+        case = make_case(name, args.batch, args.prefix, args.recent, args.candidates)
+        plan = plan_triton(case.seq, case.prefix, case.pos, case.tim, params)
+        default = PREFIX_CONFIG if case.prefix is not None else NO_PREFIX_CONFIG
+        configs = [default] + ([c for c in SWEEP if c != default] if args.sweep else [])
+        for config in configs:
             try:
-                call = functools.partial(
-                    hstu_attention_triton, q, k, v, seq, prefix, plan, 3, params, config=cfg
-                )
-                ms = triton.testing.do_bench(call, warmup=5, rep=30)
+                ms = time_case(case, plan, params, config)
             except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
-                print(f"{name:6s} {cfg}: failed {type(exc).__name__}: {str(exc)[:80]}")
+                print(f"{name:6s} {config}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
-            print(f"{name:6s} {cfg}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+            tflops = case.flops / ms / 1e9
+            print(
+                f"{name:6s} {config}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+                flush=True,
+            )
+            if config == default:
+                results.append({
+                    "case": name, "heads": 4, "head_dim": 256, "batch": case.batch, "prefix_len": case.prefix_len,
+                    "recent": case.recent, "candidates": case.candidates, "bias": True, "ms": ms, "tflops": tflops,
+                    "matmul_peak_tflops": peak, "fraction_of_peak": tflops / peak, "flops": case.flops,
+                    "config": f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
+                              f"stages={config.num_stages}",
+                })  # fmt: skip
+        del case, plan
+        torch.cuda.empty_cache()
+    if not args.no_write:
+        config_doc = vars(args) | {
+            "timing": "triton.testing.do_bench median, L2 flushed",
+            "dtype": "bfloat16",
+        }
+        columns = ["case", "batch", "prefix_len", "recent", "candidates", "bias", "ms", "tflops",
+                   "matmul_peak_tflops", "fraction_of_peak", "config"]  # fmt: skip
+        print("wrote", *write_result("attention", config_doc, results, columns))
 
 
 if __name__ == "__main__":

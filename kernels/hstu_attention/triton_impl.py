@@ -2,23 +2,29 @@
 
 Two kernels:
 
-* `_rab_index_fwd` runs once per forward pass. The relative-bias bucket of a (query, key) pair
-  depends on positions and timestamps only, not on the layer or the head, so it is computed once
-  (int16: pos_bucket * NB_TIME + time_bucket) instead of 2 x layers x heads times inside the
-  attention loop. Sequence b gets a row-major [r_b, stride_b] matrix, r_b = min(n_b, n_hist_b + 1)
-  (all candidates share one row): prefix keys in columns [0, P_b), history key j in column
-  round_up(P_b, 8) + j, the rest padded with index 0.
+* `_relative_ts_fwd` runs once per forward pass: per sequence, every key's timestamp (prefix and
+  new tokens) relative to the sequence's earliest one, as int32, and whether the sequence's span
+  fits in 2**30 (then every difference of two of them is an exact int32). A span that does not fit
+  (about 34 years of seconds) makes the attention read the int64 timestamps for that sequence.
 * `_hstu_attention_fwd` computes BLOCK_M query rows of one (sequence, head): it streams the cached
-  prefix K/V straight from each user's psi block, then the sequence's own history keys (causal),
-  then adds each candidate's attention to itself (a row-wise dot). The bias is one gather from the
-  layer's combined table pos_bias[h, p] + time_bias[h, t]. Pointwise SiLU attention has no softmax,
-  so the prefix can be split across programs and the partial sums added (atomically, in a float32
-  buffer): that keeps the SMs busy when a batch has few query blocks but long prefixes.
+  prefix K/V straight from each user's psi block, then the sequence's own history keys (causal:
+  tiles wholly below the diagonal unmasked, the diagonal tiles masked, tiles above it never
+  visited), then adds each candidate's attention to itself (a row-wise dot).
+
+The relative bias is computed on chip, tile by tile: the position bucket from the query and key
+positions (int32 arithmetic, an exact float conversion by the 2**23 trick), the time bucket from
+the int32 relative timestamps (one hardware conversion), each then looked up in the layer's small
+per-head table (pos_bias[h]: NB_POS floats, time_bias[h]: NB_TIME floats, both L1-resident). A
+block of candidate rows shares one position and one timestamp, so its bias is a single row per
+key tile. Pointwise SiLU attention has no softmax, so the prefix can be split across programs and
+the partial sums added (atomically, in a float32 buffer): that keeps the SMs busy when a batch has
+few query blocks but long prefixes.
 
 Q/K/V tiles are loaded through TMA tensor descriptors made on the device (psi blocks live at
 per-user addresses): with head_dim 256, per-element pointer tensors would not fit in registers.
 
-Semantics are those of reference.py; bucket arithmetic is the same integer bit manipulation.
+Semantics are those of reference.py; bucket arithmetic is the same float32 bit manipulation, and
+positions must stay below 2**22 (checked where lengths are known on the host).
 
 Two ways to launch: `plan_triton` + `hstu_attention_triton` size the grids from the batch (host
 values), and `plan_triton_static` + `hstu_attention_static` take every per-batch value from device
@@ -36,95 +42,217 @@ import triton.language as tl
 
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
 
+# Relative timestamps are int32 when a sequence's span is at most this: differences of two then
+# lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
+_TS_SPAN_LIMIT = 1 << 30
+# Position distances are converted to float32 exactly by OR-ing them into the mantissa of 2**23.
+MAX_POSITIONS = 1 << 22
+
 
 @triton.jit
-def _log_bucket(x, MANT_BITS: tl.constexpr, NUM_BUCKETS: tl.constexpr):
-    f = (tl.maximum(x, 0) + 1).to(tl.float32)
+def _bucket_of_float(f, MANT_BITS: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """log_bucket (reference.py) from float32(x + 1) >= 1: the biased exponent and the top
+    mantissa bits are adjacent, so one shift yields exponent * 2**m + mantissa (+ 127 * 2**m)."""
     bits = f.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 127
-    mantissa = (bits >> (23 - MANT_BITS)) & ((1 << MANT_BITS) - 1)
-    return tl.minimum(exponent * (1 << MANT_BITS) + mantissa, NUM_BUCKETS - 1)
+    return tl.minimum((bits >> (23 - MANT_BITS)) - (127 << MANT_BITS), NUM_BUCKETS - 1)
 
 
 @triton.jit
-def _rab_index_fwd(
-    Idx, idx_offsets, idx_strides,
-    seq_offsets, n_hist_ptr, ts_ptr,
-    prefix_lens, prefix_ts, prefix_ts_offsets,
-    HAS_PREFIX: tl.constexpr,
-    POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _pos_bucket(y, MANT_BITS: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """Bucket of a position distance given as y = distance + 1 (int32, any sign)."""
+    y = tl.minimum(tl.maximum(y, 1), (1 << 23) - 1)
+    # float32(y) exactly, without the (quarter-rate) conversion unit: 2**23 + y, minus 2**23.
+    f = (y | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return _bucket_of_float(f, MANT_BITS, NUM_BUCKETS)
+
+
+@triton.jit
+def _time_bucket(y, MANT_BITS: tl.constexpr, NUM_BUCKETS: tl.constexpr):
+    """Bucket of a time difference given as y = difference + 1 (int32 or int64, any sign)."""
+    return _bucket_of_float(tl.maximum(y, 1).to(tl.float32), MANT_BITS, NUM_BUCKETS)
+
+
+@triton.jit
+def _table_lookup(ptrs):
+    """*ptrs, through the read-only L1 path, as an op opaque to Triton: a plain tl.load of these
+    gathers would be staged through shared memory by the software pipeliner (a [BLOCK_M, BLOCK_N]
+    float32 buffer each, more than the tiles leave free); the tables are tiny and stay in L1."""
+    return tl.inline_asm_elementwise(
+        "ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _relative_ts_fwd(
+    ts_ptr, ts32_ptr, seq_offsets,
+    prefix_ts, prefix_ts32, prefix_ts_offsets, prefix_lens,
+    fits_ptr,
+    HAS_PREFIX: tl.constexpr, SPAN_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(0)
     seq_start = tl.load(seq_offsets + b)
-    n = (tl.load(seq_offsets + b + 1) - seq_start).to(tl.int32)
-    n_hist = tl.load(n_hist_ptr + b).to(tl.int32)
+    n = tl.load(seq_offsets + b + 1) - seq_start
     plen = 0
+    p_start = 0
     if HAS_PREFIX:
-        plen = tl.load(prefix_lens + b).to(tl.int32)
-    plen_pad = tl.cdiv(plen, ALIGN) * ALIGN
-    stride = tl.load(idx_strides + b).to(tl.int32)
-    # Candidates share row n_hist (one position, one timestamp): rows past it are never read.
-    rows = tl.minimum(n, n_hist + 1)
-    r0 = pid_r * BLOCK_R
-    if r0 >= rows:
-        return
-    r = r0 + tl.arange(0, BLOCK_R)
-    r_valid = r < rows
-    q_ts = tl.load(ts_ptr + seq_start + r, mask=r_valid, other=0)
-    q_pos = plen + tl.minimum(r, n_hist)
-    out_rows = Idx + tl.load(idx_offsets + b) + r.to(tl.int64)[:, None] * stride
+        plen = tl.load(prefix_lens + b)
+        p_start = tl.load(prefix_ts_offsets + b)
+    big = 0x3FFFFFFFFFFFFFFF
+    lo = tl.full([BLOCK], big, tl.int64)
+    hi = tl.full([BLOCK], -big, tl.int64)
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        t = tl.load(ts_ptr + seq_start + offs, mask=offs < n, other=0)
+        lo = tl.where(offs < n, tl.minimum(lo, t), lo)
+        hi = tl.where(offs < n, tl.maximum(hi, t), hi)
     if HAS_PREFIX:
-        pts = prefix_ts + tl.load(prefix_ts_offsets + b)
-    # Column blocks grid-strided: a fixed grid (CUDA graphs) covers any row length.
-    for c0 in range(pid_c * BLOCK_C, stride, tl.num_programs(1) * BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        in_prefix = c < plen
-        j = c - plen_pad  # history key index for columns past the (padded) prefix
-        in_hist = (j >= 0) & (j < n_hist)
-        k_ts = tl.load(ts_ptr + seq_start + j, mask=in_hist, other=0)
-        if HAS_PREFIX:
-            k_ts = tl.where(in_prefix, tl.load(pts + c, mask=in_prefix, other=0), k_ts)
-        # Prefix key c sits at position c, history key j at plen + j.
-        k_pos = tl.where(in_prefix, c, plen + j)
-        dpos = q_pos[:, None] - k_pos[None, :]
-        dts = q_ts[:, None] - k_ts[None, :]
-        idx = _log_bucket(dpos, POS_BITS, NB_POS) * NB_TIME + _log_bucket(dts, TIME_BITS, NB_TIME)
-        # Every entry of the padded row is written (padding with index 0): the attention kernel
-        # loads whole tiles without masks and gathers with them, so each must be a valid index.
-        idx = tl.where((in_prefix | in_hist)[None, :], idx, 0)
-        tl.store(out_rows + c[None, :], idx.to(tl.int16), mask=r_valid[:, None] & (c < stride)[None, :])
+        for c in range(0, plen, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            t = tl.load(prefix_ts + p_start + offs, mask=offs < plen, other=0)
+            lo = tl.where(offs < plen, tl.minimum(lo, t), lo)
+            hi = tl.where(offs < plen, tl.maximum(hi, t), hi)
+    base = tl.min(lo, axis=0)
+    span = tl.max(hi, axis=0) - base
+    tl.store(fits_ptr + b, (span <= SPAN_LIMIT).to(tl.int32))
+    # Out-of-span values are clamped; they are never read (the kernel then reads int64).
+    for c in range(0, n, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        t = tl.load(ts_ptr + seq_start + offs, mask=offs < n, other=0)
+        rel = tl.minimum(tl.maximum(t - base, 0), SPAN_LIMIT).to(tl.int32)
+        tl.store(ts32_ptr + seq_start + offs, rel, mask=offs < n)
+    if HAS_PREFIX:
+        for c in range(0, plen, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            t = tl.load(prefix_ts + p_start + offs, mask=offs < plen, other=0)
+            rel = tl.minimum(tl.maximum(t - base, 0), SPAN_LIMIT).to(tl.int32)
+            tl.store(prefix_ts32 + p_start + offs, rel, mask=offs < plen)
 
 
 @triton.jit
-def _silu(x, FAST_SILU: tl.constexpr):
+def _silu_scaled(h, inv_norm, FAST_SILU: tl.constexpr):
+    """SiLU(2h) / attn_norm, given h = x / 2."""
+    hn = h * inv_norm
     if FAST_SILU:
-        # x * sigmoid(x) = h + h * tanh(h), h = x / 2: one MUFU op (tanh.approx) instead of exp + rcp.
-        h = 0.5 * x
+        # x * sigmoid(x) = h + h * tanh(h): one MUFU op (tanh.approx) instead of exp + rcp.
         t = tl.inline_asm_elementwise(
             "tanh.approx.f32 $0, $1;", "=r,r", [h], dtype=tl.float32, is_pure=True, pack=1
         )
-        return h + h * t
+        return hn + hn * t
     else:
-        return x * tl.sigmoid(x)
+        return 2.0 * hn * tl.sigmoid(2.0 * h)
 
 
-@triton.jit(do_not_specialize=["layer", "splits", "total"])
+# Key masks of _attend.
+_ALL = tl.constexpr(0)  # every key in range is visible (rows past the data read as zeros)
+_BELOW = tl.constexpr(1)  # keys j < bound
+_CAUSAL = tl.constexpr(2)  # keys j < bound and j <= i
+_SELF = tl.constexpr(3)  # key j == i, j >= bound: a candidate's attention to itself
+
+
+@triton.jit
+def _attend(
+    acc, q, k_desc, v_desc, desc_row0, col_d, lo, hi, bound,
+    k_ts_ptr, k_pos0, offs_m, q_pos1, q_ts1,
+    pos_tab, time_tab, alpha_half, inv_norm,
+    MASK: tl.constexpr, SHARED_ROW: tl.constexpr,
+    POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
+    FAST_SILU: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """acc += attention of this block's queries to the key tiles starting in [lo, hi) (steps of
+    BLOCK_N), under MASK. Key j sits at descriptor row desc_row0 + j, position k_pos0 + j, and has
+    the (relative) timestamp k_ts_ptr[j]; q_pos1 / q_ts1 are the query position / timestamp plus
+    one, per row ([BLOCK_M]) or, with SHARED_ROW, one scalar for the whole block. Indices j and
+    offs_m count from the same origin. _ALL relies on K/V rows past the data being zero (TMA fills
+    out-of-bounds rows with zeros): such keys add nothing. _SELF's bias is bucket 0 of both tables
+    (distance 0, the same timestamp)."""
+    if MASK == _SELF:
+        bias_self = tl.load(pos_tab) + tl.load(time_tab)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = k_desc.load([desc_row0 + start_n, col_d])
+        s = tl.dot(q, tl.trans(k))
+        if MASK == _SELF:
+            h = s * alpha_half + bias_self
+        else:
+            k_ts = tl.load(k_ts_ptr + offs_n, mask=offs_n < hi, other=0)
+            k_pos = k_pos0 + offs_n
+            if SHARED_ROW:
+                pb = tl.load(pos_tab + _pos_bucket(q_pos1 - k_pos, POS_BITS, NB_POS))
+                tb = tl.load(time_tab + _time_bucket(q_ts1 - k_ts, TIME_BITS, NB_TIME))
+                h = s * alpha_half + (pb + tb)[None, :]
+            else:
+                pb = _table_lookup(pos_tab + _pos_bucket(q_pos1[:, None] - k_pos[None, :], POS_BITS, NB_POS))
+                tb = _table_lookup(
+                    time_tab + _time_bucket(q_ts1[:, None] - k_ts[None, :], TIME_BITS, NB_TIME)
+                )
+                h = s * alpha_half + pb + tb
+        w = _silu_scaled(h, inv_norm, FAST_SILU)
+        if MASK == _BELOW:
+            w = tl.where((offs_n < bound)[None, :], w, 0.0)
+        elif MASK == _CAUSAL:
+            w = tl.where((offs_n[None, :] <= offs_m[:, None]) & (offs_n < bound)[None, :], w, 0.0)
+        elif MASK == _SELF:
+            w = tl.where((offs_n[None, :] == offs_m[:, None]) & (offs_n >= bound)[None, :], w, 0.0)
+        v = v_desc.load([desc_row0 + start_n, col_d])
+        acc = tl.dot(w.to(v.dtype), v, acc)
+    return acc
+
+
+@triton.jit
+def _attend_all(
+    acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+    plen, lo_p, hi_p, do_history,
+    ts_k, pts_k, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
+    HAS_PREFIX: tl.constexpr, SHARED_ROW: tl.constexpr,
+    POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
+    FAST_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The prefix range [lo_p, hi_p) and, if do_history, the history keys, for one row block.
+    ts_k / pts_k: timestamps of the sequence's new tokens / prefix (int32 relative or int64)."""
+    col_d = h * BLOCK_D
+    if SHARED_ROW:
+        q_pos1 = plen + n_hist + 1
+    else:
+        q_pos1 = plen + tl.minimum(offs_m, n_hist) + 1
+    if HAS_PREFIX:
+        # Prefix keys: all visible; rows past plen read as zeros (V = 0), so no mask.
+        acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1,
+                      pos_tab, time_tab, alpha_half, inv_norm,
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+    if do_history:
+        # History keys below every row of the block (and below n_hist): unmasked tiles.
+        full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
+        acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, 0, full_hi, full_hi, ts_k, plen, offs_m,
+                      q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+        # The rest, up to the block's last row (causal) and n_hist: masked tiles.
+        hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
+        if SHARED_ROW:  # candidates see every history key
+            acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
+                          q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
+                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+        else:
+            acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
+                          q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
+                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+    return acc
+
+
+@triton.jit(do_not_specialize=["layer", "splits", "total", "n_row_blocks"])
 def _hstu_attention_fwd(
     Q, K, V, Out,
     total, stride_t, stride_ot, stride_oh,
-    seq_offsets, n_hist_ptr,
-    KVBase, prefix_kv_offsets, prefix_lens,
-    RabIdx, rab_offsets, rab_strides, rab_table,
-    layer, splits, alpha, inv_norm,
-    H: tl.constexpr, NB_COMBINED: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr,
+    seq_offsets, n_hist_ptr, ts64, ts32, fits_ptr,
+    KVBase, prefix_kv_offsets, prefix_lens, pts64, pts32, pts_offsets,
+    bias_tables, layer, splits, n_row_blocks, alpha_half, inv_norm,
+    H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
+    TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    # Row blocks in reverse: the last blocks of a causal sequence see the most keys; start them first.
+    pid_m = n_row_blocks - 1 - tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
@@ -153,21 +281,30 @@ def _hstu_attention_fwd(
     q_desc = tl.make_tensor_descriptor(
         Q, shape=[total, hd], strides=[stride_t, 1], block_shape=[BLOCK_M, BLOCK_D]
     )
+    k_desc = tl.make_tensor_descriptor(
+        K, shape=[total, hd], strides=[stride_t, 1], block_shape=[BLOCK_N, BLOCK_D]
+    )
+    v_desc = tl.make_tensor_descriptor(
+        V, shape=[total, hd], strides=[stride_t, 1], block_shape=[BLOCK_N, BLOCK_D]
+    )
     q = q_desc.load([seq_start + start_m, h * BLOCK_D])
-    table = rab_table + (layer * H + h).to(tl.int64) * NB_COMBINED
-    # Bias index rows of this block: unmasked, vectorised loads (see plan_triton for the slack).
-    # A block of candidates only shares one row (same position and timestamp): 1-D bias per key.
-    rab_base = RabIdx + tl.multiple_of(tl.load(rab_offsets + b), ALIGN)
-    rab_stride = tl.multiple_of(tl.load(rab_strides + b), ALIGN)
-    shared_row = start_m >= n_hist
-    rab_ptrs = rab_base + tl.minimum(offs_m, n_hist).to(tl.int64)[:, None] * rab_stride
-    hist_col0 = tl.cdiv(plen, ALIGN) * ALIGN
+    # Tables pre-halved (h = x / 2 feeds the SiLU): pos [NB_POS] then time [NB_TIME].
+    pos_tab = bias_tables + (layer * H + h).to(tl.int64) * (NB_POS + NB_TIME)
+    time_tab = pos_tab + NB_POS
+    shared_row = start_m >= n_hist  # candidates only: one position, one timestamp
+    # Rows past n_hist share n_hist's timestamp; rows past n (never stored) read row n - 1's.
+    q_row = seq_start + tl.minimum(tl.minimum(offs_m, n_hist), n - 1)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    lo_p = 0
+    hi_p = 0
+    pk_desc = k_desc
+    pv_desc = v_desc
+    p_start = 0
     if HAS_PREFIX:
         per_split = tl.cdiv(n_blocks, active)
-        lo = pid_s * per_split * BLOCK_N
-        hi = tl.minimum((pid_s + 1) * per_split * BLOCK_N, plen)
+        lo_p = pid_s * per_split * BLOCK_N
+        hi_p = tl.minimum((pid_s + 1) * per_split * BLOCK_N, plen)
         k_base = KVBase + tl.load(prefix_kv_offsets + b) + (layer * 2).to(tl.int64) * plen * hd
         rows_p = tl.maximum(plen, 1)  # a descriptor needs a non-empty shape; empty prefixes load nothing
         pk_desc = tl.make_tensor_descriptor(
@@ -176,67 +313,36 @@ def _hstu_attention_fwd(
         pv_desc = tl.make_tensor_descriptor(
             k_base + plen.to(tl.int64) * hd, shape=[rows_p, hd], strides=[hd, 1], block_shape=[BLOCK_N, BLOCK_D]
         )  # fmt: skip
+        p_start = tl.load(pts_offsets + b)
+    do_history = pid_s == 0
+    fits = tl.load(fits_ptr + b) != 0
+    if fits:
         if shared_row:
-            row = rab_base + n_hist.to(tl.int64) * rab_stride
-            for start_n in range(lo, hi, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = pk_desc.load([start_n, h * BLOCK_D])
-                s = tl.dot(q, tl.trans(k)) * alpha
-                s += tl.load(table + tl.load(row + offs_n).to(tl.int32))[None, :]
-                w = tl.where(m_valid[:, None] & (offs_n < hi)[None, :], _silu(s, FAST_SILU) * inv_norm, 0.0)
-                v = pv_desc.load([start_n, h * BLOCK_D])
-                acc += tl.dot(w.to(v.dtype), v)
+            acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+                              plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
+                              tl.load(ts32 + seq_start + n_hist) + 1,
+                              pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
-            for start_n in range(lo, hi, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = pk_desc.load([start_n, h * BLOCK_D])
-                s = tl.dot(q, tl.trans(k)) * alpha
-                s += tl.load(table + tl.load(rab_ptrs + offs_n[None, :]).to(tl.int32))
-                w = tl.where(m_valid[:, None] & (offs_n < hi)[None, :], _silu(s, FAST_SILU) * inv_norm, 0.0)
-                v = pv_desc.load([start_n, h * BLOCK_D])
-                acc += tl.dot(w.to(v.dtype), v)
+            acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+                              plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
+                              tl.load(ts32 + q_row) + 1,
+                              pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+    else:  # a span beyond int32: the same with int64 timestamps (rare, slower)
+        acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+                          plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                          tl.load(ts64 + q_row) + 1,
+                          pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
+                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
 
-    if pid_s == 0:
-        # The sequence's own history keys: causal, up to the end of this row block.
-        hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
-        k_desc = tl.make_tensor_descriptor(
-            K, shape=[total, hd], strides=[stride_t, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
-        v_desc = tl.make_tensor_descriptor(
-            V, shape=[total, hd], strides=[stride_t, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
-        if shared_row:  # candidates see every history key
-            row = rab_base + n_hist.to(tl.int64) * rab_stride + hist_col0
-            for start_n in range(0, hi_new, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = k_desc.load([seq_start + start_n, h * BLOCK_D])
-                s = tl.dot(q, tl.trans(k)) * alpha
-                s += tl.load(table + tl.load(row + offs_n).to(tl.int32))[None, :]
-                w = tl.where(
-                    m_valid[:, None] & (offs_n < hi_new)[None, :], _silu(s, FAST_SILU) * inv_norm, 0.0
-                )
-                v = v_desc.load([seq_start + start_n, h * BLOCK_D])
-                acc += tl.dot(w.to(v.dtype), v)
-        else:
-            for start_n in range(0, hi_new, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
-                k = k_desc.load([seq_start + start_n, h * BLOCK_D])
-                s = tl.dot(q, tl.trans(k)) * alpha
-                s += tl.load(table + tl.load(rab_ptrs + (hist_col0 + offs_n)[None, :]).to(tl.int32))
-                visible = m_valid[:, None] & (offs_n[None, :] < hi_new) & (offs_n[None, :] <= offs_m[:, None])
-                w = tl.where(visible, _silu(s, FAST_SILU) * inv_norm, 0.0)
-                v = v_desc.load([seq_start + start_n, h * BLOCK_D])
-                acc += tl.dot(w.to(v.dtype), v)
-        # Each candidate also sees itself (distance 0, same timestamp: bias index 0), no other.
-        if start_m + BLOCK_M > n_hist:
-            is_cand = m_valid & (offs_m >= n_hist)
-            rows = (seq_start + offs_m).to(tl.int64)
-            self_off = rows[:, None] * stride_t + h * BLOCK_D + offs_d[None, :]
-            k_self = tl.load(K + self_off, mask=is_cand[:, None], other=0.0)
-            v_self = tl.load(V + self_off, mask=is_cand[:, None], other=0.0)
-            s_self = tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1) * alpha + tl.load(table)
-            w_self = tl.where(is_cand, _silu(s_self, FAST_SILU) * inv_norm, 0.0)
-            acc += w_self[:, None] * v_self.to(tl.float32)
+    if do_history:
+        # Each candidate row (i >= n_hist) also sees itself, no other candidate: the diagonal tiles.
+        self_lo = tl.maximum(start_m, n_hist)
+        acc = _attend(acc, q, k_desc, v_desc, seq_start, h * BLOCK_D, self_lo // BLOCK_N * BLOCK_N,
+                      tl.minimum(start_m + BLOCK_M, n), self_lo, ts32, 0, offs_m, 0, 0,
+                      pos_tab, time_tab, alpha_half, inv_norm,
+                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
 
     out_rows = (seq_start + offs_m).to(tl.int64)
     out_ptrs = Out + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -255,17 +361,12 @@ class KernelConfig:
     fast_silu: bool = True
 
 
-# Measured on H200, bench preset (python -m bench.attention): against a cached prefix, narrower key
-# tiles with a deeper pipeline win; without one (full / preinfer), 64-wide key tiles.
-PREFIX_CONFIG = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3)
-NO_PREFIX_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-_RAB_BLOCK = 64
+# Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
+PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 # A prefix split covers at least this many key blocks (fewer: the per-program set-up dominates).
 MIN_SPLIT_BLOCKS = 4
-_ALIGN = 8  # int16 elements: bias-index rows and the history columns start 16-byte aligned
-# Unmasked tile loads may run past a sequence's matrix (rows past its end, columns past a row):
-# the buffer ends with this much zeroed slack, so they read valid indices.
-_MAX_BLOCK = 128
+_TS_BLOCK = 1024
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -282,64 +383,39 @@ def _install_scratch_allocator() -> None:
 
 @dataclass(frozen=True)
 class TritonPlan:
-    """What every layer of one forward pass shares: bias indices and combined bias tables."""
+    """What every layer of one forward pass shares: bias tables and relative timestamps."""
 
-    rab_index: torch.Tensor  # int16, per sequence [r, stride] (layout above), concatenated, + slack
-    rab_offsets: torch.Tensor  # [B] int64, element offset of each sequence's matrix
-    rab_strides: torch.Tensor  # [B] int64, row stride of each sequence's matrix
-    rab_table: torch.Tensor  # [L, H, NB_POS * NB_TIME] float32: pos_bias[p] + time_bias[t]
-
-
-def combined_bias_table(pos_tables: torch.Tensor, time_tables: torch.Tensor) -> torch.Tensor:
-    """[L, H, NB_POS * NB_TIME] float32 table of pos_bias[p] + time_bias[t] (index p * NB_TIME + t)."""
-    nb_pos, nb_time = pos_tables.shape[2], time_tables.shape[2]
-    if nb_pos * nb_time > torch.iinfo(torch.int16).max:
-        raise ValueError("num_pos_buckets * num_time_buckets must fit in int16")
-    return (pos_tables.float()[:, :, :, None] + time_tables.float()[:, :, None, :]).flatten(2).contiguous()
+    bias_tables: torch.Tensor  # [L, H, NB_POS + NB_TIME] float32, halved (packed_bias_tables)
+    nb_pos: int
+    nb_time: int
+    ts32: torch.Tensor  # [T] int32: new tokens' timestamps relative to their sequence's earliest
+    prefix_ts32: torch.Tensor  # [sum P] int32, likewise for the prefixes (one element without any)
+    fits: torch.Tensor  # [B] int32: 1 where the sequence's span fits int32 (ts32 valid)
 
 
-def rab_layout(
-    lengths: list[int], n_hist: list[int], prefix_lens: list[int] | tuple[int, ...]
-) -> tuple[list[int], list[int], int]:
-    """(offset, row stride) of every sequence's bias-index matrix, and their total size in elements."""
-    offsets, strides, size = [], [], 0
-    for n, h, p in zip(lengths, n_hist, prefix_lens, strict=True):
-        stride = _round_up(_round_up(p, _ALIGN) + h, _ALIGN)
-        offsets.append(size)
-        strides.append(stride)
-        size += min(n, h + 1) * stride
-    return offsets, strides, size
+def packed_bias_tables(pos_tables: torch.Tensor, time_tables: torch.Tensor) -> torch.Tensor:
+    """[L, H, NB_POS + NB_TIME] float32: each layer's and head's position table, then its time
+    table, both halved (the kernel evaluates SiLU(x) as h + h * tanh(h) with h = x / 2)."""
+    return (0.5 * torch.cat([pos_tables.float(), time_tables.float()], dim=2)).contiguous()
 
 
-def rab_slack(max_cols: int) -> int:
-    """Zeroed elements after the last matrix, for unmasked tile loads past it."""
-    return _MAX_BLOCK * (max_cols + 1) + _MAX_BLOCK
-
-
-def _launch_rab_index(
-    rab_index: torch.Tensor,
-    rab_offsets: torch.Tensor,
-    rab_strides: torch.Tensor,
+def _launch_relative_ts(
+    ts32: torch.Tensor,
+    prefix_ts32: torch.Tensor,
+    fits: torch.Tensor,
     seq_offsets: torch.Tensor,
-    n_hist: torch.Tensor,
     timestamps: torch.Tensor,
     prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    grid: tuple[int, int, int],
-    params: AttentionParams,
-    nb_pos: int,
-    nb_time: int,
+    batch: int,
 ) -> None:
+    """prefix: (lens, timestamps, ts_offsets) or None."""
     if prefix is not None:
-        plens_d, pts, pts_off = prefix
+        plens, pts, pts_off = prefix
     else:
-        plens_d, pts, pts_off = seq_offsets, timestamps, seq_offsets  # never read
-    _rab_index_fwd[grid](
-        rab_index, rab_offsets, rab_strides,
-        seq_offsets, n_hist, timestamps,
-        plens_d, pts, pts_off,
-        HAS_PREFIX=prefix is not None,
-        POS_BITS=params.pos_mantissa_bits, NB_POS=nb_pos, TIME_BITS=params.time_mantissa_bits, NB_TIME=nb_time,
-        ALIGN=_ALIGN, BLOCK_R=_RAB_BLOCK, BLOCK_C=_RAB_BLOCK,
+        plens, pts, pts_off = seq_offsets, timestamps, seq_offsets  # never read
+    _relative_ts_fwd[(batch,)](
+        timestamps, ts32, seq_offsets, pts, prefix_ts32, pts_off, plens, fits,
+        HAS_PREFIX=prefix is not None, SPAN_LIMIT=_TS_SPAN_LIMIT, BLOCK=_TS_BLOCK,
     )  # fmt: skip
 
 
@@ -350,29 +426,24 @@ def plan_triton(
     time_tables: torch.Tensor,
     params: AttentionParams,
 ) -> TritonPlan:
-    """pos_tables [L, H, NB_POS], time_tables [L, H, NB_TIME] (float32, on the device)."""
+    """pos_tables [L, H, NB_POS], time_tables [L, H, NB_TIME] (float32, on the device).
+    Raises ValueError if a sequence (prefix plus new tokens) reaches MAX_POSITIONS tokens."""
     _install_scratch_allocator()
-    table = combined_bias_table(pos_tables, time_tables)
-    dev = seq.timestamps.device
     plens = prefix.lens_host if prefix is not None else (0,) * seq.batch_size
-    lengths = [seq.length(b) for b in range(seq.batch_size)]
-    offsets, strides, size = rab_layout(lengths, list(seq.n_hist_host), plens)
-    max_rows = max((min(n, h + 1) for n, h in zip(lengths, seq.n_hist_host, strict=True)), default=0)
-    max_cols = max(strides, default=0)
-    meta = torch.tensor(offsets + strides, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
-    rab_index = torch.empty(size + rab_slack(max_cols), dtype=torch.int16, device=dev)
-    rab_index[size:].zero_()
-    rab_offsets, rab_strides = meta[: seq.batch_size], meta[seq.batch_size :]
-    if max_rows and max_cols:
-        grid = (triton.cdiv(max_rows, _RAB_BLOCK), triton.cdiv(max_cols, _RAB_BLOCK), seq.batch_size)
+    longest = max((p + seq.length(b) for b, p in enumerate(plens)), default=0)
+    if longest >= MAX_POSITIONS:
+        raise ValueError(
+            f"a sequence of {longest} tokens: the Triton attention takes fewer than {MAX_POSITIONS}"
+        )
+    dev = seq.timestamps.device
+    ts32 = torch.empty(max(seq.total_tokens, 1), dtype=torch.int32, device=dev)
+    prefix_ts32 = torch.empty(max(sum(plens), 1), dtype=torch.int32, device=dev)
+    fits = torch.empty(max(seq.batch_size, 1), dtype=torch.int32, device=dev)
+    if seq.batch_size:
         prefix_d = (prefix.lens, prefix.timestamps, prefix.ts_offsets) if prefix is not None else None
-        _launch_rab_index(rab_index, rab_offsets, rab_strides, seq.offsets, seq.n_hist, seq.timestamps,
-                          prefix_d, grid, params, pos_tables.shape[2], time_tables.shape[2])  # fmt: skip
-    return TritonPlan(rab_index, rab_offsets, rab_strides, table)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
+        _launch_relative_ts(ts32, prefix_ts32, fits, seq.offsets, seq.timestamps, prefix_d, seq.batch_size)
+    tables = packed_bias_tables(pos_tables, time_tables)
+    return TritonPlan(tables, pos_tables.shape[2], time_tables.shape[2], ts32, prefix_ts32, fits)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -391,6 +462,17 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     return stride_t
 
 
+@dataclass(frozen=True)
+class _Prefix:
+    """Device views of the cached prefixes as the kernel reads them."""
+
+    kv_base: torch.Tensor
+    kv_offsets: torch.Tensor
+    lens: torch.Tensor
+    timestamps: torch.Tensor
+    ts_offsets: torch.Tensor
+
+
 def _launch_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -398,32 +480,35 @@ def _launch_attention(
     stride_t: int,
     seq_offsets: torch.Tensor,
     n_hist: torch.Tensor,
-    prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    timestamps: torch.Tensor,
+    prefix: _Prefix | None,
     plan: TritonPlan,
     layer: int,
     params: AttentionParams,
     grid: tuple[int, int, int],
     config: KernelConfig,
 ) -> torch.Tensor:
-    """One attention launch over `grid` = (row blocks, sequences x heads, splits); prefix is
-    (kv_base, kv_offsets, lens) or None. Returns [T, H, D] in q's dtype."""
+    """One attention launch over `grid` = (sequences x heads, row blocks, splits).
+    Returns [T, H, D] in q's dtype."""
     total, num_heads, head_dim = q.shape
     splits = grid[2]
     if splits > 1:
         target = torch.zeros(total, num_heads, head_dim, dtype=torch.float32, device=q.device)
     else:
         target = torch.empty(total, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    kv_base, kv_offsets, lens = prefix if prefix is not None else (q, seq_offsets, seq_offsets)  # never read
+    has_prefix = prefix is not None
+    if prefix is None:  # never read
+        prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets)
     _hstu_attention_fwd[grid](
         q, k, v, target,
         total, stride_t, target.stride(0), target.stride(1),
-        seq_offsets, n_hist,
-        kv_base, kv_offsets, lens,
-        plan.rab_index, plan.rab_offsets, plan.rab_strides, plan.rab_table,
-        layer, splits, params.alpha, params.inv_norm,
-        H=num_heads, NB_COMBINED=plan.rab_table.shape[2], HAS_PREFIX=prefix is not None,
+        seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
+        prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, plan.prefix_ts32, prefix.ts_offsets,
+        plan.bias_tables, layer, splits, grid[1], 0.5 * params.alpha, params.inv_norm,
+        H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
+        TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
-        ALIGN=_ALIGN, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return target.to(q.dtype) if splits > 1 else target
@@ -466,18 +551,20 @@ def hstu_attention_triton(
     if config is None:
         config = PREFIX_CONFIG if has_prefix else NO_PREFIX_CONFIG
     bm, bn = config.block_m, config.block_n
-    if max(bm, bn) > _MAX_BLOCK:
-        raise ValueError(f"block sizes above {_MAX_BLOCK} overrun the bias-index slack")
     if splits is None:
         splits = 1
         if has_prefix:
             assert prefix is not None
             programs = sum(triton.cdiv(seq.length(b), bm) for b in range(seq.batch_size)) * num_heads
             splits = _default_splits(programs, triton.cdiv(max(prefix.lens_host), bn), q.device)
-    prefix_d = (prefix.kv_base, prefix.kv_offsets, prefix.lens) if has_prefix and prefix is not None else None
-    grid = (triton.cdiv(seq.max_len, bm), seq.batch_size * num_heads, splits)
-    return _launch_attention(q, k, v, stride_t, seq.offsets, seq.n_hist, prefix_d, plan, layer, params,
-                             grid, config)  # fmt: skip
+    prefix_d = None
+    if has_prefix and prefix is not None:
+        prefix_d = _Prefix(
+            prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, prefix.ts_offsets
+        )
+    grid = (seq.batch_size * num_heads, triton.cdiv(seq.max_len, bm), splits)
+    return _launch_attention(q, k, v, stride_t, seq.offsets, seq.n_hist, seq.timestamps, prefix_d, plan,
+                             layer, params, grid, config)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- fixed-grid (CUDA graphs)
@@ -489,19 +576,16 @@ class StaticGrid:
     with it (StaticBatch.check says which): the kernels skip what lies beyond a batch's sizes."""
 
     batch: int  # sequences (extra ones have length 0)
-    max_len: int  # new tokens of any one sequence (also bounds its bias-index rows)
-    rab_col_programs: int  # bias-index programs per row block (they stride over the columns)
+    max_len: int  # new tokens of any one sequence
     splits: int  # prefix splits of the attention kernel
 
     @staticmethod
     def plan(batch: int, max_len: int, num_heads: int, device: torch.device) -> StaticGrid:
         """Splits as hstu_attention_triton chooses them for a long prefix (the kernel lowers them
-        per sequence for short ones); ~2 waves of bias-index programs."""
+        per sequence for short ones)."""
         programs = batch * triton.cdiv(max_len, PREFIX_CONFIG.block_m) * num_heads
         splits = max(1, min(64, triton.cdiv(_SPLIT_WAVES * _num_sms(device), programs)))
-        row_blocks = batch * triton.cdiv(max_len, _RAB_BLOCK)
-        rab_programs = max(1, min(256, triton.cdiv(2 * _num_sms(device), row_blocks)))
-        return StaticGrid(batch, max_len, rab_programs, splits)
+        return StaticGrid(batch, max_len, splits)
 
 
 @dataclass(frozen=True)
@@ -511,6 +595,7 @@ class StaticBatch:
 
     Prefix blocks are addressed as `kv_anchor + kv_offsets[b]` elements: the anchor is one fixed
     allocation, so a captured graph can read psi blocks wherever the allocator put them.
+    Positions (prefix plus new tokens) must stay below MAX_POSITIONS.
     """
 
     seq_offsets: torch.Tensor  # [B + 1] int64; sequences past the batch repeat the last offset
@@ -521,23 +606,24 @@ class StaticBatch:
     prefix_ts_offsets: torch.Tensor  # [B + 1] int64
     kv_offsets: torch.Tensor  # [B] int64, elements from kv_anchor
     kv_anchor: torch.Tensor
-    rab_index: torch.Tensor  # int16, zero-initialised; a batch needs rab_layout's size + rab_slack
-    rab_offsets: torch.Tensor  # [B] int64
-    rab_strides: torch.Tensor  # [B] int64
     grid: StaticGrid
 
 
 def plan_triton_static(
-    batch: StaticBatch, table: torch.Tensor, params: AttentionParams, nb_pos: int, nb_time: int
+    batch: StaticBatch, tables: torch.Tensor, params: AttentionParams, nb_pos: int, nb_time: int
 ) -> TritonPlan:
-    """plan_triton over a StaticBatch: no host reads, fixed grid (capturable)."""
+    """plan_triton over a StaticBatch: no host reads, fixed grid (capturable).
+    tables: packed_bias_tables of the model, built once."""
     _install_scratch_allocator()
-    g = batch.grid
-    grid = (triton.cdiv(g.max_len, _RAB_BLOCK), g.rab_col_programs, g.batch)
+    dev = batch.timestamps.device
+    ts32 = torch.empty(batch.timestamps.numel(), dtype=torch.int32, device=dev)
+    prefix_ts32 = torch.empty(batch.prefix_timestamps.numel(), dtype=torch.int32, device=dev)
+    fits = torch.empty(batch.grid.batch, dtype=torch.int32, device=dev)
     prefix = (batch.prefix_lens, batch.prefix_timestamps, batch.prefix_ts_offsets)
-    _launch_rab_index(batch.rab_index, batch.rab_offsets, batch.rab_strides, batch.seq_offsets, batch.n_hist,
-                      batch.timestamps, prefix, grid, params, nb_pos, nb_time)  # fmt: skip
-    return TritonPlan(batch.rab_index, batch.rab_offsets, batch.rab_strides, table)
+    _launch_relative_ts(
+        ts32, prefix_ts32, fits, batch.seq_offsets, batch.timestamps, prefix, batch.grid.batch
+    )
+    return TritonPlan(tables, nb_pos, nb_time, ts32, prefix_ts32, fits)
 
 
 def hstu_attention_static(
@@ -552,7 +638,8 @@ def hstu_attention_static(
     """hstu_attention_triton over a StaticBatch (always with a prefix, possibly empty)."""
     stride_t = _check_qkv(q, k, v)
     g = batch.grid
-    grid = (triton.cdiv(g.max_len, PREFIX_CONFIG.block_m), g.batch * q.shape[1], g.splits)
-    prefix = (batch.kv_anchor, batch.kv_offsets, batch.prefix_lens)
-    return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, prefix, plan, layer, params,
-                             grid, PREFIX_CONFIG)  # fmt: skip
+    grid = (g.batch * q.shape[1], triton.cdiv(g.max_len, PREFIX_CONFIG.block_m), g.splits)
+    prefix = _Prefix(batch.kv_anchor, batch.kv_offsets, batch.prefix_lens, batch.prefix_timestamps,
+                     batch.prefix_ts_offsets)  # fmt: skip
+    return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, batch.timestamps, prefix,
+                             plan, layer, params, grid, PREFIX_CONFIG)  # fmt: skip

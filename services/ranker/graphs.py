@@ -4,7 +4,7 @@ Why: with a few hundred new tokens per user, rank_cached is bound by the host: ~
 issued from Python cost milliseconds, several times the GPU time. A replay issues them in one call.
 
 How any batch fits a captured graph: every per-batch value the kernels read (sequence offsets,
-psi addresses and lengths, timestamps, the bias-index layout) lives in static device buffers that
+psi addresses and lengths, timestamps) lives in static device buffers that
 the host fills before each replay (kernels.hstu_attention StaticBatch); only sizes are baked in,
 as upper bounds: a bucket (sequences, tokens, longest sequence). Kernel programs beyond the batch's
 sizes exit at once; token rows beyond its tokens go through the row-wise layers (LayerNorm,
@@ -12,7 +12,7 @@ linear, SiLU) and are ignored, and attention only ever reads rows inside sequenc
 leak into real rows. psi blocks are addressed relative to one fixed anchor allocation.
 
 A batch that does not fit (more sequences or tokens than the largest bucket, prefixes longer than
-the prefix-timestamp buffer, bias-index matrices larger than theirs) or whose bucket has no graph
+the prefix-timestamp buffer) or whose bucket has no graph
 yet returns None: the caller ranks it eagerly (model.rank_cached), which is always correct. Missing
 buckets are remembered and captured by `capture_pending()`, which the engine calls when idle, so a
 capture (~0.1-1 s) never delays a ranking call.
@@ -118,7 +118,7 @@ class GraphStats:
     replays: int = 0
     capture_ms: list[float] = field(default_factory=list)
     # Batches ranked eagerly, by reason: "no_graph_yet", "too_large", "prefix_too_long",
-    # "rab_buffer", "graph_limit".
+    # "graph_limit".
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
@@ -138,10 +138,9 @@ class RankGraphs:
         spec = model.spec
         b, t = limits.max_batch, limits.max_tokens
         # One int64 staging layout, host (pinned) and device: [item, aux, ts, candidate rows] x T,
-        # then [offsets (B+1), n_hist, prefix lens, prefix ts offsets (B+1), kv offsets,
-        # rab offsets, rab strides] x B.
+        # then [offsets (B+1), n_hist, prefix lens, prefix ts offsets (B+1), kv offsets] x B.
         sizes = {"item": t, "aux": t, "ts": t, "cand": t, "offsets": b + 1, "n_hist": b, "plens": b,
-                 "pts_off": b + 1, "kv_off": b, "rab_off": b, "rab_stride": b}  # fmt: skip
+                 "pts_off": b + 1, "kv_off": b}  # fmt: skip
         self._slices: dict[str, slice] = {}
         at = 0
         for name, n in sizes.items():
@@ -151,11 +150,10 @@ class RankGraphs:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(at, dtype=torch.int64, device=dev)
         self._prefix_ts = torch.zeros(b * limits.max_prefix_tokens, dtype=torch.int64, device=dev)
-        self._rab = torch.zeros(int(limits.rab_index_mb * 2**20) // 2, dtype=torch.int16, device=dev)
         self._anchor = torch.empty(8, dtype=model.item_emb.weight.dtype, device=dev)
         pos, tim = model.bias_tables()
         # The weights never change under a serving model, so the combined table is built once.
-        self._table = triton_impl.combined_bias_table(pos.detach(), tim.detach())
+        self._table = triton_impl.packed_bias_tables(pos.detach(), tim.detach())
         self._nb_pos, self._nb_time = spec.num_pos_buckets, spec.num_time_buckets
         self._graphs: dict[BucketKey, _Graph] = {}
         self._pending: set[BucketKey] = set()
@@ -181,10 +179,6 @@ class RankGraphs:
         key = bucket_for(len(suffixes), tokens.total, max(tokens.lengths, default=0), self.limits)
         if key is None:
             return self._fallback("too_large")
-        plens = [p.prefix_len for p in psis]
-        rab_offsets, rab_strides, rab_size = self._kernels.rab_layout(tokens.lengths, tokens.n_hist, plens)
-        if rab_size + self._kernels.rab_slack(max(rab_strides, default=0)) > self._rab.numel():
-            return self._fallback("rab_buffer")
         graph = self._graphs.get(key)
         if graph is None:
             if len(self._graphs) + len(self._pending) < self.limits.max_graphs:
@@ -192,7 +186,7 @@ class RankGraphs:
                 return self._fallback("no_graph_yet")
             return self._fallback("graph_limit")
         self._stage(key, tokens.columns.numpy(), tokens.candidate_rows.numpy(), tokens.lengths,
-                    tokens.n_hist, psis, rab_offsets, rab_strides, rab_size)  # fmt: skip
+                    tokens.n_hist, psis)  # fmt: skip
         graph.graph.replay()
         graph.replays += 1
         self.stats.replays += 1
@@ -223,9 +217,6 @@ class RankGraphs:
         lengths: list[int],
         n_hist: list[int],
         psis: Sequence[Psi],
-        rab_offsets: list[int],
-        rab_strides: list[int],
-        rab_size: int,
     ) -> None:
         """Fills the static inputs for this batch padded to `key`, then copies them to the device."""
         h, s = self._host_np, self._slices
@@ -250,8 +241,6 @@ class RankGraphs:
         put("pts_off", pts_off, int(pts_off[-1]), key.batch + 1)
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
         put("kv_off", [(p.kv.data_ptr() - anchor) // size for p in psis], 0, key.batch)
-        put("rab_off", rab_offsets, rab_size, key.batch)
-        put("rab_stride", rab_strides, 0, key.batch)
         self._dev.copy_(self._host, non_blocking=True)
         ts_total = int(pts_off[-1])
         if len(psis) == 1:
@@ -308,9 +297,6 @@ class RankGraphs:
             prefix_ts_offsets=view("pts_off", key.batch + 1),
             kv_offsets=view("kv_off", key.batch),
             kv_anchor=self._anchor,
-            rab_index=self._rab,
-            rab_offsets=view("rab_off", key.batch),
-            rab_strides=view("rab_stride", key.batch),
             grid=grid,
         )
 

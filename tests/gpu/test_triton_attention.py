@@ -23,13 +23,13 @@ pytest.importorskip("triton")
 from kernels.hstu_attention.triton_impl import hstu_attention_triton, plan_triton  # noqa: E402
 
 
-def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.bfloat16):
+def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.bfloat16, ts_max=10**6):
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     # A strided q/k/v, as the model passes them (views of one UVQK tensor).
     uvqk = torch.randn(total, 4, heads, dim, generator=gen).to("cuda", dtype)
     q, k, v = uvqk[:, 0], uvqk[:, 1], uvqk[:, 2]
-    ts = torch.randint(0, 10**6, (total,), generator=gen)
+    ts = torch.randint(-ts_max, ts_max, (total,), generator=gen)
     start = 0
     for n, h in zip(lengths, n_hist, strict=True):  # candidates carry one timestamp (the query time)
         ts[start + h : start + n] = ts[start + h : start + n].max() if n > h else 0
@@ -38,7 +38,7 @@ def random_case(seed, lengths, n_hist, plens, heads, dim, layers=3, dtype=torch.
     prefix = None
     if plens is not None:
         kv = [torch.randn(layers, 2, p, heads * dim, generator=gen).to("cuda", dtype) for p in plens]
-        pts = [torch.randint(0, 10**6, (p,), generator=gen).cuda() for p in plens]
+        pts = [torch.randint(-ts_max, ts_max, (p,), generator=gen).cuda() for p in plens]
         prefix = PrefixKV.build(kv, pts)
     pos_bias = torch.randn(layers, heads, 160, generator=gen).cuda()
     time_bias = torch.randn(layers, heads, 96, generator=gen).cuda()
@@ -60,6 +60,8 @@ CASES = [
     ([0, 0], [0, 0], [10, 0]),
     ([1], [1], [0]),
     ([257], [0], [63]),  # candidates only
+    ([700, 130, 129], [600, 2, 129], None),  # several diagonal tiles; history and candidates in one block
+    ([700, 130, 129], [600, 2, 129], [300, 0, 2500]),
 ]
 
 
@@ -87,7 +89,9 @@ def test_model_on_cuda_cached_equals_full_bf16():
     prefixes, suffixes = batch(1, [Shape(16, 2000, 64, 256), Shape(0, 0, 3, 1), Shape(4, 500, 0, 20)])
     full = model.full(prefixes, suffixes)
     psis = model.preinfer(prefixes)
-    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes])
+    cached = model.rank_cached(
+        suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes]
+    )
     for f, c in zip(full, cached, strict=True):
         assert_bf16_close(c, f)
 
@@ -99,5 +103,34 @@ def test_model_on_cuda_float32_reference_is_exact():
     prefixes, suffixes = batch(2, [Shape(3, 1500, 10, 50), Shape(0, 7, 0, 1)])
     full = model.full(prefixes, suffixes)
     psis = model.preinfer(prefixes)
-    cached = model.rank_cached(suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes])
+    cached = model.rank_cached(
+        suffixes, psis, [model.psi_key(p.user_id, 1, p.fingerprint.digest) for p in prefixes]
+    )
     assert max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("plens", [None, [900, 0, 64]])
+def test_triton_time_spans_beyond_int32(plens):
+    """Timestamps spread over ~2**41: the kernel falls back to int64 differences for those sequences."""
+    lengths, n_hist = [300, 200, 65], [200, 200, 1]
+    case = random_case(7, lengths, n_hist, plens, heads=2, dim=64, ts_max=1 << 40)
+    q, k, v, seq, prefix, pb, tb, params = case
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    assert not bool(plan.fits.bool().all())
+    want = hstu_attention_reference(
+        q, k, v, seq, prefix, 1, plan_reference(seq, prefix, pb, tb, params), params
+    )
+    assert_bf16_close(hstu_attention_triton(q, k, v, seq, prefix, plan, 1, params), want)
+
+
+def test_triton_bias_buckets_are_exact():
+    """q = k = 0: the scores are the relative bias alone, checked without the dot products' noise."""
+    lengths, n_hist = [600, 333], [500, 333]
+    q, k, v, seq, prefix, pb, tb, params = random_case(11, lengths, n_hist, [2000, 77], heads=2, dim=64)
+    q.zero_()
+    k.zero_()
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    want = hstu_attention_reference(
+        q, k, v, seq, prefix, 2, plan_reference(seq, prefix, pb, tb, params), params
+    )
+    assert_bf16_close(hstu_attention_triton(q, k, v, seq, prefix, plan, 2, params), want)
