@@ -13,6 +13,7 @@ import torch
 
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.fingerprint import PrefixFingerprint, prefix_fingerprint
+from shared.prefix_check import check_behaviors, check_prefix
 from shared.protos import ranker_pb2 as pb
 from shared.wire import (
     I32,
@@ -26,24 +27,8 @@ from shared.wire import (
 )
 
 
-def _behavior_arrays(
-    msg: pb.Behaviors, name: str, max_len: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    items = decode(msg.items_le, I64, f"{name}.items", max_len)
-    actions = decode(msg.actions_le, I32, f"{name}.actions", max_len)
-    timestamps = decode(msg.timestamps_le, I64, f"{name}.timestamps", max_len)
-    if not len(items) == len(actions) == len(timestamps):
-        raise WireError(
-            f"{name}: {len(items)} items, {len(actions)} actions and {len(timestamps)} timestamps must match"
-        )
-    require_non_negative(items, f"{name}.items")
-    require_non_negative(actions, f"{name}.actions")
-    require_non_negative(timestamps, f"{name}.timestamps", MAX_TIMESTAMP)
-    return items, actions, timestamps
-
-
 def behaviors_from_proto(msg: pb.Behaviors, name: str, max_len: int) -> Behaviors:
-    items, actions, timestamps = _behavior_arrays(msg, name, max_len)
+    items, actions, timestamps = check_behaviors(msg, name, max_len)
     return Behaviors(torch.from_numpy(items), torch.from_numpy(actions), torch.from_numpy(timestamps))
 
 
@@ -112,9 +97,8 @@ FallbackPrefix = CheckedPrefix | PrefixReference
 
 
 def checked_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> CheckedPrefix:
-    profile = decode(msg.profile_le, I64, "prefix.profile", limits.max_profile_tokens)
-    require_non_negative(profile, "prefix.profile")
-    long_term = _behavior_arrays(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
+    """The rules are shared (shared/prefix_check.py, which the router also applies to signals)."""
+    profile, long_term = check_prefix(msg, limits)
     lt = msg.long_term  # the wire bytes are the fingerprint's layout: hashed as they came
     fingerprint = prefix_fingerprint(msg.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le)
     return CheckedPrefix(

@@ -1,6 +1,8 @@
-"""python -m services.router [flags]: the affinity router (Ranker API front door + signal consumer).
+"""python -m services.router [flags]: the affinity router (the Ranker API + the signal consumer).
 
-Logs a JSON line with event "router_ready" (port, metrics_port, rankers) once it serves.
+Logs a JSON line with event "router_ready" (port, metrics_port, rankers) once it serves. Exits 0
+after SIGTERM / SIGINT (calls in flight drained), 1 when the start or a background task failed, 2
+for invalid configuration.
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.router.membership import Membership
-from services.router.placement import preference
 from services.trigger.admission import Bounds, InstanceLedger, OfferedLoad, Policy, Reason, decide
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
@@ -48,8 +46,10 @@ from services.trigger.progress import Processed
 from shared.kafka import ensure_topics, make_consumer, make_producer, record_limits
 from shared.lifecycle import settle_heap
 from shared.logging import get_logger
+from shared.membership import Membership
 from shared.metrics import serve_metrics
 from shared.modelspec import preset
+from shared.placement import preference
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
 from shared.wire import DEAD_LETTER_HEADROOM_BYTES, RequestLimits

@@ -115,7 +115,8 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
             assert record.partition in (0, 1)
             assert record.offset >= 0
 
-        consumer = router._consumer
+        assert router.signals is not None
+        consumer = router.signals.consumer
         assert consumer is not None
         tps = [TopicPartition(SIGNALS, p) for p in (0, 1)]
         ends = await consumer.end_offsets(tps)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router import placement
-from services.router.placement import Instance, preference, stable_hash
+from shared import placement
+from shared.placement import Instance, preference, stable_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_same_answer_in_another_process_with_another_hash_seed():
     instances = [Instance(f"host-{i}:5005{i}", float(i % 3)) for i in range(6)]
     users = [0, 1, 42, 2**63 + 5, 2**64 - 1, 123_456_789]
     script = (
-        "import json; from services.router.placement import Instance, preference, stable_hash\n"
+        "import json; from shared.placement import Instance, preference, stable_hash\n"
         f"inst = [Instance(f'host-{{i}}:5005{{i}}', float(i % 3)) for i in range(6)]\n"
         f"users = {users!r}\n"
         "print(json.dumps([[preference(u, inst), stable_hash(u, 'a:1')] for u in users]))\n"

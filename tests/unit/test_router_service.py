@@ -22,11 +22,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from services.router.config import RouterConfig
-from services.router.membership import Membership
-from services.router.placement import Instance, preference
 from services.router.service import RouterService
 from shared.broker import free_port
 from shared.config import ConfigError, load_config
+from shared.membership import Membership
+from shared.placement import Instance, preference
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
 from tests.rankers import preinfer_request, rank_request, users
@@ -451,9 +451,10 @@ def test_round_robin_placement_ignores_affinity_for_ranking_calls():
     router = RouterService(config)
     router.membership.healthy = lambda: [Instance("127.0.0.1:1", 0.0), Instance("127.0.0.1:2", 0.0)]  # type: ignore[method-assign]
     router.membership.members = lambda: ("127.0.0.1:1", "127.0.0.1:2")  # type: ignore[method-assign]
-    firsts = {router.place(42, 1, "rank").order[0] for _ in range(4)}
+    firsts = {router.forwarder.place(42, 1, "rank").order[0] for _ in range(4)}
     assert firsts == {"127.0.0.1:1", "127.0.0.1:2"}  # one user, both instances
-    assert len({router.place(42, 1, "preinfer").order[0] for _ in range(4)}) == 1  # signals still hash
+    signals = {router.forwarder.place(42, 1, "preinfer").order[0] for _ in range(4)}
+    assert len(signals) == 1  # signals still hash
 
 
 # ---------------------------------------------------------------------- pass-through (bytes)

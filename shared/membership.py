@@ -1,9 +1,13 @@
 """Which ranker instances are up, and how loaded: a static target list, health-checked.
 
+Shared by the router (which forwards calls to the instances) and the trigger (which accounts
+pre-inference per instance): both must see the same instances to compute the same placement.
+
 One grpc.aio channel per target, created inside the running loop by `start()` and reused by every
 call (health checks, Stats polls, forwarded Rank / PreInfer). Rank and PreInfer are forwarded as
 serialized bytes (`call`): methods with no serializers, registered with the channel once. A
-background task checks every target each `check_interval_s`:
+background task (spawned by the owner's lifecycle when it passes one) checks every target each
+`check_interval_s`:
 
 * grpc.health.v1 `Check` on "relaygr.v1.Ranker" with a short deadline. A target is dropped after
   `fail_after` consecutive failures, i.e. within about fail_after x (interval + timeout) of dying,
@@ -23,22 +27,24 @@ listed by mistake as a ranker never joins, so routers cannot forward in a loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.router.placement import Instance
 from shared.logging import get_logger
+from shared.placement import Instance
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
 from shared.tls import PLAINTEXT, TlsSettings
 
-log = get_logger("router.membership")
+log = get_logger("membership")
 T = TypeVar("T")
+Spawn = Callable[[Coroutine[Any, Any, None], str], asyncio.Task[Any]]
+"""Starts a named background task (e.g. shared.lifecycle.Lifecycle.spawn)."""
+CHECK_TASK_NAME = "membership-health"
 RANKER_HEALTH_NAME = "relaygr.v1.Ranker"
 ROUTER_ID_PREFIX = "router@"  # a router's Stats instance_id: "router@host:port"
 # The methods forwarded as bytes (`Membership.call`), by the router's method name.
@@ -102,13 +108,15 @@ class Membership:
         self.tls = tls
         self._state: dict[str, _Target] = {}
         self._members: tuple[str, ...] = ()  # the healthy targets, kept by _set
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def start(self, spawn: Spawn | None = None) -> None:
         """Opens the channels (in the running loop), runs one round of checks so `healthy()` is
-        meaningful on return, then keeps checking in the background."""
+        meaningful on return, then keeps checking in a background task named CHECK_TASK_NAME,
+        started with `spawn` when given (the owner's lifecycle then watches it), else on the
+        running loop. `close` cancels it either way."""
         if self._state:
             raise RuntimeError("Membership already started")
         opts = channel_options(self.max_message_mb)
@@ -125,14 +133,17 @@ class Membership:
         for state in self._state.values():
             if not state.healthy:
                 log.warning("ranker_not_ready", target=state.address, failures=state.failures)
-        self._task = asyncio.get_running_loop().create_task(self._check_loop(), name="membership-health")
+        if spawn is None:
+            self._task = asyncio.get_running_loop().create_task(self._check_loop(), name=CHECK_TASK_NAME)
+        else:
+            self._task = spawn(self._check_loop(), CHECK_TASK_NAME)
 
     async def close(self) -> None:
         """Stops checking and closes every channel (calls still in flight on them are cancelled)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Its failure, if it failed, is the owner's lifecycle's to report: closing goes on.
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         for target in self._state.values():
             await target.channel.close()

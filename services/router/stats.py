@@ -1,0 +1,61 @@
+"""The router's Stats answer: the fleet as this router sees it, and its own Rank latencies."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from shared.protos import ranker_pb2 as pb
+from shared.stats import percentile
+
+RANK_WINDOW = 2048  # the recent Rank latencies rank_p50 / rank_p99 are taken over
+
+
+class RankLatencies:
+    """This router's end-to-end latencies of its recent successful Rank calls (ms)."""
+
+    def __init__(self, window: int = RANK_WINDOW) -> None:
+        self._ms: collections.deque[float] = collections.deque(maxlen=window)
+
+    def append(self, ms: float) -> None:
+        self._ms.append(ms)
+
+    def percentile(self, q: float) -> float:
+        """The q-th percentile of the window; 0.0 while it is empty."""
+        return percentile(list(self._ms), q) if self._ms else 0.0
+
+
+def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLatencies) -> pb.StatsReply:
+    """The router's StatsReply (the contract is in ranker.proto, StatsReply): `instance_id`
+    ("router@host:port"); every byte, backlog, queue and counter field (hbm_hits, hbm_misses,
+    demotions, reloads, psi_produced, psi_expired, preinfers_refused, ...) is the sum over
+    `rankers`, the healthy rankers' last polled Stats (up to one check interval old; a ranker that
+    leaves membership leaves the sums, so they can fall); model_version is the rankers' common
+    version ("" when they differ); lead_time_p50_ms is the highest ranker's; rank_p50/p99 are
+    this router's own (`rank`); recent_batches is empty; expander_connected is true only if every
+    ranker has its host tier."""
+    stats = list(rankers)
+    versions = {s.model_version for s in stats}
+    return pb.StatsReply(
+        instance_id=instance_id,
+        model_version=versions.pop() if len(versions) == 1 else "",
+        hbm_budget_bytes=sum(s.hbm_budget_bytes for s in stats),
+        hbm_resident_bytes=sum(s.hbm_resident_bytes for s in stats),
+        hbm_leased_bytes=sum(s.hbm_leased_bytes for s in stats),
+        hbm_evictable_bytes=sum(s.hbm_evictable_bytes for s in stats),
+        preinfer_backlog=sum(s.preinfer_backlog for s in stats),
+        rank_queue_depth=sum(s.rank_queue_depth for s in stats),
+        preinfers_refused=sum(s.preinfers_refused for s in stats),
+        rank_p50_ms=rank.percentile(50),
+        rank_p99_ms=rank.percentile(99),
+        expander_connected=bool(stats) and all(s.expander_connected for s in stats),
+        psi_bytes_per_token=stats[0].psi_bytes_per_token if stats else 0,
+        demotions=sum(s.demotions for s in stats),
+        reloads=sum(s.reloads for s in stats),
+        psi_produced=sum(s.psi_produced for s in stats),
+        psi_expired=sum(s.psi_expired for s in stats),
+        lead_time_p50_ms=max((s.lead_time_p50_ms for s in stats), default=0.0),
+        hbm_hits=sum(s.hbm_hits for s in stats),
+        hbm_misses=sum(s.hbm_misses for s in stats),
+        prefix_content_mismatches=sum(s.prefix_content_mismatches for s in stats),
+    )
