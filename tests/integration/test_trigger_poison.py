@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import CommitFailedError, KafkaConnectionError
 
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
@@ -26,7 +26,7 @@ from services.trigger.service import TriggerService
 from shared.broker import EmbeddedBroker
 from shared.config import load_config
 from shared.dlq import read_dead_letter
-from shared.kafka import KafkaSettings, make_producer
+from shared.kafka import KafkaSettings, ensure_topics, make_producer
 from shared.protos import events_pb2 as ev
 from shared.wire import prefix_message
 
@@ -78,8 +78,9 @@ def topics() -> tuple[str, str, str, str]:
     return f"{RETRIEVAL}.{n}", f"{SIGNALS}.{n}", f"{DLQ}.{n}", f"{GROUP}.{n}"
 
 
-async def start_trigger(broker: Any, ranker: RankerService | None, *flags: str) -> TriggerService:
-    retrieval, signals, dlq, group = topics()
+async def start_trigger(broker: Any, ranker: RankerService | None, *flags: str,
+                        names: tuple[str, str, str, str] | None = None) -> TriggerService:  # fmt: skip
+    retrieval, signals, dlq, group = names or topics()
     rankers = ["--rankers", f"127.0.0.1:{ranker.port}", "--policy", "all"] if ranker else ["--policy", "off"]
     config = load_config(TriggerConfig, ["--bootstrap", broker.bootstrap, "--retrieval-topic", retrieval,
                                          "--signal-topic", signals, "--dlq-topic", dlq, "--group-id", group,
@@ -283,11 +284,14 @@ class GatedProducer:
 
 
 async def test_shutdown_finishes_the_batch_in_hand(broker):
-    trigger = await start_trigger(broker, None)
+    names = topics()
+    # Both records wait on the topic before the trigger starts: its first fetch takes them as one batch.
+    await ensure_topics(KafkaSettings(bootstrap=broker.bootstrap), {names[0]: 1})
+    await publish(broker, names[0], [(b"1", b"\xff bad"), (b"2", b"")])
+    trigger = await start_trigger(broker, None, names=names)
     assert trigger._outbox is not None
     gated = GatedProducer(trigger._outbox.producer)
     trigger._outbox.producer = gated
-    await publish(broker, trigger.config.retrieval_topic, [(b"1", b"\xff bad"), (b"2", b"")])
     await asyncio.wait_for(gated.waiting.wait(), BOUND_S)
     stopping = asyncio.ensure_future(trigger.shutdown())
     await asyncio.sleep(0.2)
@@ -307,3 +311,40 @@ async def test_shutdown_finishes_the_batch_in_hand(broker):
         assert await consumer.committed(TopicPartition(trigger.config.retrieval_topic, 0)) == 2
     finally:
         await consumer.stop()
+
+
+async def test_records_read_again_before_their_commit_are_not_decided_twice(broker, ranker):
+    """A failed commit, then the partition read again from the committed offset (as after a
+    rebalance): the batch's events are neither counted, accounted nor signalled twice."""
+    names = topics()
+    await ensure_topics(KafkaSettings(bootstrap=broker.bootstrap), {names[0]: 1})
+    await publish(broker, names[0], [(str(u).encode(), event(u, f"r{u}", 100, seed=u)) for u in (11, 12, 13)])
+    trigger = await start_trigger(broker, ranker, names=names)
+    try:
+        consumer = trigger._consumer
+        assert consumer is not None
+        commit = consumer.commit
+        failures: list[Any] = []
+
+        async def commit_fails_once(offsets: Any = None) -> None:
+            if not failures:
+                failures.append(offsets)
+                consumer.seek(TopicPartition(names[0], 0), 0)  # the group's committed offset: none yet
+                raise CommitFailedError("injected: the group rebalanced")
+            await commit(offsets)
+
+        consumer.commit = commit_fails_once
+        signals = await read_all(broker, trigger.config.signal_topic, 3)
+        assert sorted(ev.PreInferSignal.FromString(r.value).request_id for r in signals) == [
+            "r11",
+            "r12",
+            "r13",
+        ]
+        assert await eventually(lambda: _at(trigger, 3), "offsets committed after the failure")
+        assert failures
+        assert trigger.metrics.redelivered._value.get() == 3
+        assert admitted(trigger) == 3
+        assert sum(trigger.counts.values()) == 3  # not decided again (already_resident) either
+        assert sum(len(led._admitted) for led in trigger.ledgers.values()) == 3
+    finally:
+        await trigger.shutdown()
