@@ -1,19 +1,24 @@
 """Router and trigger benchmark (CPU is fine): what the router adds to a ranking call, and how many
 retrieval events per second the trigger decides on one core.
 
-    python -m bench.router [--calls 4000] [--events 50000] [--layout pinned|shared]
+    python -m bench.router [--calls 4000] [--runs 3] [--events 50000] [--layout pinned|shared]
 
-Router: one ranker and two routers as real processes on loopback (`python -m services.router`,
-so with the router's own process settings): one with the default front door (the HTTP/2 frame
-relay, services/router/frontdoor.py), one with its gRPC server as the front door
-(`--front-door grpc`). The same Rank request (a short prefix, so the ranker's own time is small) is
-sent from this process directly and through each, one call at a time, alternating in chunks of 50
-so all paths see the same machine state; `--calls` per path. Reported: p50/p99 of each and
-router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the default router,
-grpc_front_door_added_* for the other; a fourth path through the smallest grpc.aio proxy
-(bench/bare_proxy.py, same core) gives bare_proxy_added_*, the cost of a Python gRPC hop on the
-machine, in the same run. *_cpu_ms_per_call: CPU time of each proxy process (all threads, from
-/proc) while its own chunks ran, per call.
+Router: one ranker and three routers as real processes on loopback (`python -m services.router`,
+so with the router's own process settings), one per front door: the hand-written HTTP/2 frame
+relay (`--front-door relay`, services/router/frontdoor/relay.py), the same relay built on the h2
+library (`--front-door h2`, frontdoor/h2lib.py) and the router's gRPC server (`--front-door grpc`).
+The same Rank request (a short prefix, so the ranker's own time is small) is sent from this
+process directly and through each, one call at a time, alternating in chunks of 50 so all paths
+see the same machine state; `--calls` per path. Reported: p50/p99 of each and
+router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the hand-written relay,
+h2_relay_added_* and grpc_front_door_added_* for the others; a fifth path through the smallest
+grpc.aio proxy (bench/bare_proxy.py, same core) gives bare_proxy_added_*, the cost of a Python
+gRPC hop on the machine, in the same run. *_cpu_ms_per_call: CPU time of each proxy process (all
+threads, from /proc) while its own chunks ran, per call.
+`--runs`: the whole comparison that many times, fresh processes each time, one record per run
+(with the 1-minute load average before it); the JSON's "decision" applies issue 17's rule: the
+hand-written relay stays the default only if it beats both other front doors by more than the
+run-to-run spread (router_added_p99_ms; CPU per call breaks a tie), else the gRPC front door.
 Layout (recorded in the JSON's config):
   pinned  (default) what the router adds on one core: the router on the last core (no other
           process of the benchmark there); this client and the ranker on the first core (the
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import socket
 import tempfile
@@ -146,7 +152,7 @@ async def router_overhead(
         routers = {
             door: ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
                                  "--consume-signals", "false", "--front-door", door, *tls_flags(proxy_tls))
-            for door in ("relay", "grpc")
+            for door in ("relay", "h2", "grpc")
         }  # fmt: skip
         bare_port = free_port()
         bare = ServiceProcess("bench.bare_proxy", str(bare_port), target, *pem_files(proxy_tls))
@@ -158,6 +164,7 @@ async def router_overhead(
                     pin_threads(proc.proc.pid, cpus["router"])
             channels = {name: client_tls.channel(address) for name, address in
                         (("direct", target), ("routed", f"127.0.0.1:{ports['relay']}"),
+                         ("routed_h2", f"127.0.0.1:{ports['h2']}"),
                          ("routed_grpc", f"127.0.0.1:{ports['grpc']}"), ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
             prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
             req = rank_request(prefix, suffix, "bench")
@@ -167,8 +174,8 @@ async def router_overhead(
             ms: dict[str, list[float]] = {name: [] for name in stubs}
             # The CPU each proxy process spends while its own chunks run (health checks and other
             # background work included): what one routed call costs the router's core.
-            pids = {"routed": routers["relay"].proc.pid, "routed_grpc": routers["grpc"].proc.pid,
-                    "bare": bare.proc.pid}  # fmt: skip
+            pids = {"routed": routers["relay"].proc.pid, "routed_h2": routers["h2"].proc.pid,
+                    "routed_grpc": routers["grpc"].proc.pid, "bare": bare.proc.pid}  # fmt: skip
             cpu_s = dict.fromkeys(pids, 0.0)
             # This client's collector runs between chunks, never inside a timed call (it would
             # land on either path at random and only add noise to the difference).
@@ -192,7 +199,7 @@ async def router_overhead(
             for router in routers.values():
                 router.stop()
             ranker.stop()
-    d_ms, r_ms, g_ms, b_ms = ms["direct"], ms["routed"], ms["routed_grpc"], ms["bare"]
+    d_ms, r_ms, h_ms, g_ms, b_ms = ms["direct"], ms["routed"], ms["routed_h2"], ms["routed_grpc"], ms["bare"]
     return {
         "rank_p50_ms_direct": percentile(d_ms, 50),
         "rank_p99_ms_direct": percentile(d_ms, 99),
@@ -200,6 +207,9 @@ async def router_overhead(
         "rank_p99_ms_routed": percentile(r_ms, 99),
         "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
         "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
+        # The same relay on the h2 library (RELAYGR_ROUTER_FRONT_DOOR=h2), same run, same core.
+        "h2_relay_added_p50_ms": percentile(h_ms, 50) - percentile(d_ms, 50),
+        "h2_relay_added_p99_ms": percentile(h_ms, 99) - percentile(d_ms, 99),
         # The same router with its gRPC server as the front door (RELAYGR_ROUTER_FRONT_DOOR=grpc),
         # same run, same core.
         "grpc_front_door_added_p50_ms": percentile(g_ms, 50) - percentile(d_ms, 50),
@@ -209,6 +219,7 @@ async def router_overhead(
         "bare_proxy_added_p50_ms": percentile(b_ms, 50) - percentile(d_ms, 50),
         "bare_proxy_added_p99_ms": percentile(b_ms, 99) - percentile(d_ms, 99),
         "router_cpu_ms_per_call": cpu_s["routed"] * 1e3 / len(r_ms),
+        "h2_relay_cpu_ms_per_call": cpu_s["routed_h2"] * 1e3 / len(h_ms),
         "grpc_front_door_cpu_ms_per_call": cpu_s["routed_grpc"] * 1e3 / len(g_ms),
         "bare_proxy_cpu_ms_per_call": cpu_s["bare"] * 1e3 / len(b_ms),
         "rank_calls_each": len(d_ms),
@@ -217,8 +228,6 @@ async def router_overhead(
 
 def workload_lengths(n: int, seed: int) -> np.ndarray:
     """Prefix lengths with the ML-100K shape scaled x4 (the trigger sees only the length)."""
-    import json
-
     shape = json.loads((Path(__file__).parent / "data" / "ml100k_shape.json").read_text())
     rng = np.random.default_rng(seed)
     return rng.choice(np.array(shape["history_lengths"]) * 4, size=n)
@@ -277,12 +286,69 @@ async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, f
     }
 
 
-async def run(args: argparse.Namespace, cpus: dict[str, list[int]]) -> dict[str, Any]:
+# Each front door's fields in a run's record: (added p99, CPU per call).
+DOORS = {
+    "relay": ("router_added_p99_ms", "router_cpu_ms_per_call"),
+    "h2": ("h2_relay_added_p99_ms", "h2_relay_cpu_ms_per_call"),
+    "grpc": ("grpc_front_door_added_p99_ms", "grpc_front_door_cpu_ms_per_call"),
+    "bare_proxy": ("bare_proxy_added_p99_ms", "bare_proxy_cpu_ms_per_call"),
+}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per front door over the runs: mean, min, max and spread (max - min) of added p99 and CPU per
+    call; and issue 17's decision. The hand-written relay beats another door when its mean added
+    p99 is lower by more than the larger spread of the two; when the p99 difference is within
+    that spread, CPU per call decides the same way. It stays the default only if it beats both the
+    h2 relay and the gRPC front door, else the gRPC front door becomes the default."""
+    stats: dict[str, Any] = {}
+    for door, fields in DOORS.items():
+        stats[door] = {}
+        for field in fields:
+            values = [float(row[field]) for row in rows]
+            stats[door][field] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values),
+                                  "spread": max(values) - min(values)}  # fmt: skip
+    verdicts = {}
+    for other in ("h2", "grpc"):
+        verdict = "tie"
+        for i in range(2):  # p99 first; CPU per call breaks a tie
+            mine, theirs = stats["relay"][DOORS["relay"][i]], stats[other][DOORS[other][i]]
+            margin, spread = theirs["mean"] - mine["mean"], max(mine["spread"], theirs["spread"])
+            if abs(margin) > spread:
+                verdict = "relay_wins" if margin > 0 else f"{other}_wins"
+                break
+        verdicts[other] = verdict
+    keep = all(v == "relay_wins" for v in verdicts.values())
+    return {
+        "runs": len(rows),
+        "doors": stats,
+        "relay_vs": verdicts,
+        "default": "relay" if keep else "grpc",
+        "rule": "relay stays default only if it beats h2 and grpc by more than the run-to-run spread "
+        "(max - min over runs, the larger of the two doors) on mean router_added_p99_ms, CPU per call "
+        "as the tie-breaker; otherwise grpc",
+    }
+
+
+def load_average() -> float:
+    """The 1-minute load average (other work on this machine shows up in the tails)."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+async def run(args: argparse.Namespace, cpus: dict[str, list[int]]) -> list[dict[str, Any]]:
+    rows = []
     with EmbeddedBroker.start() as broker, tempfile.TemporaryDirectory() as tmp:
-        row = await router_overhead(args.calls, broker, cpus, Path(tmp) if args.tls else None)
-        if args.events:
-            row |= await trigger_throughput(args.events, broker)
-    return row
+        for i in range(args.runs):
+            row: dict[str, Any] = {"run": i + 1, "loadavg_1m_before": load_average()}
+            print(f"run {row['run']}/{args.runs}: load average {row['loadavg_1m_before']}", flush=True)
+            row |= await router_overhead(
+                args.calls, broker, cpus, Path(tmp) / f"run{i}" if args.tls else None
+            )
+            if args.events:
+                row |= await trigger_throughput(args.events, broker)
+            rows.append(row)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -290,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--calls", type=int, default=4000, help="Rank calls per path (direct, routed)")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="repeats of the whole comparison (fresh processes)"
+    )
     parser.add_argument("--layout", choices=("pinned", "shared"), default="pinned",
                         help="where the processes run (see above)")  # fmt: skip
     parser.add_argument("--events", type=int, default=50_000, help="trigger events (0: no trigger run)")
@@ -300,17 +369,49 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     cpus = layout_cpus(args.layout)
-    row = uvloop.run(run(args, cpus))
-    for k, v in row.items():
-        print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    rows = uvloop.run(run(args, cpus))
+    for row in rows:
+        for k, v in row.items():
+            print(f"{k:28s} {v:.4g}" if isinstance(v, float) else f"{k:28s} {v}")
+    summary = summarize(rows)
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
-    columns = ["rank_p50_ms_direct", "rank_p99_ms_direct", "rank_p50_ms_routed", "rank_p99_ms_routed",
-               "router_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
-               "router_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call"]  # fmt: skip
+    columns = ["run", "loadavg_1m_before", "rank_p50_ms_direct", "rank_p99_ms_direct", "router_added_p99_ms",
+               "h2_relay_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
+               "router_cpu_ms_per_call", "h2_relay_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call",
+               "bare_proxy_cpu_ms_per_call"]  # fmt: skip
     if args.events:
         columns += ["trigger_events_per_s", "trigger_decision_p99_ms"]
+    footer = "\n" + summary_table(summary)
     kwargs: dict[str, Any] = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
-    print("wrote", *write_result("router-tls" if args.tls else "router", config, [row], columns, **kwargs))
+    paths = write_result(
+        "router-tls" if args.tls else "router", config, rows, columns, footer=footer, **kwargs
+    )
+    record = json.loads(paths[0].read_text())
+    paths[0].write_text(json.dumps(record | {"summary": summary}, indent=2) + "\n")
+    print(footer)
+    print("wrote", *paths)
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The summary as markdown: each door's mean (min-max) over the runs, then the decision."""
+    lines = [f"Over {summary['runs']} runs, mean (min-max):", "",
+             "| front door | added p99 ms | CPU ms per call |", "|---|---|---|"]  # fmt: skip
+    for door, fields in DOORS.items():
+        cells = [summary["doors"][door][field] for field in fields]
+        lines.append(
+            f"| {door} | "
+            + " | ".join(f"{c['mean']:.3f} ({c['min']:.3f}-{c['max']:.3f})" for c in cells)
+            + " |"
+        )
+    verdicts = ", ".join(f"vs {door}: {verdict}" for door, verdict in summary["relay_vs"].items())
+    lines += [
+        "",
+        f"Hand-written relay {verdicts}. Default: **{summary['default']}** ({summary['rule']}).",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
