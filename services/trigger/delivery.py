@@ -32,7 +32,7 @@ from aiokafka.errors import (
 )
 from prometheus_client import CollectorRegistry, Counter
 
-from shared.dlq import dead_letter_headers
+from shared.dlq import REASON, dead_letter_headers
 from shared.logging import get_logger
 
 log = get_logger("trigger")
@@ -174,6 +174,7 @@ class Outbox:
             return dead_letter(src, reason, self.dlq_topic)
         self.counts["undeliverable"] += 1
         self._undeliverable.inc()
+        reason = dict(out.headers or ()).get(REASON, b"").decode("utf-8", "replace")
         log.error("dead_letter_undeliverable", topic=src.topic, partition=src.partition, offset=src.offset,
-                  attempts=out.attempts, error=repr(exc), value_bytes=len(src.value or b""))  # fmt: skip
+                  reason=reason, attempts=out.attempts, error=repr(exc), value_bytes=len(src.value or b""))  # fmt: skip
         return None
