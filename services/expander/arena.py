@@ -1,38 +1,25 @@
 """The host-DRAM arena: one anonymous shared mapping per daemon, handed to rankers by fd.
 
-Daemon side, `Arena`: `memfd_create` (close-on-exec, sealed against resizing) + `ftruncate` +
+`Arena` (the daemon's side): `memfd_create` (close-on-exec, sealed against resizing) + `ftruncate` +
 `mmap(MAP_SHARED)`, every page touched once at start so copies never take a page fault later. A
 memfd has no name in any filesystem: nothing is created in /dev/shm, a `kill -9` leaves nothing
 behind (the pages go when the last fd or mapping goes), and Docker's small /dev/shm limit does not
 apply to it.
 
-Client side, `receive_arena` connects to the daemon's fd socket, receives the memfd with
-SCM_RIGHTS plus a small JSON header (arena size, daemon generation), maps it and closes the fd.
-The resulting `ArenaMapping` gives memoryviews and zero-copy uint8 tensors over byte ranges; the
-caller copies psi bytes in and out itself (tensors never cross the control socket).
+The clients' side (receiving the fd, mapping it) is shared/expander/mapping.py.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import mmap
 import os
 import secrets
 import socket
-from typing import TYPE_CHECKING
 
-import orjson
-
-if TYPE_CHECKING:
-    import torch
+from shared.expander.mapping import arena_header
 
 PAGE_SIZE = mmap.PAGESIZE
-_HEADER_MAX = 4096
-
-
-class ArenaHandshakeError(ConnectionError):
-    """The fd socket did not deliver a usable arena (no fd, bad header, size mismatch)."""
 
 
 class Arena:
@@ -68,7 +55,7 @@ class Arena:
 
     def header(self) -> bytes:
         """What the fd socket sends along with the fd."""
-        return orjson.dumps({"arena_bytes": self.nbytes, "generation": self.generation})
+        return arena_header(self.nbytes, self.generation)
 
     def send_to(self, conn: socket.socket) -> None:
         """Sends the memfd and the header over a connected unix socket (blocking, SCM_RIGHTS)."""
@@ -84,120 +71,3 @@ class Arena:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-class ArenaMapping:
-    """A client's mapping of the arena. Offsets and sizes come from the daemon's replies.
-
-    Not thread-safe for close() racing view()/tensor(); the byte ranges themselves may be read and
-    written from any thread (the daemon's leases say who may touch which range).
-    """
-
-    def __init__(self, mm: mmap.mmap, nbytes: int, generation: str) -> None:
-        self._mm: mmap.mmap | None = mm
-        self._nbytes = nbytes
-        self._generation = generation
-        # The ctypes object exports mm's buffer (which would block mm.close()): take the address and
-        # drop it at once. The address stays valid for as long as the mapping exists.
-        anchor = ctypes.c_char.from_buffer(mm)
-        self._base_address = ctypes.addressof(anchor)
-        del anchor
-
-    @classmethod
-    def from_fd(cls, fd: int, nbytes: int, generation: str) -> ArenaMapping:
-        """Maps nbytes of fd shared and read-write. The caller still owns (and may close) fd."""
-        return cls(mmap.mmap(fd, nbytes, mmap.MAP_SHARED), nbytes, generation)
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def generation(self) -> str:
-        """The daemon start this arena belongs to."""
-        return self._generation
-
-    @property
-    def base_address(self) -> int:
-        """Virtual address of byte 0 in this process, e.g. for cudaHostRegister(base, nbytes, 0).
-        Whoever registers it must unregister it before close()."""
-        return self._base_address
-
-    @property
-    def closed(self) -> bool:
-        return self._mm is None
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """Writable memoryview of [offset, offset + nbytes). Raises ValueError when out of bounds or
-        closed. While the view lives, close() cannot unmap (see close)."""
-        mm = self._mapped()
-        if offset < 0 or nbytes < 0 or offset + nbytes > self._nbytes:
-            raise ValueError(f"range [{offset}, {offset + nbytes}) outside the arena of {self._nbytes} bytes")
-        return memoryview(mm)[offset : offset + nbytes]
-
-    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
-        """Zero-copy uint8 CPU tensor over [offset, offset + nbytes) (reinterpret with .view(dtype)).
-
-        The tensor holds a memoryview, so the mapping cannot be unmapped under it: close() defers
-        the unmap until the last such tensor is gone. Imports torch on first use only, so processes
-        that just copy bytes (and the daemon) never load it."""
-        import torch
-
-        view = self.view(offset, nbytes)
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(view, dtype=torch.uint8)
-
-    def close(self) -> bool:
-        """Stops handing out views and unmaps. Never raises for live views or tensors: if any still
-        exist (BufferError from mmap), the mapping is dropped here and unmapped by Python when the
-        last of them is released, so they stay valid meanwhile. Returns True if unmapped now, False
-        if deferred. Idempotent."""
-        mm, self._mm = self._mm, None
-        if mm is None:
-            return True
-        try:
-            mm.close()
-        except BufferError:
-            return False  # views keep `mm` alive; its deallocation unmaps it
-        return True
-
-    def _mapped(self) -> mmap.mmap:
-        if self._mm is None:
-            raise ValueError("arena mapping is closed")
-        return self._mm
-
-    def __enter__(self) -> ArenaMapping:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def receive_arena(fd_socket_path: str, timeout_s: float) -> ArenaMapping:
-    """Connects to the daemon's fd socket, receives the memfd and maps it. Blocks up to about
-    timeout_s (run it in an executor from async code). Raises OSError if the socket cannot be
-    reached (FileNotFoundError, ConnectionRefusedError, TimeoutError...) and ArenaHandshakeError
-    if what arrives is not a usable arena."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(fd_socket_path)
-        data, fds, flags, _addr = socket.recv_fds(sock, _HEADER_MAX, 4)
-    try:
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            raise ArenaHandshakeError("fd handshake message truncated")
-        if len(fds) != 1:
-            raise ArenaHandshakeError(f"expected exactly one fd from the daemon, got {len(fds)}")
-        try:
-            header = orjson.loads(data)
-            nbytes, generation = header["arena_bytes"], header["generation"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ArenaHandshakeError(f"bad fd handshake header: {exc}") from None
-        if not isinstance(nbytes, int) or nbytes <= 0 or not isinstance(generation, str):
-            raise ArenaHandshakeError(f"bad fd handshake header: {header!r}")
-        if os.fstat(fds[0]).st_size != nbytes:
-            raise ArenaHandshakeError("received fd's size differs from the announced arena size")
-        return ArenaMapping.from_fd(fds[0], nbytes, generation)
-    finally:
-        for fd in fds:
-            os.close(fd)  # the mapping keeps its own reference to the memory

@@ -3,12 +3,12 @@
 Two unix sockets, both created owner-only (0600) before they listen, in a directory created 0700
 when missing, and removed at shutdown:
 
-- `socket_path`: the control protocol (services.expander.protocol), served by asyncio. Every
+- `socket_path`: the control protocol (shared/expander/protocol.py), served by asyncio. Every
   operation runs to completion on the event loop, so the store needs no locks.
 - `socket_path + ".fd"`: a thread accepts, sends the arena's memfd with SCM_RIGHTS, and closes.
 
 A background task sweeps expired leases and entries every 100 ms and refreshes the Prometheus
-gauges. Leases taken over a connection end (writes aborted, pins released) when that connection
+gauges; it runs for the daemon's life, and its failure stops the daemon (exit status 1). Leases taken over a connection end (writes aborted, pins released) when that connection
 closes, so a ranker that dies frees its space at once instead of at its lease deadlines.
 """
 
@@ -19,7 +19,6 @@ import contextlib
 import errno
 import itertools
 import os
-import signal
 import socket
 import stat
 import struct
@@ -30,10 +29,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.expander import protocol as p
 from services.expander.arena import Arena
 from services.expander.config import ExpanderConfig
 from services.expander.store import LeaseError, Refusal, Store
+from shared.expander import protocol as p
+from shared.lifecycle import Lifecycle
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
 
@@ -95,10 +95,14 @@ class _Metrics:
 class ExpanderDaemon:
     """Owns the arena, the store, both sockets, the sweeper and the metrics endpoint.
 
-    `await run()` starts everything, logs "expander_ready", serves until `shutdown()` (or SIGTERM /
-    SIGINT when run on the main thread), then closes sockets, removes the socket files and closes
-    the memfd. It raises DaemonStartError (or OSError) if start-up fails, after undoing what it did.
-    Rankers' existing mappings of the arena remain valid after the daemon exits.
+    `await run()` runs the daemon through its `Lifecycle` (shared/lifecycle.py): it starts
+    everything, logs "expander_ready", and serves until `shutdown()`, SIGTERM / SIGINT (when run
+    on the main thread) or the failure of the sweeper; then it stops accepting connections, closes
+    those it has (their handlers finish the request in hand; the leases taken over them end),
+    and closes the sockets, removes the socket files and closes the memfd. It returns the exit
+    status: 0 when asked to stop, 1 when start-up failed (logged as "expander_failed", after
+    undoing what it did) or the sweeper died. Rankers' existing mappings of the arena remain valid
+    after the daemon exits.
     """
 
     def __init__(self, config: ExpanderConfig, *, serve_metrics_http: bool = True) -> None:
@@ -106,6 +110,7 @@ class ExpanderDaemon:
         self.registry = CollectorRegistry()
         self.generation: str | None = None
         self.metrics_port: int | None = None
+        self.lifecycle = Lifecycle("expander")
         self._serve_metrics_http = serve_metrics_http
         self._log = get_logger("services.expander")
         self._metrics = _Metrics(self.registry)
@@ -117,57 +122,90 @@ class ExpanderDaemon:
         self._fd_sock: socket.socket | None = None
         self._fd_thread: threading.Thread | None = None
         self._fd_stop = threading.Event()
-        self._sweeper: asyncio.Task[None] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()  # one per open control connection
         self._conn_ids = itertools.count(1)
-        self._stop = asyncio.Event()
         self._done = asyncio.Event()
         self._running = False
         self.ready = asyncio.Event()
 
-    # ----- lifecycle -----
+    # ----- lifecycle (the hooks shared.lifecycle.Lifecycle calls, in this order) -----
 
-    async def run(self) -> None:
-        """Serves until shutdown(); see the class docstring. Blocks (awaits) for the daemon's life."""
+    async def run(self, install_signals: bool = True) -> int:
+        """Serves until stopped; returns the exit status (see the class docstring). Blocks (awaits)
+        for the daemon's life; SIGTERM / SIGINT stop it when `install_signals` (main thread only)."""
         if self._running:
             raise RuntimeError("ExpanderDaemon.run() called twice")
         self._running = True
-        loop = asyncio.get_running_loop()
-        signals: list[signal.Signals] = []
         try:
-            await self._start()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not main thread
-                    loop.add_signal_handler(sig, self._request_stop, sig.name)
-                    signals.append(sig)
-            self._log.info(
-                "expander_ready",
-                socket_path=self.config.socket_path,
-                fd_socket_path=self.config.fd_socket_path,
-                arena_bytes=self.config.arena_bytes,
-                generation=self.generation,
-                metrics_port=self.metrics_port,
-                ttl_s=self.config.ttl_s,
-                max_lease_s=self.config.max_lease_s,
-                pid=os.getpid(),
-            )
-            self.ready.set()
-            await self._stop.wait()
+            return await self.lifecycle.run(self, install_signals=install_signals)
         finally:
-            for sig in signals:
-                loop.remove_signal_handler(sig)
-            await self._close()
             self._done.set()
 
     async def shutdown(self) -> None:
         """Asks run() to stop and waits until it has cleaned up. Safe to call at any time, twice."""
-        self._stop.set()
+        self.lifecycle.request_stop("shutdown")
         if self._running:
             await self._done.wait()
 
-    def _request_stop(self, reason: str) -> None:
-        self._log.info("expander_stopping", reason=reason)
-        self._stop.set()
+    async def start(self) -> None:
+        """Binds both sockets, maps the arena, starts the fd thread, the sweeper and the metrics
+        endpoint. Raises DaemonStartError (or OSError) when the daemon cannot serve; `close` then
+        undoes what was done."""
+        try:
+            await self._start()
+        except Exception as exc:
+            self._log.error("expander_failed", error=str(exc))
+            raise
+        self._log.info(
+            "expander_ready",
+            socket_path=self.config.socket_path,
+            fd_socket_path=self.config.fd_socket_path,
+            arena_bytes=self.config.arena_bytes,
+            generation=self.generation,
+            metrics_port=self.metrics_port,
+            ttl_s=self.config.ttl_s,
+            max_lease_s=self.config.max_lease_s,
+            pid=os.getpid(),
+        )
+        self.ready.set()
+
+    async def stop_intake(self) -> None:
+        """No new connections on either socket; those open are served until `drain` closes them."""
+        if self._server is not None:
+            self._server.close()
+        self._fd_stop.set()
+
+    async def drain(self) -> None:
+        """Closes every control connection and waits for their handlers: a request in hand is
+        answered first (each runs to completion on the loop), then the handler sees the end of
+        the stream and ends the leases taken over it."""
+        for writer in list(self._writers):
+            writer.close()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers))
+
+    async def close(self) -> None:
+        """Undoes whatever `start` did; never raises (each step is independent)."""
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):  # a drain cut short by its grace period
+                writer.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        self._fd_stop.set()
+        if self._fd_thread is not None:
+            await asyncio.to_thread(self._fd_thread.join, 2.0)
+        if self._fd_sock is not None:
+            self._fd_sock.close()
+        for path, identity in list(self._bound.items()):
+            _unlink_if_ours(path, identity)
+        self._bound.clear()
+        if self._arena is not None:
+            self._arena.close()
+        if self._store is not None:
+            self._sync_metrics()
+        self._log.info("expander_stopped", socket_path=self.config.socket_path, generation=self.generation)
 
     async def _start(self) -> None:
         cfg = self.config
@@ -189,34 +227,7 @@ class ExpanderDaemon:
         if self._serve_metrics_http:
             self.metrics_port = serve_metrics(self.registry, cfg.metrics_port)
         self._sync_metrics()
-        self._sweeper = asyncio.create_task(self._sweep(), name="expander-sweep")
-
-    async def _close(self) -> None:
-        """Undoes whatever _start did; never raises (each step is independent)."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._writers):
-            writer.close()  # the handlers see end of stream and clean up their leases
-        if self._server is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-        self._fd_stop.set()
-        if self._fd_thread is not None:
-            await asyncio.to_thread(self._fd_thread.join, 2.0)
-        if self._fd_sock is not None:
-            self._fd_sock.close()
-        for path, identity in list(self._bound.items()):
-            _unlink_if_ours(path, identity)
-        self._bound.clear()
-        if self._arena is not None:
-            self._arena.close()
-        if self._store is not None:
-            self._sync_metrics()
-        self._log.info("expander_stopped", socket_path=self.config.socket_path, generation=self.generation)
+        self.lifecycle.spawn(self._sweep(), "sweep")
 
     def _bind(self, path: str) -> socket.socket:
         """Unix stream socket at path, mode 0600 before it listens (no window where others connect)."""
@@ -268,6 +279,9 @@ class ExpanderDaemon:
             writer.close()
             return
         self._writers.add(writer)
+        handler = asyncio.current_task()
+        if handler is not None:
+            self._handlers.add(handler)
         self._metrics.connections.inc()
         try:
             while True:
@@ -286,6 +300,8 @@ class ExpanderDaemon:
             pass  # the client went away mid-frame or mid-reply
         finally:
             self._writers.discard(writer)
+            if handler is not None:
+                self._handlers.discard(handler)
             self._metrics.connections.dec()
             self._end_leases(conn)
             writer.close()
@@ -388,6 +404,9 @@ class ExpanderDaemon:
     # ----- sweeping and metrics -----
 
     async def _sweep(self) -> None:
+        """Expires leases and entries past their deadlines. A failure here is fatal (the lifecycle
+        stops the daemon with status 1): a daemon that no longer expires anything would fill its
+        arena with dead rankers' leases and serve on."""
         assert self._store is not None
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
@@ -398,7 +417,8 @@ class ExpanderDaemon:
                     self._log.info("leases_expired", writes=counts.writes, pins=counts.pins)
                 self._sync_metrics()
             except Exception:
-                self._log.exception("sweep_failed")
+                self._log.exception("sweep_failed")  # the traceback; the lifecycle logs the stop
+                raise
 
     def _sync_metrics(self) -> None:
         assert self._store is not None

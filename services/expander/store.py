@@ -35,20 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from services.expander.allocator import Allocator, InvariantError
-from shared.psi_key import PsiKey
-
-# What a psi is valid for (user, prefix version, model version, content fingerprint): the ranker's
-# own key type, from shared/ (no torch), so the two tiers cannot drift apart.
-EntryKey = PsiKey
-
-
-class EntryState(enum.Enum):
-    WRITING = "writing"
-    READY = "ready"
-    EVICTED = "evicted"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
+from shared.expander.entries import (
+    Acquired,
+    EntryInfo,
+    EntryKey,
+    EntryState,
+    Reservation,
+    StoreStats,
+)
 
 _REMOVED: Final = frozenset({EntryState.EVICTED, EntryState.EXPIRED, EntryState.ABORTED})
 _TRANSITIONS: Final = frozenset(
@@ -77,25 +71,7 @@ class LeaseError(StoreError):
         self.lease_id = lease_id
 
 
-# ----- results (frozen; `meta` dicts are the store's copies: treat them as read-only) -----
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    key: EntryKey
-    state: EntryState  # WRITING or READY
-    offset: int
-    nbytes: int
-    meta: dict[str, Any]
-    pins: int  # live read leases
-
-
-@dataclass(frozen=True)
-class Reservation:
-    lease_id: int
-    offset: int
-    nbytes: int
-    lease_s: float
+# ----- results the daemon keeps to itself (those on the wire are in shared/expander/entries.py) -----
 
 
 @dataclass(frozen=True)
@@ -104,45 +80,10 @@ class Refusal:
 
 
 @dataclass(frozen=True)
-class Acquired:
-    lease_id: int
-    offset: int
-    nbytes: int
-    meta: dict[str, Any]
-    lease_s: float
-
-
-@dataclass(frozen=True)
 class ExpireCounts:
     writes: int  # WRITING entries reclaimed (write lease past deadline)
     pins: int  # read leases dropped (past deadline)
     entries: int  # READY entries removed (past TTL, unpinned)
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    capacity: int
-    used_bytes: int  # aligned blocks, WRITING and READY
-    free_bytes: int
-    largest_free: int
-    stored_bytes: int  # sum of requested nbytes of live entries
-    entries: int
-    ready: int
-    writing: int
-    pinned: int  # READY entries with at least one read lease
-    read_leases: int
-    reservations: int
-    commits: int
-    aborts: int
-    evictions: int
-    expirations: int  # READY entries expired by TTL
-    write_expirations: int
-    pin_expirations: int
-    hits: int  # acquire found a READY entry
-    misses: int  # acquire found nothing usable
-    refused_too_large: int
-    refused_no_space: int
-    refused_exists: int
 
 
 # ----- internal mutable records -----

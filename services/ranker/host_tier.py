@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from kernels.device import Accelerator
-from services.expander.client import ExpanderClient, ExpanderRefused, ExpanderUnavailable
 from services.ranker.engine import Engine
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from shared.expander.client import ExpanderClient, ExpanderRefused, ExpanderUnavailable
 from shared.logging import get_logger
 
 log = get_logger("ranker.host_tier")
@@ -109,7 +109,7 @@ class HostTier:
         dest = arena[reservation.offset : reservation.offset + nbytes]
         self._use(+1)
         try:
-            await engine.copy(lambda: issue_to_host(psi, dest))
+            await engine.copy(lambda: issue_to_host(psi, dest), work="demote")
             await client.commit(reservation.lease_id)
             return True
         except ExpanderUnavailable:
@@ -138,7 +138,9 @@ class HostTier:
         meta: dict[str, Any] = dict(acquired.meta)
         self._use(+1)
         try:
-            return await engine.copy(lambda: issue_from_host(src, meta, key, self.accel.device))
+            return await engine.copy(
+                lambda: issue_from_host(src, meta, key, self.accel.device), work="reload"
+            )
         finally:
             self._use(-1)
             with contextlib.suppress(ExpanderUnavailable, ExpanderRefused):

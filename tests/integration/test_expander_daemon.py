@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from relaygr.processes import ServiceProcess
-from services.expander import EntryKey, EntryState, ExpanderClient, ExpanderRefused, ExpanderUnavailable
+from shared.expander import EntryKey, EntryState, ExpanderClient, ExpanderRefused, ExpanderUnavailable
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +89,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Any]:
 
 WRITER = """
 import asyncio, hashlib, json, random, sys
-from services.expander import ExpanderClient, EntryKey
+from shared.expander import ExpanderClient, EntryKey
 async def main():
     sock, user, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     data = random.Random(user).randbytes(n)
@@ -109,7 +109,7 @@ asyncio.run(main())
 
 READER = """
 import asyncio, hashlib, json, sys
-from services.expander import ExpanderClient, EntryKey
+from shared.expander import ExpanderClient, EntryKey
 async def main():
     sock, user = sys.argv[1], int(sys.argv[2])
     client = await ExpanderClient.connect(sock, owner="reader")

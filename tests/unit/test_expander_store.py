@@ -12,16 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from services.expander.allocator import InvariantError
-from services.expander.store import (
-    _TRANSITIONS,
-    Acquired,
-    EntryKey,
-    EntryState,
-    LeaseError,
-    Refusal,
-    Reservation,
-    Store,
-)
+from services.expander.store import _TRANSITIONS, LeaseError, Refusal, Store
+from shared.expander.entries import Acquired, EntryKey, EntryState, Reservation
 
 PAGE = 4096
 TTL = 10.0

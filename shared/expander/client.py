@@ -38,9 +38,9 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from services.expander import protocol as p
-from services.expander.arena import ArenaHandshakeError, ArenaMapping, receive_arena
-from services.expander.store import Acquired, EntryInfo, EntryKey, Reservation, StoreStats
+from shared.expander import protocol as p
+from shared.expander.entries import Acquired, EntryInfo, EntryKey, Reservation, StoreStats
+from shared.expander.mapping import ArenaHandshakeError, ArenaMapping, receive_arena
 
 __all__ = [
     "ExpanderClient",

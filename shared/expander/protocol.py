@@ -24,7 +24,8 @@ Error kinds: "bad_frame" (not JSON, not an object), "frame_too_large" (the daemo
 closes the connection: the rest of the stream cannot be trusted), "unknown_op", "invalid" (missing
 field, wrong type, value out of range), "refused" (reserve: reason too_large / no_space / exists),
 "lease" (reason unknown_lease / lease_expired / wrong_lease_kind), "internal" (a daemon bug; logged).
-Nothing here ever unpickles or evaluates anything.
+Nothing here ever unpickles or evaluates anything. Both sides import this module: the daemon
+(services/expander/server.py) and its clients (shared/expander/client.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from services.expander.store import Acquired, EntryInfo, EntryKey, EntryState, Reservation, StoreStats
+from shared.expander.entries import Acquired, EntryInfo, EntryKey, EntryState, Reservation, StoreStats
 
 PROTOCOL_VERSION = 2  # 2: keys carry the content fingerprint
 MAX_FRAME = 64 * 1024
