@@ -250,9 +250,11 @@ def _hstu_attention_fwd(
     SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    pid_bh = tl.program_id(0)
-    # Row blocks in reverse: the last blocks of a causal sequence see the most keys; start them first.
-    pid_m = n_row_blocks - 1 - tl.program_id(1)
+    # Row blocks vary fastest: the blocks of one (sequence, head) run side by side and share its
+    # K/V through L2 (streamed once from HBM instead of once per block). In reverse: the last
+    # blocks of a causal sequence see the most keys, so they start first.
+    pid_m = n_row_blocks - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
@@ -488,7 +490,7 @@ def _launch_attention(
     grid: tuple[int, int, int],
     config: KernelConfig,
 ) -> torch.Tensor:
-    """One attention launch over `grid` = (sequences x heads, row blocks, splits).
+    """One attention launch over `grid` = (row blocks, sequences x heads, splits).
     Returns [T, H, D] in q's dtype."""
     total, num_heads, head_dim = q.shape
     splits = grid[2]
@@ -504,7 +506,7 @@ def _launch_attention(
         total, stride_t, target.stride(0), target.stride(1),
         seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
         prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, plan.prefix_ts32, prefix.ts_offsets,
-        plan.bias_tables, layer, splits, grid[1], 0.5 * params.alpha, params.inv_norm,
+        plan.bias_tables, layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
@@ -562,7 +564,7 @@ def hstu_attention_triton(
         prefix_d = _Prefix(
             prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, prefix.ts_offsets
         )
-    grid = (seq.batch_size * num_heads, triton.cdiv(seq.max_len, bm), splits)
+    grid = (triton.cdiv(seq.max_len, bm), seq.batch_size * num_heads, splits)
     return _launch_attention(q, k, v, stride_t, seq.offsets, seq.n_hist, seq.timestamps, prefix_d, plan,
                              layer, params, grid, config)  # fmt: skip
 
@@ -638,7 +640,7 @@ def hstu_attention_static(
     """hstu_attention_triton over a StaticBatch (always with a prefix, possibly empty)."""
     stride_t = _check_qkv(q, k, v)
     g = batch.grid
-    grid = (g.batch * q.shape[1], triton.cdiv(g.max_len, PREFIX_CONFIG.block_m), g.splits)
+    grid = (triton.cdiv(g.max_len, PREFIX_CONFIG.block_m), g.batch * q.shape[1], g.splits)
     prefix = _Prefix(batch.kv_anchor, batch.kv_offsets, batch.prefix_lens, batch.prefix_timestamps,
                      batch.prefix_ts_offsets)  # fmt: skip
     return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, batch.timestamps, prefix,
