@@ -95,6 +95,7 @@ class RouterService:
         self._health = health.aio.HealthServicer()
         self._health_updates: set[asyncio.Future[None]] = set()
         self._tasks: dict[str, asyncio.Task[Any]] = {}  # what start spawned through self.life
+        self.ready = asyncio.Event()  # set once start() has finished: the router serves
         self._intake_stopped = False
         self._closed = False
         self.port = 0
@@ -131,6 +132,7 @@ class RouterService:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._sync_ranker_health()
         settle_heap()  # request-time collections then never traverse the libraries' objects
+        self.ready.set()
         log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
                  front_door=self.config.front_door, healthy=len(self.membership.healthy()),
                  consume_signals=self.config.consume_signals)  # fmt: skip
