@@ -9,6 +9,7 @@ ends in one line on stderr, `relaygr: error: ...`, and exit status 2 (argparse's
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from shared.config import ConfigError
 from shared.modelspec import PRESETS
 
 EXIT_USAGE = 2  # argparse's status for a bad command line
+EXIT_FAILED = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,10 +29,11 @@ class _Parser(argparse.ArgumentParser):
         fail(f"{message} (see `{self.prog} --help`)")
 
 
-def fail(message: str) -> NoReturn:
-    """Prints `relaygr: error: <message>` (one line) to stderr and exits with status 2."""
+def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    """Prints `relaygr: error: <message>` (one line) to stderr and exits with `status` (2: a bad
+    value; 1: the command could not do its job, e.g. no broker at the given address)."""
     sys.stderr.write(f"relaygr: error: {' '.join(message.split())}\n")
-    raise SystemExit(EXIT_USAGE)
+    raise SystemExit(status)
 
 
 def _integer(minimum: int) -> Callable[[str], int]:
@@ -100,6 +103,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from aiokafka.errors import KafkaConnectionError
+
     from relaygr.launcher import StackConfig, run_until_interrupted
     from relaygr.preflight import check_stack, one_line
 
@@ -118,7 +123,14 @@ def _up(args: argparse.Namespace) -> int:
         check_stack(config)
     except ConfigError as exc:
         fail(one_line(exc))
-    return run_until_interrupted(config)
+    # This process's only Kafka client creates the topics, retrying for 30 s while no broker
+    # answers; its per-attempt connection errors (~5 a second) would bury the one line below.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    try:
+        return run_until_interrupted(config)
+    except KafkaConnectionError:
+        # Raised before any service starts (topics are created first); the launcher retried for 30 s.
+        fail(f"no Kafka broker answers at {config.kafka_bootstrap} (tried for 30 s)", EXIT_FAILED)
 
 
 def build_parser() -> argparse.ArgumentParser:

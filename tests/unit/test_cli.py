@@ -57,14 +57,12 @@ def assert_refused(result: subprocess.CompletedProcess[str], *words: str) -> Non
 
 UP_CASES = [
     (["--rankers", "0"], "--rankers"),
-    (["--rankers", "-3"], "--rankers"),
     (["--rankers", "two"], "--rankers"),
     (["--slo-ms", "-5"], "--slo-ms"),
     (["--slo-ms", "0"], "--slo-ms"),
     (["--slo-ms", "nan"], "--slo-ms"),
     (["--slo-ms", "inf"], "--slo-ms"),
     (["--hbm-budget-mb", "0"], "--hbm-budget-mb"),
-    (["--hbm-budget-mb", "-512"], "--hbm-budget-mb"),
     (["--preset", "bogus"], "bench"),  # the presets are listed
     (["--device", "tpu"], "cuda"),
     (["--device", "cuda", "--rankers", "4096"], "GPU"),  # more rankers than GPUs, anywhere
@@ -72,7 +70,6 @@ UP_CASES = [
     (["--placement", "random"], "--placement"),
     (["--placement", "round_robin", "--rankers", "1"], "round_robin"),
     (["--kafka", "nowhere"], "--kafka"),
-    (["--kafka", "host:0"], "--kafka"),
     (["--kafka", "a:9092,b:99999"], "b:99999"),
     (["--no-such-flag"], "--no-such-flag"),
     (["stray"], "stray"),
@@ -111,7 +108,6 @@ DEMO_CASES = [
     (["--slo-ms", "-5"], "--slo-ms"),
     (["--duration-s", "0"], "--duration-s"),
     (["--rate", "-1"], "--rate"),
-    (["--rate", "inf"], "--rate"),
     (["--rankers", "0"], "--rankers"),
     (["--seed", "-1"], "--seed"),
 ]
@@ -162,3 +158,14 @@ def test_up_help_lists_the_presets_and_the_choices(capsys):
     text = capsys.readouterr().out
     for word in ("tiny", "bench", "cpu", "cuda", "affinity", "round_robin", "sequence", "default: 50.0"):
         assert word in text
+
+
+@pytest.mark.slow
+def test_up_says_in_one_line_that_no_broker_answers():
+    # Not a bad value but a new user's first mistake: the launcher retries for 30 s, then one
+    # line (aiokafka's ~150 connection errors are silenced) and status 1, nothing started.
+    result = run_cli(["up", "--kafka", "127.0.0.1:1", "--rankers", "1"])
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        "relaygr: error: no Kafka broker answers at 127.0.0.1:1 (tried for 30 s)"
+    ]
