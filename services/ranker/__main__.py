@@ -1,4 +1,8 @@
-"""python -m services.ranker [flags]: one ranker instance (one accelerator, or one CPU process)."""
+"""python -m services.ranker [flags]: one ranker instance (one accelerator, or one CPU process).
+
+Exit status (shared.lifecycle): 0 after SIGTERM / SIGINT (intake stopped, calls in flight drained),
+2 on bad configuration, 1 when start-up or a background task (the lease-expiry loop) failed.
+"""
 
 from __future__ import annotations
 

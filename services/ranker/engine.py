@@ -1,6 +1,6 @@
-"""The engine: one thread owns the accelerator; asyncio only submits work and awaits results.
+"""The engine: its threads drive the accelerator; asyncio only submits work and awaits results.
 
-Work, in priority order each time the thread looks for something to do:
+The device thread runs, in priority order each time it looks for something to do:
   1. ranking batches: jobs of one kind (against psi, or in full) from different users, batched
      dynamically: up to `max_batch` jobs / `max_batch_tokens` tokens, waiting at most `max_wait_s`
      after the oldest job arrived for the batch to fill;
@@ -8,18 +8,27 @@ Work, in priority order each time the thread looks for something to do:
      copy engine runs them beside the compute; completions are polled, never waited on;
   3. calls that must run on the device thread (e.g. capturing CUDA graphs at warm-up), and the
      capture of ranking graphs for batch shapes seen without one (services/ranker/graphs.py);
-  4. pre-inference, one layer at a time (`HSTURanker.preinfer_steps`): a long prefix never holds a
-     ranking batch back by more than one layer's compute.
+  4. with `preinfer_concurrent` off only: pre-inference, one layer at a time
+     (`HSTURanker.preinfer_steps`), so a long prefix never holds a ranking batch back by more than
+     one layer's compute.
+With `preinfer_concurrent` on (the ranker's default, RankerConfig.preinfer_concurrent;
+EngineConfig's own default is off), a second thread runs whole pre-inferences back to back instead, on CUDA on a
+low-priority stream beside the ranking stream (the GPU schedules ranking kernels first; the two
+threads share the GIL). Pre-inferences are batched up to `preinfer_max_batch` prefixes /
+`preinfer_max_tokens` tokens either way. One lock guards the queues, with one condition per
+thread, so a ranking call wakes only the device thread.
 On CUDA, batches against psi replay a captured CUDA graph when one fits (GraphLimits), else run
 eagerly; both give the same scores.
 A job whose caller has gone (its future cancelled) is dropped before it runs.
 
 Device time (services/ranker/device_time.py): every ranking batch, pre-inference and copy adds
-its device time to `device_time` by kind; the pre-inference cost of each psi is kept by key until
-a ranking batch consumes it or the cache reports it expired unused (`device_time.expired_unused`).
+its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
+"reload" or "demote"); the pre-inference cost of each psi is kept by key until a ranking batch
+consumes it or the cache reports it expired unused (`device_time.expired_unused`).
 
-Blocking: `submit_*` never block the event loop (a lock held for microseconds); results arrive on
-the loop via call_soon_threadsafe. Errors in one job fail that job's future only.
+Blocking: `rank_cached`, `rank_full`, `preinfer`, `copy` and `call` never block the event loop (a
+lock held for microseconds); results arrive on the loop via call_soon_threadsafe. Errors in one
+job fail that job's future only.
 """
 
 from __future__ import annotations

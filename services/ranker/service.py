@@ -3,6 +3,12 @@
 One owner object, `RankerService`, with `run()` / `shutdown()`. The asyncio loop does routing and
 bookkeeping only (HBM cache, leases, host tier); the engine thread does every tensor operation.
 
+Lifecycle (shared.lifecycle.Lifecycle): start (warm-up, engine, gRPC, host tier, the lease-expiry
+loop), serve until SIGTERM / SIGINT, `shutdown()` or the first failure of a background task, then
+stop intake (health NOT_SERVING, the gRPC server takes no new call), drain the calls in flight,
+close (the engine, the host tier). A failed background task exits with status 1: without its
+expiry loop a ranker would never expire a lease and fill HBM, so it stops and is restarted instead.
+
 Rank always answers with scores: psi in HBM (HBM_HIT), psi being produced and awaited within the
 deadline (INFLIGHT_JOIN), psi reloaded from host DRAM when the cost model says that beats
 recomputing (DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE). Any failure on a cached path
@@ -21,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import signal
 import socket
 import sys
 import time
@@ -48,7 +53,7 @@ from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.wire import FallbackPrefix, PrefixRequired, checked_prefix, rank_inputs
-from shared.lifecycle import pin_process, settle_heap
+from shared.lifecycle import Lifecycle, pin_process, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
 from shared.modelspec import preset
@@ -153,8 +158,16 @@ def _call_work(request: pb.RankRequest) -> CallWork:
 
 
 class RankerService(pb_grpc.RankerServicer):
-    def __init__(self, config: RankerConfig) -> None:
+    """One ranker instance. `run()` is the process's life (see the module docstring); `start()` and
+    `shutdown()` serve tests and benchmarks that embed an instance in their own event loop.
+
+    `owns_process`: this instance is the process's only service, so once started, what start-up
+    made moves out of the garbage collector's sight (shared.lifecycle.settle_heap)."""
+
+    def __init__(self, config: RankerConfig, *, owns_process: bool = False) -> None:
         self.config = config
+        self.lifecycle = Lifecycle("ranker", grace_s=5.0)
+        self._owns_process = owns_process
         self.accel: Accelerator = accelerator(config.device, config.device_index)
         spec = preset(config.preset)
         if config.checkpoint:
@@ -208,8 +221,12 @@ class RankerService(pb_grpc.RankerServicer):
         self._content_mismatches = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._stopped = asyncio.Event()
-        self._stopping = False
+        self._expiry: asyncio.Task[None] | None = None
+        self._server_stopping: asyncio.Task[None] | None = None  # the gRPC server's graceful stop
+        self._drain_grace_s = self.lifecycle.grace_s
+        self._running = False  # under run()
+        self._shutting_down = False  # shutdown() after a bare start()
+        self._closed = asyncio.Event()
         self.port = 0
         self.metrics_port = 0
         self.instance_id = config.instance_id
@@ -248,39 +265,78 @@ class RankerService(pb_grpc.RankerServicer):
 
             self.host = HostTier(self.config.expander_socket, self.accel, on_change=self._host_changed)
             await self.host.start()
-        self._spawn(self._expire_loop(), "expire")
+        self._expiry = self.lifecycle.spawn(self._expire_loop(), "expire")
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         log.info("ranker_ready", port=self.port, metrics_port=self.metrics_port, instance=self.instance_id,
                  model_version=self.model.model_version, device=self.accel.name,
                  hbm_budget_mb=self.config.hbm_budget_mb)  # fmt: skip
+        if self._owns_process:
+            settle_heap()
 
-    async def run(self) -> None:
-        await self.start()
-        settle_heap()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
-        await self._stopped.wait()
+    async def run(self, install_signals: bool = True) -> int:
+        """Starts, serves until stopped (SIGTERM / SIGINT when `install_signals`, `shutdown()`, or
+        the first failed background task), drains and closes; returns the exit status: 0 when
+        asked to stop, 1 when the start or a background task failed."""
+        if self._running or self._shutting_down:
+            raise RuntimeError("RankerService.run() after run() or shutdown()")
+        self._running = True
+        return await self.lifecycle.run(self, install_signals=install_signals)
 
-    async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Stops intake, drains in-flight calls (up to grace_s), stops the engine and the host tier."""
-        if self._stopping:
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stops the instance and returns once it is closed; idempotent. Under `run()`, asks the
+        lifecycle to stop (run then returns 0). After a bare `start()`, runs the same sequence
+        itself: stop intake, drain the calls in flight (at most `grace_s`, default the lifecycle's
+        grace period; calls still running then are cancelled), close."""
+        self.lifecycle.request_stop("shutdown")  # from here on, a cancelled expiry loop is no failure
+        if self._running or self._shutting_down:
+            await self._closed.wait()
             return
-        self._stopping = True
+        self._shutting_down = True
+        if grace_s is not None:
+            self._drain_grace_s = grace_s
         try:
-            await self._health.enter_graceful_shutdown()
+            await self.stop_intake()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drain(), self._drain_grace_s)
+        finally:
+            await self.close()
+
+    async def stop_intake(self) -> None:
+        """Health NOT_SERVING, and the gRPC server stops taking calls (new ones fail UNAVAILABLE);
+        the calls in flight go on (`drain`)."""
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None and self._server_stopping is None:
+            # stop() refuses new calls at once, then waits for those in flight (up to the grace
+            # period; it cancels the rest). Its first step runs before this coroutine resumes.
+            self._server_stopping = asyncio.ensure_future(self._server.stop(self._drain_grace_s))
+            await asyncio.sleep(0)
+
+    async def drain(self) -> None:
+        """Waits for the calls in flight (cancelled by the lifecycle past its grace period; the
+        gRPC server's own grace period, the same, ends them)."""
+        if self._server_stopping is not None:
+            await asyncio.shield(self._server_stopping)
+
+    async def close(self) -> None:
+        """Ends what start began, whatever part of it ran: aborts any call still in flight, cancels
+        the lease-expiry loop and the productions and demotions in hand, stops the engine (its
+        queued jobs fail) and closes the host tier. Never raises for a half-done start."""
+        try:
             if self._server is not None:
-                await self._server.stop(grace_s)
-            for task in list(self._background):
+                await self._server.stop(None)  # idempotent; aborts what a cut-short drain left
+            if self._server_stopping is not None:
+                await asyncio.gather(self._server_stopping, return_exceptions=True)
+            tasks = [t for t in (self._expiry, *self._background) if t is not None and not t.done()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
-            self.engine.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(self.engine.stop)
             if self.host is not None:
                 await self.host.close()
             log.info("ranker_stopped", instance=self.instance_id)
         finally:
-            self._stopped.set()  # whatever failed above, the process must still exit
+            self._closed.set()
 
     async def _warm_up(self) -> None:
         """Compiles every kernel variant before the first real request (a Triton JIT compile takes
@@ -308,11 +364,19 @@ class RankerService(pb_grpc.RankerServicer):
         self.admission.costs.observe_batches(self.engine.recent_batches())
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """A task of one call's (a production, a demotion), cancelled at close. Each handles its
+        own errors; one that escapes is a bug that leaves the HBM cache's bookkeeping in doubt, so
+        it stops the instance (exit status 1) instead of being dropped."""
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._call_task_done)
         return task
+
+    def _call_task_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.lifecycle.fail(f"task {task.get_name()} failed: {task.exception()!r}")
 
     async def _expire_loop(self) -> None:
         while True:
@@ -638,13 +702,14 @@ class RankerService(pb_grpc.RankerServicer):
         )
 
 
-def serve(config: RankerConfig) -> None:
+def serve(config: RankerConfig) -> int:
+    """Runs one instance as this process's service; returns its exit status (shared.lifecycle)."""
     import uvloop
 
     if config.cpu_affinity:
         pin_process(config.cpu_affinity)
 
-    async def main() -> None:
-        await RankerService(config).run()
+    async def main() -> int:
+        return await RankerService(config, owns_process=True).run()
 
-    uvloop.run(main())
+    return uvloop.run(main())

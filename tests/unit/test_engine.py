@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from kernels.device import accelerator
 from services.ranker.engine import Engine, EngineConfig, EngineStopped
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
+from tests.preinfer_gate import PreinferGate
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +56,30 @@ async def test_full_and_cached_jobs_are_not_mixed_in_one_batch(engine, model):
     assert all(s.prefix_len == 0 for s in engine.recent_batches() if not s.full)
 
 
-async def test_ranking_overtakes_a_long_preinference(model):
+async def test_ranking_overtakes_a_long_preinference(monkeypatch):
+    """Inline pre-inference (the engine's default config): a ranking call submitted while a
+    pre-inference is under way runs after that pre-inference's current layer, not after all of it."""
     deep = HSTURanker.from_seed(preset("tiny").with_overrides(name="deep", num_layers=8), seed=0)
+    prefixes, suffixes = batch(4, [Shape(2, 50, 4, 4)])
+    psi = deep.preinfer(prefixes)[0]
+    long_prefixes, _ = batch(3, [Shape(2, 1000, 0, 1)])
     e = Engine(deep, accelerator("cpu"), EngineConfig(max_wait_s=0.0))
-    e.start()
-    try:
-        long_prefixes, _ = batch(3, [Shape(2, 3000, 0, 1)])
-        prefixes, suffixes = batch(4, [Shape(2, 50, 4, 4)])
-        psi = deep.preinfer(prefixes)[0]
-        pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
-        await asyncio.sleep(0.05)  # the pre-inference is under way
-        t0 = time.perf_counter()
-        await e.rank_cached(suffixes[0], psi, psi.key)
-        rank_s = time.perf_counter() - t0
-        assert not pre.done()  # the rank did not wait for the whole pre-inference
-        await pre
-        assert rank_s < time.perf_counter() - t0
-    finally:
-        e.stop()
+    with PreinferGate(deep, monkeypatch, pause_before=(1, 2), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
+            await gate.wait_reached(1)  # layer 0 done: the pre-inference is under way
+            rank = asyncio.ensure_future(e.rank_cached(suffixes[0], psi, psi.key))
+            await eventually(lambda: e.rank_queue_depth == 1, "the ranking call is queued")
+            gate.open(1)  # layer 1 runs; the ranking call must come next, before layer 2
+            result = await asyncio.wait_for(rank, 30)
+            assert not pre.done()  # held before layer 2: the rank did not wait for the rest
+            assert gate.timed_out == []  # nor did the engine go on to layer 2 first
+            gate.open(2)
+            assert (await asyncio.wait_for(pre, 30)).key.user_id == long_prefixes[0].user_id
+            assert result.scores.numel() == 4
+        finally:
+            e.stop()
 
 
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):

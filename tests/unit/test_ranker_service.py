@@ -1,9 +1,12 @@
 """The ranker's gRPC surface, in process on the CPU (no host tier): every served-by path,
-equality with full inference, admission bounds, bad input and overload."""
+equality with full inference, admission bounds, bad input and overload; its lifecycle (a failed
+background task exits 1, SIGTERM drains the calls in flight)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -11,12 +14,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.ranker.config import RankerConfig
+from services.ranker.engine import EngineStopped
 from services.ranker.service import RankerService
 from services.ranker.wire import by_reference
 from shared.config import load_config
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
+from tests.preinfer_gate import PreinferGate
 from tests.rankers import preinfer_request, rank_request, users
+from tests.waiting import eventually
 
 TOL = 1e-5
 
@@ -37,16 +43,34 @@ def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-async def test_miss_preinfer_join_hit_all_equal_full(ranker):
-    _, stub, _ = ranker
-    prefixes, suffixes = users(1, 1, prefix_len=2500)
+async def wait_produced(stub, count: int = 1) -> None:
+    async def produced() -> bool:
+        return (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_produced >= count
+
+    await eventually(produced, f"{count} psi produced", bound_s=60)
+
+
+async def waits_for_psi(service: RankerService, calls: int = 1) -> None:
+    """Until `calls` ranking calls are in flight. Admission and the cache claim happen in one step
+    of the handler, so an admitted call whose psi is held by a PreinferGate is waiting to join it."""
+    await eventually(lambda: service.admission.inflight == calls, f"{calls} ranking calls waiting for psi")
+
+
+async def test_miss_preinfer_join_hit_all_equal_full(ranker, monkeypatch):
+    service, stub, _ = ranker
+    prefixes, suffixes = users(1, 1, prefix_len=600)
     req = rank_request(prefixes[0], suffixes[0], "r1")
     full = await stub.Rank(req, timeout=30)
     assert full.served_by == pb.FULL_RECOMPUTE
     assert len(full.scores) == 16
-    accepted = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
-    assert accepted.outcome == pb.PreInferReply.ACCEPTED
-    joined = await stub.Rank(req, timeout=30)  # pre-inference of 2.5k tokens is still running
+    with PreinferGate(service.model, monkeypatch) as gate:  # psi stays in production until opened
+        accepted = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
+        assert accepted.outcome == pb.PreInferReply.ACCEPTED
+        joining = asyncio.ensure_future(stub.Rank(req, timeout=30))
+        await waits_for_psi(service)
+        gate.open()
+        joined = await joining
+        assert gate.timed_out == []
     assert joined.served_by == pb.INFLIGHT_JOIN
     again = await stub.PreInfer(preinfer_request(prefixes[0], "p2"), timeout=5)
     assert again.outcome == pb.PreInferReply.ALREADY_RESIDENT  # consumed, still in HBM: re-leased
@@ -66,7 +90,7 @@ async def test_batch_of_users_each_equal_to_full(ranker):
     await asyncio.gather(
         *(stub.PreInfer(preinfer_request(p, f"p{i}"), timeout=5) for i, p in enumerate(prefixes))
     )
-    await asyncio.sleep(0.5)
+    await wait_produced(stub, len(prefixes))
     cached = await asyncio.gather(*(stub.Rank(r, timeout=30) for r in reqs))
     for f, c in zip(full, cached, strict=True):
         assert c.served_by == pb.HBM_HIT
@@ -87,15 +111,43 @@ async def test_preinfer_refused_when_hbm_budget_is_full(ranker):
     assert stats.hbm_leased_bytes > 0
 
 
+class PinnedClock:
+    """The HBM cache's clock, held by the test: `at` when set, else the monotonic clock."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self) -> float:
+        return time.monotonic() if self.at is None else self.at
+
+
 async def test_unconsumed_psi_expires_at_its_lease_deadline(ranker):
-    _, stub, _ = ranker
-    prefixes, _ = users(4, 1, prefix_len=200)
-    deadline = int(time.time() * 1e3) + 300
-    await stub.PreInfer(preinfer_request(prefixes[0], "a", deadline), timeout=5)
-    await asyncio.sleep(0.15)
+    service, stub, _ = ranker
+    clock = PinnedClock()
+    service.cache.clock = clock
+    prefix = users(4, 1, prefix_len=200)[0][0]
+    sent = time.monotonic()
+    reply = await stub.PreInfer(preinfer_request(prefix, "a", int(time.time() * 1e3) + 5000), timeout=5)
+    answered = time.monotonic()
+    await wait_produced(stub)
+    view = service.cache.lookup(
+        service.model.psi_key(prefix.user_id, prefix.prefix_version, reply.fingerprint)
+    )
+    assert view is not None
+    assert view.lease is not None
+    deadline = view.lease.deadline
+    assert sent + 5.0 - 0.01 <= deadline <= answered + 5.0  # the unix-ms deadline, as the lease's
+    clock.at = deadline - 1e-3  # just before it: kept (an expiry pass, as the service's loop runs it)
+    assert service.cache.expire() == []
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_resident_bytes > 0
-    await asyncio.sleep(0.5)
-    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_resident_bytes == 0
+    clock.at = deadline + 1e-3  # just past it: the service's expiry loop frees it
+
+    async def freed() -> bool:
+        return (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_resident_bytes == 0
+
+    await eventually(freed, "psi freed after its lease deadline")
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.psi_expired == 1
 
 
 async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ranker):
@@ -140,14 +192,6 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ra
         await stub.PreInfer(pb.PreInferRequest(prefix=good.prefix), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (await stub.Rank(good, timeout=30)).served_by == pb.FULL_RECOMPUTE
-
-
-async def wait_produced(stub, count: int = 1) -> None:
-    for _ in range(200):
-        if (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_produced >= count:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("psi never produced")
 
 
 async def test_a_call_by_reference_is_served_from_psi_and_needs_the_prefix_otherwise(ranker):
@@ -238,12 +282,8 @@ async def test_an_invalid_call_releases_its_admission_slot(ranker):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Rank(bad, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    # The caller may see the status before the handler's finally has run: give it a moment.
-    for _ in range(200):
-        if service.admission.inflight == 0:
-            break
-        await asyncio.sleep(0.005)
-    assert service.admission.inflight == 0
+    # The caller may see the status before the handler's finally has run.
+    await eventually(lambda: service.admission.inflight == 0, "every admission slot released")
     assert (await stub.Rank(rank_request(prefixes[0], suffixes[0], "ok"), timeout=30)).scores
 
 
@@ -261,3 +301,70 @@ async def test_health_and_stats(ranker):
     assert stats.rank_p99_ms > 0
     assert stats.psi_bytes_per_token == service.spec.psi_bytes(1)
     assert any(s.full and s.prefix_len == prefixes[0].length for s in stats.recent_batches)
+
+
+# ----- lifecycle: the process's life through shared.lifecycle.Lifecycle -----
+
+
+async def health(port: int) -> int | grpc.StatusCode:
+    """The ranker's health status, or the status code of a health check that was not answered."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="relaygr.v1.Ranker"), timeout=2
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return reply.status
+
+
+async def serving(service: RankerService) -> bool:
+    return service.port != 0 and await health(service.port) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_failed_background_task_stops_the_ranker_with_status_1(monkeypatch):
+    service = RankerService(load_config(RankerConfig, ["--device", "cpu"]))
+
+    def broken() -> list:
+        raise RuntimeError("cache bookkeeping broken")
+
+    monkeypatch.setattr(service.cache, "expire", broken)  # the lease-expiry loop dies at its first pass
+    assert await asyncio.wait_for(service.run(install_signals=False), 120) == 1
+    assert service.lifecycle.failure is not None
+    assert "expire" in service.lifecycle.failure
+    assert "cache bookkeeping broken" in service.lifecycle.failure
+    assert await health(service.port) == grpc.StatusCode.UNAVAILABLE  # intake stopped
+    with pytest.raises(EngineStopped):  # closed
+        await service.engine.preinfer(users(9, 1, prefix_len=20)[0][0])
+
+
+async def test_sigterm_stops_intake_and_drains_the_calls_in_flight(monkeypatch):
+    service = RankerService(load_config(RankerConfig, ["--device", "cpu"]))
+    runner = asyncio.ensure_future(service.run())
+    try:
+        await eventually(lambda: serving(service), "the ranker serves", bound_s=120)
+        prefixes, suffixes = users(10, 1, prefix_len=300)
+        req = rank_request(prefixes[0], suffixes[0], "r")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
+            stub = pb_grpc.RankerStub(channel)
+            full = await stub.Rank(req, timeout=30)
+            with PreinferGate(service.model, monkeypatch) as gate:
+                await stub.PreInfer(preinfer_request(prefixes[0], "p"), timeout=5)
+                in_flight = asyncio.ensure_future(stub.Rank(req, timeout=30))
+                await waits_for_psi(service)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+                async def refused() -> bool:
+                    return await health(service.port) == grpc.StatusCode.UNAVAILABLE
+
+                await eventually(refused, "new calls refused")
+                assert not in_flight.done()
+                gate.open()  # the call in flight gets its psi, and its answer
+                joined = await in_flight
+        assert joined.served_by == pb.INFLIGHT_JOIN
+        assert max_diff(joined.scores, full.scores) <= TOL
+        assert await asyncio.wait_for(runner, 30) == 0
+    finally:
+        if not runner.done():
+            await service.shutdown(grace_s=0.5)
+            await runner
