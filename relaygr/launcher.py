@@ -32,10 +32,11 @@ from types import TracebackType
 from relaygr.processes import ServiceProcess
 from shared.broker import EmbeddedBroker
 from shared.kafka import KafkaSettings, ensure_topics
+from shared.settings import DEFAULT_DLQ_TOPIC, DEFAULT_RETRIEVAL_TOPIC, DEFAULT_SIGNAL_TOPIC
 
-RETRIEVAL_TOPIC = "relaygr.retrieval"
-SIGNAL_TOPIC = "relaygr.preinfer-signals"
-DLQ_TOPIC = "relaygr.dlq"
+RETRIEVAL_TOPIC = DEFAULT_RETRIEVAL_TOPIC
+SIGNAL_TOPIC = DEFAULT_SIGNAL_TOPIC
+DLQ_TOPIC = DEFAULT_DLQ_TOPIC
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Stack:
                 args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
                         "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb), *c.ranker_args]  # fmt: skip
                 if c.expander:
-                    args += ["--expander-socket", socket_path]
+                    args += ["--host-tier", "true", "--expander-socket-path", socket_path]
                 self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", env, *args))
             for ranker in self.rankers:  # they start in parallel
                 ready = ranker.wait_event("ranker_ready", c.startup_timeout_s)

@@ -67,7 +67,7 @@ def service_configs(config: StackConfig, env: Mapping[str, str] | None = None) -
         argv = ["--device", config.device, "--device-index", str(i if config.device == "cuda" else 0),
                 "--preset", config.preset, "--hbm-budget-mb", str(config.hbm_budget_mb), *config.ranker_args]  # fmt: skip
         if config.expander:
-            argv += ["--expander-socket", socket_path]
+            argv += ["--host-tier", "true", "--expander-socket-path", socket_path]
         rankers.append(load_config(RankerConfig, argv, environ))
     targets = ",".join(f"127.0.0.1:{50051 + i}" for i in range(config.rankers))
     common = ["--bootstrap", config.kafka_bootstrap or _PLACEHOLDER_BOOTSTRAP, "--rankers", targets,

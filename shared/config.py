@@ -5,6 +5,15 @@ validator). `load_config(Cls, argv)` reads every field, converts it to the field
 it, and raises ConfigError listing every problem at once, so a bad start-up fails with one clear
 message instead of a stack trace halfway through.
 
+Naming rule (one for every service): a service's own setting is `RELAYGR_<SERVICE>_<SETTING>`;
+a setting that two services must agree on is defined once in shared/settings.py and read by both
+under one name (`RELAYGR_<SETTING>`, or the owner's name: `RELAYGR_EXPANDER_SOCKET_PATH`, which
+the ranker reads too); client groups every service shares keep their prefix (`RELAYGR_KAFKA_*`,
+`RELAYGR_TLS_*`, `RELAYGR_MODEL_*`). Quantities carry their unit in the name (`_MS`, `_S`,
+`_BYTES`, `_MB`). A mode is an `enum.Enum` field: parsed from its value, with the choices in
+`--help` and in the error. A renamed variable stays listed (`setting(..., renamed_from=...)`):
+when it is set, start-up fails naming the new one, instead of silently ignoring it.
+
     @dataclass(frozen=True)
     class RankerConfig:
         port: int = setting(50051, env="RELAYGR_RANKER_PORT", help="gRPC port", check=port_number)
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -70,8 +80,15 @@ class Secret:
         return self  # immutable (dataclasses.asdict deep-copies field values)
 
 
-def setting(default: Any, *, env: str, help: str, check: Check | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"env": env, "help": help, "check": check})
+def setting(
+    default: Any, *, env: str, help: str, check: Check | None = None, renamed_from: str | tuple[str, ...] = ()
+) -> Any:
+    """A config field read from `env` (and the field's flag). `renamed_from`: the variable(s) this
+    setting was read from before; load_config refuses to start while one of them is set."""
+    old = (renamed_from,) if isinstance(renamed_from, str) else tuple(renamed_from)
+    return dataclasses.field(
+        default=default, metadata={"env": env, "help": help, "check": check, "renamed_from": old}
+    )
 
 
 def positive(value: float) -> str | None:
@@ -97,8 +114,27 @@ def fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be within (0, 1]"
 
 
+def choices(kind: type[enum.Enum]) -> tuple[str, ...]:
+    """The values an enum-typed setting accepts, in declaration order."""
+    return tuple(str(member.value) for member in kind)
+
+
+def _is_enum(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, enum.Enum)
+
+
+def _shown(value: Any) -> str:
+    """A value as Python writes it, an enum member by its value ('info', not <LogLevel.INFO>)."""
+    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
+
+
 def _parse(raw: str, kind: Any) -> Any:
     origin = typing.get_origin(kind)
+    if _is_enum(kind):
+        for member in kind:
+            if raw.strip() == str(member.value):
+                return member
+        raise ValueError(f"must be one of {', '.join(choices(kind))}")
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -136,8 +172,11 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     parser = argparse.ArgumentParser(prog=cls.__name__, add_help=True, exit_on_error=False)
     for f in fields:
-        parser.add_argument(_flag(f.name), dest=f.name, default=None, help=f"{f.metadata.get('help', '')} "
-                            f"(env {f.metadata.get('env')}, default {f.default!r})")  # fmt: skip
+        kind = hints[f.name]
+        listed = f"one of {' | '.join(choices(kind))}; " if _is_enum(kind) else ""
+        parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar="VALUE",
+                            help=f"{f.metadata.get('help', '')} (env {f.metadata.get('env')}; {listed}"
+                            f"default {_shown(f.default)})")  # fmt: skip
     try:
         parsed = parser.parse_args(list(argv or []))
     except argparse.ArgumentError as exc:
@@ -145,6 +184,9 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
     values: dict[str, Any] = {}
     problems: list[str] = []
     for f in fields:
+        for old in f.metadata.get("renamed_from", ()):
+            if old in env:
+                problems.append(f"{old} is no longer read: set {f.metadata.get('env')} instead")
         raw, source = getattr(parsed, f.name), _flag(f.name)
         if raw is None and f.metadata.get("env") in env:
             raw, source = env[f.metadata["env"]], f.metadata["env"]
@@ -160,7 +202,7 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
         check = f.metadata.get("check")
         problem = check(values[f.name]) if check is not None and values[f.name] is not None else None
         if problem:
-            problems.append(f"{f.name} ({f.metadata.get('env')}) = {values[f.name]!r}: {problem}")
+            problems.append(f"{f.name} ({f.metadata.get('env')}) = {_shown(values[f.name])}: {problem}")
     if problems:
         raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(problems))
     config = cls(**values)
@@ -173,6 +215,6 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
 def describe(cls: type) -> list[tuple[str, str, str, str]]:
     """(flag, env var, default, help) of every setting: for docs and --help tables."""
     return [
-        (_flag(f.name), str(f.metadata.get("env")), repr(f.default), str(f.metadata.get("help", "")))
+        (_flag(f.name), str(f.metadata.get("env")), _shown(f.default), str(f.metadata.get("help", "")))
         for f in dataclasses.fields(cls)
     ]

@@ -1,14 +1,19 @@
-"""Ranker configuration: every setting, its env var and CLI flag, validated at start-up."""
+"""Ranker configuration: every setting, its env var and CLI flag, validated at start-up.
+
+Its own settings are RELAYGR_RANKER_*; the model (RELAYGR_MODEL_*), the expander's socket path,
+the leases and the prefix limit are shared with other services (shared/settings.py)."""
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 
 from services.ranker.admission import AdmissionConfig
 from services.ranker.call_cost import CostPrior
-from shared.config import ConfigError, fraction, non_negative, one_of, port_number, positive, setting
-from shared.modelspec import PRESETS
+from shared import settings
+from shared.config import ConfigError, fraction, non_negative, port_number, positive, setting
+from shared.settings import LogLevel
 from shared.tls import TlsSettings
 from shared.wire import RequestLimits
 
@@ -25,6 +30,13 @@ def _usable_cpus(values: tuple[int, ...]) -> str | None:
     )
 
 
+class Device(enum.StrEnum):
+    AUTO = "auto"  # cuda, else npu, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"
+    NPU = "npu"
+
+
 @dataclass(frozen=True)
 class RankerConfig(TlsSettings):
     host: str = setting("127.0.0.1", env="RELAYGR_RANKER_HOST", help="gRPC bind address")
@@ -32,116 +44,153 @@ class RankerConfig(TlsSettings):
         0, env="RELAYGR_RANKER_PORT", help="gRPC port (0: pick a free one)", check=port_number
     )
     instance_id: str = setting("", env="RELAYGR_RANKER_ID", help="instance name (default host:port)")
-    preset: str = setting("tiny", env="RELAYGR_MODEL_PRESET", help="model preset", check=one_of(*PRESETS))
+    preset: str = settings.model_preset()
     checkpoint: str = setting(
         "", env="RELAYGR_MODEL_CHECKPOINT", help="safetensors checkpoint (default: seeded)"
     )
     seed: int = setting(0, env="RELAYGR_MODEL_SEED", help="weights seed when no checkpoint is given")
-    device: str = setting("auto", env="RELAYGR_DEVICE", help="auto | cpu | cuda | npu",
-                          check=one_of("auto", "cpu", "cuda", "npu"))  # fmt: skip
-    device_index: int = setting(0, env="RELAYGR_DEVICE_INDEX", help="accelerator index", check=non_negative)
-    hbm_budget_mb: float = setting(512.0, env="RELAYGR_HBM_BUDGET_MB", help="psi bytes kept in accelerator memory",
-                                   check=positive)  # fmt: skip
-    default_lease_ms: float = setting(2000.0, env="RELAYGR_LEASE_MS",
-                                      help="lease when a PreInfer names no deadline", check=positive)  # fmt: skip
-    max_lease_ms: float = setting(
-        30000.0, env="RELAYGR_MAX_LEASE_MS", help="longest lease granted", check=positive
+    device: Device = setting(
+        Device.AUTO,
+        env="RELAYGR_RANKER_DEVICE",
+        renamed_from="RELAYGR_DEVICE",
+        help="accelerator kind (auto: cuda, npu, cpu)",
     )
-    max_batch: int = setting(8, env="RELAYGR_MAX_BATCH", help="ranking calls per batch", check=positive)
-    max_batch_tokens: int = setting(65536, env="RELAYGR_MAX_BATCH_TOKENS", help="tokens per ranking batch",
+    device_index: int = setting(
+        0,
+        env="RELAYGR_RANKER_DEVICE_INDEX",
+        renamed_from="RELAYGR_DEVICE_INDEX",
+        help="accelerator index",
+        check=non_negative,
+    )
+    hbm_budget_mb: float = setting(512.0, env="RELAYGR_RANKER_HBM_BUDGET_MB",
+                                   renamed_from="RELAYGR_HBM_BUDGET_MB", help="psi bytes kept in accelerator memory",
+                                   check=positive)  # fmt: skip
+    default_lease_ms: float = settings.default_lease_ms(renamed_from="RELAYGR_LEASE_MS")
+    max_lease_ms: float = settings.max_lease_ms()
+    max_batch: int = setting(
+        8,
+        env="RELAYGR_RANKER_MAX_BATCH",
+        renamed_from="RELAYGR_MAX_BATCH",
+        help="ranking calls per batch",
+        check=positive,
+    )
+    max_batch_tokens: int = setting(65536, env="RELAYGR_RANKER_MAX_BATCH_TOKENS",
+                                    renamed_from="RELAYGR_MAX_BATCH_TOKENS", help="tokens per ranking batch",
                                     check=positive)  # fmt: skip
-    max_wait_ms: float = setting(1.0, env="RELAYGR_MAX_WAIT_MS", help="longest wait for a batch to fill",
+    max_wait_ms: float = setting(1.0, env="RELAYGR_RANKER_MAX_WAIT_MS",
+                                 renamed_from="RELAYGR_MAX_WAIT_MS", help="longest wait for a batch to fill",
                                  check=non_negative)  # fmt: skip
-    preinfer_max_batch: int = setting(4, env="RELAYGR_PREINFER_MAX_BATCH", help="prefixes per pre-inference",
+    preinfer_max_batch: int = setting(4, env="RELAYGR_RANKER_PREINFER_MAX_BATCH",
+                                      renamed_from="RELAYGR_PREINFER_MAX_BATCH", help="prefixes per pre-inference",
                                       check=positive)  # fmt: skip
-    preinfer_concurrent: bool = setting(True, env="RELAYGR_PREINFER_CONCURRENT",
+    preinfer_concurrent: bool = setting(True, env="RELAYGR_RANKER_PREINFER_CONCURRENT",
+                                        renamed_from="RELAYGR_PREINFER_CONCURRENT",
                                         help="pre-infer in a second engine thread (CUDA: low-priority stream) "
                                         "instead of one layer at a time between ranking batches")  # fmt: skip
-    cuda_graphs: bool = setting(True, env="RELAYGR_CUDA_GRAPHS",
+    cuda_graphs: bool = setting(True, env="RELAYGR_RANKER_CUDA_GRAPHS", renamed_from="RELAYGR_CUDA_GRAPHS",
                                 help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
                                 "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip
-    graph_max_tokens: int = setting(4096, env="RELAYGR_GRAPH_MAX_TOKENS",
+    graph_max_tokens: int = setting(4096, env="RELAYGR_RANKER_GRAPH_MAX_TOKENS",
+                                    renamed_from="RELAYGR_GRAPH_MAX_TOKENS",
                                     help="largest ranking batch (new tokens) given a CUDA graph; larger "
                                     "batches run eagerly", check=positive)  # fmt: skip
-    cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_CPU_AFFINITY", check=_usable_cpus,
+    cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_RANKER_CPU_AFFINITY",
+                                            renamed_from="RELAYGR_CPU_AFFINITY", check=_usable_cpus,
                                             help="CPUs this instance's threads run on (comma-separated; "
                                             "empty: all). One ranker per accelerator gets cores of its own, "
                                             "near the device: fewer wake-ups on a cold core in every call")  # fmt: skip
-    graph_warm_tokens: tuple[int, ...] = setting((320,), env="RELAYGR_GRAPH_WARM_TOKENS", check=_positive_ints,
+    graph_warm_tokens: tuple[int, ...] = setting((320,), env="RELAYGR_RANKER_GRAPH_WARM_TOKENS",
+                                                 renamed_from="RELAYGR_GRAPH_WARM_TOKENS", check=_positive_ints,
                                                  help="new tokens per user (recent behaviours + candidates) "
                                                  "whose graphs are captured at start-up, for every batch "
                                                  "size (comma-separated; other shapes are captured when "
                                                  "first seen, off the critical path)")  # fmt: skip
-    max_inflight_ranks: int = setting(256, env="RELAYGR_MAX_INFLIGHT_RANKS",
+    max_inflight_ranks: int = setting(256, env="RELAYGR_RANKER_MAX_INFLIGHT_RANKS",
+                                      renamed_from="RELAYGR_MAX_INFLIGHT_RANKS",
                                       help="hard cap on Rank calls in flight (queued + running); more get "
                                       "RESOURCE_EXHAUSTED", check=positive)  # fmt: skip
     # Admission (services/ranker/admission.py): calls weighed by their predicted cost.
-    admission_target_ms: float = setting(5000.0, env="RELAYGR_ADMISSION_TARGET_MS",
+    admission_target_ms: float = setting(5000.0, env="RELAYGR_RANKER_ADMISSION_TARGET_MS",
+                                         renamed_from="RELAYGR_ADMISSION_TARGET_MS",
                                          help="bound on the predicted engine time of the Rank calls in flight "
                                          "(queued work, from the measured per-batch / per-token costs): beyond "
                                          "it calls are refused at once with RESOURCE_EXHAUSTED, whatever their "
                                          "deadline (0: no adaptive admission, only the hard cap)",
                                          check=non_negative)  # fmt: skip
-    admission_deadline_fraction: float = setting(0.5, env="RELAYGR_ADMISSION_DEADLINE_FRACTION",
+    admission_deadline_fraction: float = setting(0.5, env="RELAYGR_RANKER_ADMISSION_DEADLINE_FRACTION",
+                                                 renamed_from="RELAYGR_ADMISSION_DEADLINE_FRACTION",
                                                  help="a Rank call is admitted only if the predicted work in "
                                                  "flight and its own end within this share of its remaining "
                                                  "deadline; else RESOURCE_EXHAUSTED at once",
                                                  check=fraction)  # fmt: skip
     # A burst of a few batches is normal traffic, not overload: below this the work bound would refuse
     # calls whose deadline leaves plenty of time (the deadline check still refuses those that lack it).
-    admission_min_limit: int = setting(0, env="RELAYGR_ADMISSION_MIN_LIMIT",
+    admission_min_limit: int = setting(0, env="RELAYGR_RANKER_ADMISSION_MIN_LIMIT",
+                                       renamed_from="RELAYGR_ADMISSION_MIN_LIMIT",
                                        help="the work bound does not refuse while fewer Rank calls than this "
                                        "are in flight (0: 4 x max_batch)", check=non_negative)  # fmt: skip
-    admission_prior_batch_ms: float = setting(1.0, env="RELAYGR_ADMISSION_PRIOR_BATCH_MS",
+    admission_prior_batch_ms: float = setting(1.0, env="RELAYGR_RANKER_ADMISSION_PRIOR_BATCH_MS",
+                                              renamed_from="RELAYGR_ADMISSION_PRIOR_BATCH_MS",
                                               help="cost of a ranking batch assumed before any is measured "
                                               "(worth 2 batches: it fades as batches are measured)",
                                               check=non_negative)  # fmt: skip
-    admission_prior_token_us: float = setting(10.0, env="RELAYGR_ADMISSION_PRIOR_TOKEN_US",
+    admission_prior_token_us: float = setting(10.0, env="RELAYGR_RANKER_ADMISSION_PRIOR_TOKEN_US",
+                                              renamed_from="RELAYGR_ADMISSION_PRIOR_TOKEN_US",
                                               help="cost per computed token assumed before any batch is measured",
                                               check=non_negative)  # fmt: skip
-    admission_window_s: float = setting(2.0, env="RELAYGR_ADMISSION_WINDOW_S",
+    admission_window_s: float = setting(2.0, env="RELAYGR_RANKER_ADMISSION_WINDOW_S",
+                                        renamed_from="RELAYGR_ADMISSION_WINDOW_S",
                                         help="time constant of the reported Rank throughput, in busy seconds",
                                         check=positive)  # fmt: skip
-    admission_shed_preinfer_ms: float = setting(1000.0, env="RELAYGR_ADMISSION_SHED_PREINFER_MS",
+    admission_shed_preinfer_ms: float = setting(1000.0, env="RELAYGR_RANKER_ADMISSION_SHED_PREINFER_MS",
+                                                renamed_from="RELAYGR_ADMISSION_SHED_PREINFER_MS",
                                                 help="PreInfer is refused (reason rank_overloaded) for this long "
                                                 "after a Rank call was refused (0: never)",
                                                 check=non_negative)  # fmt: skip
-    join_margin_ms: float = setting(2.0, env="RELAYGR_JOIN_MARGIN_MS",
+    join_margin_ms: float = setting(2.0, env="RELAYGR_RANKER_JOIN_MARGIN_MS",
+                                    renamed_from="RELAYGR_JOIN_MARGIN_MS",
                                     help="an in-flight psi is awaited only while this much deadline remains "
                                     "beyond a full ranking", check=non_negative)  # fmt: skip
-    keep_demoted: bool = setting(True, env="RELAYGR_KEEP_DEMOTED",
+    keep_demoted: bool = setting(True, env="RELAYGR_RANKER_KEEP_DEMOTED", renamed_from="RELAYGR_KEEP_DEMOTED",
                                  help="keep psi copied to host DRAM in HBM as an evictable hot copy "
                                  "(false: free it at once)")  # fmt: skip
-    expander_socket: str = setting(
-        "", env="RELAYGR_EXPANDER_SOCKET", help="host-DRAM expander socket ('': none)"
-    )
-    gil_switch_ms: float = setting(0.5, env="RELAYGR_GIL_SWITCH_MS",
+    host_tier: bool = setting(False, env="RELAYGR_RANKER_HOST_TIER", renamed_from="RELAYGR_HOST_TIER",
+                              help="keep psi evicted from HBM in host DRAM, through the expander at "
+                              "RELAYGR_EXPANDER_SOCKET_PATH (which must be running)")  # fmt: skip
+    expander_socket_path: str = settings.expander_socket_path()
+    gil_switch_ms: float = setting(0.5, env="RELAYGR_RANKER_GIL_SWITCH_MS",
+                                   renamed_from="RELAYGR_GIL_SWITCH_MS",
                                    help="Python thread switch interval: how long the event loop may wait "
                                    "for the engine thread to yield the interpreter", check=positive)  # fmt: skip
     metrics_port: int = setting(0, env="RELAYGR_RANKER_METRICS_PORT", help="Prometheus port (0: pick)",
                                 check=port_number)  # fmt: skip
-    log_level: str = setting("info", env="RELAYGR_LOG_LEVEL", help="log level",
-                             check=one_of("debug", "info", "warning", "error"))  # fmt: skip
-    max_prefix_tokens: int = setting(65536, env="RELAYGR_MAX_PREFIX_TOKENS", help="longest accepted prefix",
-                                     check=positive)  # fmt: skip
-    max_candidates: int = setting(2048, env="RELAYGR_MAX_CANDIDATES", help="most candidates per call",
+    log_level: LogLevel = settings.log_level("ranker")
+    max_prefix_tokens: int = settings.max_prefix_tokens()
+    max_candidates: int = setting(2048, env="RELAYGR_RANKER_MAX_CANDIDATES",
+                                  renamed_from="RELAYGR_MAX_CANDIDATES", help="most candidates per call",
                                   check=positive)  # fmt: skip
-    max_message_mb: float = setting(64.0, env="RELAYGR_MAX_MESSAGE_MB", help="gRPC message size limit",
+    max_message_mb: float = setting(64.0, env="RELAYGR_RANKER_MAX_MESSAGE_MB",
+                                    renamed_from="RELAYGR_MAX_MESSAGE_MB", help="gRPC message size limit",
                                     check=positive)  # fmt: skip
 
     def validate(self) -> None:
         self.validate_tls()
         if self.default_lease_ms > self.max_lease_ms:
-            raise ConfigError("RELAYGR_LEASE_MS must not exceed RELAYGR_MAX_LEASE_MS")
+            raise ConfigError("RELAYGR_DEFAULT_LEASE_MS must not exceed RELAYGR_MAX_LEASE_MS")
         if (self.admission_min_limit or 4 * self.max_batch) > self.max_inflight_ranks:
             raise ConfigError(
-                "RELAYGR_ADMISSION_MIN_LIMIT (0: 4 x RELAYGR_MAX_BATCH) must not exceed "
-                "RELAYGR_MAX_INFLIGHT_RANKS"
+                "RELAYGR_RANKER_ADMISSION_MIN_LIMIT (0: 4 x RELAYGR_RANKER_MAX_BATCH) must not exceed "
+                "RELAYGR_RANKER_MAX_INFLIGHT_RANKS"
             )
         if self.admission_prior_batch_ms + self.admission_prior_token_us <= 0:
             raise ConfigError(
-                "RELAYGR_ADMISSION_PRIOR_BATCH_MS and RELAYGR_ADMISSION_PRIOR_TOKEN_US must not both be 0"
+                "RELAYGR_RANKER_ADMISSION_PRIOR_BATCH_MS and RELAYGR_RANKER_ADMISSION_PRIOR_TOKEN_US must not both be 0"
             )
+
+    @property
+    def expander_socket(self) -> str:
+        """The expander socket the host tier connects to, '' without a host tier."""
+        return self.expander_socket_path if self.host_tier else ""
 
     @property
     def admission(self) -> AdmissionConfig:

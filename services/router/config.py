@@ -1,19 +1,22 @@
 """RouterConfig: the router's settings (flags over RELAYGR_ROUTER_* env vars over defaults).
 
 Kafka settings (bootstrap, TLS, SASL, session timing) are inherited from KafkaSettings and read
-from the RELAYGR_KAFKA_* variables every service shares. A few settings deliberately use variables
-shared with other services instead of RELAYGR_ROUTER_*: the prefix limit (RELAYGR_MAX_PREFIX_TOKENS,
-as the rankers: the router must not accept signals they would reject, nor reject ones they would
-accept) and the load bound (RELAYGR_LOAD_FACTOR and RELAYGR_LOAD_SLACK, as the trigger: placement
-agrees across router replicas and the trigger only when they all use the same values).
+from the RELAYGR_KAFKA_* variables every service shares. The settings another service must agree
+with are defined once in shared/settings.py: the prefix limit (as the rankers: the router must not
+accept signals they would reject, nor reject ones they would accept), the load bound (as the
+trigger: placement agrees across router replicas and the trigger only when they all use the same
+values), the default lease (as the rankers) and the topics.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from shared.config import ConfigError, non_negative, one_of, port_number, positive, setting
+from shared import settings
+from shared.config import ConfigError, non_negative, port_number, positive, setting
 from shared.kafka import KafkaSettings
+from shared.settings import LogLevel
 from shared.tls import TlsSettings
 from shared.wire import RequestLimits
 
@@ -44,6 +47,17 @@ def _header_bytes(value: int) -> str | None:
     return None if 1024 <= value <= _MAX_HEADER_BYTES else f"must be 1024-{_MAX_HEADER_BYTES} bytes"
 
 
+class Placement(enum.StrEnum):
+    AFFINITY = "affinity"  # residency, then bounded-load rendezvous hashing
+    ROUND_ROBIN = "round_robin"  # the no-affinity ablation (ranking calls only)
+
+
+class FrontDoor(enum.StrEnum):
+    RELAY = "relay"  # the hand-written HTTP/2 frame relay
+    H2 = "h2"  # the same relay on the h2 library
+    GRPC = "grpc"  # the gRPC server serves everything
+
+
 @dataclass(frozen=True)
 class RouterConfig(KafkaSettings, TlsSettings):
     host: str = setting("127.0.0.1", env="RELAYGR_ROUTER_HOST", help="gRPC bind address")
@@ -54,18 +68,13 @@ class RouterConfig(KafkaSettings, TlsSettings):
         (), env="RELAYGR_RANKERS", help="ranker targets host:port, comma-separated (required)",
         check=_targets,
     )  # fmt: skip
-    signal_topic: str = setting(
-        "relaygr.preinfer-signals", env="RELAYGR_SIGNAL_TOPIC", help="PreInferSignal topic"
-    )
-    dlq_topic: str = setting("relaygr.dlq", env="RELAYGR_DLQ_TOPIC", help="dead-letter topic")
+    signal_topic: str = settings.signal_topic()
+    dlq_topic: str = settings.dlq_topic()
     group_id: str = setting("relaygr-router", env="RELAYGR_ROUTER_GROUP_ID", help="Kafka consumer group")
     consume_signals: bool = setting(
         True, env="RELAYGR_ROUTER_CONSUME_SIGNALS", help="consume pre-infer signals from Kafka"
     )
-    topic_partitions: int = setting(
-        8, env="RELAYGR_TOPIC_PARTITIONS", help="partitions of the signal / DLQ topics when created here",
-        check=_positive_int,
-    )  # fmt: skip
+    topic_partitions: int = settings.topic_partitions()
     signal_concurrency: int = setting(
         64, env="RELAYGR_ROUTER_SIGNAL_CONCURRENCY", help="signals forwarded at once (distinct users)",
         check=_positive_int,
@@ -79,23 +88,13 @@ class RouterConfig(KafkaSettings, TlsSettings):
         help="tries to forward a signal while no instance takes it, before it is counted lost",
         check=_positive_int,
     )  # fmt: skip
-    placement: str = setting(
-        "affinity", env="RELAYGR_ROUTER_PLACEMENT",
+    placement: Placement = setting(
+        Placement.AFFINITY, env="RELAYGR_ROUTER_PLACEMENT",
         help="affinity (residency, then bounded-load rendezvous hashing) | round_robin (ranking calls "
         "ignore affinity: the no-affinity ablation; pre-infer signals still hash)",
-        check=one_of("affinity", "round_robin"),
     )  # fmt: skip
-    load_factor: float = setting(
-        0.25, env="RELAYGR_LOAD_FACTOR",
-        help="bounded load: an instance above (1 + this) x mean load is tried last", check=non_negative,
-    )  # fmt: skip
-    # Loads are queue depths (small integers): without an absolute allowance one queued call on an
-    # otherwise idle fleet makes an instance "overloaded" and moves its users off their psi.
-    load_slack: float = setting(
-        4.0, env="RELAYGR_LOAD_SLACK",
-        help="bounded load: absolute load allowed above (1 + load_factor) x mean before users move",
-        check=non_negative,
-    )  # fmt: skip
+    load_factor: float = settings.load_factor()
+    load_slack: float = settings.load_slack()
     check_interval_s: float = setting(
         0.2,
         env="RELAYGR_ROUTER_CHECK_INTERVAL_S",
@@ -126,13 +125,12 @@ class RouterConfig(KafkaSettings, TlsSettings):
         "replaced by a reference: the prefix is neither sent nor decoded again on a hit; an instance "
         "that no longer has the psi answers prefix_required and gets the whole call",
     )  # fmt: skip
-    front_door: str = setting(
-        "relay", env="RELAYGR_ROUTER_FRONT_DOOR",
+    front_door: FrontDoor = setting(
+        FrontDoor.RELAY, env="RELAYGR_ROUTER_FRONT_DOOR",
         help="relay: an HTTP/2 frame relay serves Rank on the public port (with the RELAYGR_TLS_* "
         "mutual TLS when set) and passes every other call to the router's gRPC server on loopback "
         "(about half the CPU per routed call); h2: the same relay built on the h2 library; grpc: the "
         "gRPC server serves everything",
-        check=one_of("relay", "h2", "grpc"),
     )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",
@@ -142,24 +140,16 @@ class RouterConfig(KafkaSettings, TlsSettings):
         1_000.0, env="RELAYGR_ROUTER_PREINFER_TIMEOUT_MS", help="deadline of a PreInfer forwarded from a signal",
         check=positive,
     )  # fmt: skip
-    default_lease_ms: float = setting(
-        2_000.0, env="RELAYGR_ROUTER_DEFAULT_LEASE_MS",
-        help="residency kept for a PreInfer that names no lease deadline (match the rankers' RELAYGR_LEASE_MS)",
-        check=positive,
-    )  # fmt: skip
+    default_lease_ms: float = settings.default_lease_ms(renamed_from="RELAYGR_ROUTER_DEFAULT_LEASE_MS")
     residency_max_entries: int = setting(
         1_000_000, env="RELAYGR_ROUTER_RESIDENCY_MAX_ENTRIES", help="users tracked in the residency map",
         check=_positive_int,
     )  # fmt: skip
-    max_prefix_tokens: int = setting(
-        65536, env="RELAYGR_MAX_PREFIX_TOKENS", help="longest accepted prefix (same variable as the rankers)",
-        check=positive,
-    )  # fmt: skip
+    max_prefix_tokens: int = settings.max_prefix_tokens()
     metrics_port: int = setting(
         0, env="RELAYGR_ROUTER_METRICS_PORT", help="Prometheus port (0: pick)", check=port_number
     )
-    log_level: str = setting("info", env="RELAYGR_ROUTER_LOG_LEVEL", help="log level",
-                             check=one_of("debug", "info", "warning", "error"))  # fmt: skip
+    log_level: LogLevel = settings.log_level("router")
     max_message_mb: float = setting(
         64.0, env="RELAYGR_ROUTER_MAX_MESSAGE_MB", help="gRPC message size limit", check=positive
     )
@@ -202,7 +192,7 @@ class RouterConfig(KafkaSettings, TlsSettings):
     def relay_front_door(self) -> bool:
         """Whether an HTTP/2 relay (hand-written or h2's) owns the public port, the gRPC server
         then listening on loopback for it (see front_door)."""
-        return self.front_door != "grpc"
+        return self.front_door != FrontDoor.GRPC
 
     @property
     def limits(self) -> RequestLimits:

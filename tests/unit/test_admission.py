@@ -226,11 +226,11 @@ def test_ranker_settings_build_the_limiter_config():
         RankerConfig,
         ["--admission-target-ms", "100", "--admission-min-limit", "2", "--max-inflight-ranks", "64"],
         env={
-            "RELAYGR_ADMISSION_WINDOW_S": "0.5",
-            "RELAYGR_ADMISSION_DEADLINE_FRACTION": "0.8",
-            "RELAYGR_ADMISSION_SHED_PREINFER_MS": "0",
-            "RELAYGR_ADMISSION_PRIOR_BATCH_MS": "3",
-            "RELAYGR_ADMISSION_PRIOR_TOKEN_US": "20",
+            "RELAYGR_RANKER_ADMISSION_WINDOW_S": "0.5",
+            "RELAYGR_RANKER_ADMISSION_DEADLINE_FRACTION": "0.8",
+            "RELAYGR_RANKER_ADMISSION_SHED_PREINFER_MS": "0",
+            "RELAYGR_RANKER_ADMISSION_PRIOR_BATCH_MS": "3",
+            "RELAYGR_RANKER_ADMISSION_PRIOR_TOKEN_US": "20",
         },
     )
     assert config.admission == AdmissionConfig(

@@ -193,14 +193,14 @@ def test_router_and_trigger_agree_on_shared_settings(services):
         values = {name: _env(s).get(var) for name, s in users.items()}
         assert len(set(values.values())) == 1, f"{var} differs: {values}"
     rankers = _by_kind(services, "ranker")
-    for var in ("RELAYGR_MODEL_PRESET", "RELAYGR_MODEL_SEED", "RELAYGR_MODEL_CHECKPOINT", "RELAYGR_LEASE_MS"):
+    for var in ("RELAYGR_MODEL_PRESET", "RELAYGR_MODEL_SEED", "RELAYGR_MODEL_CHECKPOINT", "RELAYGR_DEFAULT_LEASE_MS"):
         values = {name: _env(s).get(var) for name, s in rankers.items()}
         assert len(set(values.values())) == 1, f"rankers differ on {var}: {values}"
     (ranker_env, *_) = [_env(s) for s in rankers.values()]
     for router in _by_kind(services, "router").values():
         env = _env(router)
         assert env.get("RELAYGR_MAX_PREFIX_TOKENS") == ranker_env.get("RELAYGR_MAX_PREFIX_TOKENS")
-        assert env.get("RELAYGR_ROUTER_DEFAULT_LEASE_MS") == ranker_env.get("RELAYGR_LEASE_MS")
+        assert env.get("RELAYGR_DEFAULT_LEASE_MS") == ranker_env.get("RELAYGR_DEFAULT_LEASE_MS")
     for trigger in _by_kind(services, "trigger").values():
         assert _env(trigger).get("RELAYGR_MODEL_PRESET") == ranker_env.get("RELAYGR_MODEL_PRESET")
 
@@ -284,8 +284,9 @@ def test_rankers_reserve_distinct_gpus_and_share_the_expander(services, volumes)
     gpus: list[str] = []
     for name, ranker in _by_kind(services, "ranker").items():
         env = _env(ranker)
-        assert env.get("RELAYGR_DEVICE") == "cuda", name
-        assert env.get("RELAYGR_EXPANDER_SOCKET") == socket_path, f"{name}: not the expander's socket"
+        assert env.get("RELAYGR_RANKER_DEVICE") == "cuda", name
+        assert env.get("RELAYGR_RANKER_HOST_TIER") == "true", f"{name}: no host tier"
+        assert env.get("RELAYGR_EXPANDER_SOCKET_PATH") == socket_path, f"{name}: not the expander's socket"
         assert ranker.get("ipc") == f"service:{expander_name}", f"{name}: ipc"
         mounts = {m.split(":")[1]: m.split(":")[0] for m in ranker.get("volumes", [])}
         assert mounts.get(socket_dir) == expander_mounts[socket_dir], f"{name}: does not share {socket_dir}"

@@ -172,7 +172,7 @@ def test_the_demo_checks_its_settings_before_starting(monkeypatch):
         check(DemoConfig(rankers=0))
     with pytest.raises(ConfigError, match="duration_s"):
         check(DemoConfig(duration_s=0.0))
-    monkeypatch.setenv("RELAYGR_RISK_FRACTION", "2")  # overridden by the demo's own flag: fine
+    monkeypatch.setenv("RELAYGR_TRIGGER_RISK_FRACTION", "2")  # overridden by the demo's own flag: fine
     check(DemoConfig())
     with pytest.raises(ConfigError, match="risk_fraction"):
         check(DemoConfig(risk_fraction=2.0))
