@@ -219,7 +219,11 @@ class Forwarder:
         """The cap lets a frozen instance cost a retry, not the whole deadline; the last healthy
         candidate gets all that is left (there is nowhere else to go)."""
         cap = self.config.rank_attempt_timeout_ms / 1e3
-        if cap > 0 and any(self.membership.is_healthy(t) for t in call.later()):
+        if (
+            cap > 0
+            and call.position + 1 < len(call.order)
+            and any(map(self.membership.is_healthy, call.later()))
+        ):
             return min(remaining, cap)
         return remaining
 
