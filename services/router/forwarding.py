@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
-from services.router.config import RouterConfig
+from services.router.config import Placement, RouterConfig
 from services.router.metrics import RouterMetrics
 from services.router.residency import ResidencyMap
 from shared.logging import get_logger
@@ -76,8 +76,8 @@ class ForwardError(Exception):
         self.client_error = client_error
 
 
-class Placement(NamedTuple):
-    """A call's instance order (first choice first) and why it is that order."""
+class Route(NamedTuple):
+    """A call's placement: its instance order (first choice first) and why it is that order."""
 
     order: list[str]
     source: str  # "residency" | "hash" | "round_robin" | "none"
@@ -134,19 +134,19 @@ class Forwarder:
         self.metrics = metrics
         self._round_robin = 0
 
-    def place(self, user_id: int, prefix_version: int, method: str) -> Placement:
+    def place(self, user_id: int, prefix_version: int, method: str) -> Route:
         """The instance order for this user: a live residency entry on a healthy instance first,
         then the rendezvous / bounded-load order. Empty when no instance is healthy."""
         members = self.membership.members()
         if not members:
-            return Placement([], "none")
-        if method == "rank" and self.config.placement == "round_robin":
+            return Route([], "none")
+        if method == "rank" and self.config.placement == Placement.ROUND_ROBIN:
             # The no-affinity ablation: ranking calls ignore where psi lives (signals still hash).
             self._round_robin += 1
             start = self._round_robin % len(members)
             order = list(members[start:] + members[:start])
             self.metrics.placement_of(method, "round_robin").inc()
-            return Placement(order, "round_robin")
+            return Route(order, "round_robin")
         if len(members) == 1:
             order = [members[0]]  # what preference() returns for one instance, without hashing
         else:
@@ -158,9 +158,9 @@ class Forwarder:
             order.remove(entry.instance)
             order.insert(0, entry.instance)
             self.metrics.placement_of(method, "residency").inc()
-            return Placement(order, "residency", entry.fingerprint)
+            return Route(order, "residency", entry.fingerprint)
         self.metrics.placement_of(method, "hash").inc()
-        return Placement(order, "hash")
+        return Route(order, "hash")
 
     async def forward(
         self,
@@ -183,14 +183,14 @@ class Forwarder:
         Returns (target, the reply); raises ForwardError with the status the caller should get.
         """
         invoke = invoke or self.membership.call
-        placement = self.place(user_id, prefix_version, method)
-        if not placement.order:
+        route = self.place(user_id, prefix_version, method)
+        if not route.order:
             raise ForwardError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no healthy ranker instance (0 of {len(self.membership.targets)} up)",
             )
-        slim_to = placement.order[0] if slim is not None and placement.source == "residency" else None
-        call = _Attempts(placement.order)
+        slim_to = route.order[0] if slim is not None and route.source == "residency" else None
+        call = _Attempts(route.order)
         while (target := call.advance()) is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -203,12 +203,12 @@ class Forwarder:
             call.made += 1
             timeout = self._attempt_timeout(call, remaining)
             by_reference = (
-                partial(slim, placement.fingerprint) if slim is not None and target == slim_to else None
+                partial(slim, route.fingerprint) if slim is not None and target == slim_to else None
             )
             try:
                 reply = await self._call(invoke, target, method, request, timeout, by_reference)
             except grpc.aio.AioRpcError as exc:
-                if self._goes_on(call, placement, method, target, exc, timeout >= remaining, user_id):
+                if self._goes_on(call, route, method, target, exc, timeout >= remaining, user_id):
                     continue
                 break
             self.metrics.attempts_of(method, "ok").inc()
@@ -230,7 +230,7 @@ class Forwarder:
     def _goes_on(
         self,
         call: _Attempts,
-        placement: Placement,
+        route: Route,
         method: str,
         target: str,
         exc: grpc.aio.AioRpcError,
@@ -263,7 +263,7 @@ class Forwarder:
         ):
             # Only the cap ran out and no other healthy instance is left (one may have failed
             # meanwhile): one last, uncapped try where it is healthy.
-            call.order = call.order + [t for t in placement.order if self.membership.is_healthy(t)][:1]
+            call.order = call.order + [t for t in route.order if self.membership.is_healthy(t)][:1]
             call.extended = True
         call.failed(target, code, details)
         log.debug("attempt_failed", method=method, target=target, code=code.name, user=user_id)
