@@ -8,8 +8,8 @@
 * `residency.ResidencyMap`: where an accepted pre-inference went, preferred for the ranking call
   while its lease lasts;
 * `stats`: the router's Stats answer; `metrics`: its Prometheus metrics;
-* `frontdoor`: the HTTP/2 frame relay that owns the public port when config.front_door says so
-  (otherwise the gRPC server is the public port).
+* `frontdoor`: the HTTP/2 relays (hand-written, or on the h2 library) that own the public port
+  when config.front_door names one (otherwise the gRPC server is the public port).
 
 Membership (health-checked ranker targets) and placement live in shared/, as the trigger uses them
 too. Nothing here imports torch.

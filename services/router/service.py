@@ -10,7 +10,7 @@ The rooms, one job each:
   * forwarding.py: placement (residency, else rendezvous hashing) and retries; ForwardError;
   * signals.py: the Kafka pre-infer signal consumer, which dead-letters malformed signals;
   * stats.py: the Stats answer (the fleet's sums, this router's Rank latencies);
-  * frontdoor/: the public port when it is not the gRPC server itself (the HTTP/2 relay);
+  * frontdoor/: the public port when it is not the gRPC server itself (an HTTP/2 relay);
   * here: start-up and shutdown, and the handlers, which turn requests into forwards and
     ForwardErrors into statuses.
 
