@@ -32,7 +32,9 @@ def start_expander(sock: Path) -> ServiceProcess:
 
 class Ranker:
     def __init__(self, sock: Path) -> None:
-        self.proc = ServiceProcess("services.ranker", "--device", "cpu", "--expander-socket", str(sock))
+        self.proc = ServiceProcess(
+            "services.ranker", "--device", "cpu", "--host-tier", "true", "--expander-socket-path", str(sock)
+        )
         ready = self.proc.wait_event("ranker_ready", timeout_s=120)
         self.port, self.metrics_port = ready["port"], ready["metrics_port"]
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
