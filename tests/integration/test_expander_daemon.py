@@ -37,7 +37,7 @@ class Daemon(ServiceProcess):
 
     def __init__(self, socket_path: Path, *extra: str) -> None:
         super().__init__("services.expander", "--socket-path", str(socket_path), "--arena-bytes", str(ARENA),
-                         "--max-lease-s", str(MAX_LEASE), *extra)  # fmt: skip
+                         "--max-lease-ms", str(MAX_LEASE * 1e3), *extra)  # fmt: skip
         self.socket_path = socket_path
 
     def stop(self, timeout_s: float = 15.0) -> int:
