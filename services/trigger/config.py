@@ -83,5 +83,9 @@ class TriggerConfig(KafkaSettings, TlsSettings):
 
     def validate(self) -> None:
         self.validate_tls()
+        if self.lease_slack_ms >= self.max_lease_ms:
+            raise ConfigError(
+                "RELAYGR_TRIGGER_LEASE_SLACK_MS must be below RELAYGR_MAX_LEASE_MS (a lease is capped at the max)"
+            )
         if not self.rankers and self.policy is not Policy.OFF:
             raise ConfigError("RELAYGR_RANKERS: at least one ranker is needed unless the policy is off")

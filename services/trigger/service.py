@@ -1,8 +1,13 @@
 """The sequence-aware trigger: retrieval events in, pre-infer signals out, for requests at risk.
 
-One owner object, `TriggerService`, with `start()` / `run()` / `shutdown()` and named background
-tasks: the consumer loop (a consumer-group member on the retrieval topic: it scales by partitions)
-and the rankers' Stats poller (which calibrates the latency model and the per-instance ledgers).
+One owner object, `TriggerService`, run by shared.lifecycle.Lifecycle: `start` / `stop_intake` /
+`drain` (the batch in hand is finished: its outputs written or given up, its offsets committed) /
+`close`, with named background tasks spawned through the lifecycle: the consumer loop (a
+consumer-group member on the retrieval topic: it scales by partitions), the rankers' Stats poller
+(which calibrates the latency model and the per-instance ledgers) and the membership's checks. The
+first failure of any of them stops intake, drains and exits 1, so a supervisor restarts the
+trigger instead of it deciding on stale loads. `run` returns the exit status; `start` plus
+`shutdown` run it without the lifecycle's signal handling (tests, benchmarks).
 
 Delivery: at-least-once, and nothing blocks a partition. Each record of a batch is validated in
 full (services/trigger/events.py) and decided once; its output (a signal, or a dead letter: the
@@ -22,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -44,7 +49,7 @@ from services.trigger.events import (
 from services.trigger.latency_model import LatencyModel, Sample
 from services.trigger.progress import Processed
 from shared.kafka import ensure_topics, make_consumer, make_producer, record_limits
-from shared.lifecycle import settle_heap
+from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
 from shared.membership import Membership
 from shared.metrics import serve_metrics
@@ -114,11 +119,10 @@ class TriggerService:
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._outbox: Outbox | None = None
-        self._consume_task: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.life = Lifecycle("trigger", grace_s=config.drain_timeout_s)
+        self._tasks: dict[str, asyncio.Task[Any]] = {}  # what start spawned through self.life
         self._stop_intake = asyncio.Event()
-        self._stopped = asyncio.Event()
-        self._stopping = False
+        self._closed = False
         self.metrics_port = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -127,7 +131,15 @@ class TriggerService:
         c = self.config
         return {c.retrieval_topic: c.topic_partitions, c.signal_topic: c.topic_partitions, c.dlq_topic: 1}
 
+    async def run(self, install_signals: bool = True) -> int:
+        """Starts, serves until SIGTERM / SIGINT or a background task's failure, finishes the batch
+        in hand, closes; returns the exit status (0: asked to stop; 1: the start or a background
+        task failed)."""
+        return await self.life.run(self, install_signals)
+
     async def start(self) -> None:
+        """Creates the topics, starts the Kafka clients, the rankers' checks and the background
+        tasks. Raises when the trigger cannot serve (no broker); `close` then undoes what it did."""
         c = self.config
         await ensure_topics(c, self._topics())
         producer_limit = await self._size_limits()
@@ -137,10 +149,9 @@ class TriggerService:
         self._consumer = make_consumer(c, [c.retrieval_topic], c.group_id, max_poll_records=1000)
         await self._consumer.start()
         if self.membership is not None:
-            await self.membership.start()
-            self._tasks.append(asyncio.create_task(self._poll_stats(), name="trigger-stats"))
-        self._consume_task = asyncio.create_task(self._consume(), name="trigger-consume")
-        self._tasks.append(self._consume_task)
+            await self.membership.start(spawn=self._spawn)
+            self._spawn(self._poll_stats(), "stats")
+        self._spawn(self._consume(), "consume")
         self.metrics_port = serve_metrics(self.registry, c.metrics_port)
         settle_heap()  # decision-time collections then never traverse the libraries' objects
         log.info("trigger_ready", policy=self.policy.value, rankers=list(c.rankers), slo_ms=c.slo_ms,
@@ -161,37 +172,52 @@ class TriggerService:
                         consequence="a malformed event this large cannot be dead-lettered: logged and skipped")  # fmt: skip
         return max(retrieval, signals, c.max_record_bytes) + DEAD_LETTER_HEADROOM_BYTES
 
-    async def run(self) -> None:
-        await self.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
-        await self._stopped.wait()
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = self._tasks[name] = self.life.spawn(coro, name)
+        return task
+
+    async def stop_intake(self) -> None:
+        """No new batch is fetched; the one in hand goes on. Idempotent."""
+        self._stop_intake.set()
+
+    async def drain(self) -> None:
+        """Waits for the consumer loop to finish the batch in hand (outputs written or given up,
+        offsets committed) and return. The lifecycle bounds this by drain_timeout_s."""
+        consume = self._tasks.get("consume")
+        if consume is not None:
+            # asyncio.wait neither raises the loop's failure (the lifecycle has it already) nor,
+            # when the grace runs out and this wait is cancelled, cancels the loop (close does).
+            await asyncio.wait({consume})
+
+    async def close(self) -> None:
+        """Cancels the background tasks, stops the Kafka clients and the rankers' checks. Safe
+        after a failed or partial start; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+        if self.membership is not None:
+            await self.membership.close()
+        log.info("trigger_stopped", decisions=self.counts, failure=self.life.failure)
 
     async def shutdown(self) -> None:
-        """Stops intake; the batch in hand is finished first (its outputs written or given up,
-        its offsets committed), for at most drain_timeout_s; then everything stops."""
-        if self._stopping:
-            return
-        self._stopping = True
+        """Stops a trigger started with `start()` (not `run`): stop intake, finish the batch in
+        hand for at most drain_timeout_s, close. Idempotent."""
+        self.life.request_stop("shutdown")  # the consumer loop's return is no failure now
+        await self.stop_intake()
         try:
-            self._stop_intake.set()
-            if self._consume_task is not None:
-                done, _ = await asyncio.wait({self._consume_task}, timeout=self.config.drain_timeout_s)
-                if not done:
-                    log.warning("trigger_drain_timed_out", timeout_s=self.config.drain_timeout_s)
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self._consumer is not None:
-                await self._consumer.stop()
-            if self._producer is not None:
-                await self._producer.stop()
-            if self.membership is not None:
-                await self.membership.close()
-            log.info("trigger_stopped", decisions=self.counts)
+            await asyncio.wait_for(self.drain(), self.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("trigger_drain_timed_out", timeout_s=self.config.drain_timeout_s)
         finally:
-            self._stopped.set()  # whatever failed above, the process must still exit
+            await self.close()
 
     def outbox_counts(self) -> dict[str, int]:
         """Writes retried, signals dead-lettered, dead letters given up (zeros before start)."""
@@ -271,7 +297,7 @@ class TriggerService:
         self.metrics.decisions.labels(reason.value).inc()
         output = None
         if reason is Reason.ADMITTED:
-            lease_ms = meta.ranking_deadline_unix_ms + int(self.config.lease_slack_ms)
+            lease_ms = self.lease_deadline_unix_ms(meta, int(time.time() * 1e3))
             signal_msg = ev.PreInferSignal(
                 schema_version=SCHEMA_VERSION,
                 request_id=meta.request_id,
@@ -311,11 +337,17 @@ class TriggerService:
         key = (meta.user_id, meta.prefix_version)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load)
         if reason is Reason.ADMITTED:
-            lease_s = (
-                max(0.0, meta.ranking_deadline_unix_ms / 1e3 - time.time()) + self.config.lease_slack_ms / 1e3
-            )
+            now_unix_ms = int(time.time() * 1e3)
+            lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             ledger.admit(key, psi_bytes, now, now + lease_s)
         return reason, target
+
+    def lease_deadline_unix_ms(self, meta: EventMeta, now_unix_ms: int) -> int:
+        """When an admitted pre-inference's lease ends: its ranking deadline plus the slack, but
+        never more than max_lease_ms from now (the rankers grant no longer lease, and the ledger
+        would otherwise reserve the psi's bytes until a far-off deadline)."""
+        wanted = meta.ranking_deadline_unix_ms + int(self.config.lease_slack_ms)
+        return min(wanted, now_unix_ms + int(self.config.max_lease_ms))
 
     # ------------------------------------------------------------------ rankers' Stats
 
@@ -371,10 +403,8 @@ class TriggerService:
         self.latency.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms) for s in fresh])
 
 
-def serve(config: TriggerConfig) -> None:
+def serve(config: TriggerConfig) -> int:
+    """Runs the trigger on uvloop until it stops; returns the exit status (TriggerService.run)."""
     import uvloop
 
-    async def main() -> None:
-        await TriggerService(config).run()
-
-    uvloop.run(main())
+    return uvloop.run(TriggerService(config).run())
