@@ -7,6 +7,19 @@ and the attention kernels:
   preinfer(prefixes)                  runs [U, S_l] and returns psi (per-layer K/V + timestamps)
   rank_cached(suffixes, psis, keys)   scores [eS_l, I] against psi
 
+and, for psi built in chunks (the engine's scheduler, services/ranker/scheduler.py):
+
+  new_psi(prefix)                     psi's block, allocated for the whole prefix, nothing built
+  preinfer_chunks(chunks)             prefix tokens [start, end) against psi[:start], their K/V
+                                      written in place into psi[start:end]
+  rank_partial(prefixes, suffixes, psis, built)
+                                      scores [U, S_l, eS_l, I] reading psi[:built] and computing
+                                      the rest of the prefix (whose K/V it writes into psi, which
+                                      is then complete) and the suffix
+
+A prefix token is a history token like any other (causal, position = its index), so for any
+split point c, f([tokens c.. of the prefix, eS_l, I]; psi[:c]) == f([U, S_l, eS_l, I]).
+
 HSTU layer (Zhai et al., arXiv 2402.17152):  U, V, Q, K = split(SiLU(W1 LN(x)));
 A = SiLU(QK^T / sqrt(d) + rab_pos + rab_time) / attn_norm, masked;  x += W2 (LN(A V) * U).
 Every layer is causal over the history; a candidate sees the whole history and itself only.
@@ -97,6 +110,52 @@ class _HostPart:
     aux: npt.NDArray[np.int64] | int
     timestamps: npt.NDArray[np.int64] | int
     n: int
+
+    def slice(self, start: int, end: int) -> _HostPart:
+        """Tokens [start, end) of this part (0 <= start <= end <= n)."""
+
+        def cut(values: npt.NDArray[np.int64] | int) -> npt.NDArray[np.int64] | int:
+            return values if isinstance(values, int) else values[start:end]
+
+        return _HostPart(cut(self.items), cut(self.aux), cut(self.timestamps), end - start)
+
+
+def _cut(parts: list[_HostPart], start: int, end: int) -> list[_HostPart]:
+    """Tokens [start, end) of parts laid end to end."""
+    out: list[_HostPart] = []
+    offset = 0
+    for part in parts:
+        lo, hi = max(start - offset, 0), min(end - offset, part.n)
+        if hi > lo:
+            out.append(part.slice(lo, hi))
+        offset += part.n
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """One pre-inference chunk: prefix tokens [start, end) of `prefix`, computed against
+    psi[:start] and written into psi[start:end] (psi: `HSTURanker.new_psi(prefix)`)."""
+
+    prefix: UserPrefix
+    psi: Psi
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.prefix.length:
+            raise ValueError(f"chunk [{self.start}, {self.end}) of a {self.prefix.length}-token prefix")
+        if self.psi.prefix_len != self.prefix.length:
+            raise ValueError(f"psi of {self.psi.prefix_len} tokens for a {self.prefix.length}-token prefix")
+
+
+def built_prefix(psi: Psi, built: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """psi's first `built` tokens as the kernels read a prefix: one contiguous [L, 2, built, H*D]
+    block (a copy unless built is the whole psi: the kernels address a block's layers with its
+    own length as the stride) and its timestamps."""
+    if built == psi.prefix_len:
+        return psi.kv, psi.timestamps
+    return psi.kv[:, :, :built].contiguous(), psi.timestamps[:built]
 
 
 @dataclass(frozen=True)
@@ -291,7 +350,98 @@ class HSTURanker(nn.Module):
         x = self.layers_forward(x, self._prepare(tokens.seq, prefix))
         return self._score(x, tokens)
 
+    # ------------------------------------------------------------------ psi built in chunks
+
+    @torch.inference_mode()
+    def new_psi(self, prefix: UserPrefix) -> Psi:
+        """psi's block for the whole prefix, on the model's device, with nothing built yet: chunks
+        (`preinfer_chunks`) or a ranking call (`rank_partial`) fill it in place."""
+        n, spec = prefix.length, self.spec
+        kv = torch.empty(
+            spec.num_layers, 2, n, spec.hidden, dtype=self.item_emb.weight.dtype, device=self.device
+        )
+        ts = torch.cat([torch.zeros(prefix.profile.numel(), dtype=torch.int64), prefix.long_term.timestamps])
+        key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+        return Psi(key, kv, ts.to(self.device))
+
+    @torch.inference_mode()
+    def preinfer_chunks(self, chunks: Sequence[PrefixChunk]) -> None:
+        """Runs each chunk's prefix tokens against the psi built before it and writes their K/V
+        into psi in place. Chunks of one batch belong to different users (a chunk reads only
+        what earlier batches wrote)."""
+        if not chunks:
+            return
+        if len({id(c.psi) for c in chunks}) != len(chunks):
+            raise ValueError("one chunk per psi in a batch: a chunk reads what the one before wrote")
+        history = [_cut(self._prefix_parts(c.prefix), c.start, c.end) for c in chunks]
+        tokens = self._tokens(history, None)
+        self._forward_writing(
+            tokens, [(c.psi, c.start) for c in chunks], [c.end - c.start for c in chunks], last=False
+        )
+
+    @torch.inference_mode()
+    def rank_partial(
+        self,
+        prefixes: Sequence[UserPrefix],
+        suffixes: Sequence[RankingSuffix],
+        psis: Sequence[Psi],
+        built: Sequence[int],
+    ) -> list[torch.Tensor]:
+        """Scores of [U, S_l, eS_l, I] for each user, reading the first built[b] prefix tokens'
+        K/V from psi and computing the rest of the prefix and the suffix. The K/V of the prefix
+        tokens it computes are written into psi, which is complete afterwards. built[b] may be
+        anything from 0 (psi is only a block: a full ranking that also produces psi) to the
+        prefix length (a ranking against complete psi)."""
+        if not len(prefixes) == len(suffixes) == len(psis) == len(built):
+            raise InvalidSequenceError("rank_partial() needs one suffix, psi and split per prefix")
+        for p, psi, c in zip(prefixes, psis, built, strict=True):
+            if psi.prefix_len != p.length or psi.key != self.psi_key(
+                p.user_id, p.prefix_version, p.fingerprint.digest
+            ):
+                raise ValueError(f"psi of {psi.key} ({psi.prefix_len} tokens) is not this prefix's")
+            if not 0 <= c <= p.length:
+                raise ValueError(f"split {c} outside a {p.length}-token prefix")
+        history = [
+            [*_cut(self._prefix_parts(p), c, p.length), self._behavior_part(s.recent)]
+            for p, s, c in zip(prefixes, suffixes, built, strict=True)
+        ]
+        tokens = self._tokens(history, suffixes)
+        rest = [p.length - c for p, c in zip(prefixes, built, strict=True)]
+        x = self._forward_writing(tokens, list(zip(psis, built, strict=True)), rest, last=True)
+        return self._score(x, tokens)
+
+    def _forward_writing(
+        self, tokens: _Tokens, targets: list[tuple[Psi, int]], writes: list[int], last: bool
+    ) -> torch.Tensor:
+        """Every layer over the batch's new tokens, each sequence b against targets[b]'s psi up to
+        its split; the K/V of sequence b's first writes[b] new tokens are written into that psi
+        from the split on. `last`: run the last layer's attention too (a ranking needs its
+        output; a chunk only its K/V)."""
+        blocks = [built_prefix(psi, c) for psi, c in targets]
+        prefix = None
+        if any(c for _, c in targets):
+            prefix = PrefixKV.build([kv for kv, _ in blocks], [ts for _, ts in blocks])
+        seq = tokens.seq
+        attend = self._prepare(seq, prefix)
+        x = self._embed(tokens)
+        total, num_layers = seq.total_tokens, self.spec.num_layers
+        shape = (total, self.spec.num_heads, self.spec.head_dim)
+        for index, layer in enumerate(self._stack()):
+            u, v, q, k = layer.project(x)
+            for b, ((psi, c), n) in enumerate(zip(targets, writes, strict=True)):
+                if n:
+                    start = seq.offsets_host[b]
+                    psi.kv[index, 0, c : c + n].copy_(k[start : start + n])
+                    psi.kv[index, 1, c : c + n].copy_(v[start : start + n])
+            if last or index + 1 < num_layers:  # a chunk's last layer: only its K/V are needed
+                attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
+                x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+        return x
+
     # ------------------------------------------------------------------ internals
+
+    def _prefix_parts(self, p: UserPrefix) -> list[_HostPart]:
+        return [self._profile_part(p), self._behavior_part(p.long_term)]
 
     # Host-side token parts are numpy views of the request's tensors: a batch is packed with a few
     # numpy operations instead of a dozen small torch operations per user (~5x less CPU time on

@@ -1,0 +1,121 @@
+"""Partial psi is exact: for ANY split point c, the first c prefix tokens' K/V read from psi plus
+the rest of the prefix and the suffix computed in the ranking step give the scores of full
+inference (<= 1e-5 in float32 on the CPU); and psi built in chunks of any size equals psi built
+in one pre-inference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from bench.synthetic import Shape, batch
+from services.ranker.model import HSTURanker, PrefixChunk
+from shared.fingerprint import CHUNK_TOKENS
+from shared.modelspec import preset
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model() -> HSTURanker:
+    return HSTURanker.from_seed(preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def deep() -> HSTURanker:
+    spec = preset("tiny").with_overrides(name="deep", num_layers=3, num_heads=2, head_dim=16)
+    return HSTURanker.from_seed(spec, seed=3)
+
+
+def build_in_chunks(model: HSTURanker, prefix, bounds: list[int]):
+    """psi of `prefix` built chunk by chunk at these boundaries (0 < b1 < ... < length)."""
+    psi = model.new_psi(prefix)
+    edges = [0, *bounds, prefix.length]
+    for start, end in itertools.pairwise(edges):
+        model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
+    return psi
+
+
+def split_points(profile: int, length: int) -> list[int]:
+    """0, the profile boundary and its neighbours, fingerprint chunk boundaries, the full length,
+    and a few arbitrary points."""
+    points = {0, 1, profile - 1, profile, profile + 1, length - 1, length, length // 3}
+    points.update(range(CHUNK_TOKENS, length, CHUNK_TOKENS))
+    gen = torch.Generator().manual_seed(length)
+    points.update(int(x) for x in torch.randint(0, length + 1, (4,), generator=gen))
+    return sorted(p for p in points if 0 <= p <= length)
+
+
+@pytest.mark.parametrize("fixture", ["model", "deep"])
+def test_any_split_point_equals_full_inference(fixture, request):
+    model: HSTURanker = request.getfixturevalue(fixture)
+    prefixes, suffixes = batch(11, [Shape(5, 700, 12, 9)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    want = model.full([prefix], [suffix])[0]
+    whole = model.preinfer([prefix])[0]
+    for c in split_points(prefix.profile.numel(), prefix.length):
+        psi = model.new_psi(prefix)
+        if c:
+            model.preinfer_chunks([PrefixChunk(prefix, psi, 0, c)])
+        got = model.rank_partial([prefix], [suffix], [psi], [c])[0]
+        assert float((got - want).abs().max()) <= TOL, f"split {c}"
+        # The ranking step wrote the rest of the prefix's K/V: psi is now complete and exact.
+        assert float((psi.kv - whole.kv).abs().max()) <= TOL, f"psi completed from split {c}"
+        assert torch.equal(psi.timestamps, whole.timestamps)
+
+
+def test_a_batch_mixes_split_points_users_and_lengths(model):
+    prefixes, suffixes = batch(12, [Shape(3, 300, 5, 7), Shape(0, 520, 0, 4), Shape(2, 90, 30, 16)])
+    want = model.full(prefixes, suffixes)
+    splits = [256, 0, 92]  # a chunk boundary, nothing built (no profile here), the whole prefix
+    psis = []
+    for p, c in zip(prefixes, splits, strict=True):
+        psi = model.new_psi(p)
+        if c:
+            model.preinfer_chunks([PrefixChunk(p, psi, 0, c)])
+        psis.append(psi)
+    got = model.rank_partial(prefixes, suffixes, psis, splits)
+    for g, w in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256, 512, 1000])
+def test_psi_built_in_chunks_equals_one_preinference(deep, chunk):
+    prefixes, suffixes = batch(13, [Shape(4, 600, 8, 8)])
+    prefix = prefixes[0]
+    whole = deep.preinfer([prefix])[0]
+    bounds = list(range(chunk, prefix.length, chunk))
+    psi = build_in_chunks(deep, prefix, bounds)
+    assert psi.key == whole.key
+    assert float((psi.kv - whole.kv).abs().max()) <= TOL
+    got = deep.rank_cached(suffixes, [psi], [psi.key])[0]
+    assert float((got - deep.full(prefixes, suffixes)[0]).abs().max()) <= TOL
+
+
+def test_chunks_of_several_users_in_one_batch(model):
+    prefixes, _ = batch(14, [Shape(2, 400, 0, 1), Shape(6, 300, 0, 1)])
+    whole = model.preinfer(prefixes)
+    psis = [model.new_psi(p) for p in prefixes]
+    model.preinfer_chunks([PrefixChunk(p, psi, 0, 256) for p, psi in zip(prefixes, psis, strict=True)])
+    model.preinfer_chunks([PrefixChunk(p, psi, 256, p.length) for p, psi in zip(prefixes, psis, strict=True)])
+    for psi, w in zip(psis, whole, strict=True):
+        assert float((psi.kv - w.kv).abs().max()) <= TOL
+
+
+def test_bad_chunks_and_splits_are_refused(model):
+    prefixes, suffixes = batch(15, [Shape(2, 50, 2, 2), Shape(2, 60, 2, 2)])
+    psi = model.new_psi(prefixes[0])
+    with pytest.raises(ValueError, match="chunk"):
+        PrefixChunk(prefixes[0], psi, 10, 10)
+    with pytest.raises(ValueError, match="chunk"):
+        PrefixChunk(prefixes[0], psi, 0, 53)
+    with pytest.raises(ValueError, match="tokens for a"):
+        PrefixChunk(prefixes[1], psi, 0, 10)
+    with pytest.raises(ValueError, match="one chunk per psi"):
+        model.preinfer_chunks([PrefixChunk(prefixes[0], psi, 0, 10), PrefixChunk(prefixes[0], psi, 10, 20)])
+    with pytest.raises(ValueError, match="not this prefix"):
+        model.rank_partial([prefixes[1]], [suffixes[1]], [psi], [0])
+    with pytest.raises(ValueError, match="split"):
+        model.rank_partial([prefixes[0]], [suffixes[0]], [psi], [53])
