@@ -15,6 +15,7 @@ import ast
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,24 @@ def test_commands_run_modules_of_this_repository(services):
         assert "build" in service, f"{name} runs a RelayGR module but does not use the RelayGR image"
 
 
+def test_each_service_image_is_built_from_its_own_extra(services):
+    """One image per service kind, built with that service's pyproject extra (EXTRA); only the
+    rankers' extra pulls torch, so only their image may carry it."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    images: dict[str, set[str]] = {}
+    for name, (kind, service) in _relaygr(services).items():
+        extra = str(service["build"].get("args", {}).get("EXTRA"))
+        assert extra == kind, f"{name}: built with extra {extra!r}, not {kind!r}"
+        assert extra in extras, f"{name}: pyproject.toml has no [{extra}] extra"
+        images.setdefault(kind, set()).add(str(service["image"]))
+        has_torch = any(dep.startswith("torch") for dep in extras[extra])
+        assert has_torch == (kind == "ranker"), (
+            f"{name}: the {extra} extra {'lacks' if kind == 'ranker' else 'pulls'} torch"
+        )
+    assert all(len(names) == 1 for names in images.values()), f"one image per kind: {images}"
+    assert len(set().union(*images.values())) == len(images), f"kinds share an image: {images}"
+
+
 def test_relaygr_variables_are_settings_of_that_service(services):
     """A RELAYGR_* variable set on a service whose config does not read it is silently ignored."""
     known = set().union(*(_env_names(cls) for cls in (*CONFIGS.values(), KafkaSettings)))
@@ -193,7 +212,12 @@ def test_router_and_trigger_agree_on_shared_settings(services):
         values = {name: _env(s).get(var) for name, s in users.items()}
         assert len(set(values.values())) == 1, f"{var} differs: {values}"
     rankers = _by_kind(services, "ranker")
-    for var in ("RELAYGR_MODEL_PRESET", "RELAYGR_MODEL_SEED", "RELAYGR_MODEL_CHECKPOINT", "RELAYGR_DEFAULT_LEASE_MS"):
+    for var in (
+        "RELAYGR_MODEL_PRESET",
+        "RELAYGR_MODEL_SEED",
+        "RELAYGR_MODEL_CHECKPOINT",
+        "RELAYGR_DEFAULT_LEASE_MS",
+    ):
         values = {name: _env(s).get(var) for name, s in rankers.items()}
         assert len(set(values.values())) == 1, f"rankers differ on {var}: {values}"
     (ranker_env, *_) = [_env(s) for s in rankers.values()]
