@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="relaygr-bench-")
     socket_path = os.path.join(tmp, "expander.sock")
     expander = start_expander(socket_path, args.arena_gb * 2**30)
-    flags = ["--preset", args.preset, "--device", args.device, "--expander-socket", socket_path,
+    flags = ["--preset", args.preset, "--device", args.device, "--host-tier", "true", "--expander-socket-path", socket_path,
              "--hbm-budget-mb", str(args.hbm_budget_mb), "--max-wait-ms", "0", "--log-level", "warning"]  # fmt: skip
     service = RankerService(load_config(RankerConfig, flags))
     await service.start()

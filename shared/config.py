@@ -170,7 +170,12 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    parser = argparse.ArgumentParser(prog=cls.__name__, add_help=True, exit_on_error=False)
+    parser = argparse.ArgumentParser(
+        prog=cls.__name__,
+        add_help=True,
+        exit_on_error=False,
+        allow_abbrev=False,  # a prefix of a flag is an error
+    )
     for f in fields:
         kind = hints[f.name]
         listed = f"one of {' | '.join(choices(kind))}; " if _is_enum(kind) else ""
@@ -178,9 +183,13 @@ def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[st
                             help=f"{f.metadata.get('help', '')} (env {f.metadata.get('env')}; {listed}"
                             f"default {_shown(f.default)})")  # fmt: skip
     try:
-        parsed = parser.parse_args(list(argv or []))
+        parsed, unknown = parser.parse_known_args(list(argv or []))
     except argparse.ArgumentError as exc:
         raise ConfigError(f"{cls.__name__}: {exc}") from None
+    if unknown:
+        raise ConfigError(
+            f"{cls.__name__}: unknown arguments {' '.join(unknown)} (--help lists the settings)"
+        )
     values: dict[str, Any] = {}
     problems: list[str] = []
     for f in fields:

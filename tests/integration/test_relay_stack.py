@@ -42,7 +42,7 @@ async def stack(tmp_path):
             )
             procs.append(expander)
             expander.wait_event("expander_ready")
-            rankers = [ServiceProcess("services.ranker", "--device", "cpu", "--expander-socket", str(sock))
+            rankers = [ServiceProcess("services.ranker", "--device", "cpu", "--host-tier", "true", "--expander-socket-path", str(sock))
                        for _ in range(2)]  # fmt: skip
             procs.extend(rankers)
             targets = [f"127.0.0.1:{r.wait_event('ranker_ready', 120)['port']}" for r in rankers]

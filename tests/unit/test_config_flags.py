@@ -1,0 +1,20 @@
+"""shared.config.load_config: flags are taken whole, never by a prefix of their name."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.ranker.config import RankerConfig
+from shared.config import ConfigError, load_config
+
+
+def test_a_prefix_of_a_flag_is_refused_not_matched() -> None:
+    # `--expander-socket` once matched `--expander-socket-path` by abbreviation, and a ranker given
+    # the old flag silently ran without its host tier.
+    with pytest.raises(ConfigError, match="expander-socket"):
+        load_config(RankerConfig, ["--device", "cpu", "--expander-socket", "/tmp/x.sock"], env={})
+
+
+def test_the_whole_flag_is_taken() -> None:
+    config = load_config(RankerConfig, ["--device", "cpu", "--expander-socket-path", "/tmp/x.sock"], env={})
+    assert config.expander_socket_path == "/tmp/x.sock"
