@@ -1,0 +1,239 @@
+"""The iteration scheduler: what the accelerator runs next, one step at a time. Pure policy: no
+torch, no threads, no clock of its own (the engine passes `now`), so every decision is testable
+on the CPU.
+
+Chunked prefill (vLLM, Sarathi-Serve) applied to relay-race inference. The engine's one device
+loop asks `plan()` before every step and runs what it returns:
+
+  * ranking work first, earliest deadline first: one batch of ranking calls of one kind (against
+    complete psi, in full, or partial: against psi built in part), up to `max_batch` calls and
+    `max_batch_tokens` computed tokens, after waiting at most `max_wait_s` for it to fill;
+  * when no ranking call is waiting, pre-inference CHUNKS: a prefix is built `chunk_tokens` at a
+    time at most (a multiple of the fingerprint's 256-token chunks, so a built part is always a
+    run of whole fingerprint chunks), each chunk a causal forward of its tokens against the psi
+    built so far. A step's chunks (of up to `preinfer_max_batch` users) are sized by the step-cost
+    model so that the step is predicted to last at most `max_rank_delay_s`: a ranking call that
+    arrives meanwhile waits about one such step;
+  * a pre-inference that a ranking call has joined runs with that call's deadline, in the same
+    earliest-deadline order as the ranking calls.
+
+What a ranking call does about a pre-inference of its psi still in the queue (`relay()`):
+  * nothing built yet: TAKE_OVER: the pre-inference is cancelled and the call computes the whole
+    prefix in its own step, writing psi as it goes (no work is done twice);
+  * some built, and the predicted rest fits within `max_rank_delay_s` and the call's deadline:
+    JOIN (wait for it, then rank against complete psi);
+  * some built, the rest too long: TAKE_OVER as partial psi (the call reads the built chunks and
+    computes the rest of the prefix and its suffix in its step, completing psi).
+
+Step costs come from `services.ranker.call_cost.CostFit` (per batch + per token + per attention
+pair), which the engine fits to its own measured steps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.ranker.call_cost import CostFit
+from shared.fingerprint import CHUNK_TOKENS
+
+__all__ = [
+    "Chunk",
+    "IterationScheduler",
+    "Plan",
+    "PreinferItem",
+    "RankItem",
+    "RankKind",
+    "Relay",
+    "SchedulerConfig",
+]
+
+
+class RankKind(enum.Enum):
+    CACHED = "cached"  # suffix against complete psi
+    FULL = "full"  # the whole sequence
+    PARTIAL = "partial"  # psi built in part: the rest of the prefix and the suffix
+
+
+class Relay(enum.Enum):
+    JOIN = "join"
+    TAKE_OVER = "take_over"
+
+
+@dataclass(frozen=True)
+class RankItem:
+    """A queued ranking call. `tokens`: tokens it computes; `pairs`: (key, query) attention pairs
+    over computed prefix tokens (0 against complete psi), as CallWork counts them."""
+
+    id: int
+    kind: RankKind
+    deadline: float
+    submitted: float
+    tokens: int
+    pairs: int = 0
+
+
+@dataclass(frozen=True)
+class PreinferItem:
+    """A queued pre-inference: `length` prefix tokens, `done` of them built. `joined_deadline`:
+    the earliest deadline of a ranking call waiting for it (None: nobody waits yet); `taken`: a
+    ranking call has taken it over (no chunk of it may run any more)."""
+
+    id: int
+    length: int
+    done: int
+    submitted: float
+    joined_deadline: float | None = None
+    taken: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.length - self.done
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Build prefix tokens [start, end) of pre-inference `id`."""
+
+    id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: a ranking batch (ids, earliest deadline first) or pre-inference chunks, or
+    nothing; `wait_s` > 0: a ranking batch is filling, plan again after at most that long."""
+
+    rank: tuple[int, ...] = ()
+    chunks: tuple[Chunk, ...] = ()
+    wait_s: float = 0.0
+    predicted_s: float = 0.0  # the step's predicted device time
+
+    @property
+    def empty(self) -> bool:
+        return not self.rank and not self.chunks
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 8
+    max_batch_tokens: int = 65_536
+    max_wait_s: float = 0.001
+    preinfer_max_batch: int = 4
+    chunk_tokens: int = 2048
+    max_rank_delay_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < CHUNK_TOKENS or self.chunk_tokens % CHUNK_TOKENS:
+            raise ValueError(
+                f"chunk_tokens must be a positive multiple of {CHUNK_TOKENS}, got {self.chunk_tokens}"
+            )
+        if self.max_batch < 1 or self.preinfer_max_batch < 1 or self.max_batch_tokens < 1:
+            raise ValueError("batch limits must be >= 1")
+        if self.max_wait_s < 0 or self.max_rank_delay_s <= 0:
+            raise ValueError("max_wait_s must be >= 0 and max_rank_delay_s > 0")
+
+
+class IterationScheduler:
+    """Plans the engine's steps (see the module docstring). Holds no queue: the engine passes
+    what is queued at each call. Not thread-safe: the engine calls it under its lock."""
+
+    def __init__(self, config: SchedulerConfig, costs: CostFit) -> None:
+        self.config = config
+        self.costs = costs
+
+    # ------------------------------------------------------------------ costs
+
+    def chunk_seconds(self, done: int, tokens: int) -> float:
+        """Predicted device time of building `tokens` prefix tokens after `done` built ones, as
+        one batch: each new token attends to the built ones and to the new ones before it."""
+        return self.costs.coefficients.seconds(tokens, tokens * (done + tokens))
+
+    def chunk_size(self, done: int, remaining: int, budget_s: float) -> int:
+        """The largest chunk after `done` built tokens, in whole fingerprint chunks, at most
+        `chunk_tokens` and `remaining`, predicted to fit `budget_s`; at least one fingerprint chunk
+        (or what remains) whatever the budget, so every pre-inference makes progress."""
+        cap = min(self.config.chunk_tokens, remaining)
+        n = min(CHUNK_TOKENS, remaining)
+        while n + CHUNK_TOKENS <= cap and self.chunk_seconds(done, n + CHUNK_TOKENS) <= budget_s:
+            n += CHUNK_TOKENS
+        if n < cap and cap == remaining and self.chunk_seconds(done, cap) <= budget_s:
+            n = cap  # the short tail fits too
+        return n
+
+    def remaining_seconds(self, done: int, length: int) -> float:
+        """Predicted device time to build the rest of a prefix at the chunk sizes plan() uses."""
+        seconds = 0.0
+        while done < length:
+            n = self.chunk_size(done, length - done, self.config.max_rank_delay_s)
+            seconds += self.chunk_seconds(done, n)
+            done += n
+        return seconds
+
+    # ------------------------------------------------------------------ decisions
+
+    def relay(self, item: PreinferItem, now: float, deadline: float) -> Relay:
+        """What a ranking call with this deadline does about the queued pre-inference of its psi
+        (module docstring)."""
+        if item.taken:
+            return Relay.JOIN  # another call computes the rest: its psi is complete after that step
+        if item.done == 0:
+            return Relay.TAKE_OVER
+        rest = self.remaining_seconds(item.done, item.length)
+        if rest <= self.config.max_rank_delay_s and now + rest < deadline:
+            return Relay.JOIN
+        return Relay.TAKE_OVER
+
+    def plan(self, now: float, ranks: Sequence[RankItem], preinfers: Sequence[PreinferItem]) -> Plan:
+        """The next step, from what is queued (items the caller knows are alive)."""
+        runnable = [p for p in preinfers if not p.taken and p.remaining > 0]
+        joined = sorted(
+            (p for p in runnable if p.joined_deadline is not None),
+            key=lambda p: (p.joined_deadline, p.submitted),
+        )
+        first_rank = min(ranks, key=lambda r: (r.deadline, r.submitted)) if ranks else None
+        if joined and (first_rank is None or joined[0].joined_deadline <= first_rank.deadline):  # type: ignore[operator]
+            return self._chunks(joined)  # a waiting call's psi is the most urgent work
+        if first_rank is not None:
+            return self._rank_batch(now, ranks, first_rank)
+        started = sorted((p for p in runnable if p.done), key=lambda p: p.submitted)
+        fresh = sorted((p for p in runnable if not p.done), key=lambda p: p.submitted)
+        return self._chunks(started + fresh)  # finish what holds memory before starting more
+
+    def _rank_batch(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> Plan:
+        cfg = self.config
+        same = sorted((r for r in ranks if r.kind is first.kind), key=lambda r: (r.deadline, r.submitted))
+        oldest = min(r.submitted for r in ranks)
+        if len(same) < cfg.max_batch and now < oldest + cfg.max_wait_s:
+            return Plan(wait_s=oldest + cfg.max_wait_s - now)
+        batch: list[RankItem] = []
+        tokens = 0
+        for r in same:
+            if len(batch) == cfg.max_batch:
+                break
+            if batch and tokens + r.tokens > cfg.max_batch_tokens:
+                continue
+            batch.append(r)
+            tokens += r.tokens
+        predicted = self.costs.coefficients.seconds(tokens, sum(r.pairs for r in batch))
+        return Plan(rank=tuple(r.id for r in batch), predicted_s=predicted)
+
+    def _chunks(self, ordered: Sequence[PreinferItem]) -> Plan:
+        """Chunks of the pre-inferences in this order, within the step budget (the first always
+        gets one: progress)."""
+        cfg = self.config
+        budget = cfg.max_rank_delay_s
+        chunks: list[Chunk] = []
+        spent = 0.0
+        for p in ordered[: cfg.preinfer_max_batch]:
+            left = budget - spent
+            n = self.chunk_size(p.done, p.remaining, left)
+            cost = self.chunk_seconds(p.done, n)
+            if chunks and cost > left:
+                break
+            chunks.append(Chunk(p.id, p.done, p.done + n))
+            # Chunks of one batch share the per-batch cost: count it once.
+            spent += cost - (self.costs.coefficients.per_batch_s if len(chunks) > 1 else 0.0)
+        return Plan(chunks=tuple(chunks), predicted_s=spent)

@@ -1,0 +1,168 @@
+"""The iteration scheduler's policy on the CPU: budget, earliest-deadline order, batching, chunk
+progress, join vs take-over."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.scheduler import (
+    IterationScheduler,
+    PreinferItem,
+    RankItem,
+    RankKind,
+    Relay,
+    SchedulerConfig,
+)
+from shared.fingerprint import CHUNK_TOKENS
+
+MS = 1e-3
+
+
+def fitted(per_batch_s: float, per_token_s: float, per_pair_s: float) -> CostFit:
+    """A fit that has measured exactly these costs (many batches of varied shapes)."""
+    fit = CostFit(CostPrior(per_batch_s=per_batch_s, per_token_s=per_token_s, batches=0.0))
+    for tokens in (64, 256, 1024, 4096):
+        for prefix in (0, 512, 2048, 8192):
+            pairs = prefix * tokens
+            fit.observe(tokens, pairs, per_batch_s + per_token_s * tokens + per_pair_s * pairs)
+    return fit
+
+
+# ~1 ms a step, 2 us a token, 0.5 ns an attention pair: a 2048-token chunk after 4096 built
+# tokens is predicted at 1 + 4.1 + 6.3 = 11.4 ms.
+COSTS = fitted(1 * MS, 2e-6, 0.5e-9)
+
+
+def scheduler(**overrides) -> IterationScheduler:
+    config = SchedulerConfig(
+        **{"max_wait_s": 0.0, "chunk_tokens": 2048, "max_rank_delay_s": 5 * MS, **overrides}
+    )
+    return IterationScheduler(config, COSTS)
+
+
+def rank(
+    id: int, deadline: float, kind: RankKind = RankKind.CACHED, tokens: int = 100, submitted: float = 0.0
+):
+    return RankItem(id, kind, deadline, submitted, tokens)
+
+
+def test_the_fit_learnt_the_costs():
+    c = COSTS.coefficients
+    assert c.per_batch_s == pytest.approx(1 * MS, rel=0.05)
+    assert c.per_token_s == pytest.approx(2e-6, rel=0.05)
+    assert c.per_pair_s == pytest.approx(0.5e-9, rel=0.05)
+
+
+def test_chunks_fit_the_step_budget_and_are_the_largest_that_do():
+    s = scheduler()
+    for done in (0, 1024, 4096, 8192):
+        plan = s.plan(0.0, [], [PreinferItem(1, 16384, done, 0.0)])
+        (chunk,) = plan.chunks
+        n = chunk.end - chunk.start
+        assert chunk.start == done
+        assert n % CHUNK_TOKENS == 0
+        assert s.chunk_seconds(done, n) <= 5 * MS or n == CHUNK_TOKENS
+        assert n == 2048 or s.chunk_seconds(done, n + CHUNK_TOKENS) > 5 * MS
+    # Later chunks attend to more built tokens: they get smaller under the same budget.
+    sizes = [s.plan(0.0, [], [PreinferItem(1, 65536, d, 0.0)]).chunks[0].end - d for d in (0, 16384, 49152)]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] > sizes[-1]
+
+
+def test_a_tiny_budget_still_builds_one_fingerprint_chunk_per_step():
+    s = scheduler(max_rank_delay_s=1e-6)
+    (chunk,) = s.plan(0.0, [], [PreinferItem(1, 5000, 512, 0.0)]).chunks
+    assert (chunk.start, chunk.end) == (512, 512 + CHUNK_TOKENS)
+
+
+def test_a_prefix_is_built_in_aligned_chunks_up_to_its_last_token():
+    s = scheduler(chunk_tokens=1024, max_rank_delay_s=1.0)
+    length, done, chunks = 5000, 0, []
+    while done < length:
+        (chunk,) = s.plan(0.0, [], [PreinferItem(7, length, done, 0.0)]).chunks
+        assert chunk.start == done
+        chunks.append(chunk)
+        done = chunk.end
+    assert [c.end - c.start for c in chunks] == [1024] * 4 + [904]
+    assert all(c.start % CHUNK_TOKENS == 0 for c in chunks)
+
+
+def test_ranking_calls_go_first_earliest_deadline_first_and_of_one_kind():
+    s = scheduler()
+    ranks = [
+        rank(1, 0.300),
+        rank(2, 0.100, RankKind.FULL),
+        rank(3, 0.200),
+        rank(4, 0.150, RankKind.FULL),
+        rank(5, 0.050),
+    ]
+    plan = s.plan(0.0, ranks, [PreinferItem(9, 4096, 0, 0.0)])
+    assert plan.rank == (5, 3, 1)
+    assert not plan.chunks
+    plan = s.plan(0.0, [r for r in ranks if r.id in (2, 4)], [])
+    assert plan.rank == (2, 4)
+
+
+def test_a_batch_respects_its_call_and_token_limits():
+    s = scheduler(max_batch=2, max_batch_tokens=250)
+    plan = s.plan(0.0, [rank(1, 0.1, tokens=200), rank(2, 0.2, tokens=100), rank(3, 0.3, tokens=40)], [])
+    assert plan.rank == (1, 3)  # 2 would pass the token bound; the batch holds two calls
+    # One call larger than the bound runs alone.
+    assert s.plan(0.0, [rank(1, 0.1, tokens=999)], []).rank == (1,)
+
+
+def test_a_batch_waits_to_fill_at_most_max_wait():
+    s = scheduler(max_wait_s=2 * MS, max_batch=4)
+    plan = s.plan(0.0005, [rank(1, 1.0, submitted=0.0)], [PreinferItem(9, 4096, 0, 0.0)])
+    assert plan.empty
+    assert plan.wait_s == pytest.approx(1.5 * MS)
+    assert s.plan(0.0021, [rank(1, 1.0, submitted=0.0)], []).rank == (1,)
+    full = [rank(i, 1.0, submitted=0.0) for i in range(4)]
+    assert s.plan(0.0, full, []).rank == (0, 1, 2, 3)  # full: no wait
+
+
+def test_a_joined_preinference_runs_by_its_callers_deadline():
+    s = scheduler()
+    joined = PreinferItem(9, 4096, 2048, 0.0, joined_deadline=0.100)
+    other = PreinferItem(8, 4096, 1024, 0.0)
+    plan = s.plan(0.0, [rank(1, 0.200)], [other, joined])
+    assert not plan.rank
+    assert [c.id for c in plan.chunks] == [9]  # only the joined one: the ranking call is next
+    assert plan.chunks[0].start == 2048
+    assert s.plan(0.0, [rank(1, 0.050)], [other, joined]).rank == (1,)
+
+
+def test_started_preinferences_are_finished_before_new_ones_and_batched_within_the_budget():
+    s = scheduler(max_rank_delay_s=50 * MS, preinfer_max_batch=3)
+    items = [PreinferItem(1, 1024, 0, 0.0), PreinferItem(2, 1024, 256, 1.0), PreinferItem(3, 1024, 0, 2.0)]
+    plan = s.plan(0.0, [], items)
+    assert [c.id for c in plan.chunks] == [2, 1, 3]
+    assert plan.predicted_s <= 50 * MS
+    tight = scheduler(max_rank_delay_s=3 * MS, preinfer_max_batch=3).plan(0.0, [], items)
+    assert [c.id for c in tight.chunks] == [2]  # the next one would pass the budget
+
+
+def test_taken_over_and_finished_preinferences_get_no_chunks():
+    s = scheduler()
+    plan = s.plan(0.0, [], [PreinferItem(1, 4096, 1024, 0.0, taken=True), PreinferItem(2, 512, 512, 0.0)])
+    assert plan.empty
+    assert plan.wait_s == 0.0
+
+
+def test_relay_decisions():
+    s = scheduler()
+    now, far = 0.0, 10.0
+    assert s.relay(PreinferItem(1, 4096, 0, 0.0), now, far) is Relay.TAKE_OVER  # not started: cancel
+    assert s.relay(PreinferItem(1, 4096, 3840, 0.0), now, far) is Relay.JOIN  # one short chunk left
+    assert s.relay(PreinferItem(1, 16384, 1024, 0.0), now, far) is Relay.TAKE_OVER  # much left
+    rest = s.remaining_seconds(3840, 4096)
+    assert s.relay(PreinferItem(1, 4096, 3840, 0.0), now, now + rest / 2) is Relay.TAKE_OVER  # past deadline
+    assert s.relay(PreinferItem(1, 16384, 1024, 0.0, taken=True), now, far) is Relay.JOIN
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        SchedulerConfig(chunk_tokens=1000)
+    with pytest.raises(ValueError, match="max_rank_delay_s"):
+        SchedulerConfig(max_rank_delay_s=0.0)
