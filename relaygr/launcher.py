@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from relaygr.processes import ServiceProcess
+from services.router.config import Placement
+from services.trigger.admission import Policy
 from shared.broker import EmbeddedBroker
+from shared.config import choices
 from shared.kafka import KafkaSettings, ensure_topics
 from shared.settings import DEFAULT_DLQ_TOPIC, DEFAULT_RETRIEVAL_TOPIC, DEFAULT_SIGNAL_TOPIC
 
@@ -61,10 +64,14 @@ class StackConfig:
     def validate(self) -> None:
         if self.rankers < 1:
             raise ValueError("at least one ranker is needed")
-        if self.placement == "round_robin" and self.rankers < 2:
+        if self.placement not in choices(Placement):
+            raise ValueError(f"unknown placement {self.placement!r} (one of {', '.join(choices(Placement))})")
+        if self.placement == Placement.ROUND_ROBIN and self.rankers < 2:
             raise ValueError("the no-affinity ablation (round_robin) needs >= 2 rankers")
-        if self.trigger_policy not in ("sequence", "all", "off"):
-            raise ValueError(f"unknown trigger policy {self.trigger_policy!r}")
+        if self.trigger_policy not in choices(Policy):
+            raise ValueError(
+                f"unknown trigger policy {self.trigger_policy!r} (one of {', '.join(choices(Policy))})"
+            )
 
 
 class Stack:
