@@ -38,9 +38,8 @@ from kernels.hstu_attention.triton_impl import (
 
 SWEEP = [
     KernelConfig(128, 64, 8, 2),
-    KernelConfig(64, 64, 4, 2),
-    KernelConfig(64, 64, 8, 2),
     KernelConfig(128, 32, 8, 3),
+    KernelConfig(128, 64, 8, 2, warp_specialize=True),
 ]
 
 
@@ -104,9 +103,15 @@ def matmul_peak_tflops() -> float:
     return 2 * n**3 / ms / 1e9
 
 
-def time_case(case: Case, plan: TritonPlan, params: AttentionParams, config: KernelConfig | None) -> float:
+def time_case(
+    case: Case,
+    plan: TritonPlan,
+    params: AttentionParams,
+    config: KernelConfig | None,
+    splits: int | None = None,
+) -> float:
     call = functools.partial(hstu_attention_triton, case.q, case.k, case.v, case.seq, case.prefix, plan, 3, params,
-                             config=config)  # fmt: skip
+                             splits=splits, config=config)  # fmt: skip
     return float(triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median"))
 
 
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", choices=["cached", "full", "both"], default="both")
     parser.add_argument("--sweep", action="store_true", help="also time every configuration in SWEEP")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="cached case: also time these prefix split counts (printed only)")  # fmt: skip
     args = parser.parse_args(argv)
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
     peak = matmul_peak_tflops()
@@ -151,6 +158,12 @@ def main(argv: list[str] | None = None) -> None:
                     "config": f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
                               f"stages={config.num_stages}",
                 })  # fmt: skip
+        if case.prefix is not None:
+            for splits in args.splits:
+                ms = time_case(case, plan, params, default, splits)
+                tflops = case.flops / ms / 1e9
+                print(f"{name:6s} splits={splits:3d}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+                      flush=True)  # fmt: skip
         del case, plan
         torch.cuda.empty_cache()
     if not args.no_write:

@@ -97,6 +97,41 @@ def measure_peaks(device: torch.device, sync: Callable[[], None]) -> tuple[float
     return tflops, gbps
 
 
+def profile_cached(
+    model: HSTURanker, graphs: Any, prefix_len: int, batch_size: int, args: argparse.Namespace
+) -> None:
+    """Prints where one cached ranking call's device time goes: the top kernels by device time
+    (torch.profiler, averaged over the calls), for the replayed graph and the eager path, beside
+    the wall-clock time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = Shape(PROFILE_TOKENS, prefix_len - PROFILE_TOKENS, args.recent, args.candidates)
+    prefixes, suffixes = batch(prefix_len * 31 + batch_size, [shape] * batch_size)
+    keys = [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes]
+    psis = model.preinfer(prefixes)
+    calls: dict[str, Callable[[], Any]] = {"eager": lambda: model.rank_cached(suffixes, psis, keys)}
+    if graphs is not None:
+        calls["graph"] = lambda: graphs.rank(suffixes, psis, keys)
+    reps = 5
+    for label, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3 / reps
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        device_ms = sum(e.self_device_time_total for e in events) / 1e3 / reps
+        print(f"profile {label} P={prefix_len} B={batch_size}: wall {wall_ms:.3f} ms/call, "
+              f"device kernels {device_ms:.3f} ms/call")  # fmt: skip
+        for e in events[:14]:
+            print(f"  {e.self_device_time_total / 1e3 / reps:8.3f} ms  x{e.count // reps:4d}  {e.key[:90]}")
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     acc = accelerator(args.device)
     spec = preset(args.preset)
@@ -110,6 +145,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         tokens = max(args.batches) * (args.recent + args.candidates)
         graphs = RankGraphs(model, GraphLimits(max_batch=max(args.batches), max_tokens=max(tokens, 64),
                                                max_prefix_tokens=max(args.prefix_lens)))  # fmt: skip
+    if args.profile:
+        if graphs is not None:  # the bucket this batch needs, captured before profiling
+            shape = Shape(PROFILE_TOKENS, args.profile_prefix - PROFILE_TOKENS, args.recent, args.candidates)
+            prefixes, suffixes = batch(1, [shape] * args.profile_batch)
+            keys = [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes]
+            psis = model.preinfer(prefixes)
+            if graphs.rank(suffixes, psis, keys) is None:
+                graphs.capture_pending(limit=4)
+            del psis
+        profile_cached(model, graphs, args.profile_prefix, args.profile_batch, args)
     results = []
     for prefix_len in args.prefix_lens:
         for batch_size in args.batches:
@@ -192,6 +237,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out-dir", default=None, help="where to write core-<device>.json (default bench/results)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="first print the top kernels of one cached ranking call (torch.profiler)",
+    )
+    parser.add_argument("--profile-prefix", type=int, default=8192)
+    parser.add_argument("--profile-batch", type=int, default=8)
     args = parser.parse_args(argv)
     results = run(args)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}

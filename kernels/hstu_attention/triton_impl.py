@@ -17,8 +17,9 @@ the int32 relative timestamps (one hardware conversion), each then looked up in 
 per-head table (pos_bias[h]: NB_POS floats, time_bias[h]: NB_TIME floats, both L1-resident). A
 block of candidate rows shares one position and one timestamp, so its bias is a single row per
 key tile. Pointwise SiLU attention has no softmax, so the prefix can be split across programs and
-the partial sums added (atomically, in a float32 buffer): that keeps the SMs busy when a batch has
-few query blocks but long prefixes.
+the partial sums added (atomically, in a float32 buffer; the last split to arrive writes the
+output): that keeps the SMs busy when a batch has few query blocks but long prefixes. The split
+count is chosen by `choose_splits`, a wave-quantisation model (one program per SM at a time).
 
 Q/K/V tiles are loaded through TMA tensor descriptors made on the device (psi blocks live at
 per-user addresses): with head_dim 256, per-element pointer tensors would not fit in registers.
@@ -79,6 +80,15 @@ def _table_lookup(ptrs):
     float32 buffer each, more than the tiles leave free); the tables are tiny and stay in L1."""
     return tl.inline_asm_elementwise(
         "ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _fence_gpu(x):
+    """fence.acq_rel.gpu in every thread (x: any int32 tensor, only there to give the op a shape;
+    not pure, so it is kept and stays in program order)."""
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1
     )
 
 
@@ -156,7 +166,7 @@ def _attend(
     pos_tab, time_tab, alpha_half, inv_norm,
     MASK: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """acc += attention of this block's queries to the key tiles starting in [lo, hi) (steps of
     BLOCK_N), under MASK. Key j sits at descriptor row desc_row0 + j, position k_pos0 + j, and has
@@ -167,7 +177,7 @@ def _attend(
     (distance 0, the same timestamp)."""
     if MASK == _SELF:
         bias_self = tl.load(pos_tab) + tl.load(time_tab)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([desc_row0 + start_n, col_d])
         s = tl.dot(q, tl.trans(k))
@@ -205,7 +215,7 @@ def _attend_all(
     ts_k, pts_k, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
     HAS_PREFIX: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The prefix range [lo_p, hi_p) and, if do_history, the history keys, for one row block.
     ts_k / pts_k: timestamps of the sequence's new tokens / prefix (int32 relative or int64)."""
@@ -218,35 +228,35 @@ def _attend_all(
         # Prefix keys: all visible; rows past plen read as zeros (V = 0), so no mask.
         acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1,
                       pos_tab, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
     if do_history:
         # History keys below every row of the block (and below n_hist): unmasked tiles.
         full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
         acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, 0, full_hi, full_hi, ts_k, plen, offs_m,
                       q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
         # The rest, up to the block's last row (causal) and n_hist: masked tiles.
         hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
         if SHARED_ROW:  # candidates see every history key
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
                           q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
         else:
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
                           q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
     return acc
 
 
 @triton.jit(do_not_specialize=["layer", "splits", "total", "n_row_blocks"])
 def _hstu_attention_fwd(
-    Q, K, V, Out,
+    Q, K, V, Out, Partial, Arrivals,
     total, stride_t, stride_ot, stride_oh,
     seq_offsets, n_hist_ptr, ts64, ts32, fits_ptr,
     KVBase, prefix_kv_offsets, prefix_lens, pts64, pts32, pts_offsets,
     bias_tables, layer, splits, n_row_blocks, alpha_half, inv_norm,
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
-    TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr,
+    TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -324,19 +334,19 @@ def _hstu_attention_fwd(
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + seq_start + n_hist) + 1,
                               pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + q_row) + 1,
                               pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
     else:  # a span beyond int32: the same with int64 timestamps (rare, slower)
         acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                           plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
                           tl.load(ts64 + q_row) + 1,
                           pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
 
     if do_history:
         # Each candidate row (i >= n_hist) also sees itself, no other candidate: the diagonal tiles.
@@ -344,12 +354,23 @@ def _hstu_attention_fwd(
         acc = _attend(acc, q, k_desc, v_desc, seq_start, h * BLOCK_D, self_lo // BLOCK_N * BLOCK_N,
                       tl.minimum(start_m + BLOCK_M, n), self_lo, ts32, 0, offs_m, 0, 0,
                       pos_tab, time_tab, alpha_half, inv_norm,
-                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, BLOCK_N)  # fmt: skip
+                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
 
     out_rows = (seq_start + offs_m).to(tl.int64)
     out_ptrs = Out + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-    if SPLIT:  # partial sums over prefix splits meet in one float32 buffer (zeroed by the host)
-        tl.atomic_add(out_ptrs, acc, mask=m_valid[:, None], sem="relaxed")
+    if SPLIT:
+        # Partial sums over prefix splits meet in one float32 buffer (zeroed by the host); the
+        # last split of this (row block, sequence, head) to arrive writes the sum as Out's dtype.
+        part_ptrs = Partial + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.atomic_add(part_ptrs, acc, mask=m_valid[:, None], sem="relaxed")
+        # Every thread's additions are ordered before the arrival below (fence, then barrier),
+        # and the arrival's acquire orders the last arriver's reads after everyone's additions.
+        _fence_gpu(offs_m)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Arrivals + (pid_bh * n_row_blocks + pid_m), 1, sem="acq_rel")
+        if arrived == active - 1:
+            total_acc = tl.load(part_ptrs, mask=m_valid[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total_acc.to(Out.dtype.element_ty), mask=m_valid[:, None])
     else:
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=m_valid[:, None])
 
@@ -361,6 +382,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     fast_silu: bool = True
+    # Triton's automatic warp specialisation of the key loops (producer/consumer warps).
+    warp_specialize: bool = False
 
 
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
@@ -494,38 +517,55 @@ def _launch_attention(
     Returns [T, H, D] in q's dtype."""
     total, num_heads, head_dim = q.shape
     splits = grid[2]
+    target = torch.empty(total, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    partial, arrivals = target, target  # never read without splits
     if splits > 1:
-        target = torch.zeros(total, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    else:
-        target = torch.empty(total, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        # One zeroed allocation (one memset): the float32 partial sums, then an arrival count per
+        # (row block, sequence x head), as int32.
+        n_sums, n_counts = total * num_heads * head_dim, grid[0] * grid[1]
+        scratch = torch.zeros(n_sums + n_counts, dtype=torch.float32, device=q.device)
+        partial = scratch[:n_sums].view(total, num_heads, head_dim)
+        arrivals = scratch[n_sums:].view(torch.int32)
     has_prefix = prefix is not None
     if prefix is None:  # never read
         prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets)
     _hstu_attention_fwd[grid](
-        q, k, v, target,
+        q, k, v, target, partial, arrivals,
         total, stride_t, target.stride(0), target.stride(1),
         seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
         prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, plan.prefix_ts32, prefix.ts_offsets,
         plan.bias_tables, layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
-        FAST_SILU=config.fast_silu, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
+        FAST_SILU=config.fast_silu, WARP_SPEC=config.warp_specialize, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return target.to(q.dtype) if splits > 1 else target
+    return target
 
 
-# Split the prefix until the SMs hold ~4 waves of programs. Measured on H200 (bench.attention
-# --splits, 8k prefix, 320 new tokens per user): batch 8 runs 0.65 ms at 4 splits vs 0.72 at 2;
-# batch 1 0.11 ms at 27 splits vs 0.10 at 14.
-_SPLIT_WAVES = 4
+# Per-program cost beyond its key blocks, in key blocks: Q's load, the pipeline's fill and the
+# float32 partial sums added into the output.
+_SPLIT_OVERHEAD_BLOCKS = 3
+_MAX_SPLITS = 64
 
 
-def _default_splits(programs: int, max_prefix_blocks: int, device: torch.device) -> int:
-    # The kernel also caps each sequence's own count by its prefix length (MIN_SPLIT_BLOCKS).
-    waves = _SPLIT_WAVES * _num_sms(device)
-    return max(1, min(max_prefix_blocks // MIN_SPLIT_BLOCKS, triton.cdiv(waves, max(programs, 1))))
+def choose_splits(programs: int, prefix_blocks: int, num_sms: int) -> int:
+    """Prefix splits for `programs` (row block, sequence, head) programs over prefixes of
+    `prefix_blocks` key blocks, one program per SM at a time (PREFIX_CONFIG's shared memory).
+
+    Time is modelled as waves x (key blocks per split + _SPLIT_OVERHEAD_BLOCKS), waves being
+    ceil(programs x splits / SMs): a split count that leaves the last wave mostly empty costs a
+    whole wave (batch 8 x 320 tokens against 8k: 96 programs, 4 splits fill 3 waves at 97%; the
+    4-wave rule this replaces took 6, 5 waves at 87%). Ties go to fewer splits (fewer atomics)."""
+    if programs < 1 or prefix_blocks < 1:
+        return 1
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(_MAX_SPLITS, prefix_blocks // MIN_SPLIT_BLOCKS)) + 1):
+        cost = triton.cdiv(programs * s, num_sms) * (triton.cdiv(prefix_blocks, s) + _SPLIT_OVERHEAD_BLOCKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def hstu_attention_triton(
@@ -558,7 +598,7 @@ def hstu_attention_triton(
         if has_prefix:
             assert prefix is not None
             programs = sum(triton.cdiv(seq.length(b), bm) for b in range(seq.batch_size)) * num_heads
-            splits = _default_splits(programs, triton.cdiv(max(prefix.lens_host), bn), q.device)
+            splits = choose_splits(programs, triton.cdiv(max(prefix.lens_host), bn), _num_sms(q.device))
     prefix_d = None
     if has_prefix and prefix is not None:
         prefix_d = _Prefix(
@@ -582,11 +622,24 @@ class StaticGrid:
     splits: int  # prefix splits of the attention kernel
 
     @staticmethod
-    def plan(batch: int, max_len: int, num_heads: int, device: torch.device) -> StaticGrid:
-        """Splits as hstu_attention_triton chooses them for a long prefix (the kernel lowers them
-        per sequence for short ones)."""
-        programs = batch * triton.cdiv(max_len, PREFIX_CONFIG.block_m) * num_heads
-        splits = max(1, min(64, triton.cdiv(_SPLIT_WAVES * _num_sms(device), programs)))
+    def plan(
+        batch: int,
+        max_len: int,
+        num_heads: int,
+        device: torch.device,
+        tokens: int | None = None,
+        prefix_tokens: int = 8192,
+    ) -> StaticGrid:
+        """Splits as hstu_attention_triton would choose them for prefixes of `prefix_tokens` (the
+        kernel lowers them per sequence for shorter ones). `tokens`, the bucket's new tokens in
+        all, sharpens the estimate of the row blocks that do work: sequences are rarely all
+        max_len long (assumed: half a row block of padding per sequence)."""
+        bm = PREFIX_CONFIG.block_m
+        row_blocks = batch * triton.cdiv(max_len, bm)
+        if tokens is not None:
+            row_blocks = max(1, min(row_blocks, triton.cdiv(tokens, bm) + batch // 2))
+        prefix_blocks = triton.cdiv(prefix_tokens, PREFIX_CONFIG.block_n)
+        splits = choose_splits(row_blocks * num_heads, prefix_blocks, _num_sms(device))
         return StaticGrid(batch, max_len, splits)
 
 

@@ -287,7 +287,8 @@ class RankGraphs:
             return d[s[name].start : s[name].start + n]
 
         k = self._kernels
-        grid = k.StaticGrid.plan(key.batch, key.max_len, self.model.spec.num_heads, self.model.device)
+        grid = k.StaticGrid.plan(key.batch, key.max_len, self.model.spec.num_heads, self.model.device,
+                                 tokens=key.tokens, prefix_tokens=self.limits.max_prefix_tokens)  # fmt: skip
         return k.StaticBatch(
             seq_offsets=view("offsets", key.batch + 1),
             n_hist=view("n_hist", key.batch),

@@ -1,0 +1,64 @@
+"""Prefix splits of the Triton attention: the split-count model, and that every split count gives
+the same output (partial sums added in float32, the last split to arrive writing the result)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.hstu_attention import hstu_attention_reference, plan_reference
+from tests.gpu.test_triton_attention import assert_bf16_close, random_case
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from kernels.hstu_attention.triton_impl import (  # noqa: E402
+    MIN_SPLIT_BLOCKS,
+    choose_splits,
+    hstu_attention_triton,
+    plan_triton,
+)
+
+
+def test_split_count_fills_whole_waves():
+    # 8 users x 3 row blocks x 4 heads against 8k (128 key blocks) on 132 SMs: 4 splits make 384
+    # programs, 3 waves at 97%; 6 splits would need 5 waves.
+    assert choose_splits(96, 128, 132) == 4
+    # One user: 12 programs; 11 splits fill one wave.
+    assert choose_splits(12, 128, 132) == 11
+    # Short prefixes are not split below MIN_SPLIT_BLOCKS key blocks a split.
+    assert choose_splits(4, 8, 132) <= 8 // MIN_SPLIT_BLOCKS
+    assert choose_splits(0, 128, 132) == choose_splits(96, 0, 132) == 1
+
+
+def _poisoned_call(q, k, v, seq, prefix, plan, params, splits):
+    """The attention with the allocator's next block of the output's size filled with NaN first,
+    so that a row no split writes shows up."""
+    poison = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    del poison
+    return hstu_attention_triton(q, k, v, seq, prefix, plan, 1, params, splits=splits)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "n_hist", "plens"),
+    [
+        ([320] * 8, [64] * 8, [2048] * 8),
+        ([300, 1, 129, 0], [200, 1, 0, 0], [3000, 700, 64, 5]),
+    ],
+)
+def test_every_split_count_gives_the_same_output(lengths, n_hist, plens):
+    case = random_case(7, lengths, n_hist, plens, heads=4, dim=256)
+    q, k, v, seq, prefix, pb, tb, params = case
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    want = hstu_attention_reference(
+        q, k, v, seq, prefix, 1, plan_reference(seq, prefix, pb, tb, params), params
+    )
+    one = _poisoned_call(q, k, v, seq, prefix, plan, params, 1)
+    assert_bf16_close(one, want)
+    for splits in (2, 3, 4, 5, 7, 13, 32):
+        for _ in range(3):  # a missing ordering between splits would show as a moving error
+            got = _poisoned_call(q, k, v, seq, prefix, plan, params, splits)
+            assert not got.isnan().any(), f"splits={splits}: rows left unwritten"
+            assert_bf16_close(got, want)
+            # Only the float32 summation order differs from the unsplit kernel.
+            assert float((got.float() - one.float()).abs().max()) <= 1e-2 * float(one.float().abs().max())
