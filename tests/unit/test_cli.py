@@ -82,13 +82,14 @@ def test_up_refuses_a_bad_flag_in_one_line_before_starting_anything(args, word):
 
 
 ENV_CASES = [
-    ({"RELAYGR_LOG_LEVEL": "verbose"}, "RELAYGR_LOG_LEVEL"),  # the rankers' and trigger's
+    ({"RELAYGR_RANKER_LOG_LEVEL": "verbose"}, "RELAYGR_RANKER_LOG_LEVEL"),  # the rankers' only
+    ({"RELAYGR_LOG_LEVEL": "debug"}, "no longer read"),  # an old name names its successor
     ({"RELAYGR_ROUTER_LOG_LEVEL": "loud"}, "RELAYGR_ROUTER_LOG_LEVEL"),  # the router's only
     ({"RELAYGR_EXPANDER_TTL_S": "-1"}, "ttl_s"),  # the expander's only
     ({"RELAYGR_MAX_LEASE_MS": "10"}, "RELAYGR_MAX_LEASE_MS"),  # a cross-field rule (lease 2000 > max)
     ({"RELAYGR_TLS_CA": "/nonexistent/ca.pem"}, "RELAYGR_TLS_CERT"),
     ({"RELAYGR_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "SASL"),
-    ({"RELAYGR_MAX_BATCH": "many"}, "RELAYGR_MAX_BATCH"),
+    ({"RELAYGR_RANKER_MAX_BATCH": "many"}, "RELAYGR_RANKER_MAX_BATCH"),
 ]
 
 
@@ -120,7 +121,7 @@ def test_demo_refuses_a_bad_flag_before_its_core_comparison(args, word):
 
 def test_demo_refuses_a_bad_environment_setting_before_its_core_comparison():
     # Checked by the services' config classes after relaygr.demo is imported (torch: seconds).
-    assert_refused(run_cli(["demo"], {"RELAYGR_LOG_LEVEL": "verbose"}), "RELAYGR_LOG_LEVEL")
+    assert_refused(run_cli(["demo"], {"RELAYGR_RANKER_LOG_LEVEL": "verbose"}), "RELAYGR_RANKER_LOG_LEVEL")
 
 
 def test_no_command_is_one_line_too():
