@@ -165,13 +165,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def load_config(cls: type[T], argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> T:
-    """Builds cls from argv (flags), then env, then defaults. Raises ConfigError."""
+def load_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Builds cls from argv (flags), then env, then defaults. Raises ConfigError. `prog` names the
+    command in --help (the class name when not given)."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     parser = argparse.ArgumentParser(
-        prog=cls.__name__,
+        prog=prog or cls.__name__,
         add_help=True,
         exit_on_error=False,
         allow_abbrev=False,  # a prefix of a flag is an error

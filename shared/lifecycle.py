@@ -63,7 +63,9 @@ def run_service(
     exit status `serve` returned (a `Lifecycle.run` status), 0 when it returned None."""
     die_with_parent()
     try:
-        config = load_config(config_cls, sys.argv[1:] if argv is None else argv)
+        config = load_config(
+            config_cls, sys.argv[1:] if argv is None else argv, prog=f"python -m services.{name}"
+        )
     except ConfigError as exc:
         print(f"relaygr {name}: {exc}", file=sys.stderr)
         return 2
