@@ -139,7 +139,7 @@ async def _drive(stack: Stack, workload_config: WorkloadConfig, fault: Callable[
 def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     config = StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
                          # a low risk bar: most requests are pre-inferred, so faults hit that path too
-                         trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05"),
+                         trigger_args=("--suffix-tokens-estimate", "48", "--risk-fraction", "0.05"),
                          # a frozen instance: the router gives an attempt this long before retrying elsewhere
                          router_args=("--rank-attempt-timeout-ms", str(args.attempt_timeout_ms)))  # fmt: skip
     workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.rate, users=300,
@@ -217,9 +217,11 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     (RESOURCE_EXHAUSTED, with a reason) rather than time out, pre-inference must be shed first,
     and queues and memory must stay bounded. Sampled every 0.2 s over the run: the rankers' Stats
     (engine queue, pre-inference backlog, resident psi bytes), their in-flight ranking calls and
-    admission limit (Prometheus), and the resident memory of every service process."""
+    admission limit (Prometheus), and the resident memory of every service process. The record
+    ends with `slowest_ok`: the slowest 2% of served calls, each with where its time went
+    (RequestRecord.breakdown: served_by, instance, cache/queue/compute/server/network ms, lag)."""
     config = StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
-                         trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05"),
+                         trigger_args=("--suffix-tokens-estimate", "48", "--risk-fraction", "0.05"),
                          ranker_args=tuple(args.overload_ranker_args))  # fmt: skip
     workload = WorkloadConfig(seed=args.seed, duration_s=args.duration_s, rate_rps=args.overload_rate, users=300,
                               length_scale=8.0, recent_tokens=16, candidates=32)  # fmt: skip
@@ -336,7 +338,13 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
             if v
         },
     }
+    # Per-call evidence for the tail: the slowest 2% of served calls, each with its breakdown.
+    slowest = [r.breakdown() for r in result.slowest_ok(0.02)]
     print(f"overload           {record}", flush=True)
+    record["slowest_ok"] = slowest
+    print(f"overload: slowest {len(slowest)} of {summary['ok']} OK calls", flush=True)
+    for row in slowest:
+        print("   ", " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     return record
 
 
@@ -444,8 +452,8 @@ def run_rapid_reset(args: argparse.Namespace) -> dict[str, Any]:
     cut off; meanwhile a normal client's calls run (8 at a time) on their own connection.
     Records the normal calls and failures, the attack streams sent, whether (and how often) the
     attacker was cut off, the router's RSS growth and CPU over the attack."""
-    from services.router import h2wire
-    from services.router.h2wire import frame
+    from services.router.frontdoor import h2wire
+    from services.router.frontdoor.h2wire import frame
 
     requests = _rank_requests(32)
     outcomes = _Outcomes()

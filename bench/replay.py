@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -80,8 +81,40 @@ class RequestRecord:
 
     @property
     def network_ms(self) -> float:
-        """Client latency minus the server's own total: transport, serialization, the router hop."""
+        """Client latency minus the server's own total: transport, serialization, the router hop
+        (and its earlier attempts: a refusal elsewhere, a prefix_required answer before the resend)."""
         return self.latency_ms - self.server_total_ms
+
+    def breakdown(self) -> dict[str, Any]:
+        """Where this call's time went, flat (for a dump of the slowest calls): what it was
+        (prefix and computed tokens, first or returning request), who served it and how, and the
+        client latency split into the server's stages, the rest of the server's total, and what
+        the server did not see (network_ms); lag_ms is the load generator's own delay."""
+        p = self.planned
+        rest = self.server_total_ms - self.cache_ms - self.queue_ms - self.compute_ms
+        return {
+            "index": self.index,
+            "at_s": round(self.sent_at_s, 3),
+            "status": self.status,
+            "served_by": self.served_by,
+            "instance": self.instance_id,
+            "prefix_len": p.prefix_len,
+            "suffix_len": p.recent_len + p.candidates,
+            "returning": p.returning,
+            **{
+                k: round(v, 1)
+                for k, v in (
+                    ("latency_ms", self.latency_ms),
+                    ("cache_ms", self.cache_ms),
+                    ("queue_ms", self.queue_ms),
+                    ("compute_ms", self.compute_ms),
+                    ("server_other_ms", rest),
+                    ("server_total_ms", self.server_total_ms),
+                    ("network_ms", self.network_ms),
+                    ("lag_ms", self.lag_ms),
+                )
+            },
+        }
 
 
 @dataclass
@@ -98,6 +131,13 @@ class ReplayResult:
     def sampled(self) -> list[RequestRecord]:
         """The OK requests whose scores were kept (every score_sample_every-th of the workload)."""
         return [r for r in self.records if r.scores is not None]
+
+    def slowest_ok(self, fraction: float = 0.02) -> list[RequestRecord]:
+        """The slowest `fraction` of the OK calls (at least one when any is OK), slowest first."""
+        if not 0 < fraction <= 1:
+            raise ValueError("fraction must be within (0, 1]")
+        ok = sorted((r for r in self.records if r.ok), key=lambda r: r.latency_ms, reverse=True)
+        return ok[: max(1, math.ceil(fraction * len(ok)))] if ok else []
 
     def summary(self, slo_ms: float) -> dict[str, Any]:
         """The run in one flat dict (nested only for per-code / per-path counts).

@@ -19,9 +19,23 @@ queue it would time out in:
               bound on work held for callers with long deadlines or none (below min_limit calls
               a burst of a few batches is admitted whatever the prediction says);
   * limit     when `max_limit` calls are in flight, whatever their cost (the hard cap on calls
-              held, and on their memory).
+              held, and on their memory);
+  * late      after admission, when the call is still waiting for the engine once its queue
+              budget has run out (below).
 The deadline check is what refuses under overload (callers set deadlines, the router passes them
 on). With target_s = 0 only the hard cap applies.
+
+An admitted call is a promise: done within `deadline_fraction` of its remaining deadline. The
+promise holds only while the instance runs at the speed admission measured, and on a shared CPU
+it does not: another process takes the cores and batches run 2-10 x slower for a second or more
+(measured with the overload scenario, bench/faults.py: the slowest served calls had waited
+300-950 ms in the engine queue behind batches that took several times their prediction). So each
+admitted call also gets a queue budget, the longest it may wait for the engine and still keep the
+promise at the measured speed (`Admitted.queue_budget_s`: deadline_fraction x remaining - d x w).
+The engine refuses a call still waiting when its budget has run out (`late`): RESOURCE_EXHAUSTED
+while the caller has half its deadline left to try elsewhere, instead of scores at the deadline.
+Queueing delay stays bounded by the promise whatever the instance's speed does, as CoDel bounds a
+router's queue: the queue is what a slowdown makes long, and waiting in it is what is cut.
 
 Prediction errors: the cost model is refitted on every measured batch, so a slower instance
 (CPU contention, a larger model) is seen within a few batches. The prior (before any batch is
@@ -35,8 +49,10 @@ d: busy seconds (time with a call in flight) per predicted second of *served* wo
 exponentially over the last `window_s` of busy time, starting from 1 worth `prior_s` busy
 seconds. A call cancelled half-way took busy time and delivered nothing, so it raises d: an
 instance whose admitted calls time out admits less. Idle time does not age it. On an idle
-instance d is not applied (there is no queue to drain, and a stale d must not refuse every call
-for ever: the next admitted call is what updates it).
+instance d fades towards 1 with the time spent idle (time constant `window_s`, here in wall
+seconds): right after a busy spell it still says how slowly the instance drains (a call admitted
+into a 2x-slow instance by a 1x prediction was measured to take 968 ms), and a stale d does not
+refuse every call for ever (the next admitted call is what updates it).
 
 `throughput` (served calls per second of busy time, exponentially weighted over `window_s` of busy
 time) is reported as a metric; admission does not use it.
@@ -83,7 +99,7 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a call was not admitted: `kind` is "limit", "work" or "deadline" (a metric label),
+    """Why a call was not admitted: `kind` is "limit", "work", "deadline" or "late" (a metric label),
     `reason` the RESOURCE_EXHAUSTED detail."""
 
     kind: str
@@ -92,10 +108,14 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Admitted:
-    """An admitted call: hand it back to `release`. `work_s`: its predicted engine seconds."""
+    """An admitted call: hand it back to `release`. `work_s`: its predicted engine seconds.
+    `queue_budget_s`: how long it may wait for the engine to start it and still complete within
+    its promise (deadline_fraction of its remaining deadline) at the measured drain factor; None
+    when it has no deadline or only the hard cap applies."""
 
     work: CallWork
     work_s: float
+    queue_budget_s: float | None = None
 
 
 class AdmissionLimiter:
@@ -110,13 +130,14 @@ class AdmissionLimiter:
         self.inflight = 0
         self.inflight_work_s = 0.0  # predicted engine seconds of the calls in flight
         self.admitted = 0
-        self.refused = {"limit": 0, "work": 0, "deadline": 0}
+        self.refused = {"limit": 0, "work": 0, "deadline": 0, "late": 0}
         self._done = 0.0  # served calls, exponentially weighted
         self._busy_s = 0.0  # busy seconds, same weighting
         # The drain factor's terms: busy seconds and predicted seconds of served calls, prior first.
         self._drain_busy_s = config.prior_s
         self._drain_done_s = config.prior_s
         self._last = clock()
+        self._idle_since = self._last  # when the last call in flight left
         self._refused_at = float("-inf")
 
     # ------------------------------------------------------------------ measurement
@@ -151,6 +172,15 @@ class AdmissionLimiter:
             return 1e9  # busy for many windows with nothing served
         return self._drain_busy_s / self._drain_done_s
 
+    def _applied_drain(self) -> float:
+        """The drain factor a new call is judged by: d while calls are in flight; on an idle
+        instance d fading towards 1 with the idle time (see the module)."""
+        d = self.drain_factor
+        if self.inflight:
+            return d
+        idle_s = max(0.0, self._last - self._idle_since)
+        return 1.0 + (d - 1.0) * math.exp(-idle_s / self.config.window_s)
+
     @property
     def limit(self) -> int:
         """The hard cap on calls in flight."""
@@ -177,8 +207,9 @@ class AdmissionLimiter:
                 "limit", f"overloaded: {self.inflight} ranking calls in flight, limit {c.max_limit}"
             )
         work_s = self.costs.seconds(work)
+        budget_s: float | None = None
         if c.target_s > 0:
-            drain = self.drain_factor if self.inflight else 1.0
+            drain = self._applied_drain()
             expected_s = drain * (self.inflight_work_s + work_s)
             ahead = f"{self.inflight} ranking calls in flight ({self.inflight_work_s * 1e3:.0f} ms of predicted work)"
             own = f"this call's {work.describe()} ({work_s * 1e3:.0f} ms)"
@@ -193,10 +224,26 @@ class AdmissionLimiter:
                 return self._refuse(
                     "work", f"overloaded: {ahead} + {own} exceed the bound of {c.target_s * 1e3:.0f} ms"
                 )
+            if remaining_s is not None:
+                # >= d x W >= 0: the deadline check passed.
+                budget_s = c.deadline_fraction * remaining_s - drain * work_s
         self.inflight += 1
         self.inflight_work_s += work_s
         self.admitted += 1
-        return Admitted(work, work_s)
+        return Admitted(work, work_s, budget_s)
+
+    def late(self, admitted: Admitted, waited_s: float) -> Refusal:
+        """An admitted call that waited `waited_s` for the engine, past its queue budget, and was
+        not started: a refusal after the fact (counted, and `shedding()` holds). The call is
+        still in flight: `release` it (served=False) as every admitted call."""
+        self._advance()
+        budget_ms = (admitted.queue_budget_s or 0.0) * 1e3
+        return self._refuse(
+            "late",
+            f"overloaded: waited {waited_s * 1e3:.0f} ms for the engine, past the {budget_ms:.0f} ms "
+            f"its admission allowed for {admitted.work.describe()} (the instance drains slower than "
+            f"measured)",
+        )
 
     def release(self, admitted: Admitted, served: bool) -> None:
         """An admitted call left. `served`: it was answered with scores (only those count as
@@ -205,6 +252,8 @@ class AdmissionLimiter:
             raise RuntimeError("release without a matching try_acquire")
         self._advance()
         self.inflight -= 1
+        if not self.inflight:
+            self._idle_since = self._last
         # Exactly 0 when nothing is left: float sums must not drift into phantom work.
         self.inflight_work_s = max(0.0, self.inflight_work_s - admitted.work_s) if self.inflight else 0.0
         if served:

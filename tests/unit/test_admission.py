@@ -76,7 +76,7 @@ def test_cheap_calls_are_admitted_where_an_expensive_one_is_refused():
         admit(lim, SHORT_FULL, remaining_s=1.0)
     assert lim.inflight == 41
     assert lim.inflight_work_s == pytest.approx(21 * seconds(SHORT_FULL) + 20 * seconds(HIT), rel=0.1)
-    assert lim.refused == {"limit": 0, "work": 0, "deadline": 1}
+    assert lim.refused == {"limit": 0, "work": 0, "deadline": 1, "late": 0}
 
 
 def test_work_in_flight_counts_against_a_call_s_deadline():
@@ -281,11 +281,14 @@ def test_calls_abandoned_by_their_callers_raise_the_drain_factor_and_refusals_fo
     mid = CallWork.of(1500, 48, against_psi=False)  # ~0.24 s predicted
     assert lim.drain_factor == pytest.approx(1.0)
     for _ in range(10):  # each takes 3 x its prediction and its caller gives up
-        decision = admit(lim, mid, remaining_s=10.0)
+        decision = admit(lim, mid)
         clock.advance(3 * decision.work_s)
         lim.release(decision, served=False)
     assert lim.drain_factor > 10.0  # busy time, nothing delivered
-    first = admit(lim, mid, remaining_s=1.0)  # idle: its own prediction alone is judged
+    # Idle, the factor still holds right after the busy spell, and fades with the idle time.
+    assert refuse(lim, mid, remaining_s=1.0).kind == "deadline"
+    clock.advance(10 * lim.config.window_s)
+    first = admit(lim, mid, remaining_s=1.0)  # no lock-out: the next call measures again
     refusal = refuse(lim, mid, remaining_s=1.0)  # one ahead: ~0.48 s x the drain factor
     assert "drained at x" in refusal.reason
     clock.advance(first.work_s)
@@ -309,3 +312,65 @@ def test_batching_gains_lower_the_drain_factor():
         for decision in batch:
             lim.release(decision, served=True)
     assert lim.drain_factor == pytest.approx(1.5 / 4, rel=0.15)
+
+
+def test_an_admitted_call_s_queue_budget_keeps_its_promise():
+    lim, _ = limiter(deadline_fraction=0.5)
+    mid = CallWork.of(1500, 48, against_psi=False)  # ~0.24 s
+    first = admit(lim, mid, remaining_s=1.0)
+    assert first.queue_budget_s == pytest.approx(0.5 - first.work_s)  # idle, d = 1: 0.5 s - its own work
+    second = admit(lim, HIT, remaining_s=1.0)
+    # The first call's work is ahead of it: waiting for it is what the budget is for.
+    assert second.queue_budget_s == pytest.approx(0.5 - second.work_s)
+    assert second.queue_budget_s >= lim.drain_factor * first.work_s
+    assert admit(lim, HIT, remaining_s=None).queue_budget_s is None  # no deadline, no budget
+    uncapped, _ = limiter(target_s=0.0)
+    assert admit(uncapped, HIT, remaining_s=1.0).queue_budget_s is None  # hard cap only
+
+
+def test_the_queue_budget_shrinks_with_a_measured_drain_factor():
+    lim, clock = limiter(deadline_fraction=0.5, window_s=1.0)
+    for _ in range(200):  # calls take 2 x their prediction, and are served
+        decision = admit(lim, SHORT_FULL)
+        clock.advance(2 * decision.work_s)
+        lim.release(decision, served=True)
+    hold = admit(lim, SHORT_FULL)  # busy: the factor applies
+    decision = admit(lim, SHORT_FULL, remaining_s=1.0)
+    assert lim.drain_factor > 1.5
+    assert decision.queue_budget_s == pytest.approx(0.5 - lim.drain_factor * decision.work_s, rel=1e-6)
+    lim.release(hold, served=True)
+    lim.release(decision, served=True)
+
+
+def test_a_call_past_its_queue_budget_is_refused_late_and_sheds_pre_inference():
+    lim, clock = limiter(deadline_fraction=0.5, shed_s=1.0)
+    decision = admit(lim, SHORT_FULL, remaining_s=1.0)
+    assert decision.queue_budget_s is not None
+    assert not lim.shedding()
+    clock.advance(decision.queue_budget_s + 0.1)
+    refusal = lim.late(decision, waited_s=decision.queue_budget_s + 0.1)
+    assert refusal.kind == "late"
+    assert refusal.reason.startswith(f"overloaded: waited {(decision.queue_budget_s + 0.1) * 1e3:.0f} ms")
+    assert "348 tokens in full" in refusal.reason
+    assert lim.refused["late"] == 1
+    assert lim.shedding()
+    assert lim.inflight == 1  # still held until released, as every admitted call
+    lim.release(decision, served=False)
+    assert lim.inflight == 0
+    assert lim.inflight_work_s == 0.0
+
+
+def test_idle_drain_factor_fades_to_one_with_idle_time():
+    lim, clock = limiter(window_s=1.0)
+    for _ in range(20):  # 4 x slower than predicted, served
+        decision = admit(lim, SHORT_FULL)
+        clock.advance(4 * decision.work_s)
+        lim.release(decision, served=True)
+    slow = lim.drain_factor
+    assert slow > 2.0
+    # Idle now. A deadline that fits the call at a factor between 1 and the measured one:
+    probe = CallWork.of(1500, 48, against_psi=False)
+    remaining = lim.costs.seconds(probe) * (1.0 + slow)  # half of it: w x (1 + slow) / 2
+    assert refuse(lim, probe, remaining_s=remaining).kind == "deadline"  # right after the busy spell
+    clock.advance(5.0)  # 5 time constants idle: the factor is 1 + (slow - 1) x e^-5
+    admit(lim, probe, remaining_s=remaining)
