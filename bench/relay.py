@@ -45,9 +45,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
-    # Pre-inference stepped layer by layer on the ranking thread, only between ranking batches,
-    # instead of on its own thread and low-priority stream (the ranker's default).
-    "relay-inline": {"ranker_args": ("--preinfer-concurrent", "false")},
+    # Pre-inference in chunks of 512 tokens at most (the ranker's default is 2048).
+    "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
     # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
     # pre-inference competing with full rankings for the device at high load.
     "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},

@@ -13,6 +13,7 @@ from services.ranker.admission import AdmissionConfig
 from services.ranker.call_cost import CostPrior
 from shared import settings
 from shared.config import ConfigError, fraction, non_negative, port_number, positive, setting
+from shared.fingerprint import CHUNK_TOKENS
 from shared.settings import LogLevel
 from shared.tls import TlsSettings
 from shared.wire import RequestLimits
@@ -27,6 +28,14 @@ def _usable_cpus(values: tuple[int, ...]) -> str | None:
     unknown = sorted(set(values) - usable)
     return (
         f"CPUs {unknown} are not available to this process (it may use {sorted(usable)})" if unknown else None
+    )
+
+
+def _whole_chunks(value: int) -> str | None:
+    return (
+        None
+        if value >= CHUNK_TOKENS and value % CHUNK_TOKENS == 0
+        else f"must be a multiple of {CHUNK_TOKENS}"
     )
 
 
@@ -83,10 +92,14 @@ class RankerConfig(TlsSettings):
     preinfer_max_batch: int = setting(4, env="RELAYGR_RANKER_PREINFER_MAX_BATCH",
                                       renamed_from="RELAYGR_PREINFER_MAX_BATCH", help="prefixes per pre-inference",
                                       check=positive)  # fmt: skip
-    preinfer_concurrent: bool = setting(True, env="RELAYGR_RANKER_PREINFER_CONCURRENT",
-                                        renamed_from="RELAYGR_PREINFER_CONCURRENT",
-                                        help="pre-infer in a second engine thread (CUDA: low-priority stream) "
-                                        "instead of one layer at a time between ranking batches")  # fmt: skip
+    preinfer_chunk_tokens: int = setting(2048, env="RELAYGR_RANKER_PREINFER_CHUNK_TOKENS",
+                                         help="pre-inference builds psi in chunks of at most this many prefix "
+                                         "tokens (a multiple of 256), between ranking steps; smaller chunks "
+                                         "hold a ranking call back less", check=_whole_chunks)  # fmt: skip
+    max_rank_delay_ms: float = setting(5.0, env="RELAYGR_RANKER_MAX_RANK_DELAY_MS",
+                                       help="pre-inference chunks are sized (from the measured step costs) so "
+                                       "that a step lasts at most about this long: the longest a ranking call "
+                                       "waits behind pre-inference", check=positive)  # fmt: skip
     cuda_graphs: bool = setting(True, env="RELAYGR_RANKER_CUDA_GRAPHS", renamed_from="RELAYGR_CUDA_GRAPHS",
                                 help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
                                 "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip

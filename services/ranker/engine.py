@@ -1,61 +1,92 @@
-"""The engine: its threads drive the accelerator; asyncio only submits work and awaits results.
+"""The engine: one device thread drives the accelerator; asyncio only submits work and awaits results.
 
-The device thread runs, in priority order each time it looks for something to do:
-  1. ranking batches: jobs of one kind (against psi, or in full) from different users, batched
-     dynamically: up to `max_batch` jobs / `max_batch_tokens` tokens, waiting at most `max_wait_s`
-     after the oldest job arrived for the batch to fill;
-  2. host <-> device copies of psi (demotions and reloads): issued on a copy stream on CUDA, so the
-     copy engine runs them beside the compute; completions are polled, never waited on;
-  3. calls that must run on the device thread (e.g. capturing CUDA graphs at warm-up), and the
-     capture of ranking graphs for batch shapes seen without one (services/ranker/graphs.py);
-  4. with `preinfer_concurrent` off only: pre-inference, one layer at a time
-     (`HSTURanker.preinfer_steps`), so a long prefix never holds a ranking batch back by more than
-     one layer's compute.
-With `preinfer_concurrent` on (the ranker's default, RankerConfig.preinfer_concurrent;
-EngineConfig's own default is off), a second thread runs whole pre-inferences back to back instead, on CUDA on a
-low-priority stream beside the ranking stream (the GPU schedules ranking kernels first; the two
-threads share the GIL). Pre-inferences are batched up to `preinfer_max_batch` prefixes /
-`preinfer_max_tokens` tokens either way. One lock guards the queues, with one condition per
-thread, so a ranking call wakes only the device thread.
-On CUDA, batches against psi replay a captured CUDA graph when one fits (GraphLimits), else run
-eagerly; both give the same scores.
+One device loop per accelerator, planned step by step by the iteration scheduler
+(services/ranker/scheduler.py, a pure policy). Each time round, the loop:
+  1. issues the host <-> device copies of psi that are queued (demotions and reloads: on CUDA on a
+     copy stream, so the copy engine runs them beside the compute; completions are polled, never
+     waited on) and resolves those that completed;
+  2. runs what the scheduler planned for the step: a ranking batch (earliest deadline first, one
+     kind per batch: against complete psi, in full, or partial) or, when no ranking call waits,
+     pre-inference chunks sized so the step lasts about `max_rank_delay_s`; or waits for a
+     ranking batch to fill (at most `max_wait_s`);
+  3. between steps, calls that must run on the device thread (e.g. CUDA graph captures at
+     warm-up) and the capture of ranking graphs for batch shapes seen without one.
+On CUDA, batches against complete psi replay a captured CUDA graph when one fits (GraphLimits),
+else run eagerly; both give the same scores. Partial and full batches run eagerly.
+
+Pre-inference builds psi in chunks of at most `preinfer_chunk_tokens` prefix tokens (a multiple of
+256, the fingerprint's chunk), each a causal forward against the psi built so far whose K/V are
+written in place into the user's psi block (HSTURanker.preinfer_chunks). A ranking call whose
+psi is being pre-inferred here goes through `relay()`, which asks the scheduler:
+  * JOIN: wait for the remaining chunks (they then run with the call's deadline), rank against psi;
+  * TAKE_OVER: no more chunks run; the call's own step reads the chunks built (none, if it had not
+    started: the pre-inference is in effect cancelled) and computes the rest of the prefix and
+    its suffix (HSTURanker.rank_partial), writing the rest of psi, which is then complete and is
+    handed to the pre-inference's waiter as if it had built it. No token is computed twice.
+
+The step-cost model is `services.ranker.call_cost.CostFit`, fitted here on the device thread to
+every measured step: ranking batches (tokens, attention pairs, seconds) and chunk batches.
+
+Device time (services/ranker/device_time.py): every ranking batch, pre-inference chunk and copy
+adds its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
+"reload" or "demote"). The chunks' cost of each psi is kept by key as they run
+(`device_time.produced` with the running total) until a ranking call consumes that psi (served
+from it, joined, or taken over) or it is lost: expired unused (reported by the cache), or
+abandoned half-built (its waiter gone, or the engine stopped) which is counted as unused here.
+
+Blocking: the submission methods never block the event loop (a lock held for microseconds);
+results arrive on the loop via call_soon_threadsafe. Errors in one job fail that job's future only.
 A job whose caller has gone (its future cancelled) is dropped before it runs.
-
-Device time (services/ranker/device_time.py): every ranking batch, pre-inference and copy adds
-its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
-"reload" or "demote"); the pre-inference cost of each psi is kept by key until a ranking batch
-consumes it or the cache reports it expired unused (`device_time.expired_unused`).
-
-Blocking: `rank_cached`, `rank_full`, `preinfer`, `copy` and `call` never block the event loop (a
-lock held for microseconds); results arrive on the loop via call_soon_threadsafe. Errors in one
-job fail that job's future only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kernels.device import Accelerator
+from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer
 from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for
-from services.ranker.model import HSTURanker
+from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
+from services.ranker.scheduler import (
+    IterationScheduler,
+    Plan,
+    PreinferItem,
+    RankItem,
+    RankKind,
+    Relay,
+    SchedulerConfig,
+)
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from shared.logging import get_logger
 
 log = get_logger("ranker.engine")
 
+# A ranking call submitted without a deadline is ordered as if it had this long.
+DEFAULT_DEADLINE_S = 1.0
+
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the job ran."""
+
+
+class Overdue(RuntimeError):
+    """A ranking call was not started by its `start_by` time (its admission's queue budget,
+    services/ranker/admission.py): dropped unrun. `waited_s`: how long it waited."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"not started within {waited_s * 1e3:.0f} ms")
+        self.waited_s = waited_s
 
 
 @dataclass(frozen=True)
@@ -64,13 +95,26 @@ class EngineConfig:
     max_batch_tokens: int = 65_536
     max_wait_s: float = 0.001
     preinfer_max_batch: int = 4
-    preinfer_max_tokens: int = 65_536
-    # Pre-inference in its own thread (on CUDA: on a low-priority stream beside the ranking
-    # stream) instead of between ranking batches one layer at a time.
-    preinfer_concurrent: bool = False
+    # Pre-inference chunks: at most this many prefix tokens (a multiple of 256) ...
+    preinfer_chunk_tokens: int = 2048
+    # ... and sized so that a step is predicted to last at most this long: about the longest a
+    # ranking call waits behind pre-inference.
+    max_rank_delay_s: float = 0.005
+    # The step-cost model before any step is measured.
+    step_prior: CostPrior = field(default_factory=CostPrior)
     # Replay captured CUDA graphs for batches against psi (CUDA only).
     cuda_graphs: bool = True
     graph_limits: GraphLimits = field(default_factory=GraphLimits)
+
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch=self.max_batch,
+            max_batch_tokens=self.max_batch_tokens,
+            max_wait_s=self.max_wait_s,
+            preinfer_max_batch=self.preinfer_max_batch,
+            chunk_tokens=self.preinfer_chunk_tokens,
+            max_rank_delay_s=self.max_rank_delay_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -79,11 +123,27 @@ class RankResult:
     queue_ms: float  # submit -> batch start
     compute_ms: float  # the batch's compute (scores on the host)
     batch_size: int
+    reused_tokens: int = 0  # prefix tokens read from psi (the whole prefix against complete psi)
+
+
+@dataclass(frozen=True)
+class RelayResult:
+    """How `relay()` served a ranking call whose psi was being pre-inferred here."""
+
+    result: RankResult
+    joined: bool  # waited for the pre-inference and ranked against complete psi
+    reused_tokens: int  # prefix tokens built by the pre-inference that the call used
+    prefix_tokens: int
+
+    @property
+    def reused_fraction(self) -> float:
+        return self.reused_tokens / self.prefix_tokens if self.prefix_tokens else 0.0
 
 
 @dataclass(frozen=True)
 class BatchSample:
-    """One measured ranking batch (feeds Stats and the trigger's latency model)."""
+    """One measured ranking batch (feeds Stats and the trigger's latency model). A partial batch
+    counts as full: it computes prefix tokens (`tokens` are those it computed)."""
 
     full: bool
     batch: int
@@ -97,7 +157,7 @@ class BatchSample:
 class _Job:
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
-    submitted: float
+    submitted: float  # time.monotonic()
     tokens: int
 
     def alive(self) -> bool:
@@ -116,25 +176,48 @@ class _Job:
 
 
 @dataclass
+class _PreInferJob(_Job):
+    prefix: UserPrefix = field(kw_only=True)
+    key: PsiKey = field(kw_only=True)
+    id: int = field(kw_only=True)
+    psi: Psi | None = None  # allocated at the first chunk (or by the call that takes it over)
+    done: int = 0  # prefix tokens built
+    taken: bool = False  # a ranking call computes the rest: no more chunks
+    joined_deadline: float | None = None
+    cost_s: float = 0.0  # device time of its chunks so far
+
+    def item(self) -> PreinferItem:
+        return PreinferItem(
+            self.id, self.prefix.length, self.done, self.submitted, self.joined_deadline, self.taken
+        )
+
+
+@dataclass
 class _RankJob(_Job):
     suffix: RankingSuffix = field(kw_only=True)
-    prefix: UserPrefix | None = field(kw_only=True, default=None)  # full recompute
-    psi: Psi | None = field(kw_only=True, default=None)  # against psi
+    kind: RankKind = field(kw_only=True)
+    deadline: float = field(kw_only=True)
+    id: int = field(kw_only=True)
+    prefix: UserPrefix | None = field(kw_only=True, default=None)  # full and partial
+    psi: Psi | None = field(kw_only=True, default=None)  # against complete psi
     key: PsiKey | None = field(kw_only=True, default=None)
+    takes: _PreInferJob | None = field(kw_only=True, default=None)  # partial: the job it takes over
+    start_by: float = field(kw_only=True, default=float("inf"))  # time.perf_counter(); else Overdue
 
-    @property
-    def full(self) -> bool:
-        return self.psi is None
+    def item(self) -> RankItem:
+        if self.kind is RankKind.CACHED:
+            return RankItem(self.id, self.kind, self.deadline, self.submitted, self.tokens)
+        assert self.prefix is not None
+        built = self.takes.done if self.takes is not None else 0
+        tokens = self.prefix.length - built + self.suffix.length
+        return RankItem(
+            self.id, self.kind, self.deadline, self.submitted, tokens, self.prefix.length * tokens
+        )
 
 
 @dataclass
 class _CallJob(_Job):
     fn: Callable[[], Any] = field(kw_only=True)
-
-
-@dataclass
-class _PreInferJob(_Job):
-    prefix: UserPrefix = field(kw_only=True)
 
 
 @dataclass
@@ -151,28 +234,25 @@ class Engine:
         self.model = model
         self.accel = accel
         self.config = config
-        # One lock, two conditions: a ranking call wakes only the ranking thread. With one shared
-        # condition every ranking call also woke the pre-inference thread, which then competed
-        # for the GIL with the thread about to run the call.
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)  # the ranking (device) thread waits on this one
-        self._preinfer_cv = threading.Condition(lock)  # the pre-inference thread on this one
-        self._ranks: collections.deque[_RankJob] = collections.deque()
-        self._preinfers: collections.deque[_PreInferJob] = collections.deque()
+        self._cv = threading.Condition(threading.RLock())
+        self._ranks: dict[int, _RankJob] = {}
+        self._preinfers: dict[int, _PreInferJob] = {}
+        self._producing: dict[PsiKey, _PreInferJob] = {}
         self._copies: collections.deque[_CopyJob] = collections.deque()
         self._copies_in_flight: list[_CopyJob] = []
         self._calls: collections.deque[_CallJob] = collections.deque()
-        self._active: tuple[list[_PreInferJob], Generator[int, None, list[Psi]], SectionTimer] | None = None
+        self._ids = itertools.count()
         self._stopping = False
         self._threads: list[threading.Thread] = []
         cuda = accel.backend == "cuda"
         self._copy_stream = torch.cuda.Stream(accel.device) if cuda else None
-        # Lower number, higher priority: ranking kernels are scheduled before pre-inference ones.
-        self._rank_stream = torch.cuda.Stream(accel.device, priority=-1) if cuda else None
-        self._preinfer_stream = torch.cuda.Stream(accel.device, priority=0) if cuda else None
+        self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
         self.device_time = DeviceTime()
+        # Fitted and read on the device thread only (CostFit is not thread-safe).
+        self.step_costs = CostFit(config.step_prior)
+        self.scheduler = IterationScheduler(config.scheduler(), self.step_costs)
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
@@ -182,20 +262,15 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        targets = [("relaygr-engine", self._run)]
-        if self.config.preinfer_concurrent:
-            targets.append(("relaygr-preinfer", self._run_preinfers))
-        for name, target in targets:
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        thread = threading.Thread(target=self._run, name="relaygr-engine", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stops after the work in hand; queued jobs fail with CancelledError."""
+        """Stops after the step in hand; queued jobs fail with EngineStopped."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-            self._preinfer_cv.notify_all()
         for thread in self._threads:
             thread.join(timeout_s)
 
@@ -206,33 +281,121 @@ class Engine:
         return {
             "future": loop.create_future(),
             "loop": loop,
-            "submitted": time.perf_counter(),
+            "submitted": time.monotonic(),
             "tokens": tokens,
         }
 
-    def _push(self, queue: collections.deque[Any], job: _Job) -> asyncio.Future[Any]:
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise EngineStopped("the engine is stopping")
+
+    def _push_rank(self, job: _RankJob) -> asyncio.Future[Any]:
         with self._cv:
-            if self._stopping:
-                raise EngineStopped("the engine is stopping")
-            queue.append(job)
-            if queue is not self._preinfers:
-                self._cv.notify()
-            elif self.config.preinfer_concurrent:
-                self._preinfer_cv.notify()
-            else:
-                self._cv.notify()  # pre-inference steps run inline, between ranking batches
+            self._check_running()
+            self._ranks[job.id] = job
+            self._cv.notify()
         return job.future
 
-    async def rank_cached(self, suffix: RankingSuffix, psi: Psi, key: PsiKey) -> RankResult:
-        job = _RankJob(**self._job_args(suffix.length), suffix=suffix, psi=psi, key=key)
-        return await self._push(self._ranks, job)
+    def _rank_job(
+        self, kind: RankKind, suffix: RankingSuffix, tokens: int, deadline: float | None, **fields: Any
+    ) -> _RankJob:
+        args = self._job_args(tokens)
+        if deadline is None:
+            deadline = args["submitted"] + DEFAULT_DEADLINE_S
+        return _RankJob(**args, suffix=suffix, kind=kind, deadline=deadline, id=next(self._ids), **fields)
 
-    async def rank_full(self, prefix: UserPrefix, suffix: RankingSuffix) -> RankResult:
-        job = _RankJob(**self._job_args(prefix.length + suffix.length), suffix=suffix, prefix=prefix)
-        return await self._push(self._ranks, job)
+    async def rank_cached(
+        self,
+        suffix: RankingSuffix,
+        psi: Psi,
+        key: PsiKey,
+        start_by: float = float("inf"),
+        *,
+        deadline: float | None = None,
+    ) -> RankResult:
+        """Scores of the suffix against complete psi. `deadline` (time.monotonic()) orders the
+        call among others (earliest first); a call not started by `start_by`
+        (time.perf_counter()) is dropped and fails with Overdue."""
+        job = self._rank_job(
+            RankKind.CACHED, suffix, suffix.length, deadline, psi=psi, key=key, start_by=start_by
+        )
+        return await self._push_rank(job)
+
+    async def rank_full(
+        self,
+        prefix: UserPrefix,
+        suffix: RankingSuffix,
+        start_by: float = float("inf"),
+        *,
+        deadline: float | None = None,
+    ) -> RankResult:
+        """Scores of the whole sequence; `start_by` and `deadline` as for rank_cached."""
+        job = self._rank_job(
+            RankKind.FULL, suffix, prefix.length + suffix.length, deadline, prefix=prefix, start_by=start_by
+        )
+        return await self._push_rank(job)
 
     async def preinfer(self, prefix: UserPrefix) -> Psi:
-        return await self._push(self._preinfers, _PreInferJob(**self._job_args(prefix.length), prefix=prefix))
+        """psi of the prefix, built in chunks between ranking steps (or completed by the ranking
+        call that takes it over: `relay`)."""
+        key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+        job = _PreInferJob(**self._job_args(prefix.length), prefix=prefix, key=key, id=next(self._ids))
+        with self._cv:
+            self._check_running()
+            self._preinfers[job.id] = job
+            self._producing[key] = job
+            self._cv.notify()
+        return await job.future
+
+    def producing(self, key: PsiKey) -> bool:
+        """Whether a pre-inference of this psi is queued or under way here."""
+        with self._cv:
+            job = self._producing.get(key)
+            return job is not None and job.alive() and not job.future.done()
+
+    async def relay(
+        self,
+        prefix: UserPrefix,
+        suffix: RankingSuffix,
+        key: PsiKey,
+        deadline: float,
+        start_by: float = float("inf"),
+    ) -> RelayResult | None:
+        """Ranks a call whose psi is being pre-inferred here, joining the pre-inference or taking
+        it over (module docstring). None when no pre-inference of `key` is in hand (finished or
+        never started here): the caller claims psi or ranks otherwise. Errors propagate (the
+        caller falls back to a full ranking)."""
+        with self._cv:
+            self._check_running()
+            job = self._producing.get(key)
+            if job is None or not job.alive() or job.future.done():
+                return None
+            decision = self.scheduler.relay(job.item(), time.monotonic(), deadline)
+            if decision is Relay.JOIN:
+                if not job.taken:
+                    job.joined_deadline = min(deadline, job.joined_deadline or deadline)
+                    self._cv.notify()
+            else:
+                job.taken = True
+                tokens = prefix.length - job.done + suffix.length
+                rank = self._rank_job(
+                    RankKind.PARTIAL,
+                    suffix,
+                    tokens,
+                    deadline,
+                    prefix=prefix,
+                    key=key,
+                    takes=job,
+                    start_by=start_by,
+                )
+                self._ranks[rank.id] = rank
+                self._cv.notify()
+        if decision is Relay.JOIN:
+            psi: Psi = await asyncio.shield(job.future)
+            result = await self.rank_cached(suffix, psi, key, start_by, deadline=deadline)
+            return RelayResult(result, True, prefix.length, prefix.length)
+        result = await rank.future
+        return RelayResult(result, False, result.reused_tokens, prefix.length)
 
     async def copy(self, issue: Callable[[], Any], work: str = "copy") -> Any:
         """Runs `issue` on the engine thread (on the copy stream on CUDA) and resolves once the
@@ -240,11 +403,21 @@ class Engine:
         the copy in the device-time ledger ("copy", "reload" or "demote"; ValueError otherwise)."""
         if work not in WORKS or work in ("rank", "preinfer"):
             raise ValueError(f"a copy is 'copy', 'reload' or 'demote', not {work!r}")
-        return await self._push(self._copies, _CopyJob(**self._job_args(0), issue=issue, work=work))
+        job = _CopyJob(**self._job_args(0), issue=issue, work=work)
+        with self._cv:
+            self._check_running()
+            self._copies.append(job)
+            self._cv.notify()
+        return await job.future
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Runs fn on the device thread (on the ranking stream on CUDA); resolves with its result."""
-        return await self._push(self._calls, _CallJob(**self._job_args(0), fn=fn))
+        """Runs fn on the device thread (on its compute stream on CUDA); resolves with its result."""
+        job = _CallJob(**self._job_args(0), fn=fn)
+        with self._cv:
+            self._check_running()
+            self._calls.append(job)
+            self._cv.notify()
+        return await job.future
 
     async def capture_graphs(self, tokens_per_user: list[int]) -> int:
         """Captures the ranking graphs of every batch size up to max_batch for users of these
@@ -285,143 +458,224 @@ class Engine:
 
     @property
     def preinfer_backlog(self) -> int:
-        active = len(self._active[0]) if self._active else 0
-        return len(self._preinfers) + active
+        return len(self._preinfers)
 
     # ------------------------------------------------------------------ the device thread
 
+    def _has_work(self) -> bool:
+        return bool(
+            self._ranks
+            or self._copies
+            or self._copies_in_flight
+            or self._calls
+            or (self.graphs is not None and self.graphs.has_pending())
+            or any(not j.taken for j in self._preinfers.values())
+        )
+
     def _run(self) -> None:
-        if self._rank_stream is not None:
+        if self._stream is not None:
             torch.cuda.set_device(self.accel.device)
-            torch.cuda.set_stream(self._rank_stream)
-        inline_preinfers = not self.config.preinfer_concurrent
+            torch.cuda.set_stream(self._stream)
         while True:
             with self._cv:
-                while not (
-                    self._ranks
-                    or self._copies
-                    or self._copies_in_flight
-                    or self._calls
-                    or (self.graphs is not None and self.graphs.has_pending())
-                    or (inline_preinfers and (self._preinfers or self._active))
-                ):
-                    if self._stopping:
-                        self._fail_all()
-                        return
+                while not self._has_work() and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     self._fail_all()
                     return
+                plan = self._plan()
+                batch = [self._ranks.pop(i) for i in plan.rank]
             self._poll_copies()
-            batch = self._take_rank_batch()
+            if self._issue_copies():
+                continue  # plan again: issuing took time, new calls may have come
             if batch:
                 self._run_rank_batch(batch)
+            elif self._run_call():
                 continue
-            if self._issue_copy():
-                continue
-            if self._run_call():
-                continue
-            if self.graphs is not None and self.graphs.has_pending():
+            elif self.graphs is not None and self.graphs.has_pending():
                 self._capture_one()
-                continue
-            if inline_preinfers and self._step_preinfer():
-                continue
-            if self._copies_in_flight:
+            elif plan.chunks:
+                self._run_chunks(plan)
+            elif plan.wait_s > 0:
+                with self._cv:
+                    self._cv.wait(plan.wait_s)  # a ranking batch is filling
+            elif self._copies_in_flight:
                 time.sleep(50e-6)  # copies still running on the copy engine
 
-    def _run_preinfers(self) -> None:
-        """The pre-inference thread (preinfer_concurrent): whole pre-inferences, back to back."""
-        if self._preinfer_stream is not None:
-            torch.cuda.set_device(self.accel.device)
-            torch.cuda.set_stream(self._preinfer_stream)
-        while True:
-            with self._cv:
-                while not (self._preinfers or self._active or self._stopping):
-                    self._preinfer_cv.wait()
-                if self._stopping:
-                    return  # the ranking thread fails what is left
-            while self._step_preinfer():
-                if self._active is None:
-                    break
+    def _plan(self) -> Plan:
+        """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
+        scheduler."""
+        now = time.perf_counter()
+        for rid, rank in list(self._ranks.items()):
+            if not rank.alive():
+                del self._ranks[rid]
+            elif rank.start_by < now:
+                del self._ranks[rid]
+                rank.resolve(error=Overdue(time.monotonic() - rank.submitted))
+                if rank.takes is not None:  # its pre-inference goes on: nobody computes the rest
+                    rank.takes.taken = False
+        for job in [j for j in self._preinfers.values() if not j.alive()]:
+            self._abandon(job)
+        return self.scheduler.plan(
+            time.monotonic(),
+            [j.item() for j in self._ranks.values()],
+            [j.item() for j in self._preinfers.values()],
+        )
 
-    def _take_rank_batch(self) -> list[_RankJob]:
-        cfg = self.config
-        with self._cv:
-            while self._ranks and not self._ranks[0].alive():
-                self._ranks.popleft()
-            if not self._ranks:
-                return []
-            oldest = self._ranks[0]
-            deadline = oldest.submitted + cfg.max_wait_s
-            while len(self._ranks) < cfg.max_batch and time.perf_counter() < deadline and not self._stopping:
-                self._cv.wait(max(0.0, deadline - time.perf_counter()))
-            batch: list[_RankJob] = []
-            keep: collections.deque[_RankJob] = collections.deque()
-            tokens = 0
-            while self._ranks:
-                job = self._ranks.popleft()
-                if not job.alive():
-                    continue
-                fits = len(batch) < cfg.max_batch and (
-                    not batch or tokens + job.tokens <= cfg.max_batch_tokens
-                )
-                if fits and job.full == oldest.full:
-                    batch.append(job)
-                    tokens += job.tokens
-                else:
-                    keep.append(job)
-            self._ranks.extendleft(reversed(keep))
-        return batch
+    def _abandon(self, job: _PreInferJob) -> None:
+        """Under the lock: a pre-inference leaves the queue unfinished; its chunks were for nothing."""
+        self._preinfers.pop(job.id, None)
+        if self._producing.get(job.key) is job:
+            del self._producing[job.key]
+        if job.cost_s > 0:
+            self.device_time.expired_unused(job.key)
+
+    def _finish(self, job: _PreInferJob) -> None:
+        """Under the lock: a pre-inference is complete (built, or completed by its taker)."""
+        self._preinfers.pop(job.id, None)
+        if self._producing.get(job.key) is job:
+            del self._producing[job.key]
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        else:
+            self.accel.synchronize()
 
     def _run_rank_batch(self, batch: list[_RankJob]) -> None:
+        kind = batch[0].kind
         self.device_time.begin()
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.monotonic()
+        built = [0] * len(batch)
+        prefix_len = 0
         try:
             suffixes = [j.suffix for j in batch]
             host: list[torch.Tensor] | None = None
-            if batch[0].full:
+            if kind is RankKind.FULL:
                 prefixes = [j.prefix for j in batch]
                 scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
+            elif kind is RankKind.PARTIAL:
+                scores = self._rank_partial(batch, built)
+                prefix_len = max(j.prefix.length for j in batch)  # type: ignore[union-attr]
             else:
                 psis, keys = [j.psi for j in batch], [j.key for j in batch]
+                built = [p.prefix_len for p in psis]  # type: ignore[union-attr]
                 if self.graphs is not None:
                     host = self.graphs.rank(suffixes, psis, keys)  # type: ignore[arg-type]
                 if host is None:
                     scores = self.model.rank_cached(suffixes, psis, keys)  # type: ignore[arg-type]
-                prefix_len = 0
             if host is None:
                 # One copy for the batch; it waits for the device: the batch is done.
                 host = list(torch.cat(scores).cpu().split([s.numel() for s in scores]))
         except Exception as exc:  # a bad batch fails its jobs, never the engine
             for j in batch:
                 j.resolve(error=exc)
+            if kind is RankKind.PARTIAL:
+                self._takeovers_failed(batch, exc)
             return
         finally:
             # The scores are on the host (or the batch failed): its device work is over.
             self.device_time.end()
             self.device_time.add("rank", time.perf_counter() - started)
-        done = time.perf_counter()
-        compute_ms = (done - started) * 1e3
+        seconds = time.perf_counter() - started
+        compute_ms = seconds * 1e3
+        # Tokens computed: a partial call computes its prefix from what was built on.
+        tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
+                     for j, c in zip(batch, built, strict=True))  # fmt: skip
+        self.step_costs.observe(tokens, prefix_len * tokens, seconds)
         for j in batch:
             if j.key is not None:
                 self.device_time.consumed(j.key)
         with self._cv:
             self._batches_run += 1
-            tokens = sum(j.tokens for j in batch)
             self._samples.append(
-                BatchSample(batch[0].full, len(batch), tokens, prefix_len, compute_ms, self._batches_run)
+                BatchSample(
+                    kind is not RankKind.CACHED, len(batch), tokens, prefix_len, compute_ms, self._batches_run
+                )
             )
-        for j, s in zip(batch, host, strict=True):
-            j.resolve(RankResult(s, (started - j.submitted) * 1e3, compute_ms, len(batch)))
+            for j in batch:
+                if j.takes is not None:
+                    self._finish(j.takes)
+        for j, s, c in zip(batch, host, built, strict=True):
+            if j.takes is not None:
+                j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
+            queue_ms = max(0.0, (started_at - j.submitted) * 1e3)
+            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c))
 
-    def _issue_copy(self) -> bool:
+    def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:
+        """Partial batch: each call reads what its pre-inference built and completes psi."""
+        psis: list[Psi] = []
+        for b, j in enumerate(batch):
+            job = j.takes
+            assert job is not None
+            assert j.prefix is not None
+            if job.psi is None:
+                job.psi = self.model.new_psi(job.prefix)
+            built[b] = job.done
+            psis.append(job.psi)
+        prefixes = [j.prefix for j in batch]
+        suffixes = [j.suffix for j in batch]
+        scores = self.model.rank_partial(prefixes, suffixes, psis, built)  # type: ignore[arg-type]
+        for j in batch:
+            assert j.takes is not None
+            j.takes.done = j.takes.prefix.length
+        return scores
+
+    def _takeovers_failed(self, batch: list[_RankJob], exc: Exception) -> None:
+        """A failed partial batch leaves its psi half-written: their pre-inferences fail too."""
         with self._cv:
-            job = self._copies.popleft() if self._copies else None
-        if job is None:
-            return False
-        if not job.alive():
-            return True
+            for j in batch:
+                if j.takes is not None:
+                    self._abandon(j.takes)
+                    j.takes.resolve(error=exc)
+
+    def _run_chunks(self, plan: Plan) -> None:
+        with self._cv:
+            jobs = [self._preinfers.get(c.id) for c in plan.chunks]
+        work = [(c, j) for c, j in zip(plan.chunks, jobs, strict=True) if j is not None and j.done == c.start]
+        if not work:
+            return
+        timer = SectionTimer(cuda=self._stream is not None)
+        self.device_time.begin()
+        try:
+            for _, job in work:
+                if job.psi is None:
+                    job.psi = self.model.new_psi(job.prefix)
+            with timer.section():
+                self.model.preinfer_chunks([PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work])  # type: ignore[arg-type]
+            self._sync()  # the chunk is built before anyone reads it
+        except Exception as exc:
+            with self._cv:
+                for _, job in work:
+                    self._abandon(job)
+                    job.resolve(error=exc)
+            return
+        finally:
+            self.device_time.end()
+        seconds = timer.total_s()
+        tokens = sum(c.end - c.start for c, _ in work)
+        self.device_time.add("preinfer", seconds)
+        self.step_costs.observe(tokens, sum((c.end - c.start) * c.end for c, _ in work), seconds)
+        with self._cv:
+            for c, job in work:
+                job.done = c.end
+                job.cost_s += seconds * (c.end - c.start) / tokens
+                self.device_time.produced(job.key, job.cost_s)
+                if job.done == job.prefix.length and not job.taken:
+                    self._finish(job)
+                    job.resolve(job.psi)
+
+    def _issue_copies(self) -> bool:
+        with self._cv:
+            jobs = list(self._copies)
+            self._copies.clear()
+        for job in jobs:
+            if job.alive():
+                self._issue_copy(job)
+        return bool(jobs)
+
+    def _issue_copy(self, job: _CopyJob) -> None:
         try:
             job.timer = SectionTimer(cuda=self._copy_stream is not None)
             if self._copy_stream is not None:
@@ -440,7 +694,6 @@ class Engine:
                 job.resolve(value)
         except Exception as exc:
             job.resolve(error=exc)
-        return True
 
     def _poll_copies(self) -> None:
         still = []
@@ -472,68 +725,16 @@ class Engine:
         except Exception as exc:  # a failed capture leaves that shape on the eager path
             log.error("rank_graph_capture_failed", error=repr(exc))
 
-    def _step_preinfer(self) -> bool:
-        if self._active is None:
-            with self._cv:
-                jobs: list[_PreInferJob] = []
-                tokens = 0
-                while self._preinfers and len(jobs) < self.config.preinfer_max_batch:
-                    job = self._preinfers[0]
-                    if jobs and tokens + job.tokens > self.config.preinfer_max_tokens:
-                        break
-                    self._preinfers.popleft()
-                    if job.alive():
-                        jobs.append(job)
-                        tokens += job.tokens
-            if not jobs:
-                return False
-            self.device_time.begin()
-            timer = SectionTimer(cuda=self.accel.backend == "cuda")
-            self._active = (jobs, self.model.preinfer_steps([j.prefix for j in jobs]), timer)
-        jobs, steps, timer = self._active
-        try:
-            with timer.section():
-                next(steps)
-        except StopIteration as done:
-            self._active = None
-            if self.accel.backend == "cuda":
-                torch.cuda.current_stream(self.accel.device).synchronize()  # psi complete before use
-            else:
-                self.accel.synchronize()
-            self.device_time.end()
-            self._account_preinfer(jobs, done.value, timer.total_s())
-            for j, psi in zip(jobs, done.value, strict=True):
-                j.resolve(psi)
-        except Exception as exc:
-            self._active = None
-            self.device_time.end()
-            for j in jobs:
-                j.resolve(error=exc)
-        return True
-
-    def _account_preinfer(self, jobs: list[_PreInferJob], psis: list[Psi], seconds: float) -> None:
-        """Books a finished pre-inference batch: its time, and each psi's share by tokens (the
-        cost that is wasted if that psi expires unused)."""
-        self.device_time.add("preinfer", seconds)
-        tokens = sum(j.tokens for j in jobs) or 1
-        for j, psi in zip(jobs, psis, strict=True):
-            self.device_time.produced(psi.key, seconds * j.tokens / tokens)
-
     def _fail_all(self) -> None:
-        pending: list[_Job] = [
-            *self._ranks,
-            *self._preinfers,
-            *self._copies,
-            *self._copies_in_flight,
-            *self._calls,
-        ]
-        if self._active:
-            pending.extend(self._active[0])
+        pending: list[_Job] = [*self._ranks.values(), *self._copies, *self._copies_in_flight, *self._calls]
+        for preinfer in list(self._preinfers.values()):
+            self._abandon(preinfer)
+            pending.append(preinfer)
         for job in pending:
             job.resolve(error=EngineStopped("the engine stopped before this job ran"))
         self._ranks.clear()
         self._preinfers.clear()
+        self._producing.clear()
         self._copies.clear()
         self._copies_in_flight.clear()
         self._calls.clear()
-        self._active = None

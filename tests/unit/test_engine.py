@@ -1,8 +1,11 @@
-"""The engine thread: dynamic batching, ranking before pre-inference, cancellation, errors."""
+"""The engine's device loop: dynamic batching, ranking before pre-inference chunks, psi built in
+chunks, a ranking call joining or taking over its pre-inference (partial psi), cancellation,
+errors, device-time accounting."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -56,30 +59,190 @@ async def test_full_and_cached_jobs_are_not_mixed_in_one_batch(engine, model):
     assert all(s.prefix_len == 0 for s in engine.recent_batches() if not s.full)
 
 
+def chunked(model: HSTURanker, delay_s: float = 100.0, **overrides) -> Engine:
+    """An engine that builds psi 256 tokens a step; with a long max ranking delay a started
+    pre-inference is joined, with a tiny one it is taken over."""
+    config = EngineConfig(max_wait_s=0.0, preinfer_chunk_tokens=256, max_rank_delay_s=delay_s, **overrides)
+    return Engine(model, accelerator("cpu"), config)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max()) <= 1e-5
+
+
 async def test_ranking_overtakes_a_long_preinference(monkeypatch):
-    """Inline pre-inference (the engine's default config): a ranking call submitted while a
-    pre-inference is under way runs after that pre-inference's current layer, not after all of it."""
+    """A ranking call submitted while a pre-inference is under way runs after that
+    pre-inference's current chunk, not after all of it."""
     deep = HSTURanker.from_seed(preset("tiny").with_overrides(name="deep", num_layers=8), seed=0)
     prefixes, suffixes = batch(4, [Shape(2, 50, 4, 4)])
     psi = deep.preinfer(prefixes)[0]
     long_prefixes, _ = batch(3, [Shape(2, 1000, 0, 1)])
-    e = Engine(deep, accelerator("cpu"), EngineConfig(max_wait_s=0.0))
+    e = chunked(deep)
     with PreinferGate(deep, monkeypatch, pause_before=(1, 2), timeout_s=10.0) as gate:
         e.start()
         try:
             pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
-            await gate.wait_reached(1)  # layer 0 done: the pre-inference is under way
+            await gate.wait_reached(1)  # chunk 0 done: the pre-inference is under way
             rank = asyncio.ensure_future(e.rank_cached(suffixes[0], psi, psi.key))
             await eventually(lambda: e.rank_queue_depth == 1, "the ranking call is queued")
-            gate.open(1)  # layer 1 runs; the ranking call must come next, before layer 2
+            gate.open(1)  # chunk 1 runs; the ranking call must come next, before chunk 2
             result = await asyncio.wait_for(rank, 30)
-            assert not pre.done()  # held before layer 2: the rank did not wait for the rest
-            assert gate.timed_out == []  # nor did the engine go on to layer 2 first
+            assert not pre.done()  # held before chunk 2: the rank did not wait for the rest
+            assert gate.timed_out == []  # nor did the engine go on to chunk 2 first
             gate.open(2)
-            assert (await asyncio.wait_for(pre, 30)).key.user_id == long_prefixes[0].user_id
+            built = await asyncio.wait_for(pre, 30)
+            assert close(built.kv, deep.preinfer(long_prefixes)[0].kv)
             assert result.scores.numel() == 4
         finally:
             e.stop()
+
+
+async def test_psi_is_built_in_aligned_chunks_equal_to_one_preinference(model, monkeypatch):
+    prefixes, _ = batch(7, [Shape(3, 900, 0, 1)])
+    e = chunked(model)
+    with PreinferGate(model, monkeypatch, pause_before=()) as gate:
+        e.start()
+        try:
+            psi = await asyncio.wait_for(e.preinfer(prefixes[0]), 30)
+        finally:
+            e.stop()
+    assert gate.chunks == [(0, 256), (256, 512), (512, 768), (768, 903)]
+    assert close(psi.kv, model.preinfer(prefixes)[0].kv)
+    snap = e.device_time.snapshot()
+    assert snap.work_s["preinfer"] > 0
+    assert e.preinfer_backlog == 0
+
+
+async def test_a_call_takes_over_a_started_preinference_as_partial_psi(model, monkeypatch):
+    prefixes, suffixes = batch(8, [Shape(2, 1000, 6, 8)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model, delay_s=1e-9)  # the rest never fits: take over
+    with PreinferGate(model, monkeypatch, pause_before=(2,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(prefix))
+            await gate.wait_reached(2)  # chunks 0 and 1 built, chunk 2 under way
+            call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+            await eventually(lambda: e.rank_queue_depth == 1, "the partial ranking call is queued")
+            gate.open(2)
+            served = await asyncio.wait_for(call, 30)
+            psi = await asyncio.wait_for(pre, 30)
+        finally:
+            e.stop()
+    assert served is not None
+    assert not served.joined
+    # What was built when the call ran (chunk 2 was under way: it finished first), and no more.
+    assert gate.chunks == [(0, 256), (256, 512), (512, 768)]
+    assert served.reused_tokens == 768
+    assert served.reused_fraction == pytest.approx(768 / 1002)
+    assert close(served.result.scores, model.full([prefix], [suffix])[0])
+    # The call completed psi: the pre-inference's waiter gets the whole of it, exact.
+    assert close(psi.kv, model.preinfer([prefix])[0].kv)
+    assert e.device_time.snapshot().unused_psi == 0  # the chunks were used
+    samples = e.recent_batches()
+    assert samples[-1].full
+    assert samples[-1].tokens == 1002 - 768 + 14
+
+
+async def test_a_call_takes_over_a_preinference_not_started_and_no_chunk_runs(model, monkeypatch):
+    prefixes, suffixes = batch(9, [Shape(2, 600, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model)  # a join would be allowed: nothing is built, so the call takes over
+    with PreinferGate(model, monkeypatch, pause_before=()) as gate:
+        pre = asyncio.ensure_future(e.preinfer(prefix))
+        await eventually(lambda: e.producing(key), "the pre-inference is queued")
+        call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+        await eventually(lambda: e.rank_queue_depth == 1, "the ranking call is queued")
+        e.start()  # only now: nothing of the pre-inference ran
+        try:
+            served = await asyncio.wait_for(call, 30)
+            psi = await asyncio.wait_for(pre, 30)
+        finally:
+            e.stop()
+    assert served is not None
+    assert served.reused_tokens == 0
+    assert gate.chunks == []  # cancelled: the call computed the whole prefix, once
+    assert close(served.result.scores, model.full([prefix], [suffix])[0])
+    assert close(psi.kv, model.preinfer([prefix])[0].kv)
+    assert not e.producing(key)
+
+
+async def test_a_call_joins_a_preinference_whose_rest_fits_its_budget(model, monkeypatch):
+    prefixes, suffixes = batch(10, [Shape(2, 600, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model, delay_s=100.0)
+    with PreinferGate(model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(prefix))
+            await gate.wait_reached(1)
+            call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+            gate.open(1)
+            served = await asyncio.wait_for(call, 30)
+            await asyncio.wait_for(pre, 30)
+        finally:
+            e.stop()
+    assert served is not None
+    assert served.joined
+    assert served.reused_fraction == 1.0
+    assert gate.chunks == [(0, 256), (256, 512), (512, 602)]  # every chunk by the pre-inference
+    assert close(served.result.scores, model.full([prefix], [suffix])[0])
+    assert e.device_time.snapshot().unused_psi == 0
+
+
+async def test_relay_without_a_preinference_in_hand_returns_none(engine, model):
+    prefixes, suffixes = batch(11, [Shape(1, 20, 1, 1)])
+    key = model.psi_key(prefixes[0].user_id, 1, prefixes[0].fingerprint.digest)
+    assert await engine.relay(prefixes[0], suffixes[0], key, deadline=1e12) is None
+
+
+async def test_an_abandoned_half_built_psi_counts_as_unused_device_time(model, monkeypatch):
+    prefixes, _ = batch(12, [Shape(2, 700, 0, 1)])
+    e = chunked(model)
+    with PreinferGate(model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(prefixes[0]))
+            await gate.wait_reached(1)
+            pre.cancel()  # its waiter has gone: the rest is never built
+            gate.open(1)
+            await eventually(lambda: e.preinfer_backlog == 0, "the pre-inference is dropped")
+        finally:
+            e.stop()
+    assert gate.chunks == [(0, 256), (256, 512)]
+    snap = e.device_time.snapshot()
+    assert snap.unused_psi == 1
+    assert snap.unused_psi_s == pytest.approx(snap.work_s["preinfer"])
+
+
+async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
+    prefixes, suffixes = batch(13, [Shape(2, 40, 2, 2)] * 3)
+    psis = model.preinfer(prefixes)
+    long_prefixes, _ = batch(14, [Shape(2, 600, 0, 1)])
+    e = chunked(model, max_batch=1)
+    order: list[int] = []
+    with PreinferGate(model, monkeypatch, pause_before=(0,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
+            await gate.wait_reached(0)  # the device is busy: the calls queue up behind chunk 0
+            now = time.monotonic()
+            calls = []
+            for i, deadline in zip((0, 1, 2), (now + 30, now + 10, now + 20), strict=True):
+                fut = asyncio.ensure_future(
+                    e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=deadline)
+                )
+                fut.add_done_callback(lambda _f, i=i: order.append(i))
+                calls.append(fut)
+            await eventually(lambda: e.rank_queue_depth == 3, "three calls queued")
+            gate.open(0)
+            await asyncio.wait_for(asyncio.gather(*calls, pre), 30)
+        finally:
+            e.stop()
+    assert order == [1, 2, 0]
 
 
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):
