@@ -30,7 +30,7 @@ from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
 
 OK = "OK"
-SERVED_BY = ("hbm_hit", "inflight_join", "dram_reload", "full_recompute")
+SERVED_BY = ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute")
 # (elapsed_s, sent, completed, p99 ms of the last 2000 OK calls), about once a second and at the end.
 ProgressFn = Callable[[float, int, int, float], None]
 
@@ -55,7 +55,7 @@ class RequestRecord:
     planned: PlannedRequest
     status: str = ""  # "OK", a gRPC status code name, or "ERROR:<exception type>"; "" if never sent
     latency_ms: float = float("nan")  # Rank issued -> reply, as the caller sees it
-    served_by: str = ""  # hbm_hit | inflight_join | dram_reload | full_recompute ("" unless OK)
+    served_by: str = ""  # hbm_hit | inflight_join | partial_prefix | dram_reload | full_recompute ("" unless OK)
     instance_id: str = ""
     cache_ms: float = float("nan")  # the reply's server-side timings
     queue_ms: float = float("nan")

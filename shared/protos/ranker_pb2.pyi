@@ -14,11 +14,13 @@ class ServedBy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INFLIGHT_JOIN: _ClassVar[ServedBy]
     DRAM_RELOAD: _ClassVar[ServedBy]
     FULL_RECOMPUTE: _ClassVar[ServedBy]
+    PARTIAL_PREFIX: _ClassVar[ServedBy]
 SERVED_BY_UNSPECIFIED: ServedBy
 HBM_HIT: ServedBy
 INFLIGHT_JOIN: ServedBy
 DRAM_RELOAD: ServedBy
 FULL_RECOMPUTE: ServedBy
+PARTIAL_PREFIX: ServedBy
 
 class Behaviors(_message.Message):
     __slots__ = ("items_le", "actions_le", "timestamps_le")
@@ -79,16 +81,18 @@ class PreInferReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PreInferReply.Outcome, str]] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms")
+    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms", "prefix_reused")
     CACHE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REUSED_FIELD_NUMBER: _ClassVar[int]
     cache_ms: float
     queue_ms: float
     compute_ms: float
     total_ms: float
-    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    prefix_reused: float
+    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefix_reused: _Optional[float] = ...) -> None: ...
 
 class PrefixRef(_message.Message):
     __slots__ = ("length", "fingerprint")
