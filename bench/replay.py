@@ -55,7 +55,7 @@ class RequestRecord:
     planned: PlannedRequest
     status: str = ""  # "OK", a gRPC status code name, or "ERROR:<exception type>"; "" if never sent
     latency_ms: float = float("nan")  # Rank issued -> reply, as the caller sees it
-    served_by: str = ""  # hbm_hit | inflight_join | partial_prefix | dram_reload | full_recompute ("" unless OK)
+    served_by: str = ""  # one of SERVED_BY ("" unless OK)
     instance_id: str = ""
     cache_ms: float = float("nan")  # the reply's server-side timings
     queue_ms: float = float("nan")
