@@ -18,6 +18,7 @@ comparable across machines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,6 @@ from kernels.hstu_attention.triton_impl import (
 SWEEP = [
     KernelConfig(128, 64, 8, 2),
     KernelConfig(128, 32, 8, 3),
-    KernelConfig(128, 64, 8, 2, warp_specialize=True),
 ]
 
 
@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> None:
                     "config": f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
                               f"stages={config.num_stages}",
                 })  # fmt: skip
+        if args.sweep:  # the position bias bucketed on chip per pair (the fixed-grid path's way)
+            ms = time_case(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
+            tflops = case.flops / ms / 1e9
+            print(f"{name:6s} position buckets on chip: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+                  flush=True)  # fmt: skip
         if case.prefix is not None:
             for splits in args.splits:
                 ms = time_case(case, plan, params, default, splits)

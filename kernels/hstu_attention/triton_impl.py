@@ -11,8 +11,10 @@ Two kernels:
   tiles wholly below the diagonal unmasked, the diagonal tiles masked, tiles above it never
   visited), then adds each candidate's attention to itself (a row-wise dot).
 
-The relative bias is computed on chip, tile by tile: the position bucket from the query and key
-positions (int32 arithmetic, an exact float conversion by the 2**23 trick), the time bucket from
+The relative bias is computed on chip, tile by tile. Per pair, the position bias is one lookup in
+a table by distance that plan_triton builds per forward pass ([L, H, longest + 1], up to
+POS_TABLE_MAX_DISTANCE); the fixed-grid path, and rows that share one position, compute the bucket
+instead (int32 arithmetic, an exact float conversion by the 2**23 trick). The time bucket comes from
 the int32 relative timestamps (one hardware conversion), each then looked up in the layer's small
 per-head table (pos_bias[h]: NB_POS floats, time_bias[h]: NB_TIME floats, both L1-resident). A
 block of candidate rows shares one position and one timestamp, so its bias is a single row per
@@ -42,12 +44,16 @@ import triton
 import triton.language as tl
 
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
+from kernels.hstu_attention.reference import log_bucket
 
 # Relative timestamps are int32 when a sequence's span is at most this: differences of two then
 # lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
 _TS_SPAN_LIMIT = 1 << 30
 # Position distances are converted to float32 exactly by OR-ing them into the mantissa of 2**23.
 MAX_POSITIONS = 1 << 22
+# Longer sequences bucket position distances on chip rather than build a table by distance (4 bytes
+# per layer, head and distance: 8 MB for 8 layers x 4 heads at this bound).
+POS_TABLE_MAX_DISTANCE = 1 << 16
 
 
 @triton.jit
@@ -163,10 +169,10 @@ _SELF = tl.constexpr(3)  # key j == i, j >= bound: a candidate's attention to it
 def _attend(
     acc, q, k_desc, v_desc, desc_row0, col_d, lo, hi, bound,
     k_ts_ptr, k_pos0, offs_m, q_pos1, q_ts1,
-    pos_tab, time_tab, alpha_half, inv_norm,
+    pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
     MASK: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """acc += attention of this block's queries to the key tiles starting in [lo, hi) (steps of
     BLOCK_N), under MASK. Key j sits at descriptor row desc_row0 + j, position k_pos0 + j, and has
@@ -177,7 +183,7 @@ def _attend(
     (distance 0, the same timestamp)."""
     if MASK == _SELF:
         bias_self = tl.load(pos_tab) + tl.load(time_tab)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = k_desc.load([desc_row0 + start_n, col_d])
         s = tl.dot(q, tl.trans(k))
@@ -191,7 +197,12 @@ def _attend(
                 tb = tl.load(time_tab + _time_bucket(q_ts1 - k_ts, TIME_BITS, NB_TIME))
                 h = s * alpha_half + (pb + tb)[None, :]
             else:
-                pb = _table_lookup(pos_tab + _pos_bucket(q_pos1[:, None] - k_pos[None, :], POS_BITS, NB_POS))
+                if POS_BY_DIST:  # pos_dist[y] is the bias of distance y - 1 (y >= 1)
+                    pb = _table_lookup(pos_dist + tl.maximum(q_pos1[:, None] - k_pos[None, :], 1))
+                else:
+                    pb = _table_lookup(
+                        pos_tab + _pos_bucket(q_pos1[:, None] - k_pos[None, :], POS_BITS, NB_POS)
+                    )
                 tb = _table_lookup(
                     time_tab + _time_bucket(q_ts1[:, None] - k_ts[None, :], TIME_BITS, NB_TIME)
                 )
@@ -212,10 +223,10 @@ def _attend(
 def _attend_all(
     acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
     plen, lo_p, hi_p, do_history,
-    ts_k, pts_k, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
+    ts_k, pts_k, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
     HAS_PREFIX: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The prefix range [lo_p, hi_p) and, if do_history, the history keys, for one row block.
     ts_k / pts_k: timestamps of the sequence's new tokens / prefix (int32 relative or int64)."""
@@ -227,36 +238,36 @@ def _attend_all(
     if HAS_PREFIX:
         # Prefix keys: all visible; rows past plen read as zeros (V = 0), so no mask.
         acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1,
-                      pos_tab, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
+                      pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
     if do_history:
         # History keys below every row of the block (and below n_hist): unmasked tiles.
         full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
         acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, 0, full_hi, full_hi, ts_k, plen, offs_m,
-                      q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
+                      q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
         # The rest, up to the block's last row (causal) and n_hist: masked tiles.
         hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
         if SHARED_ROW:  # candidates see every history key
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
-                          q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
+                          q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
         else:
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
-                          q_pos1, q_ts1, pos_tab, time_tab, alpha_half, inv_norm,
-                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
+                          q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
     return acc
 
 
-@triton.jit(do_not_specialize=["layer", "splits", "total", "n_row_blocks"])
+@triton.jit(do_not_specialize=["layer", "splits", "total", "n_row_blocks", "dist_len"])
 def _hstu_attention_fwd(
     Q, K, V, Out, Partial, Arrivals,
     total, stride_t, stride_ot, stride_oh,
     seq_offsets, n_hist_ptr, ts64, ts32, fits_ptr,
     KVBase, prefix_kv_offsets, prefix_lens, pts64, pts32, pts_offsets,
-    bias_tables, layer, splits, n_row_blocks, alpha_half, inv_norm,
+    bias_tables, pos_by_distance, dist_len, layer, splits, n_row_blocks, alpha_half, inv_norm,
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
-    TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, WARP_SPEC: tl.constexpr,
+    TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -303,6 +314,9 @@ def _hstu_attention_fwd(
     # Tables pre-halved (h = x / 2 feeds the SiLU): pos [NB_POS] then time [NB_TIME].
     pos_tab = bias_tables + (layer * H + h).to(tl.int64) * (NB_POS + NB_TIME)
     time_tab = pos_tab + NB_POS
+    # With POS_BY_DIST: this layer's and head's position bias by distance, from index -1 (so that
+    # pos_dist[distance + 1] is the distance's bias; never read otherwise).
+    pos_dist = pos_by_distance + (layer * H + h).to(tl.int64) * dist_len - 1
     shared_row = start_m >= n_hist  # candidates only: one position, one timestamp
     # Rows past n_hist share n_hist's timestamp; rows past n (never stored) read row n - 1's.
     q_row = seq_start + tl.minimum(tl.minimum(offs_m, n_hist), n - 1)
@@ -333,28 +347,28 @@ def _hstu_attention_fwd(
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + seq_start + n_hist) + 1,
-                              pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                              pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + q_row) + 1,
-                              pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                              pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
     else:  # a span beyond int32: the same with int64 timestamps (rare, slower)
         acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                           plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
                           tl.load(ts64 + q_row) + 1,
-                          pos_tab, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                          pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
+                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
 
     if do_history:
         # Each candidate row (i >= n_hist) also sees itself, no other candidate: the diagonal tiles.
         self_lo = tl.maximum(start_m, n_hist)
         acc = _attend(acc, q, k_desc, v_desc, seq_start, h * BLOCK_D, self_lo // BLOCK_N * BLOCK_N,
                       tl.minimum(start_m + BLOCK_M, n), self_lo, ts32, 0, offs_m, 0, 0,
-                      pos_tab, time_tab, alpha_half, inv_norm,
-                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, WARP_SPEC, BLOCK_N)  # fmt: skip
+                      pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
 
     out_rows = (seq_start + offs_m).to(tl.int64)
     out_ptrs = Out + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -382,8 +396,6 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     fast_silu: bool = True
-    # Triton's automatic warp specialisation of the key loops (producer/consumer warps).
-    warp_specialize: bool = False
 
 
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
@@ -416,6 +428,9 @@ class TritonPlan:
     ts32: torch.Tensor  # [T] int32: new tokens' timestamps relative to their sequence's earliest
     prefix_ts32: torch.Tensor  # [sum P] int32, likewise for the prefixes (one element without any)
     fits: torch.Tensor  # [B] int32: 1 where the sequence's span fits int32 (ts32 valid)
+    # [L, H, longest + 1] float32, halved: the position bias of every distance 0..longest, so
+    # that per-pair position biases are one lookup (no bucket arithmetic); None: buckets on chip.
+    pos_by_distance: torch.Tensor | None = None
 
 
 def packed_bias_tables(pos_tables: torch.Tensor, time_tables: torch.Tensor) -> torch.Tensor:
@@ -468,7 +483,13 @@ def plan_triton(
         prefix_d = (prefix.lens, prefix.timestamps, prefix.ts_offsets) if prefix is not None else None
         _launch_relative_ts(ts32, prefix_ts32, fits, seq.offsets, seq.timestamps, prefix_d, seq.batch_size)
     tables = packed_bias_tables(pos_tables, time_tables)
-    return TritonPlan(tables, pos_tables.shape[2], time_tables.shape[2], ts32, prefix_ts32, fits)
+    nb_pos = pos_tables.shape[2]
+    by_distance = None
+    if longest <= POS_TABLE_MAX_DISTANCE:
+        # Distances run 0..longest (rows past a sequence's end, never stored, read one further).
+        buckets = log_bucket(torch.arange(longest + 1, device=dev), params.pos_mantissa_bits, nb_pos)
+        by_distance = tables[:, :, :nb_pos].index_select(2, buckets.long()).contiguous()
+    return TritonPlan(tables, nb_pos, time_tables.shape[2], ts32, prefix_ts32, fits, by_distance)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -527,6 +548,7 @@ def _launch_attention(
         partial = scratch[:n_sums].view(total, num_heads, head_dim)
         arrivals = scratch[n_sums:].view(torch.int32)
     has_prefix = prefix is not None
+    pos_by_distance = plan.pos_by_distance if plan.pos_by_distance is not None else plan.bias_tables
     if prefix is None:  # never read
         prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets)
     _hstu_attention_fwd[grid](
@@ -534,10 +556,10 @@ def _launch_attention(
         total, stride_t, target.stride(0), target.stride(1),
         seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
         prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, plan.prefix_ts32, prefix.ts_offsets,
-        plan.bias_tables, layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
+        plan.bias_tables, pos_by_distance, pos_by_distance.shape[-1], layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
-        FAST_SILU=config.fast_silu, WARP_SPEC=config.warp_specialize, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
+        FAST_SILU=config.fast_silu, POS_BY_DIST=plan.pos_by_distance is not None, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
