@@ -297,6 +297,9 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
         ranker_cancelled = sum(
             r.metric(p, 'relaygr_ranker_rank_errors_total{code="cancelled"}') for r, p in rankers
         )
+        ranker_late = sum(
+            r.metric(p, 'relaygr_ranker_rank_refusals_total{reason="late"}') for r, p in rankers
+        )
         preinfer = {o: sum(r.metric(p, f'relaygr_ranker_preinfer_total{{outcome="{o}"}}') for r, p in rankers)
                     for o in ("accepted", "reload_scheduled", "refused")}  # fmt: skip
     refused = [r.latency_ms for r in result.records if r.status == "RESOURCE_EXHAUSTED"]
@@ -325,6 +328,7 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
         "preinfers_refused_by_rankers": int(preinfer["refused"]),
         "ranker_refusals": int(ranker_refusals),  # per attempt: a call the router retried counts twice
         "ranker_admitted_then_cancelled": int(ranker_cancelled),  # admitted, caller gave up first
+        "ranker_late_refusals": int(ranker_late),  # admitted, not started within its queue budget
         "router_rank_retries": int(router_retries),
         **{f"max_{k}": v for k, v in peaks.items()},
         **{f"max_{k}": int(v) for k, v in gauges.items()},
