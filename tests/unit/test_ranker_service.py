@@ -56,22 +56,33 @@ async def waits_for_psi(service: RankerService, calls: int = 1) -> None:
     await eventually(lambda: service.admission.inflight == calls, f"{calls} ranking calls waiting for psi")
 
 
+# psi built 256 tokens a step; a started pre-inference is joined (its rest always fits the delay)
+JOIN = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "100000"]
+# ... or taken over as partial psi (its rest never fits)
+TAKE_OVER = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "0.000001"]
+
+
+@pytest.mark.parametrize("ranker", [JOIN], indirect=True)
 async def test_miss_preinfer_join_hit_all_equal_full(ranker, monkeypatch):
     service, stub, _ = ranker
     prefixes, suffixes = users(1, 1, prefix_len=600)
     req = rank_request(prefixes[0], suffixes[0], "r1")
     full = await stub.Rank(req, timeout=30)
     assert full.served_by == pb.FULL_RECOMPUTE
+    assert full.timings.prefix_reused == 0.0
     assert len(full.scores) == 16
-    with PreinferGate(service.model, monkeypatch) as gate:  # psi stays in production until opened
+    with PreinferGate(service.model, monkeypatch, pause_before=(1,)) as gate:  # held after chunk 0
         accepted = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
         assert accepted.outcome == pb.PreInferReply.ACCEPTED
+        await gate.wait_reached(1)  # started: the ranking call joins it
         joining = asyncio.ensure_future(stub.Rank(req, timeout=30))
         await waits_for_psi(service)
         gate.open()
         joined = await joining
         assert gate.timed_out == []
     assert joined.served_by == pb.INFLIGHT_JOIN
+    assert joined.timings.prefix_reused == 1.0
+    assert gate.chunks == [(0, 256), (256, 512), (512, 603)]  # all built by the pre-inference
     again = await stub.PreInfer(preinfer_request(prefixes[0], "p2"), timeout=5)
     assert again.outcome == pb.PreInferReply.ALREADY_RESIDENT  # consumed, still in HBM: re-leased
     hit = await stub.Rank(req, timeout=30)
@@ -79,7 +90,34 @@ async def test_miss_preinfer_join_hit_all_equal_full(ranker, monkeypatch):
     assert max_diff(joined.scores, full.scores) <= TOL
     assert max_diff(hit.scores, full.scores) <= TOL
     assert hit.timings.total_ms > 0
+    assert hit.timings.prefix_reused == 1.0
     assert hit.model_version
+
+
+@pytest.mark.parametrize("ranker", [TAKE_OVER], indirect=True)
+async def test_a_call_takes_over_its_half_built_psi_and_completes_it(ranker, monkeypatch):
+    service, stub, _ = ranker
+    prefixes, suffixes = users(2, 1, prefix_len=900)
+    req = rank_request(prefixes[0], suffixes[0], "r1")
+    full = await stub.Rank(req, timeout=30)
+    with PreinferGate(service.model, monkeypatch, pause_before=(2,)) as gate:
+        await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
+        await gate.wait_reached(2)  # chunks 0 and 1 built, chunk 2 under way
+        taking = asyncio.ensure_future(stub.Rank(req, timeout=30))
+        await eventually(lambda: service.engine.rank_queue_depth == 1, "the partial call is queued")
+        gate.open()
+        partial = await taking
+    assert partial.served_by == pb.PARTIAL_PREFIX
+    assert gate.chunks == [(0, 256), (256, 512), (512, 768)]  # none after the take-over
+    assert partial.timings.prefix_reused == pytest.approx(768 / 903)
+    assert max_diff(partial.scores, full.scores) <= TOL
+    # The call completed psi: it is in HBM for the user's next call, exact.
+    hit = await stub.Rank(req, timeout=30)
+    assert hit.served_by == pb.HBM_HIT
+    assert max_diff(hit.scores, full.scores) <= TOL
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.psi_produced == 1
+    assert stats.psi_expired == 0
 
 
 async def test_batch_of_users_each_equal_to_full(ranker):
@@ -339,7 +377,7 @@ async def test_a_failed_background_task_stops_the_ranker_with_status_1(monkeypat
 
 
 async def test_sigterm_stops_intake_and_drains_the_calls_in_flight(monkeypatch):
-    service = RankerService(load_config(RankerConfig, ["--device", "cpu"]))
+    service = RankerService(load_config(RankerConfig, ["--device", "cpu", *JOIN]))
     runner = asyncio.ensure_future(service.run())
     try:
         await eventually(lambda: serving(service), "the ranker serves", bound_s=120)
@@ -348,8 +386,9 @@ async def test_sigterm_stops_intake_and_drains_the_calls_in_flight(monkeypatch):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as channel:
             stub = pb_grpc.RankerStub(channel)
             full = await stub.Rank(req, timeout=30)
-            with PreinferGate(service.model, monkeypatch) as gate:
+            with PreinferGate(service.model, monkeypatch, pause_before=(1,)) as gate:
                 await stub.PreInfer(preinfer_request(prefixes[0], "p"), timeout=5)
+                await gate.wait_reached(1)  # started: the call joins it
                 in_flight = asyncio.ensure_future(stub.Rank(req, timeout=30))
                 await waits_for_psi(service)
                 os.kill(os.getpid(), signal.SIGTERM)

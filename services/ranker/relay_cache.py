@@ -1,0 +1,362 @@
+"""The relay cache: where a ranking call's psi comes from, and what happens to psi afterwards. One
+object owns the cache policy over the HBM cache (services/ranker/hbm_cache.py: budget, leases,
+entry states) and the host-DRAM tier (services/ranker/host_tier.py); the engine owns the device.
+
+  produce   a PreInfer signal's psi: admitted under a lease, then reloaded from host DRAM when the
+            cost model says that beats recomputing, else pre-inferred by the engine (in chunks);
+  claim     a ranking call's psi: resident (HBM_HIT), being pre-inferred here (the engine joins
+            it or takes it over: INFLIGHT_JOIN, PARTIAL_PREFIX, or FULL_RECOMPUTE when nothing
+            was built yet: psi is still produced by the call), being reloaded (join the reload
+            within the deadline: INFLIGHT_JOIN), in host DRAM (reload when that beats
+            recomputing: DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE);
+  convert   a consumed psi's lease ends (RESIDENT -> CONSUMED): it is demoted to host DRAM after
+            the reply is sent, or stays as an evictable hot copy without a host tier;
+  expire    leased psi nobody consumed before its deadline (its device time counts as unused).
+
+Every cached path is an optimisation: any failure falls back to ranking the whole sequence. Only
+bad input (the caller's) and Overdue (the call's admission budget ran out) propagate.
+
+Driven from one asyncio loop (like the HBM cache it wraps). Testable on the CPU without gRPC:
+tests/unit/test_relay_cache.py runs it over a real engine and cache, without a host tier.
+`on_event(kind, label)` reports what the service counts: ("reload_decision", reason),
+("reload", "ok" | "failed"), ("fallback", reason), ("demotion", "ok" | "failed"),
+("content_mismatch", "").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from services.ranker.cost_model import CostModel
+from services.ranker.engine import Engine, Overdue, RankResult
+from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
+from services.ranker.psi import Psi, PsiKey
+from services.ranker.sequences import RankingSuffix
+from services.ranker.wire import FallbackPrefix, PrefixReference, PrefixRequired
+from shared.logging import get_logger
+
+if TYPE_CHECKING:
+    from services.ranker.host_tier import HostTier
+
+log = get_logger("ranker.relay_cache")
+
+Spawn = Callable[[Awaitable[None], str], "asyncio.Task[None]"]
+OnEvent = Callable[[str, str], None]
+# Registers work to run once the reply has been sent (gRPC's done callback).
+AfterReply = Callable[[Callable[[Any], None]], None]
+
+
+class Served(enum.StrEnum):
+    HBM_HIT = "hbm_hit"
+    INFLIGHT_JOIN = "inflight_join"
+    PARTIAL_PREFIX = "partial_prefix"
+    DRAM_RELOAD = "dram_reload"
+    FULL_RECOMPUTE = "full_recompute"
+
+
+class Produce(enum.Enum):
+    """What a PreInfer signal started (or found)."""
+
+    ACCEPTED = "accepted"  # pre-inference started
+    RELOAD_SCHEDULED = "reload_scheduled"  # reload from host DRAM started
+    ALREADY_RESIDENT = "already_resident"
+    ALREADY_PRODUCING = "already_producing"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A ranking call's answer and where it came from. `prefix_reused`: the fraction of the
+    prefix's tokens read from psi rather than computed."""
+
+    served: Served
+    result: RankResult
+    cache_ms: float  # lookup, waiting for an in-flight psi, reload
+    prefix_reused: float
+
+
+@dataclass
+class _Production:
+    """A psi being produced (pre-inference or reload); ranking calls wait on `done`."""
+
+    done: asyncio.Event
+    reload: bool
+    task: asyncio.Task[None] | None = None
+
+
+class RelayCache:
+    def __init__(
+        self,
+        cache: HbmCache,
+        engine: Engine,
+        costs: CostModel,
+        psi_bytes: Callable[[int], int],
+        spawn: Spawn,
+        *,
+        join_margin_ms: float,
+        keep_demoted: bool,
+        on_event: OnEvent = lambda kind, label: None,
+    ) -> None:
+        self.cache = cache
+        self.engine = engine
+        self.costs = costs
+        self.host: HostTier | None = None  # attached once connected (RankerService.start)
+        self._psi_bytes = psi_bytes
+        self._spawn = spawn
+        self._join_margin_ms = join_margin_ms
+        self._keep_demoted = keep_demoted
+        self._on_event = on_event
+        self._productions: dict[PsiKey, _Production] = {}
+        self.reloads = 0
+        self.content_mismatches = 0
+
+    @property
+    def host_usable(self) -> bool:
+        return self.host is not None and self.host.connected
+
+    # ------------------------------------------------------------------ produce
+
+    async def produce(self, key: PsiKey, prefix: FallbackPrefix, lease: Lease) -> tuple[Produce, str]:
+        """A PreInfer signal: admits psi under `lease` and starts producing it. Returns the
+        outcome and, when refused, the reason."""
+        admitted = self.cache.admit(key, self._psi_bytes(prefix.length), lease)
+        if admitted.outcome is Admission.REFUSED:
+            return Produce.REFUSED, admitted.reason
+        if admitted.outcome is Admission.ALREADY_RESIDENT:
+            return Produce.ALREADY_RESIDENT, ""
+        if admitted.outcome is Admission.ALREADY_PRODUCING:
+            return Produce.ALREADY_PRODUCING, ""
+        reload = False
+        if self.host is not None and self.host.connected:
+            nbytes = await self.host.lookup(key)
+            if nbytes is not None:
+                busy = self.engine.rank_queue_depth > 0 or self.engine.preinfer_backlog > 0
+                decision = self.costs.choose(nbytes, prefix.length, busy)
+                self._on_event("reload_decision", decision.reason)
+                reload = decision.reload
+        self._start(key, prefix, reload)
+        return (Produce.RELOAD_SCHEDULED if reload else Produce.ACCEPTED), ""
+
+    def _start(self, key: PsiKey, prefix: FallbackPrefix, reload: bool) -> None:
+        production = _Production(asyncio.Event(), reload)
+        self._productions[key] = production
+        name = f"{'reload' if reload else 'produce'}-{key.user_id}"
+        production.task = self._spawn(self._produce(key, prefix, production), name)
+
+    async def _produce(self, key: PsiKey, prefix: FallbackPrefix, production: _Production) -> None:
+        psi: Psi | None = None
+        try:
+            if production.reload and self.host is not None:
+                t0 = time.perf_counter()
+                psi = await self.host.reload(key, self.engine)
+                self._on_event("reload", "ok" if psi is not None else "failed")
+                self.reloads += psi is not None
+                if psi is not None:
+                    self.costs.observe_reload(
+                        self._psi_bytes(prefix.length), (time.perf_counter() - t0) * 1e3
+                    )
+                else:
+                    self._on_event("fallback", "reload_failed")
+            if psi is None:
+                t0 = time.perf_counter()
+                psi = await self.engine.preinfer(prefix.tensors())
+                self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
+            if not self.cache.produced(key, psi):
+                log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
+        except PrefixRequired:
+            # A reload for a call by reference failed, and there are no tokens to compute from:
+            # its call answers prefix_required and comes back with the prefix.
+            self.cache.production_failed(key)
+        except Exception as exc:
+            log.warning("production_failed", user=key.user_id, error=repr(exc))
+            self.cache.production_failed(key)
+        finally:
+            production.done.set()
+            if self._productions.get(key) is production:
+                del self._productions[key]
+
+    # ------------------------------------------------------------------ claim
+
+    async def rank(
+        self,
+        key: PsiKey,
+        request_id: str,
+        prefix: FallbackPrefix,
+        suffix: RankingSuffix,
+        deadline: float,
+        after_reply: AfterReply,
+        start_by: float = float("inf"),
+    ) -> Ranked:
+        """Scores one ranking call by the cheapest path its psi allows (module docstring).
+        `deadline` (time.monotonic()) orders it on the device and bounds any wait; a call the
+        engine has not started by `start_by` (time.perf_counter()) fails with Overdue."""
+        t0 = time.perf_counter()
+        served = Served.HBM_HIT
+        claim = self.cache.claim(key)
+        if claim.outcome is Claim.MISS and self.cache.variants(key):
+            # psi of other tokens under this (user, prefix version): not this call's, whatever its
+            # state (resident, being produced, a hot copy). Its key differs, so it is neither
+            # served, joined nor reloaded; the call goes on as a miss of its own content.
+            self._content_mismatch(key)
+        if claim.outcome is Claim.IN_FLIGHT:
+            relayed = await self._relay(key, prefix, suffix, deadline, after_reply, start_by, t0)
+            if relayed is not None:
+                return relayed
+            served = Served.INFLIGHT_JOIN
+            claim = await self._join(key, deadline, prefix.length)
+        elif claim.outcome is Claim.MISS:
+            started = await self._reload_on_miss(key, request_id, prefix, deadline)
+            if started is not None:
+                # Another call may have started the same reload meanwhile: then this one joined it.
+                served = Served.DRAM_RELOAD if started else Served.INFLIGHT_JOIN
+                claim = await self._join(key, deadline, prefix.length)
+        cache_ms = (time.perf_counter() - t0) * 1e3
+        if claim.outcome is Claim.HIT and claim.handle.prefix_len != prefix.length:
+            # (user, prefix version) must name one prefix; a caller that broke that gets full inference.
+            log.warning(
+                "prefix_version_reused", user=key.user_id, psi_len=claim.handle.prefix_len, len=prefix.length
+            )
+            self._on_event("fallback", "prefix_mismatch")
+            self.cache.unpin(key)
+        elif claim.outcome is Claim.HIT:
+            try:
+                result = await self.engine.rank_cached(suffix, claim.handle, key, start_by, deadline=deadline)
+                return Ranked(served, result, cache_ms, 1.0)
+            except Overdue:
+                raise  # not a failure of the cached path: the call is out of time
+            except Exception as exc:  # the cached path is an optimisation: never an error
+                log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
+                self._on_event("fallback", "cached_rank_failed")
+            finally:
+                self.cache.unpin(key)
+                after_reply(lambda _context: self._after_consume(key))
+        result = await self.engine.rank_full(prefix.tensors(), suffix, start_by, deadline=deadline)
+        return Ranked(Served.FULL_RECOMPUTE, result, cache_ms, 0.0)
+
+    async def _relay(
+        self,
+        key: PsiKey,
+        prefix: FallbackPrefix,
+        suffix: RankingSuffix,
+        deadline: float,
+        after_reply: AfterReply,
+        start_by: float,
+        t0: float,
+    ) -> Ranked | None:
+        """A call whose psi is being pre-inferred here: the engine joins the pre-inference or
+        takes it over (services/ranker/engine.py). None when it is a reload, or the pre-inference
+        has just finished, or the call carries no prefix tokens to compute from: then the call
+        joins the production as any other."""
+        production = self._productions.get(key)
+        if production is None or production.reload or isinstance(prefix, PrefixReference):
+            return None
+        tokens = prefix.tensors()  # bad tokens are the caller's error (WireError), not a fallback
+        try:
+            relayed = await self.engine.relay(tokens, suffix, key, deadline, start_by)
+        except Overdue:
+            raise
+        except Exception as exc:  # e.g. the pre-inference failed: rank without it
+            log.warning("relay_failed", user=key.user_id, error=repr(exc))
+            self._on_event("fallback", "relay_failed")
+            result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
+            return Ranked(Served.FULL_RECOMPUTE, result, (time.perf_counter() - t0) * 1e3, 0.0)
+        if relayed is None:
+            return None
+        # psi is complete (built, or completed by this call): once its production has stored it,
+        # this call consumed it, which ends its lease.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(production.done.wait(), max(0.0, deadline - time.monotonic()))
+        claim = self.cache.claim(key)
+        if claim.outcome is Claim.HIT:
+            self.cache.unpin(key)
+            after_reply(lambda _context: self._after_consume(key))
+        if relayed.joined:
+            served = Served.INFLIGHT_JOIN
+        else:
+            served = Served.PARTIAL_PREFIX if relayed.reused_tokens else Served.FULL_RECOMPUTE
+        result = relayed.result
+        waited_ms = (time.perf_counter() - t0) * 1e3 - result.queue_ms - result.compute_ms
+        return Ranked(served, result, max(0.0, waited_ms), relayed.reused_fraction)
+
+    def _content_mismatch(self, key: PsiKey) -> None:
+        self.content_mismatches += 1
+        self._on_event("content_mismatch", "")
+        log.warning("prefix_content_mismatch", user=key.user_id, prefix_version=key.prefix_version,
+                    fingerprint=f"{key.fingerprint:016x}",
+                    held=[f"{cast(PsiKey, k).fingerprint:016x}" for k in self.cache.variants(key)])  # fmt: skip
+
+    async def _join(self, key: PsiKey, deadline: float, prefix_len: int) -> ClaimResult:
+        """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
+        production = self._productions.get(key)
+        if production is not None:
+            full_ms = self.costs.recompute_ms(prefix_len) + self._join_margin_ms
+            budget = deadline - time.monotonic() - full_ms / 1e3
+            if budget > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(production.done.wait(), budget)
+            if not production.done.is_set():
+                self._on_event("fallback", "join_timeout")
+        return self.cache.claim(key)
+
+    # ------------------------------------------------------------------ reload
+
+    async def _reload_on_miss(
+        self, key: PsiKey, request_id: str, prefix: FallbackPrefix, deadline: float
+    ) -> bool | None:
+        """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
+        call started it, False when one was already under way (single flight), None for no reload."""
+        if self.host is None or not self.host.connected:
+            return None
+        nbytes = await self.host.lookup(key)
+        if nbytes is None:
+            return None
+        decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
+        self._on_event("reload_decision", decision.reason)
+        if not decision.reload:
+            return None
+        admitted = self.cache.admit(
+            key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload"
+        )
+        if admitted.outcome is Admission.REFUSED:
+            return None
+        if admitted.outcome is not Admission.ADMITTED:
+            return False  # produced or being produced meanwhile: join it
+        self._start(key, prefix, reload=True)
+        return True
+
+    # ------------------------------------------------------------------ convert, demote, expire
+
+    def _after_consume(self, key: PsiKey) -> None:
+        """Demotes a consumed psi to host DRAM off the critical path; without a host tier it stays
+        in HBM as an evictable hot copy."""
+        view = self.cache.lookup(key)
+        if view is None or view.pins or self.host is None or not self.host.connected:
+            return
+        handle = self.cache.pin_for_copy(key)
+        if handle is not None:
+            self._spawn(self._demote(key, handle), f"demote-{key.user_id}")
+
+    async def _demote(self, key: PsiKey, psi: Psi) -> None:
+        ok = False
+        try:
+            assert self.host is not None
+            ok = await self.host.demote(key, psi, self.engine)
+        except Exception as exc:
+            log.warning("demotion_failed", user=key.user_id, error=repr(exc))
+        finally:
+            self._on_event("demotion", "ok" if ok else "failed")
+            self.cache.demoted(key, ok, keep=self._keep_demoted)
+
+    def expire(self) -> list[PsiKey]:
+        """Leased psi past its deadline, never consumed: dropped, its device time unused."""
+        gone = cast(list[PsiKey], self.cache.expire())
+        for key in gone:
+            self.engine.device_time.expired_unused(key)
+            log.debug("psi_expired", key=str(key))
+        return gone

@@ -1,0 +1,192 @@
+"""The relay cache's policy on the CPU, without gRPC: a real engine, HBM cache and model (no host
+tier). Produce, claim (hit, join, partial take-over, take-over before any chunk, miss, content
+mismatch), lease conversion and expiry, with the device-time ledger."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+
+import pytest
+import torch
+
+from kernels.device import accelerator
+from services.ranker.cost_model import CostModel
+from services.ranker.engine import Engine, EngineConfig
+from services.ranker.hbm_cache import EntryState, HbmCache, Lease
+from services.ranker.model import HSTURanker
+from services.ranker.relay_cache import Produce, RelayCache, Served
+from services.ranker.wire import rank_inputs
+from shared.modelspec import preset
+from shared.wire import RequestLimits
+from tests.preinfer_gate import PreinferGate
+from tests.rankers import rank_request, users
+from tests.waiting import eventually
+
+TOL = 1e-5
+FAR = 1e12  # a deadline that never comes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Relay:
+    """A relay cache over a real engine, with what the tests look at."""
+
+    def __init__(self, model: HSTURanker, delay_s: float) -> None:
+        self.model = model
+        self.clock = Clock()
+        # Keys grouped by (user, prefix version, model), as the service does: content mismatches show.
+        self.cache = HbmCache(64 * 2**20, self.clock, group_of=lambda key: key.name)
+        config = EngineConfig(max_wait_s=0.0, preinfer_chunk_tokens=256, max_rank_delay_s=delay_s)
+        self.engine = Engine(model, accelerator("cpu"), config)
+        self.events: list[tuple[str, str]] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.after: list[object] = []
+        costs = CostModel(model.spec, assumed_tflops=0.05, h2d_gbps=5.0)
+        self.relay = RelayCache(
+            self.cache, self.engine, costs, model.spec.psi_bytes, self.spawn,
+            join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: self.events.append((k, v)),
+        )  # fmt: skip
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self.tasks.append(task)
+        return task
+
+    def inputs(self, seed: int, prefix_len: int):
+        prefixes, suffixes = users(seed, 1, prefix_len=prefix_len)
+        prefix, suffix = rank_inputs(rank_request(prefixes[0], suffixes[0], f"r{seed}"), RequestLimits())
+        key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        want = self.model.full([prefixes[0]], [suffixes[0]])[0]
+        return key, prefix, suffix, want
+
+    async def rank(self, key, prefix, suffix):
+        return await self.relay.rank(key, "r", prefix, suffix, FAR, self.after.append)
+
+    def state(self, key) -> EntryState | None:
+        view = self.cache.lookup(key)
+        return view.state if view is not None else None
+
+
+@pytest.fixture(scope="module")
+def model() -> HSTURanker:
+    return HSTURanker.from_seed(preset("tiny"), seed=0)
+
+
+@pytest.fixture
+async def join(model) -> AsyncIterator[Relay]:
+    r = Relay(model, delay_s=100.0)  # a started pre-inference's rest always fits: join
+    r.engine.start()
+    yield r
+    r.engine.stop()
+
+
+@pytest.fixture
+async def take_over(model) -> AsyncIterator[Relay]:
+    r = Relay(model, delay_s=1e-9)  # the rest never fits: take over
+    yield r  # started by the test
+    r.engine.stop()
+
+
+def close(scores: torch.Tensor, want: torch.Tensor) -> bool:
+    return float((scores - want).abs().max()) <= TOL
+
+
+async def test_produce_then_hit_converts_the_lease(join):
+    key, prefix, suffix, want = join.inputs(1, 500)
+    assert await join.relay.produce(key, prefix, Lease("p", FAR)) == (Produce.ACCEPTED, "")
+    await eventually(lambda: join.state(key) is EntryState.RESIDENT, "psi resident")
+    assert await join.relay.produce(key, prefix, Lease("p2", FAR)) == (Produce.ALREADY_RESIDENT, "")
+    ranked = await join.rank(key, prefix, suffix)
+    assert ranked.served is Served.HBM_HIT
+    assert ranked.prefix_reused == 1.0
+    assert close(ranked.result.scores, want)
+    assert join.state(key) is EntryState.CONSUMED  # the lease ended with the call
+    assert join.engine.device_time.snapshot().unused_psi == 0
+
+
+async def test_a_call_joins_a_started_preinference(join, monkeypatch):
+    key, prefix, suffix, want = join.inputs(2, 700)
+    with PreinferGate(join.model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        await join.relay.produce(key, prefix, Lease("p", FAR))
+        await gate.wait_reached(1)
+        assert await join.relay.produce(key, prefix, Lease("p2", FAR)) == (Produce.ALREADY_PRODUCING, "")
+        call = asyncio.ensure_future(join.rank(key, prefix, suffix))
+        gate.open()
+        ranked = await asyncio.wait_for(call, 30)
+    assert ranked.served is Served.INFLIGHT_JOIN
+    assert ranked.prefix_reused == 1.0
+    assert close(ranked.result.scores, want)
+    assert join.state(key) is EntryState.CONSUMED
+    assert len(join.after) == 1  # demotion (or keeping it hot) once the reply is sent
+
+
+async def test_a_call_takes_over_a_half_built_psi_as_partial_prefix(take_over, monkeypatch):
+    r = take_over
+    key, prefix, suffix, want = r.inputs(3, 1000)
+    with PreinferGate(r.model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        r.engine.start()
+        await r.relay.produce(key, prefix, Lease("p", FAR))
+        await gate.wait_reached(1)  # chunk 0 built, chunk 1 under way
+        call = asyncio.ensure_future(r.rank(key, prefix, suffix))
+        await eventually(lambda: r.engine.rank_queue_depth == 1, "the partial call is queued")
+        gate.open()
+        ranked = await asyncio.wait_for(call, 30)
+    assert ranked.served is Served.PARTIAL_PREFIX
+    assert gate.chunks == [(0, 256), (256, 512)]
+    assert ranked.prefix_reused == pytest.approx(512 / 1003)
+    assert close(ranked.result.scores, want)
+    assert r.state(key) is EntryState.CONSUMED  # produced by the call, consumed by it
+    again = await r.rank(key, prefix, suffix)
+    assert again.served is Served.HBM_HIT
+    assert close(again.result.scores, want)
+    assert r.engine.device_time.snapshot().unused_psi == 0
+
+
+async def test_a_preinference_not_started_is_taken_over_whole(take_over, monkeypatch):
+    r = take_over
+    key, prefix, suffix, want = r.inputs(4, 600)
+    with PreinferGate(r.model, monkeypatch, pause_before=()) as gate:
+        await r.relay.produce(key, prefix, Lease("p", FAR))  # queued: the engine is not running
+        await eventually(lambda: r.engine.producing(key), "the pre-inference is queued")
+        call = asyncio.ensure_future(r.rank(key, prefix, suffix))
+        await eventually(lambda: r.engine.rank_queue_depth == 1, "the call took it over")
+        r.engine.start()
+        ranked = await asyncio.wait_for(call, 30)
+    assert ranked.served is Served.FULL_RECOMPUTE  # nothing was built: the call computed it all ...
+    assert ranked.prefix_reused == 0.0
+    assert gate.chunks == []  # ... once: no chunk ran
+    assert close(ranked.result.scores, want)
+    assert r.state(key) is EntryState.CONSUMED  # ... and psi was produced by it all the same
+    assert r.cache.counters.produced == 1
+
+
+async def test_a_miss_ranks_in_full_and_another_content_is_a_mismatch(join):
+    key, prefix, suffix, want = join.inputs(5, 300)
+    ranked = await join.rank(key, prefix, suffix)
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
+    await join.relay.produce(key, prefix, Lease("p", FAR))
+    await eventually(lambda: join.state(key) is EntryState.RESIDENT, "psi resident")
+    other = join.model.psi_key(key.user_id, key.prefix_version, key.fingerprint ^ 1)
+    assert (await join.rank(other, prefix, suffix)).served is Served.FULL_RECOMPUTE
+    assert ("content_mismatch", "") in join.events
+    assert join.relay.content_mismatches == 1
+
+
+async def test_psi_nobody_consumed_expires_with_its_device_time_unused(join):
+    key, prefix, _, _ = join.inputs(6, 400)
+    await join.relay.produce(key, prefix, Lease("p", join.clock.now + 1.0))
+    await eventually(lambda: join.state(key) is EntryState.RESIDENT, "psi resident")
+    assert join.relay.expire() == []
+    join.clock.now += 2.0
+    assert join.relay.expire() == [key]
+    snap = join.engine.device_time.snapshot()
+    assert snap.unused_psi == 1
+    assert snap.unused_psi_s == pytest.approx(snap.work_s["preinfer"])
