@@ -9,8 +9,14 @@ stop intake (health NOT_SERVING, the gRPC server takes no new call), drain the c
 close (the engine, the host tier). A failed background task exits with status 1: without its
 expiry loop a ranker would never expire a lease and fill HBM, so it stops and is restarted instead.
 
-Rank always answers with scores: psi in HBM (HBM_HIT), psi being produced and awaited within the
-deadline (INFLIGHT_JOIN), psi reloaded from host DRAM when the cost model says that beats
+Rooms: this servicer decodes, validates, admits and replies; the relay cache
+(services/ranker/relay_cache.py) owns the cache policy (produce, claim, join, reload, demote,
+leases) over the HBM cache and the host tier; the engine and its iteration scheduler
+(services/ranker/engine.py, scheduler.py) own the device.
+
+Rank always answers with scores: psi in HBM (HBM_HIT), psi being produced and awaited
+(INFLIGHT_JOIN), psi built in part and completed by the call (PARTIAL_PREFIX, with the fraction
+reused in the reply's timings), psi reloaded from host DRAM when the cost model says that beats
 recomputing (DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE). Any failure on a cached path
 falls back to full inference; only bad input (INVALID_ARGUMENT) and overload
 (RESOURCE_EXHAUSTED, refused at once) are not answered with scores.
@@ -30,9 +36,8 @@ import contextlib
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Hashable
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -46,13 +51,14 @@ from services.ranker.call_cost import CallWork
 from services.ranker.config import RankerConfig
 from services.ranker.cost_model import CostModel
 from services.ranker.device_time import DeviceTimeCollector
-from services.ranker.engine import Engine, EngineConfig, Overdue, RankResult
+from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits
-from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
+from services.ranker.hbm_cache import HbmCache, Lease
 from services.ranker.model import HSTURanker
-from services.ranker.psi import Psi, PsiKey
+from services.ranker.psi import PsiKey
+from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
-from services.ranker.wire import FallbackPrefix, PrefixRequired, checked_prefix, rank_inputs
+from services.ranker.wire import PrefixRequired, checked_prefix, rank_inputs
 from shared.lifecycle import Lifecycle, pin_process, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
@@ -68,16 +74,18 @@ if TYPE_CHECKING:
 log = get_logger("ranker")
 SERVICE_NAME = "relaygr.v1.Ranker"
 _SERVED = {
-    "hbm_hit": pb.HBM_HIT,
-    "inflight_join": pb.INFLIGHT_JOIN,
-    "dram_reload": pb.DRAM_RELOAD,
-    "full_recompute": pb.FULL_RECOMPUTE,
+    Served.HBM_HIT: pb.HBM_HIT,
+    Served.INFLIGHT_JOIN: pb.INFLIGHT_JOIN,
+    Served.PARTIAL_PREFIX: pb.PARTIAL_PREFIX,
+    Served.DRAM_RELOAD: pb.DRAM_RELOAD,
+    Served.FULL_RECOMPUTE: pb.FULL_RECOMPUTE,
 }
-_OUTCOME: dict[Admission, pb.PreInferReply.Outcome] = {
-    Admission.ADMITTED: pb.PreInferReply.ACCEPTED,
-    Admission.ALREADY_RESIDENT: pb.PreInferReply.ALREADY_RESIDENT,
-    Admission.ALREADY_PRODUCING: pb.PreInferReply.ALREADY_PRODUCING,
-    Admission.REFUSED: pb.PreInferReply.REFUSED,
+_OUTCOME: dict[Produce, pb.PreInferReply.Outcome] = {
+    Produce.ACCEPTED: pb.PreInferReply.ACCEPTED,
+    Produce.RELOAD_SCHEDULED: pb.PreInferReply.RELOAD_SCHEDULED,
+    Produce.ALREADY_RESIDENT: pb.PreInferReply.ALREADY_RESIDENT,
+    Produce.ALREADY_PRODUCING: pb.PreInferReply.ALREADY_PRODUCING,
+    Produce.REFUSED: pb.PreInferReply.REFUSED,
 }
 
 
@@ -132,14 +140,6 @@ class _Metrics:
                                registry=registry)  # fmt: skip
         self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
                                  registry=registry)  # fmt: skip
-
-
-@dataclass
-class _Production:
-    """A psi being produced (pre-inference or reload); ranking calls wait on `done`."""
-
-    done: asyncio.Event
-    task: asyncio.Task[None] | None = None
 
 
 def _psi_name(key: Hashable) -> Hashable:
@@ -201,7 +201,16 @@ class RankerService(pb_grpc.RankerServicer):
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
         self.registry.register(DeviceTimeCollector(self.engine.device_time))
-        self._productions: dict[PsiKey, _Production] = {}
+        self.relay = RelayCache(
+            self.cache,
+            self.engine,
+            self.costs,
+            self.spec.psi_bytes,
+            self._spawn,
+            join_margin_ms=config.join_margin_ms,
+            keep_demoted=config.keep_demoted,
+            on_event=self._relay_event,
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -219,8 +228,6 @@ class RankerService(pb_grpc.RankerServicer):
         if graphs is not None:
             self.metrics.graph_replays.set_function(lambda: graphs.replays)
             self.metrics.graph_eager.set_function(lambda: sum(graphs.fallbacks.values()))
-        self._reloads = 0
-        self._content_mismatches = 0
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._expiry: asyncio.Task[None] | None = None
@@ -267,6 +274,7 @@ class RankerService(pb_grpc.RankerServicer):
 
             self.host = HostTier(self.config.expander_socket, self.accel, on_change=self._host_changed)
             await self.host.start()
+            self.relay.host = self.host
         self._expiry = self.lifecycle.spawn(self._expire_loop(), "expire")
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -384,15 +392,27 @@ class RankerService(pb_grpc.RankerServicer):
         while True:
             await asyncio.sleep(0.05)
             self.admission.costs.observe_batches(self.engine.recent_batches())
-            for key in self.cache.expire():
-                self.engine.device_time.expired_unused(key)
-                log.debug("psi_expired", key=str(key))
+            self.relay.expire()
             self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)
             self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
             self.metrics.expander_up.set(1 if self.host is not None and self.host.connected else 0)
 
     def _host_changed(self, connected: bool) -> None:
         log.info("host_tier", connected=connected)
+
+    def _relay_event(self, kind: str, label: str) -> None:
+        """Counts what the relay cache reports (services/ranker/relay_cache.py)."""
+        m = self.metrics
+        if kind == "reload_decision":
+            m.reload_decisions.labels(label).inc()
+        elif kind == "reload":
+            m.reloads.labels(label).inc()
+        elif kind == "fallback":
+            m.fallbacks.labels(label).inc()
+        elif kind == "demotion":
+            m.demotions.labels(label).inc()
+        elif kind == "content_mismatch":
+            m.content_mismatch.inc()
 
     # ------------------------------------------------------------------ PreInfer
 
@@ -420,13 +440,11 @@ class RankerService(pb_grpc.RankerServicer):
                 fingerprint=key.fingerprint,
             )
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
-        result = self.cache.admit(key, self.spec.psi_bytes(prefix.length), lease)
-        outcome = _OUTCOME[result.outcome]
-        if result.outcome is Admission.ADMITTED:
-            outcome = await self._start_production(key, prefix)
+        produced, reason = await self.relay.produce(key, prefix, lease)
+        outcome = _OUTCOME[produced]
         self.metrics.preinfers.labels(pb.PreInferReply.Outcome.Name(outcome).lower()).inc()
         return pb.PreInferReply(
-            outcome=outcome, reason=result.reason, instance_id=self.instance_id, fingerprint=key.fingerprint
+            outcome=outcome, reason=reason, instance_id=self.instance_id, fingerprint=key.fingerprint
         )
 
     def _lease_deadline(self, unix_ms: int) -> float:
@@ -434,57 +452,6 @@ class RankerService(pb_grpc.RankerServicer):
         remaining = unix_ms - now_ms if unix_ms > 0 else self.config.default_lease_ms
         remaining = min(max(remaining, 0.0), self.config.max_lease_ms)
         return time.monotonic() + remaining / 1e3
-
-    async def _start_production(self, key: PsiKey, prefix: FallbackPrefix) -> pb.PreInferReply.Outcome:
-        """Starts producing an admitted psi: reload from host DRAM when that is cheaper, else compute."""
-        reload = False
-        if self.host is not None and self.host.connected:
-            nbytes = await self.host.lookup(key)
-            if nbytes is not None:
-                busy = self.engine.rank_queue_depth > 0 or self.engine.preinfer_backlog > 0
-                decision = self.costs.choose(nbytes, prefix.length, busy)
-                self.metrics.reload_decisions.labels(decision.reason).inc()
-                reload = decision.reload
-        production = _Production(asyncio.Event())
-        self._productions[key] = production
-        production.task = self._spawn(
-            self._produce(key, prefix, reload, production), f"produce-{key.user_id}"
-        )
-        return pb.PreInferReply.RELOAD_SCHEDULED if reload else pb.PreInferReply.ACCEPTED
-
-    async def _produce(
-        self, key: PsiKey, prefix: FallbackPrefix, reload: bool, production: _Production
-    ) -> None:
-        psi: Psi | None = None
-        try:
-            if reload and self.host is not None:
-                t0 = time.perf_counter()
-                psi = await self.host.reload(key, self.engine)
-                self.metrics.reloads.labels("ok" if psi is not None else "failed").inc()
-                self._reloads += psi is not None
-                if psi is not None:
-                    self.costs.observe_reload(
-                        self.spec.psi_bytes(prefix.length), (time.perf_counter() - t0) * 1e3
-                    )
-                else:
-                    self.metrics.fallbacks.labels("reload_failed").inc()
-            if psi is None:
-                t0 = time.perf_counter()
-                psi = await self.engine.preinfer(prefix.tensors())
-                self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
-            if not self.cache.produced(key, psi):
-                log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
-        except PrefixRequired:
-            # A reload for a call by reference failed, and there are no tokens to compute from:
-            # its call answers prefix_required and comes back with the prefix.
-            self.cache.production_failed(key)
-        except Exception as exc:
-            log.warning("production_failed", user=key.user_id, error=repr(exc))
-            self.cache.production_failed(key)
-        finally:
-            production.done.set()
-            if self._productions.get(key) is production:
-                del self._productions[key]
 
     # ------------------------------------------------------------------ Rank
 
@@ -499,7 +466,7 @@ class RankerService(pb_grpc.RankerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"ranker {self.instance_id} {admitted.reason}"
             )
             raise AssertionError("unreachable: abort raises")  # pragma: no cover
-        served = ""
+        ranked: Ranked | None = None
         # Not started by then, the engine drops the call unrun (admission.py: a late refusal).
         budget_s = admitted.queue_budget_s
         start_by = started + budget_s if budget_s is not None else float("inf")
@@ -507,7 +474,10 @@ class RankerService(pb_grpc.RankerServicer):
             prefix, suffix = rank_inputs(request, self.config.limits)
             deadline = time.monotonic() + (remaining if remaining is not None else 10.0)
             key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
-            served, result, cache_ms = await self._rank(
+            signalled = self._signal_at.pop(key, None)
+            if signalled is not None:
+                self._lead_ms.append((time.monotonic() - signalled) * 1e3)
+            ranked = await self.relay.rank(
                 key, request.request_id, prefix, suffix, deadline, context.add_done_callback, start_by
             )
         except Overdue as exc:
@@ -528,15 +498,21 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.rank_errors.labels("cancelled").inc()
             raise
         finally:
-            self.admission.release(admitted, served=bool(served))
+            self.admission.release(admitted, served=ranked is not None)
         total_ms = (time.perf_counter() - started) * 1e3
         self._rank_ms.append(total_ms)
-        self.metrics.rank_ms.labels(served).observe(total_ms)
+        assert ranked is not None  # every other way out of the try block raises
+        result = ranked.result
+        self.metrics.rank_ms.labels(ranked.served.value).observe(total_ms)
         return pb.RankReply(
             scores=result.scores.tolist(),
-            served_by=_SERVED[served],
+            served_by=_SERVED[ranked.served],
             timings=pb.StageTimings(
-                cache_ms=cache_ms, queue_ms=result.queue_ms, compute_ms=result.compute_ms, total_ms=total_ms
+                cache_ms=ranked.cache_ms,
+                queue_ms=result.queue_ms,
+                compute_ms=result.compute_ms,
+                total_ms=total_ms,
+                prefix_reused=ranked.prefix_reused,
             ),
             model_version=self.model.model_version,
             instance_id=self.instance_id,
@@ -553,128 +529,6 @@ class RankerService(pb_grpc.RankerServicer):
                         inflight_work_ms=round(self.admission.inflight_work_s * 1e3, 1),
                         drain_factor=round(self.admission.drain_factor, 2),
                         throughput_rps=self.admission.throughput, refused=dict(self.admission.refused))  # fmt: skip
-
-    async def _rank(
-        self,
-        key: PsiKey,
-        request_id: str,
-        prefix: FallbackPrefix,
-        suffix: RankingSuffix,
-        deadline: float,
-        after_reply: Callable[[Callable[[Any], None]], None],
-        start_by: float = float("inf"),
-    ) -> tuple[str, RankResult, float]:
-        """`after_reply` registers work to run once the reply has been sent (gRPC's done
-        callback): demoting the consumed psi then does not compete with sending the scores.
-        `start_by` (time.perf_counter()): the engine's Overdue when the call has not started by then."""
-        t0 = time.perf_counter()
-        served = "hbm_hit"
-        signalled = self._signal_at.pop(key, None)
-        if signalled is not None:
-            self._lead_ms.append((time.monotonic() - signalled) * 1e3)
-        claim = self.cache.claim(key)
-        if claim.outcome is Claim.MISS and self.cache.variants(key):
-            # psi of other tokens under this (user, prefix version): not this call's, whatever its
-            # state (resident, being produced, a hot copy). Its key differs, so it is neither
-            # served, joined nor reloaded; the call goes on as a miss of its own content.
-            self._content_mismatch(key)
-        if claim.outcome is Claim.IN_FLIGHT:
-            served = "inflight_join"
-            claim = await self._join(key, deadline, prefix.length)
-        elif claim.outcome is Claim.MISS:
-            started = await self._reload_on_miss(key, request_id, prefix, deadline)
-            if started is not None:
-                # Another call may have started the same reload meanwhile: then this one joined it.
-                served = "dram_reload" if started else "inflight_join"
-                claim = await self._join(key, deadline, prefix.length)
-        cache_ms = (time.perf_counter() - t0) * 1e3
-        if claim.outcome is Claim.HIT and claim.handle.prefix_len != prefix.length:
-            # (user, prefix version) must name one prefix; a caller that broke that gets full inference.
-            log.warning(
-                "prefix_version_reused", user=key.user_id, psi_len=claim.handle.prefix_len, len=prefix.length
-            )
-            self.metrics.fallbacks.labels("prefix_mismatch").inc()
-            self.cache.unpin(key)
-        elif claim.outcome is Claim.HIT:
-            try:
-                result = await self.engine.rank_cached(suffix, claim.handle, key, start_by)
-                return served, result, cache_ms
-            except Overdue:
-                raise  # not a failure of the cached path: the call is out of time
-            except Exception as exc:  # the cached path is an optimisation: never an error
-                log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
-                self.metrics.fallbacks.labels("cached_rank_failed").inc()
-            finally:
-                self.cache.unpin(key)
-                after_reply(lambda _context: self._after_consume(key))
-        return "full_recompute", await self.engine.rank_full(prefix.tensors(), suffix, start_by), cache_ms
-
-    def _content_mismatch(self, key: PsiKey) -> None:
-        self._content_mismatches += 1
-        self.metrics.content_mismatch.inc()
-        log.warning("prefix_content_mismatch", user=key.user_id, prefix_version=key.prefix_version,
-                    fingerprint=f"{key.fingerprint:016x}",
-                    held=[f"{cast(PsiKey, k).fingerprint:016x}" for k in self.cache.variants(key)])  # fmt: skip
-
-    async def _join(self, key: PsiKey, deadline: float, prefix_len: int) -> ClaimResult:
-        """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
-        production = self._productions.get(key)
-        if production is not None:
-            full_ms = self.costs.recompute_ms(prefix_len) + self.config.join_margin_ms
-            budget = deadline - time.monotonic() - full_ms / 1e3
-            if budget > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(production.done.wait(), budget)
-            if not production.done.is_set():
-                self.metrics.fallbacks.labels("join_timeout").inc()
-        return self.cache.claim(key)
-
-    async def _reload_on_miss(
-        self, key: PsiKey, request_id: str, prefix: FallbackPrefix, deadline: float
-    ) -> bool | None:
-        """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
-        call started it, False when one was already under way (single flight), None for no reload."""
-        if self.host is None or not self.host.connected:
-            return None
-        nbytes = await self.host.lookup(key)
-        if nbytes is None:
-            return None
-        decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
-        self.metrics.reload_decisions.labels(decision.reason).inc()
-        if not decision.reload:
-            return None
-        admitted = self.cache.admit(
-            key, self.spec.psi_bytes(prefix.length), Lease(request_id, deadline), "reload"
-        )
-        if admitted.outcome is Admission.REFUSED:
-            return None
-        if admitted.outcome is not Admission.ADMITTED:
-            return False  # produced or being produced meanwhile: join it
-        production = _Production(asyncio.Event())
-        self._productions[key] = production
-        production.task = self._spawn(self._produce(key, prefix, True, production), f"reload-{key.user_id}")
-        return True
-
-    def _after_consume(self, key: PsiKey) -> None:
-        """Demotes a consumed psi to host DRAM off the critical path; without a host tier it stays
-        in HBM as an evictable hot copy."""
-        view = self.cache.lookup(key)
-        if view is None or view.pins or self.host is None or not self.host.connected:
-            return
-        handle = self.cache.pin_for_copy(key)
-        if handle is not None:
-            self._spawn(self._demote(key, handle), f"demote-{key.user_id}")
-
-    async def _demote(self, key: PsiKey, psi: Psi) -> None:
-        ok = False
-        try:
-            assert self.host is not None
-            ok = await self.host.demote(key, psi, self.engine)
-        except Exception as exc:
-            log.warning("demotion_failed", user=key.user_id, error=repr(exc))
-        finally:
-            self.metrics.demotions.labels("ok" if ok else "failed").inc()
-            self.cache.demoted(key, ok, keep=self.config.keep_demoted)
 
     # ------------------------------------------------------------------ Stats
 
@@ -711,8 +565,8 @@ class RankerService(pb_grpc.RankerServicer):
             lead_time_p50_ms=percentile(list(self._lead_ms), 50) if self._lead_ms else 0.0,
             hbm_hits=self.cache.counters.hits,
             hbm_misses=self.cache.counters.misses,
-            prefix_content_mismatches=self._content_mismatches,
-            reloads=self._reloads,
+            prefix_content_mismatches=self.relay.content_mismatches,
+            reloads=self.relay.reloads,
             hbm_evictable_bytes=self.cache.evictable_bytes,
         )
 
