@@ -483,11 +483,12 @@ class Engine:
                 if self._stopping:
                     self._fail_all()
                     return
+            # Copies first: on CUDA issuing them is cheap and they run beside the step's compute.
+            self._poll_copies()
+            self._issue_copies()
+            with self._cv:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
-            self._poll_copies()
-            if self._issue_copies():
-                continue  # plan again: issuing took time, new calls may have come
             if batch:
                 self._run_rank_batch(batch)
             elif self._run_call():
@@ -507,13 +508,13 @@ class Engine:
         scheduler."""
         now = time.perf_counter()
         for rid, rank in list(self._ranks.items()):
-            if not rank.alive():
-                del self._ranks[rid]
-            elif rank.start_by < now:
-                del self._ranks[rid]
+            if rank.alive() and rank.start_by >= now:
+                continue
+            del self._ranks[rid]
+            if rank.alive():
                 rank.resolve(error=Overdue(time.monotonic() - rank.submitted))
-                if rank.takes is not None:  # its pre-inference goes on: nobody computes the rest
-                    rank.takes.taken = False
+            if rank.takes is not None:  # its pre-inference goes on: nobody else computes the rest
+                rank.takes.taken = False
         for job in [j for j in self._preinfers.values() if not j.alive()]:
             self._abandon(job)
         return self.scheduler.plan(

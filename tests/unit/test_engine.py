@@ -193,6 +193,27 @@ async def test_a_call_joins_a_preinference_whose_rest_fits_its_budget(model, mon
     assert e.device_time.snapshot().unused_psi == 0
 
 
+async def test_a_take_over_whose_caller_left_hands_the_rest_back_to_the_chunks(model, monkeypatch):
+    prefixes, suffixes = batch(15, [Shape(2, 700, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model, delay_s=1e-9)
+    with PreinferGate(model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(prefix))
+            await gate.wait_reached(1)
+            call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+            await eventually(lambda: e.rank_queue_depth == 1, "the call took the pre-inference over")
+            call.cancel()  # its caller has gone before its step
+            gate.open()
+            psi = await asyncio.wait_for(pre, 30)  # the chunks finish it instead
+        finally:
+            e.stop()
+    assert gate.chunks == [(0, 256), (256, 512), (512, 702)]
+    assert close(psi.kv, model.preinfer([prefix])[0].kv)
+
+
 async def test_relay_without_a_preinference_in_hand_returns_none(engine, model):
     prefixes, suffixes = batch(11, [Shape(1, 20, 1, 1)])
     key = model.psi_key(prefixes[0].user_id, 1, prefixes[0].fingerprint.digest)
