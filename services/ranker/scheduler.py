@@ -194,7 +194,8 @@ class IterationScheduler:
             key=lambda p: (p.joined_deadline, p.submitted),
         )
         first_rank = min(ranks, key=lambda r: (r.deadline, r.submitted)) if ranks else None
-        if joined and (first_rank is None or joined[0].joined_deadline <= first_rank.deadline):  # type: ignore[operator]
+        joined_deadline = joined[0].joined_deadline if joined else None
+        if joined_deadline is not None and (first_rank is None or joined_deadline <= first_rank.deadline):
             return self._chunks(joined)  # a waiting call's psi is the most urgent work
         if first_rank is not None:
             return self._rank_batch(now, ranks, first_rank)
