@@ -265,7 +265,7 @@ async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, f
     try:
         config = load_config(TriggerConfig, ["--bootstrap", broker.bootstrap, "--rankers", target,
                                              "--retrieval-topic", topic, "--log-level", "warning",
-                                             "--slo-ms", "50", "--suffix-tokens", "320"])  # fmt: skip
+                                             "--slo-ms", "50", "--suffix-tokens-estimate", "320"])  # fmt: skip
         trigger = TriggerService(config)
         await trigger.start()
         start = None
