@@ -444,9 +444,11 @@ class Engine:
 
     def forget_batches(self) -> None:
         """Drops the measurements so far (the warm-up's: compiles and first allocations are not
-        what a latency model should learn from)."""
+        what a latency model should learn from), the step-cost fit's too."""
         with self._cv:
             self._samples.clear()
+            self.step_costs = CostFit(self.config.step_prior)
+            self.scheduler.costs = self.step_costs
 
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:
@@ -584,7 +586,13 @@ class Engine:
         # Tokens computed: a partial call computes its prefix from what was built on.
         tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
                      for j, c in zip(batch, built, strict=True))  # fmt: skip
-        self.step_costs.observe(tokens, prefix_len * tokens, seconds)
+        # Attention pairs, as chunks count them: against complete psi every token visits it.
+        pairs = (
+            prefix_len * tokens
+            if kind is not RankKind.CACHED
+            else sum(c * j.tokens for j, c in zip(batch, built, strict=True))
+        )
+        self.step_costs.observe(tokens, pairs, seconds)
         for j in batch:
             if j.key is not None:
                 self.device_time.consumed(j.key)
