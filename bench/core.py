@@ -100,9 +100,9 @@ def measure_peaks(device: torch.device, sync: Callable[[], None]) -> tuple[float
 def profile_cached(
     model: HSTURanker, graphs: Any, prefix_len: int, batch_size: int, args: argparse.Namespace
 ) -> None:
-    """Prints where one cached ranking call's device time goes: the top kernels by device time
-    (torch.profiler, averaged over the calls), for the replayed graph and the eager path, beside
-    the wall-clock time per call."""
+    """Prints where one call's device time goes: the top kernels by device time (torch.profiler,
+    averaged over the calls) beside the wall-clock time per call, for cached ranking (the
+    replayed graph and the eager path) and, with args.profile_full, the full pass."""
     from torch.profiler import ProfilerActivity, profile
 
     shape = Shape(PROFILE_TOKENS, prefix_len - PROFILE_TOKENS, args.recent, args.candidates)
@@ -112,6 +112,8 @@ def profile_cached(
     calls: dict[str, Callable[[], Any]] = {"eager": lambda: model.rank_cached(suffixes, psis, keys)}
     if graphs is not None:
         calls["graph"] = lambda: graphs.rank(suffixes, psis, keys)
+    if args.profile_full:
+        calls["full"] = lambda: model.full(prefixes, suffixes)
     reps = 5
     for label, fn in calls.items():
         for _ in range(3):
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="first print the top kernels of one cached ranking call (torch.profiler)",
     )
+    parser.add_argument("--profile-full", action="store_true", help="--profile also profiles the full pass")
     parser.add_argument("--profile-prefix", type=int, default=8192)
     parser.add_argument("--profile-batch", type=int, default=8)
     args = parser.parse_args(argv)

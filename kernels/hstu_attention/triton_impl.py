@@ -5,7 +5,10 @@ Two kernels:
 * `_relative_ts_fwd` runs once per forward pass: per sequence, every key's timestamp (prefix and
   new tokens) relative to the sequence's earliest one, as int32, and whether the sequence's span
   fits in 2**30 (then every difference of two of them is an exact int32). A span that does not fit
-  (about 34 years of seconds) makes the attention read the int64 timestamps for that sequence.
+  (about 34 years of seconds; the model's profile tokens at time 0 beside real timestamps) makes
+  the attention read the int64 timestamps for that sequence: a row block whose own queries lie
+  close together (ts_block_span) takes them relative to its latest query, clamped into int32,
+  which is exact because the time bucket saturates; other blocks take int64 differences per pair.
 * `_hstu_attention_fwd` computes BLOCK_M query rows of one (sequence, head): it streams the cached
   prefix K/V straight from each user's psi block, then the sequence's own history keys (causal:
   tiles wholly below the diagonal unmasked, the diagonal tiles masked, tiles above it never
@@ -49,6 +52,8 @@ from kernels.hstu_attention.reference import log_bucket
 # Relative timestamps are int32 when a sequence's span is at most this: differences of two then
 # lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
 _TS_SPAN_LIMIT = 1 << 30
+# Beyond that, timestamps relative to a row block's latest query are clamped to +-_REL_TS_CLAMP.
+_REL_TS_CLAMP = tl.constexpr(1 << 30)
 # Position distances are converted to float32 exactly by OR-ing them into the mantissa of 2**23.
 MAX_POSITIONS = 1 << 22
 # Longer sequences bucket position distances on chip rather than build a table by distance (4 bytes
@@ -168,11 +173,11 @@ _SELF = tl.constexpr(3)  # key j == i, j >= bound: a candidate's attention to it
 @triton.jit
 def _attend(
     acc, q, k_desc, v_desc, desc_row0, col_d, lo, hi, bound,
-    k_ts_ptr, k_pos0, offs_m, q_pos1, q_ts1,
+    k_ts_ptr, k_pos0, offs_m, q_pos1, q_ts1, ts_ref,
     pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
     MASK: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, REL_TS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """acc += attention of this block's queries to the key tiles starting in [lo, hi) (steps of
     BLOCK_N), under MASK. Key j sits at descriptor row desc_row0 + j, position k_pos0 + j, and has
@@ -191,6 +196,8 @@ def _attend(
             h = s * alpha_half + bias_self
         else:
             k_ts = tl.load(k_ts_ptr + offs_n, mask=offs_n < hi, other=0)
+            if REL_TS:  # int64 timestamps relative to ts_ref, clamped into int32 (see the kernel)
+                k_ts = tl.minimum(tl.maximum(k_ts - ts_ref, -_REL_TS_CLAMP), _REL_TS_CLAMP).to(tl.int32)
             k_pos = k_pos0 + offs_n
             if SHARED_ROW:
                 pb = tl.load(pos_tab + _pos_bucket(q_pos1 - k_pos, POS_BITS, NB_POS))
@@ -223,10 +230,10 @@ def _attend(
 def _attend_all(
     acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
     plen, lo_p, hi_p, do_history,
-    ts_k, pts_k, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+    ts_k, pts_k, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
     HAS_PREFIX: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
-    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, REL_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The prefix range [lo_p, hi_p) and, if do_history, the history keys, for one row block.
     ts_k / pts_k: timestamps of the sequence's new tokens / prefix (int32 relative or int64)."""
@@ -237,25 +244,25 @@ def _attend_all(
         q_pos1 = plen + tl.minimum(offs_m, n_hist) + 1
     if HAS_PREFIX:
         # Prefix keys: all visible; rows past plen read as zeros (V = 0), so no mask.
-        acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1,
+        acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1, ts_ref,
                       pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
     if do_history:
         # History keys below every row of the block (and below n_hist): unmasked tiles.
         full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
         acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, 0, full_hi, full_hi, ts_k, plen, offs_m,
-                      q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
+                      q_pos1, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
         # The rest, up to the block's last row (causal) and n_hist: masked tiles.
         hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
         if SHARED_ROW:  # candidates see every history key
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
-                          q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
+                          q_pos1, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                          _BELOW, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
         else:
             acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, full_hi, hi_new, hi_new, ts_k, plen, offs_m,
-                          q_pos1, q_ts1, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
+                          q_pos1, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                          _CAUSAL, False, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
     return acc
 
 
@@ -268,7 +275,7 @@ def _hstu_attention_fwd(
     bias_tables, pos_by_distance, dist_len, layer, splits, n_row_blocks, alpha_half, inv_norm,
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
     TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, TS_BLOCK_SPAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Row blocks vary fastest: the blocks of one (sequence, head) run side by side and share its
@@ -342,33 +349,53 @@ def _hstu_attention_fwd(
         p_start = tl.load(pts_offsets + b)
     do_history = pid_s == 0
     fits = tl.load(fits_ptr + b) != 0
+    # A sequence spanning more than int32 (profile tokens at time 0 beside real timestamps, say):
+    # timestamps relative to this block's latest query, keys clamped to +-2**30, still give exact
+    # time buckets while the block's queries span at most TS_BLOCK_SPAN: a clamped key is at least
+    # the saturation distance away from every query both before and after clamping.
+    q_ts64 = tl.load(ts64 + q_row)
+    ts_ref = tl.max(q_ts64, axis=0)
+    block_fits = ts_ref - tl.min(q_ts64, axis=0) <= TS_BLOCK_SPAN
     if fits:
         if shared_row:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
-                              tl.load(ts32 + seq_start + n_hist) + 1,
+                              tl.load(ts32 + seq_start + n_hist) + 1, 0,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                               plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
-                              tl.load(ts32 + q_row) + 1,
+                              tl.load(ts32 + q_row) + 1, 0,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
-    else:  # a span beyond int32: the same with int64 timestamps (rare, slower)
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+    elif block_fits:
+        if shared_row:
+            acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+                              plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                              (tl.load(ts64 + seq_start + n_hist) - ts_ref + 1).to(tl.int32), ts_ref,
+                              pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, True, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+        else:
+            acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
+                              plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                              (q_ts64 - ts_ref + 1).to(tl.int32), ts_ref,
+                              pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
+                              POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, True, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+    else:  # the block's own queries span too much: int64 differences per pair (rare, slower)
         acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
                           plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
-                          tl.load(ts64 + q_row) + 1,
+                          q_ts64 + 1, 0,
                           pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
-                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
+                          POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
 
     if do_history:
         # Each candidate row (i >= n_hist) also sees itself, no other candidate: the diagonal tiles.
         self_lo = tl.maximum(start_m, n_hist)
         acc = _attend(acc, q, k_desc, v_desc, seq_start, h * BLOCK_D, self_lo // BLOCK_N * BLOCK_N,
-                      tl.minimum(start_m + BLOCK_M, n), self_lo, ts32, 0, offs_m, 0, 0,
+                      tl.minimum(start_m + BLOCK_M, n), self_lo, ts32, 0, offs_m, 0, 0, 0,
                       pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, BLOCK_N)  # fmt: skip
+                      _SELF, True, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_N)  # fmt: skip
 
     out_rows = (seq_start + offs_m).to(tl.int64)
     out_ptrs = Out + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -492,6 +519,22 @@ def plan_triton(
     return TritonPlan(tables, nb_pos, time_tables.shape[2], ts32, prefix_ts32, fits, by_distance)
 
 
+def ts_block_span(time_mantissa_bits: int, num_time_buckets: int) -> int:
+    """The widest span of query timestamps in one row block for which timestamps relative to the
+    block's latest query, clamped to +-2**30, give exact time buckets (-1: never).
+
+    Exact because the time bucket saturates: S, the smallest difference whose bucket is the last
+    (float32(S + 1) >= 2**e * (1 + mant / 2**m) for the last bucket's exponent e and mantissa
+    mant), is at most 2**30 - span. A key clamped from below is then at least S before every query
+    both before and after clamping (last bucket either way); one clamped from above is after
+    every query (bucket 0 either way); any other difference is computed exactly in int32."""
+    top = num_time_buckets - 1
+    m = time_mantissa_bits
+    exponent, mant = top >> m, top & ((1 << m) - 1)
+    threshold = -(-(((1 << m) + mant) << exponent) // (1 << m))  # ceil(2**e * (1 + mant / 2**m))
+    return max(-1, (1 << 30) - (threshold - 1))
+
+
 def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
@@ -560,6 +603,7 @@ def _launch_attention(
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, POS_BY_DIST=plan.pos_by_distance is not None, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
+        TS_BLOCK_SPAN=ts_block_span(params.time_mantissa_bits, plan.nb_time),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

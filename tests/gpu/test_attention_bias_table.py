@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.hstu_attention import PrefixKV, SeqLayout, hstu_attention_reference, plan_reference
 from kernels.hstu_attention.reference import log_bucket
 from tests.gpu.test_triton_attention import CASES, assert_bf16_close, random_case
 
@@ -32,3 +33,34 @@ def test_table_by_distance_equals_buckets_on_chip(lengths, n_hist, plens):
         want = hstu_attention_triton(q, k, v, seq, prefix, on_chip, layer, params)
         if got.numel():
             assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("plens", [None, [700, 0, 300]])
+def test_time_bias_exact_beside_timestamps_at_zero(plens):
+    """The model's profile tokens carry time 0 beside real timestamps (~1.7e9 s): sequences span
+    more than int32, so row blocks whose queries lie close together take int32 timestamps relative
+    to their latest query (far keys clamped) and the rest int64; both exact against the reference."""
+    lengths, n_hist = [400, 300, 130], [300, 299, 2]
+    q, k, v, seq, prefix, pb, tb, params = random_case(5, lengths, n_hist, plens, heads=2, dim=64)
+    gen = torch.Generator().manual_seed(3)
+    epoch, span = 1_700_000_000, 90 * 86_400
+
+    def timeline(n: int, zeros: int) -> torch.Tensor:
+        ts = torch.sort(torch.randint(epoch, epoch + span, (n,), generator=gen)).values
+        ts[:zeros] = 0
+        return ts
+
+    new_ts = []
+    for n, h in zip(lengths, n_hist, strict=True):
+        ts = timeline(n, 16 if plens is None else 0)
+        ts[h:] = epoch + span + 3_600  # candidates at the query time
+        new_ts.append(ts)
+    seq = SeqLayout.build(lengths, n_hist, torch.cat(new_ts).cuda())
+    if prefix is not None:
+        prefix = PrefixKV.build(list(prefix.kv), [timeline(p, min(p, 16)).cuda() for p in plens])
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    assert not bool(plan.fits.bool().all())  # sequences with time-0 tokens span more than int32
+    want = hstu_attention_reference(
+        q, k, v, seq, prefix, 1, plan_reference(seq, prefix, pb, tb, params), params
+    )
+    assert_bf16_close(hstu_attention_triton(q, k, v, seq, prefix, plan, 1, params), want)
