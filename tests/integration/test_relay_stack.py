@@ -51,7 +51,7 @@ async def stack(tmp_path):
             router = ServiceProcess("services.router", *common)
             procs.append(router)
             trigger = ServiceProcess("services.trigger", *common, "--retrieval-topic", RETRIEVAL, "--slo-ms", "40",
-                                     "--suffix-tokens", "24", "--stats-interval-s", "0.1")  # fmt: skip
+                                     "--suffix-tokens-estimate", "24", "--stats-interval-s", "0.1")  # fmt: skip
             procs.append(trigger)
             router_port = router.wait_event("router_ready", 120)["port"]
             trigger.wait_event("trigger_ready", 120)
