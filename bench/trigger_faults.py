@@ -42,7 +42,7 @@ _POLL_S = 0.05
 def _stack(args: argparse.Namespace) -> Stack:
     # A low risk bar: most valid events are admitted, so signals flow through the same partitions.
     return Stack(StackConfig(rankers=2, slo_ms=args.slo_ms, arena_bytes=256 << 20,
-                             trigger_args=("--suffix-tokens", "48", "--risk-fraction", "0.05")))  # fmt: skip
+                             trigger_args=("--suffix-tokens-estimate", "48", "--risk-fraction", "0.05")))  # fmt: skip
 
 
 def _event(prefix: Any, request_id: str) -> bytes:

@@ -100,7 +100,7 @@ def stack_config(config: DemoConfig, name: str, slo_ms: float | None) -> StackCo
         slo_ms=StackConfig.slo_ms if slo_ms is None else slo_ms,
         preset=PRESET,
         trigger_args=(
-            "--suffix-tokens",
+            "--suffix-tokens-estimate",
             str(config.recent_tokens + config.candidates),
             "--risk-fraction",
             str(config.risk_fraction),
