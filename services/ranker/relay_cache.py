@@ -259,6 +259,9 @@ class RelayCache:
         tokens = prefix.tensors()  # bad tokens are the caller's error (WireError), not a fallback
         try:
             relayed = await self.engine.relay(tokens, suffix, key, deadline, start_by)
+            if relayed is None and not production.done.is_set():
+                await asyncio.sleep(0)  # spawned this turn: its task submits the pre-inference next
+                relayed = await self.engine.relay(tokens, suffix, key, deadline, start_by)
         except Overdue:
             raise
         except Exception as exc:  # e.g. the pre-inference failed: rank without it

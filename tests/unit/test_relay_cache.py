@@ -190,3 +190,15 @@ async def test_psi_nobody_consumed_expires_with_its_device_time_unused(join):
     snap = join.engine.device_time.snapshot()
     assert snap.unused_psi == 1
     assert snap.unused_psi_s == pytest.approx(snap.work_s["preinfer"])
+
+
+async def test_a_call_in_the_same_turn_as_its_signal_still_takes_the_preinference_over(take_over):
+    r = take_over
+    key, prefix, suffix, want = r.inputs(7, 800)
+    r.engine.start()
+    await r.relay.produce(key, prefix, Lease("p", FAR))  # its task has not run yet ...
+    ranked = await r.rank(key, prefix, suffix)  # ... when the call claims psi
+    assert ranked.served in (Served.PARTIAL_PREFIX, Served.FULL_RECOMPUTE)  # taken over, not waited for
+    assert close(ranked.result.scores, want)
+    assert r.state(key) is EntryState.CONSUMED
+    assert r.cache.counters.produced == 1
