@@ -33,9 +33,7 @@ it does not: another process takes the cores and batches run 2-10 x slower for a
 admitted call also gets a queue budget, the longest it may wait for the engine and still keep the
 promise at the measured speed (`Admitted.queue_budget_s`: deadline_fraction x remaining - d x w).
 The engine refuses a call still waiting when its budget has run out (`late`): RESOURCE_EXHAUSTED
-(marked shared.overload.LATE_REFUSAL; the router does not retry it: the call has spent the time
-its admission allowed, and under an overload that the fleet is shedding a retry would take a
-fresh call's place to answer this one past its promise), instead of scores at the deadline.
+while the caller has half its deadline left to try elsewhere, instead of scores at the deadline.
 Queueing delay stays bounded by the promise whatever the instance's speed does, as CoDel bounds a
 router's queue: the queue is what a slowdown makes long, and waiting in it is what is cut.
 
@@ -71,7 +69,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.ranker.call_cost import CallWork, CostFit, CostPrior
-from shared.overload import LATE_REFUSAL
 
 
 @dataclass(frozen=True)
@@ -243,7 +240,7 @@ class AdmissionLimiter:
         budget_ms = (admitted.queue_budget_s or 0.0) * 1e3
         return self._refuse(
             "late",
-            f"overloaded ({LATE_REFUSAL}): waited {waited_s * 1e3:.0f} ms for the engine, past the {budget_ms:.0f} ms "
+            f"overloaded: waited {waited_s * 1e3:.0f} ms for the engine, past the {budget_ms:.0f} ms "
             f"its admission allowed for {admitted.work.describe()} (the instance drains slower than "
             f"measured)",
         )

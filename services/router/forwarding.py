@@ -12,8 +12,7 @@ Forwarding (Rank and PreInfer are both idempotent, so retrying is safe): each at
 caller's remaining deadline (capped by rank_attempt_timeout_ms when set). UNAVAILABLE marks the
 instance failed (it leaves membership until a health check passes) and retries on the next one;
 RESOURCE_EXHAUSTED (overloaded: at most overload_retries more instances, so a shedding fleet
-answers fast instead of multiplying its load; none after a ranker's late refusal, see
-shared/overload.py: that call already waited the time its admission allowed), CANCELLED (server going away) and an attempt's own
+answers fast instead of multiplying its load), CANCELLED (server going away) and an attempt's own
 DEADLINE_EXCEEDED (only when the cap, not the caller's deadline, ran out) retry on the next one
 without marking it. Any other status (INVALID_ARGUMENT, ...) is the caller's answer and passes
 through unchanged. No healthy instance: UNAVAILABLE "no healthy ranker instance".
@@ -37,7 +36,6 @@ from services.router.metrics import RouterMetrics
 from services.router.residency import ResidencyMap
 from shared.logging import get_logger
 from shared.membership import Membership
-from shared.overload import is_late_refusal
 from shared.placement import preference
 from shared.protos import ranker_pb2 as pb
 
@@ -254,12 +252,6 @@ class Forwarder:
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             call.overloaded += 1
             call.failed(target, code, details)
-            if is_late_refusal(details):
-                # Admitted there, and not started within the queue budget its admission allowed:
-                # the instance drains slower than it measured and the call has spent that time.
-                # Elsewhere it would take a fresh call's place to be answered late (overload
-                # scenario, bench/faults.py: such retries were served at 650-870 ms).
-                return False
             # The fleet is shedding: answer now rather than spread the load further.
             return call.overloaded <= self.config.overload_retries
         if code is grpc.StatusCode.UNAVAILABLE:
