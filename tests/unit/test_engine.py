@@ -5,6 +5,7 @@ errors, device-time accounting."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -256,7 +257,7 @@ async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
                 fut = asyncio.ensure_future(
                     e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=deadline)
                 )
-                fut.add_done_callback(lambda _f, i=i: order.append(i))
+                fut.add_done_callback(functools.partial(lambda i, _f: order.append(i), i))
                 calls.append(fut)
             await eventually(lambda: e.rank_queue_depth == 3, "three calls queued")
             gate.open(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from typing import cast
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from services.ranker.cost_model import CostModel
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.model import HSTURanker
+from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, RelayCache, Served
 from services.ranker.wire import rank_inputs
 from shared.modelspec import preset
@@ -42,7 +44,7 @@ class Relay:
         self.model = model
         self.clock = Clock()
         # Keys grouped by (user, prefix version, model), as the service does: content mismatches show.
-        self.cache = HbmCache(64 * 2**20, self.clock, group_of=lambda key: key.name)
+        self.cache = HbmCache(64 * 2**20, self.clock, group_of=lambda key: cast(PsiKey, key).name)
         config = EngineConfig(max_wait_s=0.0, preinfer_chunk_tokens=256, max_rank_delay_s=delay_s)
         self.engine = Engine(model, accelerator("cpu"), config)
         self.events: list[tuple[str, str]] = []
