@@ -24,8 +24,11 @@ psi is being pre-inferred here goes through `relay()`, which asks the scheduler:
     its suffix (HSTURanker.rank_partial), writing the rest of psi, which is then complete and is
     handed to the pre-inference's waiter as if it had built it. No token is computed twice.
 
-The step-cost model is `services.ranker.call_cost.CostFit`, fitted here on the device thread to
-every measured step: ranking batches (tokens, attention pairs, seconds) and chunk batches.
+The step-cost model is `services.ranker.call_cost.CostFit` (the fit admission uses), fitted here
+on the device thread to the measured pre-inference steps (tokens, attention pairs, seconds): what
+the scheduler sizes. Ranking batches, of another shape (graph replays against psi, candidates),
+are left out: fitted with them, chunk steps ran ~1.5x over the budget on the CPU. They feed
+admission's own fit (`recent_batches`).
 
 Device time (services/ranker/device_time.py): every ranking batch, pre-inference chunk and copy
 adds its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
@@ -250,7 +253,8 @@ class Engine:
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
         self.device_time = DeviceTime()
-        # Fitted and read on the device thread only (CostFit is not thread-safe).
+        # Fitted on the device thread only (CostFit is not thread-safe); relay() reads its
+        # coefficients from the event loop: an immutable value that observe() replaces whole.
         self.step_costs = CostFit(config.step_prior)
         self.scheduler = IterationScheduler(config.scheduler(), self.step_costs)
         self.graphs: RankGraphs | None = None
@@ -586,13 +590,6 @@ class Engine:
         # Tokens computed: a partial call computes its prefix from what was built on.
         tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
                      for j, c in zip(batch, built, strict=True))  # fmt: skip
-        # Attention pairs, as chunks count them: against complete psi every token visits it.
-        pairs = (
-            prefix_len * tokens
-            if kind is not RankKind.CACHED
-            else sum(c * j.tokens for j, c in zip(batch, built, strict=True))
-        )
-        self.step_costs.observe(tokens, pairs, seconds)
         for j in batch:
             if j.key is not None:
                 self.device_time.consumed(j.key)
