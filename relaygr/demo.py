@@ -294,7 +294,8 @@ def run_stack_demo(
                 "slo_attainment": s["slo_attainment"],
                 "preinfer_admitted": decisions.get("admitted", 0),
                 "psi_produced": int(point.rankers["psi_produced"]),
-                "hbm_hit": s.get("hbm_hit", 0.0) + s.get("inflight_join", 0.0),
+                # Served from psi in HBM: resident, joined, or built in part and completed by the call.
+                "hbm_hit": s.get("hbm_hit", 0.0) + s.get("inflight_join", 0.0) + s.get("partial_prefix", 0.0),
                 "dram_reload": s.get("dram_reload", 0.0),
                 "full_recompute": s.get("full_recompute", 0.0),
                 "wasted_preinfer_rate": point.rankers["wasted_preinfer_rate"],
