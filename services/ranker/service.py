@@ -54,7 +54,7 @@ from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits
 from services.ranker.hbm_cache import HbmCache, Lease
-from services.ranker.model import HSTURanker
+from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
@@ -350,8 +350,9 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def _warm_up(self) -> None:
         """Compiles every kernel variant before the first real request (a Triton JIT compile takes
-        seconds): full ranking, pre-inference, and ranking against a prefix long enough for the
-        split-prefix (float32 partial sums) variant; then, on CUDA, the ranking graphs of the
+        seconds): full ranking, pre-inference (a first chunk and one against built psi), a call
+        completing half-built psi, and ranking against a prefix long enough for the split-prefix
+        (float32 partial sums) variant; then, on CUDA, the ranking graphs of the
         configured suffix sizes (graph_warm_tokens) for every batch size."""
         ids = torch.arange(1024, dtype=torch.int64)
         prefix = UserPrefix(0, 0, ids[:2], Behaviors(ids, ids % 4, ids))
@@ -359,6 +360,16 @@ class RankerService(pb_grpc.RankerServicer):
         psi = await self.engine.preinfer(prefix)
         await self.engine.rank_cached(suffix, psi, psi.key)
         await self.engine.rank_full(prefix, suffix)
+
+        # Chunks after the first attend to the psi built so far, and a call completing half-built
+        # psi computes prefix tokens against it: the budget may have built the prefix in one chunk.
+        def chunks() -> None:
+            half = self.model.new_psi(prefix)
+            self.model.preinfer_chunks([PrefixChunk(prefix, half, 0, 256)])
+            self.model.preinfer_chunks([PrefixChunk(prefix, half, 256, 512)])
+            self.model.rank_partial([prefix], [suffix], [half], [512])
+
+        await self.engine.call(chunks)
         short = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 1024), ids[:4], 2048)
         await self.engine.rank_cached(short, psi, psi.key)
         if self.engine.graphs is not None:
