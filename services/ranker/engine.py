@@ -24,11 +24,10 @@ psi is being pre-inferred here goes through `relay()`, which asks the scheduler:
     its suffix (HSTURanker.rank_partial), writing the rest of psi, which is then complete and is
     handed to the pre-inference's waiter as if it had built it. No token is computed twice.
 
-The step-cost model is `services.ranker.call_cost.CostFit` (the fit admission uses), fitted here
-on the device thread to the measured pre-inference steps (tokens, attention pairs, seconds): what
-the scheduler sizes. Ranking batches, of another shape (graph replays against psi, candidates),
-are left out: fitted with them, chunk steps ran ~1.5x over the budget on the CPU. They feed
-admission's own fit (`recent_batches`).
+The step-cost models are `services.ranker.call_cost.CostFit`s (the fit admission uses), fitted
+here on the device thread: one to the measured pre-inference steps (tokens, attention pairs,
+seconds), what the scheduler sizes chunks and judges joins by; one to the ranking batches, what it
+composes batches by. One fit of both ran chunk steps ~1.5x over the budget on the CPU.
 
 Device time (services/ranker/device_time.py): every ranking batch, pre-inference chunk and copy
 adds its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
@@ -256,7 +255,8 @@ class Engine:
         # Fitted on the device thread only (CostFit is not thread-safe); relay() reads its
         # coefficients from the event loop: an immutable value that observe() replaces whole.
         self.step_costs = CostFit(config.step_prior)
-        self.scheduler = IterationScheduler(config.scheduler(), self.step_costs)
+        self.rank_costs = CostFit(config.step_prior)
+        self.scheduler = IterationScheduler(config.scheduler(), self.step_costs, self.rank_costs)
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
@@ -452,7 +452,9 @@ class Engine:
         with self._cv:
             self._samples.clear()
             self.step_costs = CostFit(self.config.step_prior)
+            self.rank_costs = CostFit(self.config.step_prior)
             self.scheduler.costs = self.step_costs
+            self.scheduler.rank_costs = self.rank_costs
 
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:
@@ -590,6 +592,10 @@ class Engine:
         # Tokens computed: a partial call computes its prefix from what was built on.
         tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
                      for j, c in zip(batch, built, strict=True))  # fmt: skip
+        # Pairs as the scheduler's RankItems count them: prefix x computed tokens, 0 against psi.
+        pairs = sum(j.prefix.length * (j.prefix.length - c + j.suffix.length)
+                    for j, c in zip(batch, built, strict=True) if j.prefix is not None)  # fmt: skip
+        self.rank_costs.observe(tokens, pairs, seconds)
         for j in batch:
             if j.key is not None:
                 self.device_time.consumed(j.key)

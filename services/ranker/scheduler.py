@@ -26,7 +26,8 @@ What a ranking call does about a pre-inference of its psi still in the queue (`r
     computes the rest of the prefix and its suffix in its step, completing psi).
 
 Step costs come from `services.ranker.call_cost.CostFit` (per batch + per token + per attention
-pair), which the engine fits to its own measured steps.
+pair), which the engine fits to its own measured steps: one fit of pre-inference steps (what
+chunks are sized by), one of ranking batches (what batch composition is judged by).
 """
 
 from __future__ import annotations
@@ -140,9 +141,12 @@ class IterationScheduler:
     """Plans the engine's steps (see the module docstring). Holds no queue: the engine passes
     what is queued at each call. Not thread-safe: the engine calls it under its lock."""
 
-    def __init__(self, config: SchedulerConfig, costs: CostFit) -> None:
+    def __init__(self, config: SchedulerConfig, costs: CostFit, rank_costs: CostFit | None = None) -> None:
+        """`costs`: the fit of pre-inference steps (chunk sizes, join decisions); `rank_costs`:
+        the fit of ranking batches (batch composition), `costs` when not given."""
         self.config = config
         self.costs = costs
+        self.rank_costs = rank_costs if rank_costs is not None else costs
 
     # ------------------------------------------------------------------ costs
 
@@ -211,7 +215,7 @@ class IterationScheduler:
             return Plan(wait_s=oldest + cfg.max_wait_s - now)
         batch: list[RankItem] = []
         tokens = 0
-        coef = self.costs.coefficients
+        coef = self.rank_costs.coefficients
         for r in same:
             if len(batch) == cfg.max_batch:
                 break
@@ -227,7 +231,7 @@ class IterationScheduler:
                 continue
             batch.append(r)
             tokens += r.tokens
-        predicted = self.costs.coefficients.seconds(tokens, sum(r.pairs for r in batch))
+        predicted = coef.seconds(tokens, sum(r.pairs for r in batch))
         return Plan(rank=tuple(r.id for r in batch), predicted_s=predicted)
 
     def _chunks(self, ordered: Sequence[PreinferItem]) -> Plan:
