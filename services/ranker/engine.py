@@ -357,20 +357,6 @@ class Engine:
             job = self._producing.get(key)
             return job is not None and job.alive() and not job.future.done()
 
-    def hurry(self, key: PsiKey, deadline: float) -> bool:
-        """A caller without the prefix's tokens (a call naming psi by reference) waits for the
-        pre-inference of `key`: its chunks are then planned by that caller's deadline, before
-        ranking work due later, as for a call that joined it through `relay`. False when no
-        pre-inference of `key` is in hand. Never blocks (the lock is held for microseconds)."""
-        with self._cv:
-            job = self._producing.get(key)
-            if job is None or not job.alive() or job.future.done():
-                return False
-            if not job.taken:
-                job.joined_deadline = min(deadline, job.joined_deadline or deadline)
-                self._cv.notify()
-            return True
-
     async def relay(
         self,
         prefix: UserPrefix,

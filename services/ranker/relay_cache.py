@@ -298,11 +298,6 @@ class RelayCache:
         """Waits for an in-flight psi while the deadline still leaves room for a full ranking."""
         production = self._productions.get(key)
         if production is not None:
-            if not production.reload:
-                # Nobody else may be waiting for it: without this its chunks run only when no
-                # ranking work is queued, and a call by reference waited 150-550 ms for a 4k psi
-                # (H100, L4096 at 25 req/s, 5 ms step budget).
-                self.engine.hurry(key, deadline)
             full_ms = self.costs.recompute_ms(prefix_len) + self._join_margin_ms
             budget = deadline - time.monotonic() - full_ms / 1e3
             if budget > 0:

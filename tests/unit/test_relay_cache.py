@@ -18,7 +18,7 @@ from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.model import HSTURanker
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, RelayCache, Served
-from services.ranker.wire import PrefixReference, rank_inputs
+from services.ranker.wire import rank_inputs
 from shared.modelspec import preset
 from shared.wire import RequestLimits
 from tests.preinfer_gate import PreinferGate
@@ -204,27 +204,3 @@ async def test_a_call_in_the_same_turn_as_its_signal_still_takes_the_preinferenc
     assert close(ranked.result.scores, want)
     assert r.state(key) is EntryState.CONSUMED
     assert r.cache.counters.produced == 1
-
-
-async def test_a_call_by_reference_hurries_the_preinference_it_waits_for(join, monkeypatch):
-    # A call naming psi by reference cannot take the pre-inference over (it has no tokens): it
-    # waits for it, and the engine must then plan its chunks by that call's deadline instead of
-    # leaving them for when no ranking work is queued.
-    key, prefix, suffix, want = join.inputs(8, 700)
-    reference = PrefixReference(prefix.user_id, prefix.prefix_version, prefix.length, prefix.digest)
-    deadline = asyncio.get_running_loop().time() + 60.0
-    with PreinferGate(join.model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
-        await join.relay.produce(key, prefix, Lease("p", FAR))
-        await gate.wait_reached(1)
-        job = join.engine._producing[key]
-        assert job.joined_deadline is None
-        call = asyncio.ensure_future(
-            join.relay.rank(key, "r", reference, suffix, deadline, join.after.append)
-        )
-        await eventually(lambda: job.joined_deadline is not None, "the pre-inference hurried")
-        assert job.joined_deadline <= deadline
-        gate.open()
-        ranked = await asyncio.wait_for(call, 30)
-    assert ranked.served is Served.INFLIGHT_JOIN
-    assert close(ranked.result.scores, want)
-    assert not join.engine.hurry(key, deadline)  # nothing left in hand to hurry
