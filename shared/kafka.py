@@ -59,7 +59,7 @@ class KafkaSettings:
                                   check=one_of("", *SASL_MECHANISMS))  # fmt: skip
     sasl_username: str = setting("", env="RELAYGR_KAFKA_SASL_USERNAME", help="SASL user")
     # setting() returns a dataclasses.field and a Secret is immutable: a shared default is safe.
-    sasl_password: Secret = setting(Secret(""), env="RELAYGR_KAFKA_SASL_PASSWORD",  # noqa: RUF009
+    sasl_password: Secret = setting(Secret(""), env="RELAYGR_KAFKA_SASL_PASSWORD",
                                     help="SASL password (never logged; prefer the env var: flags show in ps)")  # fmt: skip
     session_timeout_ms: int = setting(2000, env="RELAYGR_KAFKA_SESSION_TIMEOUT_MS",
                                       help="consumer group session timeout (real Kafka: >= 6000)")  # fmt: skip

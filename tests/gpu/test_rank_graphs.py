@@ -87,7 +87,9 @@ def test_a_foreign_psi_is_refused(model):
     prefixes, suffixes = batch(9, [Shape(1, 30, 4, 4)])
     psi = model.preinfer(prefixes)[0]
     with pytest.raises(PsiMismatchError):
-        graphs.rank(suffixes, [psi], [model.psi_key(psi.key.user_id + 1, psi.key.prefix_version, psi.key.fingerprint)])
+        graphs.rank(
+            suffixes, [psi], [model.psi_key(psi.key.user_id + 1, psi.key.prefix_version, psi.key.fingerprint)]
+        )
 
 
 def test_bucket_keys_are_what_the_engine_warms():
