@@ -521,8 +521,8 @@ class Engine:
             del self._ranks[rid]
             if rank.alive():
                 rank.resolve(error=Overdue(time.monotonic() - rank.submitted))
-            if rank.takes is not None:  # its pre-inference goes on: nobody else computes the rest
-                rank.takes.taken = False
+            if rank.takes is not None:
+                self._hand_back(rank.takes)
         for job in [j for j in self._preinfers.values() if not j.alive()]:
             self._abandon(job)
         return self.scheduler.plan(
@@ -530,6 +530,17 @@ class Engine:
             [j.item() for j in self._ranks.values()],
             [j.item() for j in self._preinfers.values()],
         )
+
+    def _hand_back(self, job: _PreInferJob) -> None:
+        """Under the lock: the call that took this pre-inference over left before its step. Its
+        chunks go on, nobody else computes the rest; or, when the chunk that was under way at the
+        take-over built the last of psi, it is complete: finished and handed to its waiter here,
+        as no chunk of it will run again (left queued, it was never resolved, its joiners waited
+        for ever and the device loop spun on it)."""
+        job.taken = False
+        if job.done == job.prefix.length:
+            self._finish(job)
+            job.resolve(job.psi)
 
     def _abandon(self, job: _PreInferJob) -> None:
         """Under the lock: a pre-inference leaves the queue unfinished; its chunks were for nothing."""
