@@ -232,10 +232,20 @@ class _CopyJob(_Job):
 
 
 class Engine:
-    def __init__(self, model: HSTURanker, accel: Accelerator, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: HSTURanker,
+        accel: Accelerator,
+        config: EngineConfig,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """`on_fatal` is told, from the device thread, of an error that ended the device loop
+        (a bug: per-job errors fail only their jobs); every queued and later job then fails with
+        EngineStopped instead of waiting for a loop that is gone."""
         self.model = model
         self.accel = accel
         self.config = config
+        self._on_fatal = on_fatal
         self._cv = threading.Condition(threading.RLock())
         self._ranks: dict[int, _RankJob] = {}
         self._preinfers: dict[int, _PreInferJob] = {}
@@ -481,6 +491,17 @@ class Engine:
         )
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.error("engine_loop_failed", error=repr(exc))
+            with self._cv:
+                self._stopping = True
+                self._fail_all()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _loop(self) -> None:
         if self._stream is not None:
             torch.cuda.set_device(self.accel.device)
             torch.cuda.set_stream(self._stream)

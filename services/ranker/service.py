@@ -191,7 +191,9 @@ class RankerService(pb_grpc.RankerServicer):
                 cuda_graphs=config.cuda_graphs,
                 graph_limits=GraphLimits(max_tokens=config.graph_max_tokens),
             ),
+            on_fatal=self._engine_failed,
         )
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # set by start(): the engine reports there
         self.costs = CostModel(
             self.spec,
             assumed_tflops=200.0 if self.accel.backend == "cuda" else 0.05,
@@ -242,11 +244,18 @@ class RankerService(pb_grpc.RankerServicer):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _engine_failed(self, exc: BaseException) -> None:
+        """From the device thread: the engine's loop ended on an error, so no call can be served;
+        the service stops (exit status 1) for its supervisor to restart it."""
+        if self._event_loop is not None and not self._event_loop.is_closed():
+            self._event_loop.call_soon_threadsafe(self.lifecycle.fail, f"engine loop failed: {exc!r}")
+
     async def start(self) -> None:
         """Warms the model up, starts the engine, binds gRPC, connects the host tier (optional)."""
         # The engine thread dispatches kernels in Python; a short switch interval keeps the event
         # loop (requests in, replies out) from waiting the default 5 ms for the interpreter.
         sys.setswitchinterval(self.config.gil_switch_ms / 1e3)
+        self._event_loop = asyncio.get_running_loop()
         self.engine.start()
         await self._warm_up()
         opts = [

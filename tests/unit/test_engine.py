@@ -297,3 +297,26 @@ async def test_stop_fails_queued_work(model):
     prefixes, _ = batch(6, [Shape(1, 10, 0, 1)])
     with pytest.raises(EngineStopped):
         await e.preinfer(prefixes[0])
+
+
+async def test_a_failed_device_loop_fails_every_job_and_reports_it(model, monkeypatch):
+    # A bug that escapes one step's error handling ends the device loop: without a report the
+    # process would serve nothing and hang every call until its deadline.
+    told: list[BaseException] = []
+    e = Engine(model, accelerator("cpu"), EngineConfig(max_wait_s=0.0), on_fatal=told.append)
+
+    def broken_plan():
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(e, "_plan", broken_plan)
+    prefixes, suffixes = batch(3, [Shape(2, 50, 4, 8)])
+    e.start()
+    try:
+        with pytest.raises(EngineStopped):
+            await asyncio.wait_for(e.rank_full(prefixes[0], suffixes[0]), 10)
+        await eventually(lambda: bool(told), "the failure reported")
+        assert "planner bug" in repr(told[0])
+        with pytest.raises(EngineStopped):
+            await e.rank_full(prefixes[0], suffixes[0])  # later jobs refused at once
+    finally:
+        e.stop()
