@@ -88,7 +88,16 @@ class _Attempts:
     """One forwarded call's progress along its placement order: where it is, what it has tried,
     and what it will answer if nothing does."""
 
-    __slots__ = ("extended", "failures", "last_code", "made", "order", "overloaded", "position")
+    __slots__ = (
+        "capped_refusals",
+        "extended",
+        "failures",
+        "last_code",
+        "made",
+        "order",
+        "overloaded",
+        "position",
+    )
 
     def __init__(self, order: list[str]) -> None:
         self.order = order  # grows by one target at most (`extended`)
@@ -96,6 +105,7 @@ class _Attempts:
         self.made = 0  # attempts sent
         self.overloaded = 0  # RESOURCE_EXHAUSTED answers so far
         self.extended = False
+        self.capped_refusals: list[str] = []  # refused (RESOURCE_EXHAUSTED) with a capped deadline
         self.last_code = grpc.StatusCode.UNAVAILABLE
         self.failures: list[str] = []
 
@@ -252,19 +262,26 @@ class Forwarder:
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             call.overloaded += 1
             call.failed(target, code, details)
+            if not callers_deadline:
+                # Refused against the capped deadline it was shown: a ranker refuses a call it
+                # cannot finish within a fraction of the time left, so with the caller's whole
+                # deadline it may serve it (used below when the rest of the order fails).
+                call.capped_refusals.append(target)
             # The fleet is shedding: answer now rather than spread the load further.
             return call.overloaded <= self.config.overload_retries
         if code is grpc.StatusCode.UNAVAILABLE:
             self.membership.mark_failed(target, f"{method} UNAVAILABLE")
-        elif (
-            code is grpc.StatusCode.DEADLINE_EXCEEDED
-            and not call.extended
-            and not any(self.membership.is_healthy(t) for t in call.later())
-        ):
-            # Only the cap ran out and no other healthy instance is left (one may have failed
-            # meanwhile): one last, uncapped try where it is healthy.
-            call.order = call.order + [t for t in route.order if self.membership.is_healthy(t)][:1]
-            call.extended = True
+        if not call.extended and not any(self.membership.is_healthy(t) for t in call.later()):
+            # No other healthy instance is left (one may have failed meanwhile): one last,
+            # uncapped try where only the cap stood in the way: an instance whose capped attempt
+            # timed out (this one) or that refused a capped attempt, where it is healthy.
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                last = [t for t in route.order if self.membership.is_healthy(t)][:1]
+            else:
+                last = [t for t in call.capped_refusals if self.membership.is_healthy(t)][:1]
+            if last:
+                call.order = call.order + last
+                call.extended = True
         call.failed(target, code, details)
         log.debug("attempt_failed", method=method, target=target, code=code.name, user=user_id)
         return True
