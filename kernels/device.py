@@ -48,6 +48,16 @@ def resolve_backend(requested: str) -> Backend:
     return requested
 
 
+def visible_devices(backend: Backend) -> int:
+    """How many devices of `backend` this process can use (0 when the backend is absent; the CPU
+    counts as one)."""
+    if backend == "cpu":
+        return 1
+    if backend == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return int(torch.npu.device_count()) if _npu_available() else 0  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """A resolved device plus the backend-specific services the cache and tiers need."""

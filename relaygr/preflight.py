@@ -86,9 +86,9 @@ def check_devices(device: str, count: int) -> None:
     only then (a second or two). Raises ConfigError."""
     if device != "cuda":
         return
-    import torch
+    from kernels.device import visible_devices
 
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_devices("cuda")
     if visible < count:
         raise ConfigError(
             f"--device cuda runs ranker i on GPU i: {count} ranker(s) need {count} GPU(s), torch sees {visible}"
