@@ -32,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import ssl
-from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import h2.config
@@ -49,13 +47,10 @@ from hyperframe.frame import GoAwayFrame
 from services.router.frontdoor.h2wire import MAX_WINDOW, literal_block
 from services.router.frontdoor.relay import (
     RANK_PATH,
-    ErrorHook,
+    FrontDoor,
     FrontDoorError,
-    RankHandler,
-    RefusalHook,
     ResetBudget,
     Upstream,
-    UpstreamPool,
     grpc_timeout,
     percent_encode,
 )
@@ -536,84 +531,17 @@ class _Overdrawn(Exception):
         self.stream_id = stream_id
 
 
-class H2FrontDoor:
-    """The h2-library relay's listening socket and its connections (the interface of
-    relay.FrontDoor: same constructor, start, stop, connections)."""
+class H2FrontDoor(FrontDoor):
+    """The h2-library relay's listening socket and its connections: relay.FrontDoor's
+    constructor, start, stop and connections, with this module's connections."""
 
-    def __init__(
-        self,
-        handle_rank: RankHandler,
-        internal_target: str,
-        max_message_bytes: int,
-        max_concurrent_streams: int = 1000,
-        on_protocol_error: ErrorHook | None = None,
-        on_pass_through: Callable[[], None] | None = None,
-        *,
-        max_header_list_bytes: int = 65_536,
-        max_header_block_bytes: int = 262_144,
-        reset_burst: int = 1000,
-        reset_rate_per_s: float = 100.0,
-        on_refused: RefusalHook | None = None,
-    ) -> None:
-        """`max_header_list_bytes`: a client stream whose header list is larger fails alone;
-        `max_header_block_bytes`: decoded headers of one block beyond this close the connection;
-        `reset_burst` / `reset_rate_per_s`: each connection's ResetBudget."""
-        self.handle_rank = handle_rank
-        self.internal_target = internal_target
-        self.max_message_bytes = max_message_bytes
-        self.max_concurrent_streams = max_concurrent_streams
-        self.max_header_list_bytes = max_header_list_bytes
-        self.max_header_block_bytes = max_header_block_bytes
-        self.reset_burst = reset_burst
-        self.reset_rate_per_s = reset_rate_per_s
-        self.on_protocol_error = on_protocol_error
-        self.on_pass_through = on_pass_through  # told of each stream relayed to the router's own server
-        self.on_refused = on_refused
-        self.reply_headers = ReplyHeaders(max_header_block_bytes)
-        self.connections: set[H2FrontDoorConnection] = set()
-        self.internal: Upstream | None = None
-        self.draining = False
-        self.all_closed = asyncio.Event()  # set once draining and the last connection has closed
-        self._server: asyncio.Server | None = None
-        self._internal_pool = UpstreamPool(max_message_bytes, on_protocol_error=on_protocol_error)
-        self._keeper: asyncio.Task[None] | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Decoded headers of one block beyond max_header_block_bytes close the connection.
+        self.reply_headers = ReplyHeaders(self.max_header_block_bytes)
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
-        """Connects to the internal server, listens on host:port (TLS with `ssl_context`); returns
-        the bound port."""
-        self.internal = await self._internal_pool.get(self.internal_target)
-        self._keeper = asyncio.ensure_future(self._keep_internal())
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: H2FrontDoorConnection(self), host, port, ssl=ssl_context
-        )
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def _keep_internal(self) -> None:
-        """Reconnects to the router's own server if that connection ever closes."""
-        while True:
-            await asyncio.sleep(0.2)
-            if self.internal is None or not self.internal.usable:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    self.internal = await self._internal_pool.get(self.internal_target)
-
-    async def stop(self, grace_s: float) -> None:
-        """Stops accepting, tells every client GOAWAY, waits up to grace_s for their calls."""
-        self.draining = True
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self.connections):
-            conn.send_goaway_notice()
-        if self.connections:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.all_closed.wait(), grace_s)
-        for conn in list(self.connections):
-            conn.close()
-        if self._keeper is not None:
-            self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
-        self._internal_pool.close()
+    def _connection(self) -> asyncio.Protocol:
+        return H2FrontDoorConnection(self)
 
 
 __all__ = ["H2FrontDoor", "H2FrontDoorConnection", "ReplyHeaders", "header_list_size", "status_headers"]

@@ -739,6 +739,14 @@ class FrontDoorConnection(Endpoint):
             self.close()
 
 
+class ClientConnection(Protocol):
+    """What a front door asks of its client connections when it drains."""
+
+    def send_goaway_notice(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class FrontDoor:
     """The relay's listening socket and its connections."""
 
@@ -769,7 +777,7 @@ class FrontDoor:
         self.reset_burst = reset_burst
         self.reset_rate_per_s = reset_rate_per_s
         self.on_refused = on_refused
-        self.connections: set[FrontDoorConnection] = set()
+        self.connections: set[ClientConnection] = set()
         self.internal: Upstream | None = None
         self.draining = False
         self.all_closed = asyncio.Event()  # set once draining and the last connection has closed
@@ -785,10 +793,12 @@ class FrontDoor:
         self.internal = await self._internal_pool.get(self.internal_target)
         self._keeper = asyncio.ensure_future(self._keep_internal())
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: FrontDoorConnection(self), host, port, ssl=ssl_context
-        )
+        self._server = await loop.create_server(self._connection, host, port, ssl=ssl_context)
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _connection(self) -> asyncio.Protocol:
+        """A new client connection's protocol (the h2-library relay overrides this)."""
+        return FrontDoorConnection(self)
 
     async def _keep_internal(self) -> None:
         """Reconnects to the router's own server if that connection ever closes."""
