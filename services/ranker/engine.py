@@ -369,7 +369,7 @@ class Engine:
 
     async def relay(
         self,
-        prefix: UserPrefix,
+        prefix: UserPrefix | None,
         suffix: RankingSuffix,
         key: PsiKey,
         deadline: float,
@@ -378,17 +378,21 @@ class Engine:
         """Ranks a call whose psi is being pre-inferred here, joining the pre-inference or taking
         it over (module docstring). None when no pre-inference of `key` is in hand (finished or
         never started here): the caller claims psi or ranks otherwise. Errors propagate (the
-        caller falls back to a full ranking)."""
+        caller falls back to a full ranking). `prefix` None: the call named its prefix by
+        reference (same key, so same tokens): a take-over computes from the pre-inference's own."""
         with self._cv:
             self._check_running()
             job = self._producing.get(key)
             if job is None or not job.alive() or job.future.done():
                 return None
+            if prefix is None:
+                prefix = job.prefix
             decision = self.scheduler.relay(job.item(), time.monotonic(), deadline)
             if decision is Relay.JOIN:
-                if not job.taken:
-                    job.joined_deadline = min(deadline, job.joined_deadline or deadline)
-                    self._cv.notify()
+                # Also while taken: if the taker leaves before its step, the rest runs by this
+                # call's deadline rather than as background work.
+                job.joined_deadline = min(deadline, job.joined_deadline or deadline)
+                self._cv.notify()
             else:
                 job.taken = True
                 tokens = prefix.length - job.done + suffix.length

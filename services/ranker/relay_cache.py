@@ -250,13 +250,15 @@ class RelayCache:
         t0: float,
     ) -> Ranked | None:
         """A call whose psi is being pre-inferred here: the engine joins the pre-inference or
-        takes it over (services/ranker/engine.py). None when it is a reload, or the pre-inference
-        has just finished, or the call carries no prefix tokens to compute from: then the call
-        joins the production as any other."""
+        takes it over (services/ranker/engine.py). A call that named its prefix by reference
+        takes over with the pre-inference's own tokens (the key names their content). None when
+        it is a reload or the pre-inference has just finished: then the call joins the
+        production as any other."""
         production = self._productions.get(key)
-        if production is None or production.reload or isinstance(prefix, PrefixReference):
+        if production is None or production.reload:
             return None
-        tokens = prefix.tensors()  # bad tokens are the caller's error (WireError), not a fallback
+        # Bad tokens are the caller's error (WireError), not a fallback.
+        tokens = None if isinstance(prefix, PrefixReference) else prefix.tensors()
         try:
             relayed = await self.engine.relay(tokens, suffix, key, deadline, start_by)
             if relayed is None and not production.done.is_set():
@@ -267,6 +269,8 @@ class RelayCache:
         except Exception as exc:  # e.g. the pre-inference failed: rank without it
             log.warning("relay_failed", user=key.user_id, error=repr(exc))
             self._on_event("fallback", "relay_failed")
+            if tokens is None:
+                raise PrefixRequired("prefix_required: the pre-inference of this prefix failed") from exc
             result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
             return Ranked(Served.FULL_RECOMPUTE, result, (time.perf_counter() - t0) * 1e3, 0.0)
         if relayed is None:

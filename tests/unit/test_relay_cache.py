@@ -18,7 +18,7 @@ from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.model import HSTURanker
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, RelayCache, Served
-from services.ranker.wire import rank_inputs
+from services.ranker.wire import PrefixReference, rank_inputs
 from shared.modelspec import preset
 from shared.wire import RequestLimits
 from tests.preinfer_gate import PreinferGate
@@ -149,6 +149,26 @@ async def test_a_call_takes_over_a_half_built_psi_as_partial_prefix(take_over, m
     assert again.served is Served.HBM_HIT
     assert close(again.result.scores, want)
     assert r.engine.device_time.snapshot().unused_psi == 0
+
+
+async def test_a_call_by_reference_takes_over_with_the_preinferences_tokens(take_over, monkeypatch):
+    # The router sends a call whose psi it expects here by reference (no prefix tokens): it must
+    # still take a slow pre-inference over rather than wait for its background chunks.
+    r = take_over
+    key, prefix, suffix, want = r.inputs(8, 1000)
+    ref = PrefixReference(prefix.user_id, prefix.prefix_version, prefix.length, prefix.digest)
+    with PreinferGate(r.model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        r.engine.start()
+        await r.relay.produce(key, prefix, Lease("p", FAR))
+        await gate.wait_reached(1)
+        call = asyncio.ensure_future(r.rank(key, ref, suffix))
+        await eventually(lambda: r.engine.rank_queue_depth == 1, "the partial call is queued")
+        gate.open()
+        ranked = await asyncio.wait_for(call, 30)
+    assert ranked.served is Served.PARTIAL_PREFIX
+    assert ranked.prefix_reused == pytest.approx(512 / 1003)
+    assert close(ranked.result.scores, want)
+    assert r.state(key) is EntryState.CONSUMED
 
 
 async def test_a_preinference_not_started_is_taken_over_whole(take_over, monkeypatch):
