@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 
 from bench import goodput, relay
 from bench.replay import ReplayResult, replay
@@ -88,6 +89,14 @@ async def measure(stack: Stack, name: str, args: argparse.Namespace) -> dict[str
     return record
 
 
+def save_logs(stack: Stack, directory: Path, config: str) -> None:
+    """Every service's log records so far, one JSON line each: <config>-<service>.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for proc in stack.processes:
+        lines = [orjson.dumps(record).decode() for record in proc.records()]
+        (directory / f"{config}-{proc.name}.jsonl").write_text("".join(f"{line}\n" for line in lines))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -115,6 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="")
+    p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.configs if c not in relay.CONFIGS]
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             config = dataclasses.replace(config, ranker_args=(*config.ranker_args, *extra))
         with Stack(config) as stack:  # from the main thread: children live as long
             records.append(asyncio.run(measure(stack, name, args)))
+            if args.logs_dir:
+                save_logs(stack, Path(args.logs_dir), name)
     settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
     for r in records:  # flat columns for the summary table
         r.update({k: r["summary"].get(k) for k in ("ok", "sent", "p50_ms", "p99_ms", "slo_attainment")})

@@ -10,7 +10,8 @@ One device loop per accelerator, planned step by step by the iteration scheduler
      pre-inference chunks sized so the step lasts about `max_rank_delay_s`; or waits for a
      ranking batch to fill (at most `max_wait_s`);
   3. between steps, calls that must run on the device thread (e.g. CUDA graph captures at
-     warm-up) and the capture of ranking graphs for batch shapes seen without one.
+     warm-up); when nothing else is planned, the capture of ranking graphs for batch shapes seen
+     without one.
 On CUDA, batches against complete psi replay a captured CUDA graph when one fits (GraphLimits),
 else run eagerly; both give the same scores. Partial and full batches run eagerly.
 
@@ -46,8 +47,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -474,6 +477,44 @@ class Engine:
         with self._cv:
             return list(self._samples)
 
+    def stall_report(self, older_than_s: float) -> dict[str, Any] | None:
+        """What the device loop holds and where its thread is, when a queued ranking call, a
+        waited-for pre-inference or a copy has been waiting longer than `older_than_s` (None
+        otherwise): the service logs it, so a stalled or spinning loop explains itself."""
+        now = time.monotonic()
+        with self._cv:
+            waits = [now - j.submitted for j in self._ranks.values()]
+            waits += [now - j.submitted for j in self._preinfers.values() if j.joined_deadline is not None]
+            waits += [now - j.submitted for j in (*self._copies, *self._copies_in_flight, *self._calls)]
+            if not waits or max(waits) < older_than_s:
+                return None
+            report: dict[str, Any] = {
+                "oldest_wait_s": round(max(waits), 3),
+                "ranks": [
+                    {"id": j.id, "kind": j.kind.value, "age_s": round(now - j.submitted, 3),
+                     "deadline_in_s": round(j.deadline - now, 3), "alive": j.alive(),
+                     "takes": j.takes.id if j.takes is not None else None}
+                    for j in self._ranks.values()
+                ],
+                "preinfers": [
+                    {"id": j.id, "done": j.done, "length": j.prefix.length, "taken": j.taken,
+                     "joined": j.joined_deadline is not None, "alive": j.alive(),
+                     "resolved": j.future.done(), "age_s": round(now - j.submitted, 3)}
+                    for j in self._preinfers.values()
+                ],
+                "copies_queued": len(self._copies),
+                "copies_in_flight": len(self._copies_in_flight),
+                "calls": len(self._calls),
+                "graphs_pending": self.graphs.has_pending() if self.graphs is not None else False,
+                "stopping": self._stopping,
+            }  # fmt: skip
+        frames = sys._current_frames()
+        report["threads"] = [
+            "".join(traceback.format_stack(frames[t.ident])[-8:]) if t.ident in frames else "gone"
+            for t in self._threads
+        ]
+        return report
+
     @property
     def rank_queue_depth(self) -> int:
         return len(self._ranks)
@@ -526,13 +567,15 @@ class Engine:
                 self._run_rank_batch(batch)
             elif self._run_call():
                 continue
-            elif self.graphs is not None and self.graphs.has_pending():
-                self._capture_one()
             elif plan.chunks:
                 self._run_chunks(plan)
             elif plan.wait_s > 0:
                 with self._cv:
                     self._cv.wait(plan.wait_s)  # a ranking batch is filling
+            elif self.graphs is not None and self.graphs.has_pending():
+                # Only when nothing else is planned: a capture takes tens to hundreds of ms, and
+                # one run ahead of a waited-for chunk or a filling batch delayed both.
+                self._capture_one()
             elif self._copies_in_flight:
                 time.sleep(50e-6)  # copies still running on the copy engine
 

@@ -158,6 +158,12 @@ def _call_work(request: pb.RankRequest) -> CallWork:
     return CallWork.of(prefix, suffix, against_psi=False)
 
 
+# Something queued on the engine this long is a stall: logged with the engine's state and the
+# device thread's stack, at most once per STALL_REPORT_EVERY_S.
+STALL_AFTER_S = 2.0
+STALL_REPORT_EVERY_S = 5.0
+
+
 class RankerService(pb_grpc.RankerServicer):
     """One ranker instance. `run()` is the process's life (see the module docstring); `start()` and
     `shutdown()` serve tests and benchmarks that embed an instance in their own event loop.
@@ -409,8 +415,15 @@ class RankerService(pb_grpc.RankerServicer):
             self.lifecycle.fail(f"task {task.get_name()} failed: {task.exception()!r}")
 
     async def _expire_loop(self) -> None:
+        reported = 0.0
         while True:
             await asyncio.sleep(0.05)
+            now = time.monotonic()
+            if now - reported >= STALL_REPORT_EVERY_S:
+                stall = self.engine.stall_report(STALL_AFTER_S)
+                if stall is not None:
+                    log.warning("engine_stalled", **stall)
+                    reported = now
             self.admission.costs.observe_batches(self.engine.recent_batches())
             self.relay.expire()
             self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)

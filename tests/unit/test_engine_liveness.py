@@ -91,3 +91,29 @@ async def test_a_take_over_during_the_last_chunk_ranks_against_the_psi_it_built(
     assert close(served.result.scores, model.full([prefix], [suffix])[0])
     assert close(psi.kv, model.preinfer([prefix])[0].kv)
     assert not e.producing(key)
+
+
+async def test_a_stall_report_names_what_waits_and_where_the_device_thread_is(model, monkeypatch):
+    """A chunk held on the device thread: the queued call behind it shows in the report, with the
+    thread's stack; nothing waiting past the threshold, no report."""
+    prefixes, suffixes = batch(33, [Shape(2, 700, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    e = chunked(model)
+    with PreinferGate(model, monkeypatch, pause_before=(1,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            assert e.stall_report(0.0) is None  # nothing queued
+            pre = asyncio.ensure_future(e.preinfer(prefix))
+            await gate.wait_reached(1)  # the device thread waits inside the second chunk
+            call = asyncio.ensure_future(e.rank_full(prefix, suffix))
+            await eventually(lambda: e.rank_queue_depth == 1, "the call is queued")
+            assert e.stall_report(60.0) is None  # not waiting that long
+            report = e.stall_report(0.0)
+            assert report is not None
+            assert [r["kind"] for r in report["ranks"]] == ["full"]
+            assert report["preinfers"][0]["done"] == 256
+            assert "preinfer_chunks" in report["threads"][0]  # where the device thread is
+            gate.open()
+            await asyncio.wait_for(asyncio.gather(pre, call), 30)
+        finally:
+            e.stop()
