@@ -378,11 +378,16 @@ class RankerService(pb_grpc.RankerServicer):
 
         # Chunks after the first attend to the psi built so far, and a call completing half-built
         # psi computes prefix tokens against it: the budget may have built the prefix in one chunk.
+        # Batches of two as well: a kernel variant that only a batch of several needed would be
+        # compiled mid-serving, on the device thread.
         def chunks() -> None:
-            half = self.model.new_psi(prefix)
+            half, other = self.model.new_psi(prefix), self.model.new_psi(prefix)
             self.model.preinfer_chunks([PrefixChunk(prefix, half, 0, 256)])
-            self.model.preinfer_chunks([PrefixChunk(prefix, half, 256, 512)])
-            self.model.rank_partial([prefix], [suffix], [half], [512])
+            self.model.preinfer_chunks(
+                [PrefixChunk(prefix, half, 256, 512), PrefixChunk(prefix, other, 0, 256)]
+            )
+            self.model.rank_partial([prefix, prefix], [suffix, suffix], [half, other], [512, 256])
+            self.model.full([prefix, prefix], [suffix, suffix])
 
         await self.engine.call(chunks)
         short = RankingSuffix(Behaviors(ids[:4], ids[:4] % 4, ids[:4] + 1024), ids[:4], 2048)
