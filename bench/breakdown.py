@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import orjson
 
 from bench import goodput, relay
 from bench.replay import ReplayResult, replay
@@ -89,14 +88,6 @@ async def measure(stack: Stack, name: str, args: argparse.Namespace) -> dict[str
     return record
 
 
-def save_logs(stack: Stack, directory: Path, config: str) -> None:
-    """Every service's log records so far, one JSON line each: <config>-<service>.jsonl."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for proc in stack.processes:
-        lines = [orjson.dumps(record).decode() for record in proc.records()]
-        (directory / f"{config}-{proc.name}.jsonl").write_text("".join(f"{line}\n" for line in lines))
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -147,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         with Stack(config) as stack:  # from the main thread: children live as long
             records.append(asyncio.run(measure(stack, name, args)))
             if args.logs_dir:
-                save_logs(stack, Path(args.logs_dir), name)
+                relay.save_logs(stack, Path(args.logs_dir), name)
     settings = {k: v for k, v in vars(args).items() if k != "out_dir"}
     for r in records:  # flat columns for the summary table
         r.update({k: r["summary"].get(k) for k in ("ok", "sent", "p50_ms", "p99_ms", "slo_attainment")})

@@ -505,6 +505,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -537,6 +538,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
         with Stack(relay.stack_config(name, args)) as stack:  # from the main thread: children live as long
             records += asyncio.run(run_config(stack, name, args, args.search, records))
+            if args.logs_dir:
+                relay.save_logs(stack, Path(args.logs_dir), name)
     defaults = WorkloadConfig()
     settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "search")}
     settings |= {"configs": configs, "think_scale": defaults.think_scale, "wall_s": time.time() - started,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import orjson
 
 from bench.replay import ReplayResult, replay
 from bench.report import RESULTS_DIR, device_slug, machine, markdown_table, scrape_metrics
@@ -329,6 +330,14 @@ def main(argv: list[str] | None = None) -> None:
         records.append(config_record(name, points, args.slo_ms))
     run_config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "merge")}
     write_report(records, run_config | {"wall_s": time.time() - started}, machine(), args)
+
+
+def save_logs(stack: Stack, directory: Path, config: str) -> None:
+    """Every service's log records so far, one JSON line each: <config>-<service>.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for proc in stack.processes:
+        lines = [orjson.dumps(record).decode() for record in proc.records()]
+        (directory / f"{config}-{proc.name}.jsonl").write_text("".join(f"{line}\n" for line in lines))
 
 
 def stack_config(name: str, args: argparse.Namespace) -> StackConfig:
