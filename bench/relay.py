@@ -46,7 +46,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
-    # Pre-inference in chunks of 512 tokens at most (the ranker's default is 2048).
+    # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
     "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
     # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
     # pre-inference competing with full rankings for the device at high load.

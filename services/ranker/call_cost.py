@@ -88,11 +88,15 @@ class Coefficients:
 class CostPrior:
     per_batch_s: float = 1e-3
     per_token_s: float = 10e-6
+    # 0 unless measured (Engine.calibrate_steps): a quadratic cost assumed, not measured, would
+    # refuse long calls before one was ever run.
+    per_pair_s: float = 0.0
+    pairs_measured: bool = False  # per_pair_s was measured (0 included): the fit holds to it too
     batches: float = 2.0  # its weight, in measured batches
     memory_batches: float = 128.0  # a batch's weight halves after ~0.7 x this many newer ones
 
     def __post_init__(self) -> None:
-        if self.per_batch_s < 0 or self.per_token_s < 0:
+        if self.per_batch_s < 0 or self.per_token_s < 0 or self.per_pair_s < 0:
             raise ValueError("prior costs must be >= 0")
         if self.per_batch_s + self.per_token_s <= 0:
             raise ValueError("prior costs must not both be 0")
@@ -114,16 +118,23 @@ class CostFit:
         self._a = np.zeros((3, 3))
         self._b = np.zeros(3)
         # The prior as pseudo-batches: an empty one and one of 1k tokens (worth `batches`, fading),
-        # and, in the ridge only, 1k tokens in full at no pair cost: no quadratic cost is assumed,
-        # and none is held against the first measured one.
+        # and, in the ridge only, 1k tokens in full at the prior's pair cost (none, unless
+        # measured): no quadratic cost is assumed, and none is held against the first measured
+        # one. A measured pair cost is a third pseudo-batch: without it, batches of one shape
+        # (chunk steps of one size) put any residual into the pair cost, which then extrapolates
+        # quadratically (a 4096-token step predicted at 42 ms that measures 4.3).
         empty, linear = np.array([1.0, 0.0, 0.0]), np.array([1.0, 1e3, 0.0])
         linear_s = prior.per_batch_s + 1e3 * prior.per_token_s
         self._ridge_a = np.zeros((3, 3))
         self._ridge_b = np.zeros(3)
-        for x, y in ((empty, prior.per_batch_s), (linear, linear_s)):
-            self._add(x, y, prior.batches / 2)
+        points = [(empty, prior.per_batch_s), (linear, linear_s)]
+        full = (np.array([1.0, 1e3, 1e6]), linear_s + 1e6 * prior.per_pair_s)
+        if prior.pairs_measured:
+            points.append(full)
+        for x, y in points:
+            self._add(x, y, prior.batches / len(points))
             self._add(x, y, _RIDGE_BATCHES, ridge=True)
-        self._add(np.array([1.0, 1e3, 1e6]), linear_s, _RIDGE_BATCHES, ridge=True)
+        self._add(*full, _RIDGE_BATCHES, ridge=True)
         self._coef = self._solve()
 
     # ------------------------------------------------------------------ measurement

@@ -92,14 +92,14 @@ class RankerConfig(TlsSettings):
     preinfer_max_batch: int = setting(4, env="RELAYGR_RANKER_PREINFER_MAX_BATCH",
                                       renamed_from="RELAYGR_PREINFER_MAX_BATCH", help="prefixes per pre-inference",
                                       check=positive)  # fmt: skip
-    preinfer_chunk_tokens: int = setting(2048, env="RELAYGR_RANKER_PREINFER_CHUNK_TOKENS",
+    preinfer_chunk_tokens: int = setting(4096, env="RELAYGR_RANKER_PREINFER_CHUNK_TOKENS",
                                          help="pre-inference builds psi in chunks of at most this many prefix "
                                          "tokens (a multiple of 256), between ranking steps; smaller chunks "
                                          "hold a ranking call back less", check=_whole_chunks)  # fmt: skip
     max_rank_delay_ms: float = setting(5.0, env="RELAYGR_RANKER_MAX_RANK_DELAY_MS",
                                        help="pre-inference chunks are sized (from the measured step costs) so "
-                                       "that a step lasts at most about this long: the longest a ranking call "
-                                       "waits behind pre-inference", check=positive)  # fmt: skip
+                                       "that a step lasts at most its fixed cost plus this long: about the "
+                                       "longest a ranking call waits behind pre-inference", check=positive)  # fmt: skip
     cuda_graphs: bool = setting(True, env="RELAYGR_RANKER_CUDA_GRAPHS", renamed_from="RELAYGR_CUDA_GRAPHS",
                                 help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
                                 "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip

@@ -7,8 +7,8 @@ One device loop per accelerator, planned step by step by the iteration scheduler
      waited on) and resolves those that completed;
   2. runs what the scheduler planned for the step: a ranking batch (earliest deadline first, one
      kind per batch: against complete psi, in full, or partial) or, when no ranking call waits,
-     pre-inference chunks sized so the step lasts about `max_rank_delay_s`; or waits for a
-     ranking batch to fill (at most `max_wait_s`);
+     pre-inference chunks sized so the step lasts about its fixed cost plus `max_rank_delay_s`;
+     or waits for a ranking batch to fill (at most `max_wait_s`);
   3. between steps, calls that must run on the device thread (e.g. CUDA graph captures at
      warm-up); when nothing else is planned, the capture of ranking graphs for batch shapes seen
      without one.
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import sys
 import threading
@@ -73,6 +74,7 @@ from services.ranker.scheduler import (
     SchedulerConfig,
 )
 from services.ranker.sequences import RankingSuffix, UserPrefix
+from shared.fingerprint import CHUNK_TOKENS
 from shared.logging import get_logger
 
 log = get_logger("ranker.engine")
@@ -101,9 +103,9 @@ class EngineConfig:
     max_wait_s: float = 0.001
     preinfer_max_batch: int = 4
     # Pre-inference chunks: at most this many prefix tokens (a multiple of 256) ...
-    preinfer_chunk_tokens: int = 2048
-    # ... and sized so that a step is predicted to last at most this long: about the longest a
-    # ranking call waits behind pre-inference.
+    preinfer_chunk_tokens: int = 4096
+    # ... and sized so that a step is predicted to last at most its fixed cost plus this long:
+    # about the longest a ranking call waits behind pre-inference (scheduler.step_budget_s).
     max_rank_delay_s: float = 0.005
     # The step-cost model before any step is measured.
     step_prior: CostPrior = field(default_factory=CostPrior)
@@ -267,6 +269,7 @@ class Engine:
         self.device_time = DeviceTime()
         # Fitted on the device thread only (CostFit is not thread-safe); relay() reads its
         # coefficients from the event loop: an immutable value that observe() replaces whole.
+        self._step_prior = config.step_prior  # until calibrate_steps() measures one
         self.step_costs = CostFit(config.step_prior)
         self.rank_costs = CostFit(config.step_prior)
         self.scheduler = IterationScheduler(config.scheduler(), self.step_costs, self.rank_costs)
@@ -468,10 +471,55 @@ class Engine:
         what a latency model should learn from), the step-cost fit's too."""
         with self._cv:
             self._samples.clear()
-            self.step_costs = CostFit(self.config.step_prior)
+            self.step_costs = CostFit(self._step_prior)
             self.rank_costs = CostFit(self.config.step_prior)
             self.scheduler.costs = self.step_costs
             self.scheduler.rank_costs = self.rank_costs
+
+    async def calibrate_steps(self, prefix: UserPrefix, repeats: int = 3) -> CostPrior:
+        """Measures pre-inference steps of this (warm) prefix on the device thread: a first
+        256-token chunk, a last one (against all the rest built) and the whole prefix in one;
+        their fixed, per-token and per-pair costs become the step-cost fit's prior. Why: chunk
+        steps of one size cannot tell a fixed cost from a cost per token or per pair, so a fit
+        that starts far from the device (the default prior's 10 us a token, a CPU's) and sees
+        only small chunks keeps sizing them small (on an H100: 16 steps of ~4.5 ms for a
+        4096-token psi that one 4.3 ms step builds)."""
+        length = prefix.length
+        if length <= CHUNK_TOKENS:
+            raise ValueError(f"calibration needs a prefix over {CHUNK_TOKENS} tokens, got {length}")
+        last = length - CHUNK_TOKENS
+        steps = ((0, CHUNK_TOKENS), (last, length), (0, length))
+
+        def measure() -> list[float]:
+            psi = self.model.new_psi(prefix)
+            times: dict[tuple[int, int], list[float]] = {s: [] for s in steps}
+            for _ in range(repeats):
+                for start, end in (steps[2], steps[0], steps[1]):  # the last chunk reads the whole
+                    started = time.perf_counter()
+                    self.model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
+                    self._sync()
+                    times[(start, end)].append(time.perf_counter() - started)
+            return [sorted(times[s])[repeats // 2] for s in steps]
+
+        seconds = await self.call(measure)
+        fit = CostFit(dataclasses.replace(self.config.step_prior, batches=0.0))
+        for (start, end), t in zip(steps, seconds, strict=True):
+            fit.observe(end - start, (end - start) * end, t)
+        c = fit.coefficients
+        if c.per_batch_s + c.per_token_s <= 0:
+            return self._step_prior  # nothing measurable (a clock too coarse): keep it
+        prior = dataclasses.replace(
+            self.config.step_prior,
+            per_batch_s=c.per_batch_s,
+            per_token_s=c.per_token_s,
+            per_pair_s=c.per_pair_s,
+            pairs_measured=True,
+        )
+        with self._cv:
+            self._step_prior = prior
+            self.step_costs = CostFit(prior)
+            self.scheduler.costs = self.step_costs
+        return prior
 
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:

@@ -12,15 +12,19 @@ loop asks `plan()` before every step and runs what it returns:
     time at most (a multiple of the fingerprint's 256-token chunks, so a built part is always a
     run of whole fingerprint chunks), each chunk a causal forward of its tokens against the psi
     built so far. A step's chunks (of up to `preinfer_max_batch` users) are sized by the step-cost
-    model so that the step is predicted to last at most `max_rank_delay_s`: a ranking call that
-    arrives meanwhile waits about one such step;
+    model so that the step is predicted to last at most its fixed cost plus `max_rank_delay_s`
+    (`step_budget_s`): a ranking call that arrives meanwhile waits about one such step. The
+    fixed cost is not counted against the budget because a smaller chunk does not save it: on an
+    H100 a step costs ~4-5 ms of host time whatever its size (256 to 4096 tokens), so chunks
+    sized to a 5 ms budget built a 4096-token psi in 16 steps, 4x the device time of one (and a
+    fit that only ever saw small chunks could not learn that larger ones cost little more);
   * a pre-inference that a ranking call has joined runs with that call's deadline, in the same
     earliest-deadline order as the ranking calls.
 
 What a ranking call does about a pre-inference of its psi still in the queue (`relay()`):
   * nothing built yet: TAKE_OVER: the pre-inference is cancelled and the call computes the whole
     prefix in its own step, writing psi as it goes (no work is done twice);
-  * some built, and the predicted rest fits within `max_rank_delay_s` and the call's deadline:
+  * some built, and the predicted rest fits in one step (`step_budget_s`) and the call's deadline:
     JOIN (wait for it, then rank against complete psi);
   * some built, the rest too long: TAKE_OVER as partial psi (the call reads the built chunks and
     computes the rest of the prefix and its suffix in its step, completing psi).
@@ -123,7 +127,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 65_536
     max_wait_s: float = 0.001
     preinfer_max_batch: int = 4
-    chunk_tokens: int = 2048
+    chunk_tokens: int = 4096
     max_rank_delay_s: float = 0.005
 
     def __post_init__(self) -> None:
@@ -167,11 +171,17 @@ class IterationScheduler:
             n = cap  # the short tail fits too
         return n
 
+    def step_budget_s(self) -> float:
+        """How long a pre-inference step may be predicted to last: its fixed cost (paid by any
+        chunk, however small) plus `max_rank_delay_s`."""
+        return self.costs.coefficients.per_batch_s + self.config.max_rank_delay_s
+
     def remaining_seconds(self, done: int, length: int) -> float:
         """Predicted device time to build the rest of a prefix at the chunk sizes plan() uses."""
         seconds = 0.0
+        budget = self.step_budget_s()
         while done < length:
-            n = self.chunk_size(done, length - done, self.config.max_rank_delay_s)
+            n = self.chunk_size(done, length - done, budget)
             seconds += self.chunk_seconds(done, n)
             done += n
         return seconds
@@ -186,7 +196,7 @@ class IterationScheduler:
         if item.done == 0:
             return Relay.TAKE_OVER
         rest = self.remaining_seconds(item.done, item.length)
-        if rest <= self.config.max_rank_delay_s and now + rest < deadline:
+        if rest <= self.step_budget_s() and now + rest < deadline:
             return Relay.JOIN
         return Relay.TAKE_OVER
 
@@ -238,7 +248,7 @@ class IterationScheduler:
         """Chunks of the pre-inferences in this order, within the step budget (the first always
         gets one: progress)."""
         cfg = self.config
-        budget = cfg.max_rank_delay_s
+        budget = self.step_budget_s()
         chunks: list[Chunk] = []
         spent = 0.0
         for p in ordered[: cfg.preinfer_max_batch]:

@@ -161,6 +161,8 @@ def _call_work(request: pb.RankRequest) -> CallWork:
 # Something queued on the engine this long is a stall: logged with the engine's state and the
 # device thread's stack, at most once per STALL_REPORT_EVERY_S.
 STALL_AFTER_S = 2.0
+# The prefix length the warm-up calibrates pre-inference steps on (Engine.calibrate_steps).
+CALIBRATION_TOKENS = 2048
 STALL_REPORT_EVERY_S = 5.0
 
 
@@ -398,6 +400,13 @@ class RankerService(pb_grpc.RankerServicer):
             log.info("rank_graphs_warm", captured=captured, tokens_per_user=list(self.config.graph_warm_tokens),
                      ms=round((time.perf_counter() - started) * 1e3, 1))  # fmt: skip
         self.engine.forget_batches()
+        # A longer prefix than the rest of the warm-up: chunk sizes are judged up to thousands of
+        # tokens, and a pair cost measured only on short ones extrapolates badly.
+        long_ids = torch.arange(CALIBRATION_TOKENS, dtype=torch.int64)
+        long_prefix = UserPrefix(1, 0, long_ids[:2], Behaviors(long_ids[2:], long_ids[2:] % 4, long_ids[2:]))
+        prior = await self.engine.calibrate_steps(long_prefix)
+        log.info("preinfer_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
+                 per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5))  # fmt: skip
         # Measured, not assumed: one full ranking and one against psi, now warm, give admission
         # its first costs per batch, token and attention pair (services/ranker/call_cost.py).
         await self.engine.rank_full(prefix, suffix)
