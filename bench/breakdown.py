@@ -3,7 +3,7 @@
     python -m bench.breakdown --device cuda --preset bench --configs baseline,relay --rate 25 \\
         --workload L4096 --hbm-budget-mb 40000 --arena-gb 24
 
-For each configuration (bench/relay.py's CONFIGS; `--ranker-args` adds ranker flags to every
+For each configuration (relaygr/harness.py's CONFIGS; `--ranker-args` adds ranker flags to every
 configuration but the baseline), brings the stack up once, replays a short warm-up, then one
 open-loop point at `--rate` for `--duration-s`, and prints, per served-by path (hbm_hit,
 inflight_join, partial_prefix, dram_reload, full_recompute), P50 / P90 / P99 of the client
@@ -26,10 +26,11 @@ from typing import Any
 import grpc
 
 from bench import goodput, relay
-from bench.replay import ReplayResult, replay
-from bench.report import RESULTS_DIR, markdown_table, percentile, write_result
-from bench.workload import Materializer, WorkloadConfig, generate
+from bench.report import RESULTS_DIR, percentile, write_result
+from relaygr.harness import CONFIGS, markdown_table
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
+from relaygr.replay import ReplayResult, replay
+from relaygr.workload import Materializer, WorkloadConfig, generate
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2_grpc as pb_grpc
 
@@ -90,9 +91,7 @@ async def measure(stack: Stack, name: str, args: argparse.Namespace) -> dict[str
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(relay.CONFIGS)
-    )
+    p.add_argument("--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(CONFIGS))
     p.add_argument("--workload", default="L4096", help="L<prefix tokens> or mix")
     p.add_argument("--rate", type=float, default=25.0, help="offered ranking calls per second")
     p.add_argument("--duration-s", type=float, default=16.0)
@@ -118,9 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
     args = p.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in relay.CONFIGS]
+    unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
-        p.error(f"unknown configurations {unknown}: choose from {', '.join(relay.CONFIGS)}")
+        p.error(f"unknown configurations {unknown}: choose from {', '.join(CONFIGS)}")
     if args.rate <= 0 or args.duration_s <= 0 or args.warmup_rate <= 0 or args.warmup_s <= 0:
         p.error("rates and durations must be > 0")
     goodput.workload_config(args.workload, WorkloadConfig())  # raises for an unknown workload

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from bench.report import median, write_result
-from bench.synthetic import Shape, batch
 from kernels.device import accelerator
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker
 from shared.modelspec import ModelSpec, preset
 

@@ -5,7 +5,7 @@
     python -m bench.faults --scenarios --fuzz 0 --out-dir /tmp/ov   # the overload run alone
 
 Each scenario brings up the whole stack (embedded broker, expander, two rankers, router, trigger),
-replays a steady open-loop workload through it (bench/workload.py, bench/replay.py), injects one
+replays a steady open-loop workload through it (relaygr/workload.py, relaygr/replay.py), injects one
 fault at `fault_at_s`, and records:
   calls, failed             ranking calls sent / not answered with scores
   p99_ms_before/during/after  before the fault / from the fault to 1 s after it ended / the rest
@@ -42,11 +42,11 @@ from typing import Any
 
 import grpc
 
-from bench.replay import ReplayResult, replay
 from bench.report import RESULTS_DIR, write_result
 from bench.trigger_faults import run_max_size_valid_event, run_oversized_malformed_event
-from bench.workload import Materializer, WorkloadConfig, generate
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
+from relaygr.replay import ReplayResult, replay
+from relaygr.workload import Materializer, WorkloadConfig, generate
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2_grpc as pb_grpc
 from shared.stats import percentile
@@ -371,7 +371,7 @@ def _front_door_stack(args: argparse.Namespace) -> Stack:
 
 def _rank_requests(n: int) -> list[bytes]:
     """Small, valid ranking calls (64-token prefixes) for the tiny model."""
-    from bench.synthetic import Shape, batch
+    from relaygr.synthetic import Shape, batch
     from services.ranker.wire import rank_request
 
     prefixes, suffixes = batch(7, [Shape(3, 64, 8, 16)] * n)
@@ -558,7 +558,7 @@ def run_prefix_content_mismatch(args: argparse.Namespace) -> dict[str, Any]:
     the PreInfers not accepted; `prefix_content_mismatches` the rankers' own count."""
     import torch
 
-    from bench.synthetic import Shape, batch
+    from relaygr.synthetic import Shape, batch
     from services.ranker.model import HSTURanker
     from services.ranker.wire import preinfer_request, rank_request
     from shared.modelspec import preset

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench.synthetic import Shape, request
 from relaygr.processes import ServiceProcess
+from relaygr.synthetic import Shape, request
 from services.ranker.wire import prefix_to_proto
 from shared.broker import EmbeddedBroker
 from shared.dlq import read_dead_letter

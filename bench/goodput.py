@@ -6,7 +6,7 @@
         --min-duration-s 1 --min-calls 4                               # a CPU smoke run (tiny model)
 
 Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-loop replays
-(bench/workload.py, bench/relay.py's run_point) at rates chosen by `LimitSearch`:
+(relaygr/workload.py, relaygr/harness.py's run_point) at rates chosen by `LimitSearch`:
   1. grid: the rates of `--grid` in ascending order, extended geometrically (x `--growth`) past
      its top while every point meets, up to `--cap-rps` (a result is censored only if the cap
      itself meets). Stepping stops at the first miss (P99 > SLO, or any call failed or unsent),
@@ -52,9 +52,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import relay
-from bench.report import RESULTS_DIR, machine, markdown_table, write_result
-from bench.workload import WorkloadConfig, generate
+from bench.report import RESULTS_DIR, write_result
+from relaygr.harness import CONFIGS, machine, markdown_table, run_point
 from relaygr.launcher import Stack
+from relaygr.workload import WorkloadConfig, generate
 
 HEADLINE = ("L4096", "mix")  # the workloads repeated by --repeats
 NEVER_WORSE = "mix"  # the workload of the never-worse table
@@ -281,7 +282,7 @@ class Runner:
         # earlier one left in the tiers: each point has its own version range.
         cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
                            a.min_duration_s, a.min_calls)  # fmt: skip
-        p = await relay.run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0)
+        p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0)
         s = p.summary
         record = {
             "rate_rps": rate,
@@ -342,7 +343,7 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
     # (allocator growth, lazy initialisation) that belong to no configuration.
     warm = dataclasses.replace(workload_config(args.workloads[0], base), duration_s=args.warmup_s,
                                rate_rps=search.grid[0], version_base=999_000_000)  # fmt: skip
-    await relay.run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0)
+    await run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0)
     records = []
     for workload, repeat in plan(args):
         same = [r for r in earlier if r["workload"] == workload and r["repeat"] == repeat]
@@ -470,9 +471,7 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(relay.CONFIGS)
-    )
+    p.add_argument("--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(CONFIGS))
     p.add_argument(
         "--workloads", default="L2048,L4096,L8192,L12288,mix", help="comma-separated: L<tokens> | mix"
     )
@@ -509,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = [c for c in args.configs if c not in relay.CONFIGS]
+    unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configurations {unknown}")
     try:

@@ -31,9 +31,9 @@ import grpc
 import torch
 
 from bench.report import median, percentile, write_result
-from bench.synthetic import Shape
-from bench.synthetic import request as synthetic_request
 from relaygr.processes import ServiceProcess
+from relaygr.synthetic import Shape
+from relaygr.synthetic import request as synthetic_request
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from services.ranker.transfer import host_meta, host_nbytes

@@ -5,7 +5,7 @@
 
 For each configuration (baseline, preinfer-all, no-affinity, no-expander, relay: switches of the
 same stack, see relaygr/launcher.py) the whole stack is brought up once and two open-loop sweeps run
-through it (workload: bench/workload.py, replay: bench/replay.py):
+through it (workload: relaygr/workload.py, replay: relaygr/replay.py):
   * length sweep at a fixed offered rate: every user's prefix has the same length L; the largest L
     whose ranking P99 <= SLO with no failed call is max_len_at_slo;
   * rate sweep at a fixed length mix (the ML-100K shape, scaled): the highest offered rate whose
@@ -22,164 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import orjson
 
-from bench.replay import ReplayResult, replay
-from bench.report import RESULTS_DIR, device_slug, machine, markdown_table, scrape_metrics
-from bench.workload import Materializer, WorkloadConfig, generate
-from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
-from shared.kafka import KafkaSettings, make_producer
-from shared.protos import ranker_pb2 as pb
-from shared.protos import ranker_pb2_grpc as pb_grpc
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "baseline": {"trigger_policy": "off", "expander": False},
-    "preinfer-all": {"trigger_policy": "all"},
-    "no-affinity": {"placement": "round_robin"},
-    "no-expander": {"expander": False},
-    "relay": {},
-    # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
-    "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
-    # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
-    # pre-inference competing with full rankings for the device at high load.
-    "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},
-}
-
-
-@dataclasses.dataclass
-class Point:
-    sweep: str  # "length" or "rate"
-    value: float  # prefix length or offered rate
-    summary: dict[str, Any]
-    rankers: dict[str, float]
-    eps_max: float
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.summary["meets_slo"])
-
-    def record(self) -> dict[str, Any]:
-        s = self.summary
-        return {
-            "sweep": self.sweep,
-            "value": self.value,
-            "meets_slo": self.ok,
-            "p50_ms": s["p50_ms"],
-            "p99_ms": s["p99_ms"],
-            "p999_ms": s["p999_ms"],
-            "eps_max": self.eps_max,
-            **{k: v for k, v in s.items() if k not in ("p50_ms", "p99_ms", "p999_ms")},
-            **self.rankers,
-        }
-
-
-async def ranker_stats(targets: list[str]) -> list[pb.StatsReply]:
-    out = []
-    for target in targets:
-        async with grpc.aio.insecure_channel(target) as channel:
-            out.append(await pb_grpc.RankerStub(channel).Stats(pb.StatsRequest(), timeout=5))
-    return out
-
-
-async def eps_against_full(router: Any, result: ReplayResult, materializer: Materializer) -> float:
-    """max |served score - full-inference score| over the replay's scored sample."""
-    worst = 0.0
-    for record in result.sampled():
-        planned = record.planned
-        request = materializer.rank_request(planned)
-        # A prefix version nobody pre-inferred forces full inference of the very same tokens.
-        request.prefix_version = request.prefix.prefix_version = planned.prefix_version + 1_000_000_000
-        request.request_id = f"{request.request_id}-full"
-        reply = await router.Rank(request, timeout=120)
-        if record.scores is not None and len(reply.scores) == len(record.scores):
-            worst = max(worst, max(abs(a - b) for a, b in zip(reply.scores, record.scores, strict=True)))
-    return worst
-
-
-_DEVICE_SECONDS = 'relaygr_ranker_device_seconds_total{work="%s"}'
-
-
-async def device_counters(stack: Stack) -> dict[str, float]:
-    """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
-    totals: dict[str, float] = collections.defaultdict(float)
-    for port in stack.ranker_metrics_ports:
-        samples = await asyncio.to_thread(scrape_metrics, port)
-        totals["rank"] += samples.get(_DEVICE_SECONDS % "rank", 0.0)
-        totals["preinfer"] += samples.get(_DEVICE_SECONDS % "preinfer", 0.0)
-        totals["copy"] += sum(samples.get(_DEVICE_SECONDS % w, 0.0) for w in ("copy", "reload", "demote"))
-        totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
-        totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
-    return dict(totals)
-
-
-async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
-                    eps_sample: int) -> Point:  # fmt: skip
-    """Replays one workload through the running stack. Besides the replay's summary, records the
-    rankers' counters over the point: psi produced / wasted, reloads, resident bytes, and device
-    time (busy_fraction: busy seconds per ranker over the replay; device_*_s: seconds of ranking,
-    pre-inference, copies, and pre-inference of psi that expired unused, until 1 s after it)."""
-    workload = generate(workload_config)
-    materializer = Materializer.for_workload(workload)
-    before = await ranker_stats(stack.ranker_targets)
-    producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
-    await producer.start()
-    resident: list[int] = []
-    stop = asyncio.Event()
-
-    async def sample_resident() -> None:
-        while not stop.is_set():
-            stats = await ranker_stats(stack.ranker_targets)
-            resident.append(sum(s.hbm_resident_bytes for s in stats))
-            await asyncio.sleep(0.5)
-
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}",
-                                        options=[("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
-    router = pb_grpc.RankerStub(channel)
-    sampler = asyncio.ensure_future(sample_resident())
-    device_before, started = await device_counters(stack), time.perf_counter()
-    try:
-        result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
-                              materializer=materializer, slo_ms=slo_ms)  # fmt: skip
-    finally:
-        stop.set()
-        await sampler
-        await producer.stop()
-    replay_s = time.perf_counter() - started
-    busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
-    await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
-    after = await ranker_stats(stack.ranker_targets)
-    device = await device_counters(stack)
-    eps = await eps_against_full(router, result, materializer) if eps_sample else 0.0
-    await channel.close()
-    produced = sum(a.psi_produced - b.psi_produced for a, b in zip(after, before, strict=True))
-    expired = sum(a.psi_expired - b.psi_expired for a, b in zip(after, before, strict=True))
-    rankers = {
-        "psi_produced": produced,
-        "wasted_preinfer_rate": expired / produced if produced else 0.0,
-        "reloads": sum(a.reloads - b.reloads for a, b in zip(after, before, strict=True)),
-        "resident_bytes_max": max(resident, default=0),
-        "resident_bytes_mean": sum(resident) / len(resident) if resident else 0.0,
-        "lead_time_p50_ms": max((a.lead_time_p50_ms for a in after), default=0.0),
-        "preinfers_refused": sum(
-            a.preinfers_refused - b.preinfers_refused for a, b in zip(after, before, strict=True)
-        ),
-        "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
-        **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
-    }
-    point = Point(sweep, value, result.summary(slo_ms), rankers, eps)
-    s = point.summary
-    print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
-          f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
-          f"full {s.get('full_recompute', 0):.2f}  {'meets' if point.ok else 'MISSES'} SLO", flush=True)  # fmt: skip
-    return point
+from bench.report import RESULTS_DIR, device_slug
+from relaygr.harness import CONFIGS, Point, machine, markdown_table, run_point
+from relaygr.launcher import Stack, StackConfig
+from relaygr.workload import WorkloadConfig
 
 
 async def sweeps(stack: Stack, args: argparse.Namespace) -> list[Point]:

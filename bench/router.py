@@ -52,8 +52,9 @@ import numpy as np
 import torch
 
 from bench.report import percentile, write_result
-from bench.synthetic import Shape, request
 from relaygr.processes import ServiceProcess
+from relaygr.synthetic import Shape, request
+from relaygr.workload import SHAPE_PATH
 from services.ranker.wire import prefix_to_proto, rank_request
 from services.trigger.config import TriggerConfig
 from services.trigger.service import TriggerService
@@ -234,7 +235,7 @@ async def router_overhead(
 
 def workload_lengths(n: int, seed: int) -> np.ndarray:
     """Prefix lengths with the ML-100K shape scaled x4 (the trigger sees only the length)."""
-    shape = json.loads((Path(__file__).parent / "data" / "ml100k_shape.json").read_text())
+    shape = json.loads(SHAPE_PATH.read_text())
     rng = np.random.default_rng(seed)
     return rng.choice(np.array(shape["history_lengths"]) * 4, size=n)
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench.synthetic import Shape, request
 from relaygr.launcher import DLQ_TOPIC, RETRIEVAL_TOPIC, Stack, StackConfig
+from relaygr.synthetic import Shape, request
 from services.ranker.wire import prefix_to_proto, rank_request
 from shared.dlq import read_dead_letter
 from shared.kafka import KafkaSettings, make_producer

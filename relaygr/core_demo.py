@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from bench.synthetic import Shape, batch
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 

@@ -37,12 +37,11 @@ from typing import Any
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.relay import CONFIGS, ranker_stats, run_point
-from bench.report import machine, markdown_table
-from bench.workload import Materializer, PlannedRequest, Workload, WorkloadConfig, generate
 from relaygr.core_demo import print_core_demo, run_core_demo
+from relaygr.harness import CONFIGS, machine, markdown_table, ranker_stats, run_point
 from relaygr.launcher import Stack, StackConfig
 from relaygr.preflight import check_stack
+from relaygr.workload import Materializer, PlannedRequest, Workload, WorkloadConfig, generate
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.config import ConfigError
 from shared.modelspec import preset
@@ -60,7 +59,7 @@ EXIT_NOTHING_SHOWN = 3  # 2 is a bad command line (relaygr/cli.py)
 # With fewer, the nearest-rank estimate is the sample's slowest call or next to it, and one
 # slow call sets it (P99 of 73 calls is their maximum): P90 needs 20 calls, P99 200, P99.9 2000.
 MIN_CALLS_BEYOND = 2
-# The percentiles reported, and their keys in bench.replay's summary.
+# The percentiles reported, and their keys in relaygr.replay's summary.
 REPORTED_PERCENTILES = {50.0: "p50_ms", 90.0: "p90_ms", 99.0: "p99_ms", 99.9: "p999_ms"}
 
 
@@ -93,7 +92,7 @@ class DemoConfig:
 
 
 def stack_config(config: DemoConfig, name: str, slo_ms: float | None) -> StackConfig:
-    """The stack of configuration `name` (bench.relay.CONFIGS) under `slo_ms` (None: the
+    """The stack of configuration `name` (relaygr.harness.CONFIGS) under `slo_ms` (None: the
     launcher's default, what the baseline runs with before calibration)."""
     return StackConfig(
         rankers=config.rankers,

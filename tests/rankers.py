@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.synthetic import Shape, batch
+from relaygr.synthetic import Shape, batch
 from services.ranker.wire import preinfer_request, rank_request
 
 __all__ = ["preinfer_request", "rank_request", "users"]

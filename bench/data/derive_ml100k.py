@@ -2,7 +2,7 @@
 
     python -m bench.data.derive_ml100k [--wheel PATH]   # downloads recbole's wheel if no path is given
 
-Writes bench/data/ml100k_shape.json: the history length of every user (943 users, those with
+Writes relaygr/data/ml100k_shape.json: the history length of every user (943 users, those with
 >= 20 ratings, as the data set ships), and quantiles of the gaps between one user's consecutive
 events (seconds; half are 0: ratings are entered in bursts). Only these statistics are kept in
 the repository, not the ratings.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-OUT = Path(__file__).resolve().parent / "ml100k_shape.json"
+OUT = Path(__file__).resolve().parents[2] / "relaygr" / "data" / "ml100k_shape.json"
 MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
 
 

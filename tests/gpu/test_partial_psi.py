@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.synthetic import Shape, batch
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker, PrefixChunk
 from shared.modelspec import preset
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.synthetic import Shape, batch
 from kernels.hstu_attention import (
     AttentionImpl,
     AttentionParams,
@@ -14,6 +13,7 @@ from kernels.hstu_attention import (
     hstu_attention_reference,
     plan_reference,
 )
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.synthetic import Shape, batch
 from relaygr.processes import ServiceProcess
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker
 from services.ranker.sequences import Behaviors, UserPrefix
 from shared.modelspec import preset

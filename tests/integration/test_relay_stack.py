@@ -16,8 +16,8 @@ import pytest
 import torch
 from aiokafka import AIOKafkaConsumer
 
-from bench.synthetic import Shape, request
 from relaygr.processes import ServiceProcess
+from relaygr.synthetic import Shape, request
 from services.ranker.wire import prefix_to_proto, rank_request
 from shared.broker import EmbeddedBroker
 from shared.dlq import read_dead_letter

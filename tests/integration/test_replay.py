@@ -12,8 +12,8 @@ import grpc
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from bench.replay import SERVED_BY, replay
-from bench.workload import Materializer, WorkloadConfig, generate
+from relaygr.replay import SERVED_BY, replay
+from relaygr.workload import Materializer, WorkloadConfig, generate
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from services.router.config import RouterConfig

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from bench.workload import Workload, generate
 from relaygr.core_demo import CoreDemoRow, contention_remark
 from relaygr.demo import (
     REPORTED_PERCENTILES,
@@ -21,6 +20,7 @@ from relaygr.demo import (
     probe_requests,
     relay_problems,
 )
+from relaygr.workload import Workload, generate
 from services.trigger.latency_model import Sample
 from shared.config import ConfigError
 from shared.stats import percentile

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.report import parse_metrics
-from bench.synthetic import Shape, batch
 from kernels.device import accelerator
+from relaygr.harness import parse_metrics
+from relaygr.synthetic import Shape, batch
 from services.ranker.device_time import DeviceTime, DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.model import HSTURanker

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.synthetic import Shape, batch
 from kernels.device import accelerator
+from relaygr.synthetic import Shape, batch
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from bench.synthetic import Shape, batch
 from kernels.device import accelerator
+from relaygr.synthetic import Shape, batch
 from services.ranker.engine import Engine, EngineConfig, Overdue, RankResult
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset

@@ -18,7 +18,7 @@ from bench.goodput import (
     summary_rows,
     workload_config,
 )
-from bench.workload import WorkloadConfig, generate
+from relaygr.workload import WorkloadConfig, generate
 
 SLO = 50.0
 GRID = SearchConfig(grid=(10, 20, 40, 80, 160, 320), cap_rps=5000)

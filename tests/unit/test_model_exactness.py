@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from bench.synthetic import Shape, batch
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker
 from services.ranker.psi import PsiMismatchError
 from services.ranker.sequences import RankingSuffix

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from bench.synthetic import Shape, batch
+from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker, PrefixChunk
 from shared.fingerprint import CHUNK_TOKENS
 from shared.modelspec import preset

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.replay import OK, ReplayResult, RequestRecord
-from bench.workload import PlannedRequest
+from relaygr.replay import OK, ReplayResult, RequestRecord
+from relaygr.workload import PlannedRequest
 
 
 def planned(i: int, prefix_len: int = 100, session_index: int = 0) -> PlannedRequest:

@@ -1,6 +1,7 @@
 """Services are siblings: no service imports another's code (contracts two services need live in
 shared/), and the router, the trigger and the expander load without torch (and without
-kernels/), so their images need neither."""
+kernels/), so their images need neither. The benchmarks depend on relaygr/ one way: bench/ may
+import relaygr, relaygr (the CLI, the launcher, the demo) never imports bench."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ROOT / "services"
+RELAYGR = ROOT / "relaygr"
 
 # Installed first thing in a fresh interpreter: any import of torch, triton or kernels/ fails, as
 # it would where they are not installed.
@@ -49,6 +51,16 @@ def test_no_service_imports_another_service() -> None:
             parts = module.split(".")
             if parts[0] == "services" and len(parts) > 1 and parts[1] != own:
                 crossings.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert crossings == []
+
+
+def test_relaygr_does_not_import_bench() -> None:
+    crossings = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted(RELAYGR.rglob("*.py"))
+        for module in sorted(imported_modules(path))
+        if module.split(".")[0] == "bench"
+    ]
     assert crossings == []
 
 

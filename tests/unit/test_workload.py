@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.workload import (
+from relaygr.workload import (
     Materializer,
     WorkloadConfig,
     generate,

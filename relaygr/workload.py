@@ -1,6 +1,6 @@
 """A seeded, reproducible end-to-end workload: who asks for a ranking, when, and with how many tokens.
 
-Pure: no I/O except reading bench/data/ml100k_shape.json. `generate(config)` plans the requests
+Pure: no I/O except reading relaygr/data/ml100k_shape.json. `generate(config)` plans the requests
 (times, users, prefix versions, lengths); `Materializer` turns a planned request into model inputs
 and protobuf messages on demand.
 
@@ -63,7 +63,7 @@ from shared.stats import percentile
 
 SHAPE_PATH = Path(__file__).resolve().parent / "data" / "ml100k_shape.json"
 ML100K_MIN_HISTORY = 20  # ML-100K keeps only users with >= 20 ratings: the short head is missing
-EPOCH = 1_700_000_000  # seconds; behaviour timestamps are drawn after it (as bench/synthetic.py)
+EPOCH = 1_700_000_000  # seconds; behaviour timestamps are drawn after it (as relaygr/synthetic.py)
 HISTORY_SPAN_S = 90 * 86_400  # a prefix's long-term behaviours span 90 days
 RECENT_SPAN_S = 3_600  # recent behaviours: the hour after the prefix
 EVENT_SCHEMA_VERSION = 1

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from bench.workload import Materializer, PlannedRequest, Workload
+from relaygr.workload import Materializer, PlannedRequest, Workload
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
