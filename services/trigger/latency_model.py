@@ -40,6 +40,7 @@ class LatencyModel:
     _samples: collections.deque[Sample] = field(default_factory=collections.deque)
     _coef: tuple[float, float, float] | None = None
     kept: int = 0  # samples the last fit used (the rest were judged outliers)
+    prior_scale: float = 1.0  # measured / FLOPs prior, from the samples before calibration
 
     def __post_init__(self) -> None:
         self._samples = collections.deque(maxlen=self.window)
@@ -49,10 +50,17 @@ class LatencyModel:
         return self._coef is not None
 
     def observe(self, samples: list[Sample]) -> None:
-        """Adds measured full-ranking samples and refits (needs >= 3 distinct lengths)."""
+        """Adds measured full-ranking samples and refits (needs >= 3 distinct lengths). Until then
+        the FLOPs prior is scaled to the samples there are (a ranker reports the full ranking it
+        measures at warm-up): the assumed device rate can be off by 10x either way (a CPU at its
+        first request, a GPU whose time is host-bound), and a request far over the SLO must not
+        be judged safe because the prior was optimistic."""
         self._samples.extend(s for s in samples if s.tokens > 0 and s.compute_ms > 0)
         lengths = {s.tokens for s in self._samples}
         if len(lengths) < 3:
+            if self._samples:
+                ratios = sorted(s.compute_ms / self._flops_ms(s.tokens) for s in self._samples)
+                self.prior_scale = ratios[len(ratios) // 2]
             return
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
@@ -106,9 +114,13 @@ class LatencyModel:
         if self._coef is not None:
             a, b, c = self._coef
             return a + b * tokens + c * tokens * tokens
+        return self._flops_ms(tokens) * self.prior_scale
+
+    def _flops_ms(self, tokens: int) -> float:
+        """The prior: the model's FLOPs at the assumed device rate."""
         s = self.spec
         attention = s.num_layers * s.num_heads * 2 * s.head_dim * tokens * tokens
-        return (tokens * s.linear_flops_per_token() + attention) / (self.assumed_tflops * 1e12) * 1e3
+        return (max(tokens, 1) * s.linear_flops_per_token() + attention) / (self.assumed_tflops * 1e12) * 1e3
 
     def predict(self, tokens: int, queue_depth: int = 0, queued_tokens: int = 0) -> float:
         """Latency of a full ranking: its compute plus the queue ahead of it."""
@@ -136,6 +148,7 @@ class LatencyModel:
         coef = None if self._coef is None else [float(f"{v:.6g}") for v in self._coef]
         return {
             "calibrated": self.calibrated,
+            "prior_scale": round(self.prior_scale, 4),
             "coef_ms": coef,
             "samples": len(self._samples),
             "kept": self.kept,

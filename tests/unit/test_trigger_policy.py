@@ -37,6 +37,25 @@ def test_latency_model_fits_the_rankers_measurements():
     )
 
 
+def test_before_calibration_the_prior_is_scaled_to_the_first_measurements():
+    """Issue 14's cold start: on a CPU the FLOPs prior at the assumed rate judged a 2000-token
+    request whose full ranking took 260 ms (5x a 50 ms SLO) safe; one measured full ranking (the
+    ranker's warm-up reports one) must bring the prediction to the device."""
+    model = LatencyModel(preset("tiny"), assumed_tflops=1.0)
+    slow = 260.0 / model.full_ms(2000)  # how much slower the device is than the prior assumed
+    model.observe([Sample(1346, slow * model.full_ms(1346))])
+    assert not model.calibrated
+    assert model.prior_scale == pytest.approx(slow)
+    assert model.full_ms(2000) == pytest.approx(260.0)
+    assert model.min_tokens_over(25.0) < 2000  # at risk against half of a 50 ms SLO
+    flops_300 = model.full_ms(300) / model.prior_scale
+    model.observe([Sample(300, 2 * slow * flops_300)])  # two lengths: the upper median ratio
+    assert not model.calibrated
+    assert model.prior_scale == pytest.approx(2 * slow)
+    model.observe([Sample(5000, 900.0)])  # a third length: fitted from now on
+    assert model.calibrated
+
+
 def test_latency_model_never_predicts_speed_ups_at_length():
     model = LatencyModel(preset("tiny"), assumed_tflops=1.0)
     model.observe([Sample(n, 10.0 + n * 0.01 - n * n * 1e-7) for n in (100, 1000, 2000, 4000)])
