@@ -151,7 +151,10 @@ async def test_malformed_events_are_dead_lettered(stack):
 
 
 async def test_kill_a_ranker_mid_run_fails_no_ranking_call(stack):
-    users = [make_user(200 + i, LONG if i % 2 else 300) for i in range(8)]
+    # What one surviving CPU ranker can serve: with 8 users (4 of them long) in 0.3 s rounds its
+    # queue passed the admission's budget and it refused calls as overloaded (correctly, but this
+    # test is about failover, not overload: bench/faults.py measures overload).
+    users = [make_user(200 + i, LONG if i % 2 else 300) for i in range(6)]
     failures: list[BaseException] = []
     served_after: list[str] = []
     killed = asyncio.Event()
@@ -159,7 +162,7 @@ async def test_kill_a_ranker_mid_run_fails_no_ranking_call(stack):
     async def user_loop(i: int, prefix, suffix) -> None:
         for round_ in range(4):
             try:
-                reply = await one_request(stack, prefix, suffix, f"K{i}-{round_}", gap_s=0.3)
+                reply = await one_request(stack, prefix, suffix, f"K{i}-{round_}", gap_s=0.5)
                 if killed.is_set():
                     served_after.append(reply.instance_id)
             except Exception as exc:  # a failed call fails the test
