@@ -1,9 +1,15 @@
 """Reload-or-recompute: the cost model that decides how a psi found in host DRAM comes back.
 
 Both sides are measured while running: reload time from observed host->device copies (bytes /
-bandwidth + a fixed overhead), recompute time from observed pre-inferences, fitted as
+bandwidth + a fixed overhead); recompute time from the engine's own step-cost model when the
+service attaches it (`step_ms`: the device time of building psi in the chunks the scheduler
+plans, from steps measured at warm-up and since), else from observed pre-inferences, fitted as
 a * tokens + b * tokens^2 (projections are linear in the prefix length, attention quadratic).
-Until enough samples exist, the estimates come from the model's FLOPs and an assumed device rate.
+Before either, the estimates come from the model's FLOPs and an assumed device rate. The step
+model comes first because it is the device's cost: an observed pre-inference also waited behind
+ranking steps, and at one prefix length (every prefix 4096 tokens) the fit never forms, which left
+the FLOPs estimate (3 ms at an assumed 200 TFLOP/s where an H100 step measures ~6.5 ms) judging
+every reload dearer than a recompute: no reload was ever served.
 
 Under compute load the copy engine is preferred even at somewhat higher latency: a reload uses
 the copy engine, a recompute takes the same compute that ranking batches are waiting for.
@@ -12,6 +18,7 @@ the copy engine, a recompute takes the same compute that ranking batches are wai
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +45,9 @@ class CostModel:
         default_factory=lambda: collections.deque(maxlen=64)
     )
     _coef: tuple[float, float] | None = None
+    # The engine's predicted device time of building psi of n tokens, in seconds (set by the
+    # service once the engine has measured its steps; preferred to the fits above).
+    step_s: Callable[[int], float] | None = None
 
     def observe_reload(self, nbytes: int, ms: float) -> None:
         if nbytes > 0 and ms > self.copy_overhead_ms:
@@ -58,6 +68,8 @@ class CostModel:
         return self.copy_overhead_ms + nbytes / (self.h2d_gbps * 1e9) * 1e3
 
     def recompute_ms(self, tokens: int) -> float:
+        if self.step_s is not None:
+            return self.step_s(tokens) * 1e3
         if self._coef is not None:
             a, b = self._coef
             return a * tokens + b * tokens * tokens

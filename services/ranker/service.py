@@ -405,6 +405,8 @@ class RankerService(pb_grpc.RankerServicer):
         long_ids = torch.arange(CALIBRATION_TOKENS, dtype=torch.int64)
         long_prefix = UserPrefix(1, 0, long_ids[:2], Behaviors(long_ids[2:], long_ids[2:] % 4, long_ids[2:]))
         prior = await self.engine.calibrate_steps(long_prefix)
+        # Reload-or-recompute judges recompute by the same measured steps the scheduler plans by.
+        self.costs.step_s = lambda tokens: self.engine.scheduler.remaining_seconds(0, tokens)
         log.info("preinfer_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5))  # fmt: skip
         # Measured, not assumed: one full ranking and one against psi, now warm, give admission

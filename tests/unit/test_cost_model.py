@@ -1,0 +1,40 @@
+"""Reload-or-recompute (services/ranker/cost_model.py): recompute is judged by the engine's
+measured steps once attached (issue 14: at L4096 on an H100 the FLOPs estimate made every reload
+look dearer than a recompute, and no reload was ever served)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.ranker.cost_model import CostModel
+from shared.modelspec import preset
+
+SPEC = preset("bench")
+PSI_4K = SPEC.psi_bytes(4096)  # 128 MiB
+
+
+def h100_like() -> CostModel:
+    return CostModel(SPEC, assumed_tflops=200.0, h2d_gbps=20.0)
+
+
+def test_the_flops_estimate_alone_never_reloads_4k_psi():
+    costs = h100_like()
+    assert costs.recompute_ms(4096) < 4.0  # the FLOPs at 200 TFLOP/s: optimistic
+    for busy in (False, True):
+        assert not costs.choose(PSI_4K, 4096, compute_busy=busy).reload
+
+
+def test_measured_steps_judge_recompute_and_win_over_the_wall_time_fit():
+    costs = h100_like()
+    costs.observe_preinfer(1024, 2.0)  # waited behind ranking steps too: not the device's cost
+    costs.observe_preinfer(2048, 3.0)
+    costs.step_s = lambda tokens: 6.5e-3 * -(-tokens // 4096)  # one ~6.5 ms step per 4096 tokens
+    assert costs.recompute_ms(4096) == pytest.approx(6.5)
+    assert costs.recompute_ms(8192) == pytest.approx(13.0)
+    idle = costs.choose(PSI_4K, 4096, compute_busy=False)
+    assert (idle.reload, idle.reason) == (False, "recompute_cheaper")  # 6.9 ms copy vs 6.5 ms
+    busy = costs.choose(PSI_4K, 4096, compute_busy=True)
+    assert (busy.reload, busy.reason) == (True, "copy_engine_under_load")
+    costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)  # one reload measured at 40 GB/s
+    costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)
+    assert costs.choose(PSI_4K, 4096, compute_busy=False).reason == "cheaper"
