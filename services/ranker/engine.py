@@ -521,6 +521,26 @@ class Engine:
             self.scheduler.costs = self.step_costs
         return prior
 
+    async def measure_copy_gbps(self, nbytes: int = 64 << 20, repeats: int = 3) -> float:
+        """Host -> device copy bandwidth (GB/s), measured on the device thread: what a reload of
+        psi from the host tier moves at (page-locked host memory on CUDA, like the tier's arena;
+        a plain memory copy on the CPU). The reload-or-recompute model's starting point."""
+        cuda = self._stream is not None
+
+        def measure() -> float:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+            device = torch.empty(nbytes, dtype=torch.uint8, device=self.accel.device)
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                device.copy_(host, non_blocking=cuda)
+                self._sync()
+                times.append(time.perf_counter() - started)
+            return nbytes / sorted(times)[repeats // 2] / 1e9
+
+        result: float = await self.call(measure)
+        return result
+
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:
             return list(self._samples)

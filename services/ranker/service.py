@@ -405,8 +405,13 @@ class RankerService(pb_grpc.RankerServicer):
         long_ids = torch.arange(CALIBRATION_TOKENS, dtype=torch.int64)
         long_prefix = UserPrefix(1, 0, long_ids[:2], Behaviors(long_ids[2:], long_ids[2:] % 4, long_ids[2:]))
         prior = await self.engine.calibrate_steps(long_prefix)
-        # Reload-or-recompute judges recompute by the same measured steps the scheduler plans by.
+        # Reload-or-recompute judges recompute by the same measured steps the scheduler plans by,
+        # and reloads by a measured copy (the assumed 20 GB/s made a 4k-token reload on an H100
+        # look dearer than its recompute, and reloads are what would have measured it).
         self.costs.step_s = lambda tokens: self.engine.scheduler.remaining_seconds(0, tokens)
+        self.costs.h2d_gbps = await self.engine.measure_copy_gbps()
+        log.info("reload_costs_measured", h2d_gbps=round(self.costs.h2d_gbps, 2),
+                 recompute_4k_ms=round(self.costs.recompute_ms(4096), 3))  # fmt: skip
         log.info("preinfer_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5))  # fmt: skip
         # Measured, not assumed: one full ranking and one against psi, now warm, give admission

@@ -31,3 +31,14 @@ async def test_calibration_makes_measured_step_costs_the_prior_and_survives_forg
         assert engine.step_costs.prior == prior
     finally:
         engine.stop()
+
+
+async def test_copy_bandwidth_is_measured_on_the_device_thread() -> None:
+    model = HSTURanker.from_seed(preset("tiny"), seed=0)
+    engine = Engine(model, accelerator("cpu"), EngineConfig())
+    engine.start()
+    try:
+        gbps = await engine.measure_copy_gbps(nbytes=8 << 20, repeats=3)
+    finally:
+        engine.stop()
+    assert 0.05 < gbps < 10_000  # a memory copy on any machine: finite, positive, not absurd
