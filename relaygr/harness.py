@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import torch
 
+from kernels.device import accelerator, resolve_backend, visible_devices
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
@@ -175,7 +176,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
 
 
 def device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    """The accelerator results are named by (kernels.device picks it: CUDA, else NPU, else cpu)."""
+    return accelerator("auto").name
 
 
 def _commit() -> str:
@@ -195,11 +197,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def _accelerators() -> int:
+    backend = resolve_backend("auto")
+    return 0 if backend == "cpu" else visible_devices(backend)
+
+
 def machine() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "device": device_name(),
-        "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "device_count": _accelerators(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
