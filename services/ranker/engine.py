@@ -492,14 +492,12 @@ class Engine:
 
         def measure() -> list[float]:
             psi = self.model.new_psi(prefix)
-            times: dict[tuple[int, int], list[float]] = {s: [] for s in steps}
-            for _ in range(repeats):
-                for start, end in (steps[2], steps[0], steps[1]):  # the last chunk reads the whole
-                    started = time.perf_counter()
-                    self.model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
-                    self._sync()
-                    times[(start, end)].append(time.perf_counter() - started)
-            return [sorted(times[s])[repeats // 2] for s in steps]
+
+            def step(start: int, end: int) -> Callable[[], None]:
+                return lambda: self.model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
+
+            whole = self._median_s(step(0, length), repeats)  # first: the last chunk reads it
+            return [self._median_s(step(*s), repeats) for s in steps[:2]] + [whole]
 
         seconds = await self.call(measure)
         fit = CostFit(dataclasses.replace(self.config.step_prior, batches=0.0))
@@ -530,16 +528,20 @@ class Engine:
         def measure() -> float:
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
             device = torch.empty(nbytes, dtype=torch.uint8, device=self.accel.device)
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                device.copy_(host, non_blocking=cuda)
-                self._sync()
-                times.append(time.perf_counter() - started)
-            return nbytes / sorted(times)[repeats // 2] / 1e9
+            return nbytes / self._median_s(lambda: device.copy_(host, non_blocking=cuda), repeats) / 1e9
 
         result: float = await self.call(measure)
         return result
+
+    def _median_s(self, work: Callable[[], Any], repeats: int) -> float:
+        """On the device thread: the median wall time of `work` run to completion on the device."""
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            work()
+            self._sync()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[repeats // 2]
 
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:

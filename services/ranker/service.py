@@ -161,9 +161,9 @@ def _call_work(request: pb.RankRequest) -> CallWork:
 # Something queued on the engine this long is a stall: logged with the engine's state and the
 # device thread's stack, at most once per STALL_REPORT_EVERY_S.
 STALL_AFTER_S = 2.0
+STALL_REPORT_EVERY_S = 5.0
 # The prefix length the warm-up calibrates pre-inference steps on (Engine.calibrate_steps).
 CALIBRATION_TOKENS = 2048
-STALL_REPORT_EVERY_S = 5.0
 
 
 class RankerService(pb_grpc.RankerServicer):
