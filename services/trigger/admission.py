@@ -3,7 +3,9 @@
 A retrieval event is pre-inferred only if (in this order):
   1. the same (user, prefix version) is not already admitted and still leased  -> ALREADY_RESIDENT
   2. its full ranking is predicted to take more than risk_fraction x SLO x (1 - rho),
-     rho the instance's offered full-ranking load (OfferedLoad)                  -> else NOT_AT_RISK
+     rho the instance's offered full-ranking load (OfferedLoad),
+     or pre-inferring it saves device time over the user's expected calls (reuse_pays)
+                                                                                 -> else NOT_AT_RISK
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   -> ADMITTED.
@@ -15,6 +17,15 @@ pre-infers it there. The load is what the trigger itself sees arrive (every even
 ranking, pre-inferred or not: pre-inference costs the device about as much), so admitting more
 does not lower the measured load and make the threshold oscillate.
 
+Why the reuse term: at-risk admission is about this call's latency, but most of the relay's gain
+under load is work not done twice. A user who comes back with the same prefix version ranks
+against the same psi: with K calls expected, full inference costs K x full while the relay costs
+one pre-inference plus K cached calls. On a GPU a 4096-token full ranking (~5 ms, largely host
+time) is nowhere near at risk, yet with sessions of 3 calls the relay does about half the work.
+How often keys return is measured from the events themselves (ReturnRate), the costs from the
+rankers' own batches, so a workload of one-off users, or prefixes so short that a cached call
+costs as much as a full one, admits nothing on this ground.
+
 Between Stats updates from the rankers, the ledger counts what this trigger admitted on top of the
 last reported figures (conservative: an admission counts until its lease ends or a Stats report
 taken after it arrives).
@@ -22,6 +33,7 @@ taken after it arrives).
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass, field
@@ -126,6 +138,62 @@ class OfferedLoad:
         return self._ms / (self.window_s * 1e3)
 
 
+class ReturnRate:
+    """How often a key (user, prefix version) comes back: the share of recent events whose key was
+    already seen within `window_s`, and from it the expected number of later calls on a psi.
+    Pure: the clock is passed in. Keys are remembered up to `max_keys` (oldest forgotten first);
+    the share is an exponentially weighted average over about `memory_events` events, pulled
+    towards 0 by `prior_events` pseudo-events (a fresh trigger expects no returns)."""
+
+    def __init__(
+        self,
+        window_s: float,
+        max_keys: int = 1_000_000,
+        memory_events: float = 4096.0,
+        prior_events: float = 32.0,
+        max_later: float = 16.0,
+    ) -> None:
+        if window_s < 0 or max_keys < 1 or memory_events < 1 or prior_events < 0 or max_later < 0:
+            raise ValueError("window_s, prior_events, max_later >= 0; max_keys, memory_events >= 1")
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self.max_later = max_later
+        self._decay = 1.0 - 1.0 / memory_events
+        self._prior = prior_events
+        self._events = 0.0
+        self._returns = 0.0
+        self._last_seen: collections.OrderedDict[tuple[int, int], float] = collections.OrderedDict()
+
+    def observe(self, key: tuple[int, int], now: float) -> bool:
+        """Counts one event; True if its key was seen within the window (a returning call)."""
+        last = self._last_seen.pop(key, None)
+        returning = last is not None and now - last <= self.window_s
+        self._last_seen[key] = now
+        while len(self._last_seen) > self.max_keys:
+            self._last_seen.popitem(last=False)
+        self._events = self._events * self._decay + 1.0
+        self._returns = self._returns * self._decay + (1.0 if returning else 0.0)
+        return returning
+
+    def fraction(self) -> float:
+        """Share of events that are returns (0 before any)."""
+        denominator = self._events + self._prior
+        return self._returns / denominator if denominator > 0 else 0.0
+
+    def expected_later(self) -> float:
+        """Expected further calls on a key after this one: with a return share r and sessions of
+        geometric length (memoryless), r / (1 - r); capped at max_later."""
+        r = min(self.fraction(), 1.0 - 1e-9)
+        return min(r / (1.0 - r), self.max_later)
+
+
+def reuse_pays(full_ms: float, prefix_ms: float, cached_ms: float, later_calls: float) -> bool:
+    """Whether pre-inferring saves device time over this call and `later_calls` more on the same
+    psi: (1 + later) full rankings cost more than one pre-inference plus (1 + later) cached calls."""
+    calls = 1.0 + max(later_calls, 0.0)
+    return calls * (full_ms - cached_ms) > prefix_ms
+
+
 def risk_threshold_ms(bounds: Bounds, load: float) -> float:
     """Predicted full ranking above which a request is at risk at offered load `load` (rho,
     capped at 0.9 so that a saturated instance still tells long requests from short ones)."""
@@ -141,6 +209,7 @@ def decide(
     key: tuple[int, int],
     now: float,
     load: float = 0.0,
+    pays_by_reuse: bool = False,
 ) -> Reason:
     if policy is Policy.OFF:
         return Reason.NOT_AT_RISK
@@ -148,7 +217,7 @@ def decide(
         return Reason.ALREADY_RESIDENT
     if policy is Policy.ALL:
         return Reason.ADMITTED
-    if predicted_full_ms <= risk_threshold_ms(bounds, load):
+    if predicted_full_ms <= risk_threshold_ms(bounds, load) and not pays_by_reuse:
         return Reason.NOT_AT_RISK
     if (
         ledger.budget_bytes

@@ -37,6 +37,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                    renamed_from="RELAYGR_LOAD_WINDOW_S",
                                    help="time constant of each instance's offered-load estimate (the "
                                    "full ranking work routed to it, pre-inferred or not)", check=positive)  # fmt: skip
+    reuse_window_s: float = setting(600.0, env="RELAYGR_TRIGGER_REUSE_WINDOW_S",
+                                    help="an event whose (user, prefix version) was seen within this many "
+                                    "seconds is a return; from the share of returns, also admit where "
+                                    "pre-inference saves device time over the calls expected on the psi "
+                                    "(0: admit by risk only)", check=non_negative)  # fmt: skip
     footprint_fraction: float = setting(0.9, env="RELAYGR_TRIGGER_FOOTPRINT_FRACTION",
                                         renamed_from="RELAYGR_FOOTPRINT_FRACTION",
                                         help="share of each ranker's HBM budget that admitted psi may fill",

@@ -26,7 +26,9 @@ signal would not fit the signal topic is refused up front, with that reason.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import statistics
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -35,7 +37,17 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.trigger.admission import Bounds, InstanceLedger, OfferedLoad, Policy, Reason, decide
+from services.trigger.admission import (
+    Bounds,
+    InstanceLedger,
+    OfferedLoad,
+    Policy,
+    Reason,
+    ReturnRate,
+    decide,
+    reuse_pays,
+    risk_threshold_ms,
+)
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
 from services.trigger.events import (
@@ -79,6 +91,12 @@ class _Metrics:
                                    registry=registry)  # fmt: skip
         self.decision_us = Histogram("relaygr_trigger_decision_us", "per-event decision time", registry=registry,
                                      buckets=_DECISION_US_BUCKETS)  # fmt: skip
+        self.admitted_by = Counter("relaygr_trigger_admitted_total",
+                                   "admissions by ground: risk (this call's latency) or reuse (work saved "
+                                   "over the calls expected on the psi)", ["ground"], registry=registry)  # fmt: skip
+        self.returning = Counter("relaygr_trigger_events_returning_total",
+                                 "events whose (user, prefix version) was seen within the reuse window",
+                                 ["returning"], registry=registry)  # fmt: skip
         self.calibrated = Gauge(
             "relaygr_trigger_latency_model_calibrated", "1 once fitted", registry=registry
         )
@@ -116,6 +134,10 @@ class TriggerService:
         self._offered: dict[str, OfferedLoad] = {}
         self._seen_seq: dict[str, int] = {}
         self._psi_per_token: dict[str, int] = {}
+        # Reuse: how often keys come back (from the events) and what a cached call costs (from
+        # the rankers' cached batches, compute ms per batch like the latency model's samples).
+        self.returns = ReturnRate(config.reuse_window_s)
+        self._cached_ms: collections.deque[float] = collections.deque(maxlen=128)
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._outbox: Outbox | None = None
@@ -325,6 +347,8 @@ class TriggerService:
         ledger = self.ledgers[target]
         now = time.monotonic()
         ledger.forget_expired(now)
+        key = (meta.user_id, meta.prefix_version)
+        returning = self.returns.observe(key, now)
         tokens = meta.prefix_len + self.config.suffix_tokens_estimate
         predicted = self.latency.predict(tokens, self._queue_depth.get(target, 0), tokens)
         offered = self._offered.get(target)
@@ -334,13 +358,32 @@ class TriggerService:
         load = offered.fraction(now)
         per_token = self._psi_per_token.get(target)
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
-        key = (meta.user_id, meta.prefix_version)
-        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load)
+        pays = self.reuse_pays(meta.prefix_len, tokens)
+        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays)
+        if reason is Reason.ADMITTED:
+            self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)
+                                            else "reuse").inc()  # fmt: skip
+        self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             now_unix_ms = int(time.time() * 1e3)
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             ledger.admit(key, psi_bytes, now, now + lease_s)
         return reason, target
+
+    def cached_call_ms(self) -> float:
+        """A cached ranking call's compute: the median of the rankers' recent cached batches, or
+        before any, the latency model's full ranking of the suffix alone."""
+        if self._cached_ms:
+            return statistics.median(self._cached_ms)
+        return self.latency.full_ms(self.config.suffix_tokens_estimate)
+
+    def reuse_pays(self, prefix_len: int, tokens: int) -> bool:
+        """Whether pre-inferring this prefix saves device time over the calls expected on it
+        (admission.reuse_pays); never with the reuse window at 0."""
+        if self.config.reuse_window_s <= 0:
+            return False
+        return reuse_pays(self.latency.full_ms(tokens), self.latency.full_ms(prefix_len), self.cached_call_ms(),
+                          self.returns.expected_later())  # fmt: skip
 
     def lease_deadline_unix_ms(self, meta: EventMeta, now_unix_ms: int) -> int:
         """When an admitted pre-inference's lease ends: its ranking deadline plus the slack, but
@@ -375,6 +418,8 @@ class TriggerService:
                     log.info("trigger_decisions", decisions=reported, at_risk_from_prefix_tokens=at_risk_from,
                              risk_ms=self.bounds.risk_fraction * self.bounds.slo_ms,
                              offered_load={t: round(o.fraction(now), 3) for t, o in self._offered.items()},
+                             return_fraction=round(self.returns.fraction(), 3),
+                             cached_call_ms=round(self.cached_call_ms(), 3),
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
 
@@ -399,6 +444,8 @@ class TriggerService:
         if newest < seen:  # the instance restarted: its sequence numbers start over
             seen = 0
         fresh = [s for s in stats.recent_batches if s.seq > seen and s.full and s.batch > 0]
+        self._cached_ms.extend(s.compute_ms for s in stats.recent_batches
+                               if s.seq > seen and not s.full and s.batch > 0)  # fmt: skip
         self._seen_seq[target] = max(seen, newest)
         self.latency.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms) for s in fresh])
 

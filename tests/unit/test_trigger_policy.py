@@ -13,7 +13,9 @@ from services.trigger.admission import (
     OfferedLoad,
     Policy,
     Reason,
+    ReturnRate,
     decide,
+    reuse_pays,
     risk_threshold_ms,
 )
 from services.trigger.latency_model import LatencyModel, Sample
@@ -94,6 +96,74 @@ def test_a_loaded_instance_puts_shorter_requests_at_risk():
     # Saturation still tells long requests from short ones; a nonsense load is clamped.
     assert risk_threshold_ms(BOUNDS, 5.0) == pytest.approx(2.5)
     assert risk_threshold_ms(BOUNDS, -1.0) == pytest.approx(25.0)
+
+
+def test_a_prefix_that_pays_by_reuse_is_admitted_though_not_at_risk():
+    key = (1, 1)
+    # 5 ms is far under the 25 ms threshold: admitted only on the reuse ground ...
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 5.0, 100, ledger(), key, 1.0) is Reason.NOT_AT_RISK
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 5.0, 100, ledger(), key, 1.0, pays_by_reuse=True)
+        is Reason.ADMITTED
+    )
+    # ... and the bounds still hold for it.
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 5.0, 100, ledger(resident=850), key, 1.0, pays_by_reuse=True)
+        is Reason.FOOTPRINT_BOUND
+    )
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 5.0, 100, ledger(backlog=2), key, 1.0, pays_by_reuse=True)
+        is Reason.LOAD_BOUND
+    )
+    assert decide(Policy.OFF, BOUNDS, 5.0, 100, ledger(), key, 1.0, pays_by_reuse=True) is Reason.NOT_AT_RISK
+
+
+def test_reuse_pays_when_calls_on_one_psi_save_more_than_the_pre_inference():
+    # GPU-like costs at 4096 tokens: full 5 ms, pre-inference 4.8 ms, cached call 1.5 ms.
+    assert not reuse_pays(5.0, 4.8, 1.5, later_calls=0.0)  # one call: 5 < 4.8 + 1.5
+    assert not reuse_pays(5.0, 4.8, 1.5, later_calls=0.3)  # 1.3 x 3.5 = 4.55 < 4.8
+    assert reuse_pays(5.0, 4.8, 1.5, later_calls=2.0)  # 3 x 3.5 = 10.5 > 4.8
+    # A cached call as dear as a full one never pays, however often the user returns.
+    assert not reuse_pays(2.0, 1.9, 2.0, later_calls=16.0)
+    assert not reuse_pays(5.0, 4.8, 1.5, later_calls=-3.0)  # nonsense is clamped to no return
+
+
+def test_return_rate_counts_keys_seen_within_the_window():
+    rate = ReturnRate(window_s=10.0, prior_events=0.0)
+    assert rate.fraction() == 0.0
+    assert rate.expected_later() == 0.0
+    assert rate.observe((1, 1), 0.0) is False
+    assert rate.observe((1, 1), 5.0) is True
+    assert rate.observe((1, 2), 6.0) is False  # another prefix version: another psi
+    assert rate.observe((1, 1), 16.0) is False  # 11 s after its last sighting: outside the window
+    assert rate.fraction() == pytest.approx(1 / 4, rel=1e-3)
+    # Sessions of 3 calls (first + 2 returns): a third of events are new, E[later] about 2.
+    steady = ReturnRate(window_s=10.0, prior_events=0.0)
+    t = 0.0
+    for user in range(3000):
+        for _ in range(3):
+            t += 0.01
+            steady.observe((user, 1), t)
+    assert steady.fraction() == pytest.approx(2 / 3, rel=0.02)
+    assert steady.expected_later() == pytest.approx(2.0, rel=0.1)
+    # One-off users: no reuse expected.
+    once = ReturnRate(window_s=10.0)
+    for user in range(1000):
+        once.observe((user, 1), user * 0.01)
+    assert once.expected_later() == 0.0
+
+
+def test_return_rate_is_bounded_in_memory_and_conservative_when_fresh():
+    rate = ReturnRate(window_s=100.0, max_keys=2, prior_events=32.0)
+    rate.observe((1, 1), 0.0)
+    rate.observe((2, 1), 0.1)
+    rate.observe((3, 1), 0.2)  # forgets (1, 1), the oldest
+    assert rate.observe((1, 1), 0.3) is False
+    assert rate.observe((3, 1), 0.4) is True
+    # One return in five events, against 32 pseudo-events of none: far under 1/5.
+    assert rate.fraction() == pytest.approx(1 / 37, rel=1e-3)
+    with pytest.raises(ValueError, match="window_s"):
+        ReturnRate(window_s=-1.0)
 
 
 def test_offered_load_is_work_per_unit_time_and_decays():
