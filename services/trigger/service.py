@@ -75,6 +75,9 @@ __all__ = ["SCHEMA_VERSION", "EventError", "EventMeta", "TriggerService", "parse
 
 log = get_logger("trigger")
 _DECISION_US_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+# Trigger -> Kafka -> router -> ranker for a pre-infer signal, generously (consumers poll every
+# 5 ms): how long an admission counts in an instance's backlog before its pre-inference starts.
+_SIGNAL_TRIP_S = 0.05
 # A signal record's framing and key (a user id) besides its value.
 _SIGNAL_RECORD_OVERHEAD_BYTES = 512
 
@@ -367,7 +370,12 @@ class TriggerService:
         if reason is Reason.ADMITTED:
             now_unix_ms = int(time.time() * 1e3)
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
-            ledger.admit(key, psi_bytes, now, now + lease_s)
+            # Its pre-inference leaves the instance's queue after the signal's trip and the
+            # pre-inferences reported ahead of it.
+            queued_s = _SIGNAL_TRIP_S + self.latency.full_ms(meta.prefix_len) / 1e3 * (
+                1 + ledger.reported_backlog
+            )
+            ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s)
         return reason, target
 
     def cached_call_ms(self) -> float:

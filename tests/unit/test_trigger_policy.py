@@ -197,13 +197,24 @@ def test_ledger_counts_admissions_until_a_later_report_or_the_lease_end():
     led.admit((1, 1), 200, now=1.0, lease_deadline=5.0)
     led.admit((2, 1), 300, now=2.0, lease_deadline=2.5)
     assert led.resident_bytes() == 600
-    assert led.backlog() == 2
+    assert led.backlog(2.0) == 2
     led.forget_expired(3.0)
     assert led.resident_bytes() == 300
     led.report(4.0, 1000, 250, 1, 0)  # the ranker now reports user 1's psi itself
     assert led.resident_bytes() == 250
-    assert led.backlog() == 1
+    assert led.backlog(4.0) == 1
     assert led.is_admitted((1, 1), 4.5)
+
+
+def test_an_admission_leaves_the_backlog_when_its_pre_inference_is_expected_done():
+    led = ledger(budget=1000, resident=0, backlog=1)
+    for user in range(10):  # 10 admissions within one Stats interval, each done 30 ms after
+        now = 0.01 * (user + 1)
+        led.admit((user, 1), 10, now=now, lease_deadline=5.0, queued_until=now + 0.03)
+    assert led.backlog(0.1) == 1 + 4  # those admitted at 0.07 .. 0.10 are still queued
+    assert led.backlog(0.2) == 1
+    assert led.resident_bytes() == 100  # their psi still counts until the ranker reports it
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 10, led, (99, 1), 0.2) is Reason.ADMITTED
 
 
 def test_latency_model_ignores_a_stalled_batch():
