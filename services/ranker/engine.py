@@ -160,6 +160,16 @@ class BatchSample:
     seq: int  # increasing per engine
 
 
+@dataclass(frozen=True)
+class PreinferSample:
+    """One pre-inference built whole by its chunks: prefix tokens and the device time of its
+    share of their steps (feeds Stats: the trigger's cost of a pre-inference)."""
+
+    prefix_len: int
+    device_ms: float
+    seq: int  # increasing per engine
+
+
 @dataclass
 class _Job:
     future: asyncio.Future[Any]
@@ -266,6 +276,8 @@ class Engine:
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
+        self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
+        self._preinfers_built = 0
         self.device_time = DeviceTime()
         # Fitted on the device thread only (CostFit is not thread-safe); relay() reads its
         # coefficients from the event loop: an immutable value that observe() replaces whole.
@@ -471,6 +483,7 @@ class Engine:
         what a latency model should learn from), the step-cost fit's too."""
         with self._cv:
             self._samples.clear()
+            self._preinfer_samples.clear()
             self.step_costs = CostFit(self._step_prior)
             self.rank_costs = CostFit(self.config.step_prior)
             self.scheduler.costs = self.step_costs
@@ -546,6 +559,12 @@ class Engine:
     def recent_batches(self) -> list[BatchSample]:
         with self._cv:
             return list(self._samples)
+
+    def recent_preinfers(self) -> list[PreinferSample]:
+        """Pre-inferences built whole by their chunks, most recent last (one a ranking call took
+        over is not: part of its cost was the call's)."""
+        with self._cv:
+            return list(self._preinfer_samples)
 
     def stall_report(self, older_than_s: float) -> dict[str, Any] | None:
         """What the device loop holds and where its thread is, when a queued ranking call, a
@@ -825,6 +844,10 @@ class Engine:
                 self.device_time.produced(job.key, job.cost_s)
                 if job.done == job.prefix.length and not job.taken:
                     self._finish(job)
+                    self._preinfers_built += 1
+                    self._preinfer_samples.append(
+                        PreinferSample(job.prefix.length, job.cost_s * 1e3, self._preinfers_built)
+                    )
                     job.resolve(job.psi)
 
     def _issue_copies(self) -> bool:

@@ -611,6 +611,10 @@ class RankerService(pb_grpc.RankerServicer):
             rank_p50_ms=percentile(window, 50) if window else 0.0,
             rank_p99_ms=percentile(window, 99) if window else 0.0,
             recent_batches=samples,
+            recent_preinfers=[
+                pb.PreinferSample(prefix_len=s.prefix_len, device_ms=s.device_ms, seq=s.seq)
+                for s in self.engine.recent_preinfers()[-64:]
+            ],
             expander_connected=self.host is not None and self.host.connected,
             psi_bytes_per_token=self.spec.psi_bytes(1),
             demotions=self.cache.counters.demoted,

@@ -46,6 +46,11 @@ class LatencyModel:
         self._samples = collections.deque(maxlen=self.window)
 
     @property
+    def measured(self) -> bool:
+        """True once any sample arrived (the prior is scaled to them from then on)."""
+        return bool(self._samples)
+
+    @property
     def calibrated(self) -> bool:
         return self._coef is not None
 

@@ -117,6 +117,11 @@ class TriggerService:
         )
         self.spec = preset(config.preset)
         self.latency = LatencyModel(self.spec, config.assumed_tflops)
+        # Device work per call, for admission by reuse (a batch's time shared by its calls:
+        # batching makes a full ranking cheaper per call than its latency says), and the device
+        # time of a whole pre-inference, from the rankers' measurements.
+        self.full_work = LatencyModel(self.spec, config.assumed_tflops)
+        self.preinfer_work = LatencyModel(self.spec, config.assumed_tflops)
         self.limits = RequestLimits()
         self.ledgers: dict[str, InstanceLedger] = {t: InstanceLedger() for t in config.rankers}
         self.membership = (
@@ -141,6 +146,7 @@ class TriggerService:
         # the rankers' cached batches, compute ms per batch like the latency model's samples).
         self.returns = ReturnRate(config.reuse_window_s)
         self._cached_ms: collections.deque[float] = collections.deque(maxlen=128)
+        self._seen_preinfer_seq: dict[str, int] = {}
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._outbox: Outbox | None = None
@@ -379,18 +385,26 @@ class TriggerService:
         return reason, target
 
     def cached_call_ms(self) -> float:
-        """A cached ranking call's compute: the median of the rankers' recent cached batches, or
-        before any, the latency model's full ranking of the suffix alone."""
+        """A cached ranking call's device work: the median over the rankers' recent cached
+        batches of their time per call, or before any, a full ranking of the suffix alone."""
         if self._cached_ms:
             return statistics.median(self._cached_ms)
-        return self.latency.full_ms(self.config.suffix_tokens_estimate)
+        return self.full_work.full_ms(self.config.suffix_tokens_estimate)
+
+    def preinfer_ms(self, prefix_len: int) -> float:
+        """A pre-inference's device work: fitted on the rankers' whole pre-inferences, or before
+        any, a full ranking of the prefix (built in one chunk, that is what it costs)."""
+        if self.preinfer_work.measured:
+            return self.preinfer_work.full_ms(prefix_len)
+        return self.full_work.full_ms(prefix_len)
 
     def reuse_pays(self, prefix_len: int, tokens: int) -> bool:
-        """Whether pre-inferring this prefix saves device time over the calls expected on it
-        (admission.reuse_pays); never with the reuse window at 0."""
-        if self.config.reuse_window_s <= 0:
+        """Whether pre-inferring this prefix saves device work over the calls expected on it
+        (admission.reuse_pays); never with the reuse window at 0, nor before any full ranking
+        was measured (the FLOPs prior says nothing of a device's fixed costs per step)."""
+        if self.config.reuse_window_s <= 0 or not self.full_work.measured:
             return False
-        return reuse_pays(self.latency.full_ms(tokens), self.latency.full_ms(prefix_len), self.cached_call_ms(),
+        return reuse_pays(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
                           self.returns.expected_later())  # fmt: skip
 
     def lease_deadline_unix_ms(self, meta: EventMeta, now_unix_ms: int) -> int:
@@ -428,6 +442,7 @@ class TriggerService:
                              offered_load={t: round(o.fraction(now), 3) for t, o in self._offered.items()},
                              return_fraction=round(self.returns.fraction(), 3),
                              cached_call_ms=round(self.cached_call_ms(), 3),
+                             full_work=self.full_work.describe(), preinfer_work=self.preinfer_work.describe(),
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
 
@@ -452,9 +467,17 @@ class TriggerService:
         if newest < seen:  # the instance restarted: its sequence numbers start over
             seen = 0
         fresh = [s for s in stats.recent_batches if s.seq > seen and s.full and s.batch > 0]
-        self._cached_ms.extend(s.compute_ms for s in stats.recent_batches
+        self._cached_ms.extend(s.compute_ms / s.batch for s in stats.recent_batches
                                if s.seq > seen and not s.full and s.batch > 0)  # fmt: skip
         self._seen_seq[target] = max(seen, newest)
+        self.full_work.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms / s.batch) for s in fresh])
+        newest_pre = max((p.seq for p in stats.recent_preinfers), default=0)
+        seen_pre = self._seen_preinfer_seq.get(target, 0)
+        if newest_pre < seen_pre:
+            seen_pre = 0
+        self._seen_preinfer_seq[target] = max(seen_pre, newest_pre)
+        self.preinfer_work.observe([Sample(p.prefix_len, p.device_ms) for p in stats.recent_preinfers
+                                    if p.seq > seen_pre and p.prefix_len > 0])  # fmt: skip
         self.latency.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms) for s in fresh])
 
 

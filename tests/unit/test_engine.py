@@ -112,6 +112,10 @@ async def test_psi_is_built_in_aligned_chunks_equal_to_one_preinference(model, m
     snap = e.device_time.snapshot()
     assert snap.work_s["preinfer"] > 0
     assert e.preinfer_backlog == 0
+    # Stats report the whole pre-inference's device time (the trigger's price of one).
+    [sample] = e.recent_preinfers()
+    assert sample.prefix_len == 903
+    assert sample.device_ms == pytest.approx(snap.work_s["preinfer"] * 1e3, rel=1e-6)
 
 
 async def test_a_call_takes_over_a_started_preinference_as_partial_psi(model, monkeypatch):

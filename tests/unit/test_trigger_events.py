@@ -23,6 +23,7 @@ from services.trigger.service import TriggerService
 from shared.config import load_config
 from shared.dlq import read_dead_letter
 from shared.protos import events_pb2 as ev
+from shared.protos import ranker_pb2 as pb
 from shared.wire import DEFAULT_MAX_RECORD_BYTES, MAX_TIMESTAMP, RequestLimits, encode, prefix_message
 
 LIMITS = RequestLimits()
@@ -201,3 +202,46 @@ def test_the_dead_letter_reads_back():
     )  # fmt: skip
     assert letter.value is None
     assert letter.headers == (("trace", b"t1"),)
+
+
+def stats_reply(
+    full: list[tuple[int, int, float]], cached: list[tuple[int, float]], preinfers: list[tuple[int, float]]
+) -> pb.StatsReply:
+    """full: (batch, tokens per call, batch ms); cached: (batch, batch ms); preinfers: (prefix, ms)."""
+    seq = iter(range(1, 10_000))
+    batches = [
+        pb.LatencySample(prefix_len=t, tokens=b * t, batch=b, compute_ms=ms, full=True, seq=next(seq))
+        for b, t, ms in full
+    ]
+    batches += [
+        pb.LatencySample(tokens=b * 320, batch=b, compute_ms=ms, full=False, seq=next(seq))
+        for b, ms in cached
+    ]
+    return pb.StatsReply(recent_batches=batches, recent_preinfers=[
+        pb.PreinferSample(prefix_len=n, device_ms=ms, seq=i + 1) for i, (n, ms) in enumerate(preinfers)])  # fmt: skip
+
+
+def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
+    # No full ranking measured yet: the FLOPs prior says nothing of fixed costs, never admit on reuse.
+    assert not t.reuse_pays(4096, 4416)
+    for user in range(300):  # sessions of 3: E[later calls] about 2
+        for _ in range(3):
+            t.returns.observe((user, 1), 0.0)
+    # Full rankings of 4416 tokens, 6 ms each alone, 8 ms for batches of two (4 ms per call);
+    # cached calls 1.5 ms per call in batches of 4; a whole pre-inference of 4096 tokens 5 ms.
+    t._absorb(
+        "127.0.0.1:1", stats_reply([(1, 4416, 6.0), (2, 4416, 8.0)] * 4, [(4, 6.0)] * 4, [(4096, 5.0)] * 3)
+    )
+    assert t.cached_call_ms() == pytest.approx(1.5)
+    assert 4.0 <= t.full_work.full_ms(4416) <= 6.0  # per call: a batch of two took 8 ms, 4 ms a call
+    assert t.preinfer_ms(4096) == pytest.approx(5.0, rel=0.01)
+    assert t.reuse_pays(4096, 4416)  # 3 x (5 - 1.5) > 5
+    # A pre-inference measured far dearer than the rankings it saves is not worth it.
+    t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 40.0)] * 64))
+    assert t.preinfer_ms(4096) > 20.0
+    assert not t.reuse_pays(4096, 4416)
+    # With the reuse window at 0 the trigger admits by risk only.
+    assert not trigger(
+        "--policy", "sequence", "--rankers", "127.0.0.1:1", "--reuse-window-s", "0"
+    ).reuse_pays(4096, 4416)
