@@ -6,6 +6,7 @@ the same RELAYGR_EXPANDER_SOCKET_PATH to connect, and RELAYGR_MAX_LEASE_MS bound
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,18 +18,62 @@ from shared.settings import LogLevel, socket_path_problem
 PAGE = 4096
 
 
+# Left to the rest of the host (rankers, their pinned staging, the OS) whatever the fraction says.
+MIN_HOST_HEADROOM_BYTES = 4 << 30
+
+
 def _arena_bytes(value: int) -> str | None:
-    if value <= 0 or value % PAGE:
-        return f"must be > 0 and a multiple of {PAGE}"
+    if value < 0 or value % PAGE:
+        return f"must be 0 (a fraction of the host's memory) or a positive multiple of {PAGE}"
     return None
+
+
+def _arena_fraction(value: float) -> str | None:
+    if not 0 < value <= 0.9:
+        return "must be in (0, 0.9]"
+    return None
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Memory available to a new workload here: the kernel's MemAvailable, capped by this
+    cgroup's (v2) limit less its usage where one is set (in a container /proc/meminfo describes
+    the whole host, and an arena sized from it would meet the container's OOM killer). None
+    where neither can be read (not Linux)."""
+    available = None
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        available = None
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return available
+    if limit == "max":
+        return available
+    room = max(int(limit) - used, 0)
+    return room if available is None else min(available, room)
 
 
 @dataclass(frozen=True)
 class ExpanderConfig:
     socket_path: str = settings.expander_socket_path()
     arena_bytes: int = setting(
-        1 << 30, env="RELAYGR_EXPANDER_ARENA_BYTES", help="host DRAM arena size in bytes", check=_arena_bytes
-    )
+        0, env="RELAYGR_EXPANDER_ARENA_BYTES",
+        help="host DRAM arena size in bytes (0: RELAYGR_EXPANDER_ARENA_FRACTION of the memory available at "
+        "start-up)", check=_arena_bytes,
+    )  # fmt: skip
+    arena_fraction: float = setting(
+        0.5, env="RELAYGR_EXPANDER_ARENA_FRACTION",
+        help="with no arena size given: this share of the host's available memory (MemAvailable), "
+        f"leaving at least {MIN_HOST_HEADROOM_BYTES >> 30} GiB to the rest of the host", check=_arena_fraction,
+    )  # fmt: skip
     ttl_s: float = setting(
         30.0, env="RELAYGR_EXPANDER_TTL_S", help="idle lifetime of an unpinned psi entry", check=positive
     )
@@ -47,6 +92,7 @@ class ExpanderConfig:
         checks: list[tuple[Callable[[Any], str | None], Any, str]] = [
             (socket_path_problem, self.socket_path, "socket_path"),
             (_arena_bytes, self.arena_bytes, "arena_bytes"),
+            (_arena_fraction, self.arena_fraction, "arena_fraction"),
             (positive, self.ttl_s, "ttl_s"),
             (positive, self.max_lease_ms, "max_lease_ms"),
             (port_number, self.metrics_port, "metrics_port"),
@@ -55,6 +101,32 @@ class ExpanderConfig:
             problem = check(value)
             if problem:
                 raise ConfigError(f"invalid ExpanderConfig: {name} = {value!r}: {problem}")
+        self.sized_arena_bytes(mem_available_bytes())  # an arena this host cannot hold: say so now
+
+    def sized_arena_bytes(self, available: int | None) -> int:
+        """The arena's size on a host with `available` bytes of memory available (None: unknown).
+        Raises ConfigError where it cannot be served: a configured size over what is available
+        (prefaulting it would end in the OOM killer, not in an error), or no size given and none
+        derivable."""
+        if self.arena_bytes:
+            if available is not None and self.arena_bytes > available:
+                raise ConfigError(
+                    f"RELAYGR_EXPANDER_ARENA_BYTES = {self.arena_bytes} is more than the host has available "
+                    f"({available} bytes): lower it, or leave it at 0 to take a fraction of what is there"
+                )
+            return self.arena_bytes
+        if available is None:
+            raise ConfigError(
+                "the host's available memory is unreadable (/proc/meminfo): set RELAYGR_EXPANDER_ARENA_BYTES"
+            )
+        wanted = min(int(available * self.arena_fraction), available - MIN_HOST_HEADROOM_BYTES)
+        sized = wanted // PAGE * PAGE
+        if sized <= 0:
+            raise ConfigError(
+                f"{available} bytes available leave no arena after {MIN_HOST_HEADROOM_BYTES} bytes of headroom: "
+                "set RELAYGR_EXPANDER_ARENA_BYTES"
+            )
+        return sized
 
     @property
     def max_lease_s(self) -> float:

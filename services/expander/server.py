@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.expander.arena import Arena
-from services.expander.config import ExpanderConfig
+from services.expander.config import ExpanderConfig, mem_available_bytes
 from services.expander.store import LeaseError, Refusal, Store
 from shared.expander import protocol as p
 from shared.lifecycle import Lifecycle
@@ -109,6 +109,7 @@ class ExpanderDaemon:
         self.config = config
         self.registry = CollectorRegistry()
         self.generation: str | None = None
+        self.arena_bytes = config.arena_bytes  # sized at start (config.sized_arena_bytes)
         self.metrics_port: int | None = None
         self.lifecycle = Lifecycle("expander")
         self._serve_metrics_http = serve_metrics_http
@@ -161,7 +162,7 @@ class ExpanderDaemon:
             "expander_ready",
             socket_path=self.config.socket_path,
             fd_socket_path=self.config.fd_socket_path,
-            arena_bytes=self.config.arena_bytes,
+            arena_bytes=self.arena_bytes,
             generation=self.generation,
             metrics_port=self.metrics_port,
             ttl_s=self.config.ttl_s,
@@ -212,10 +213,15 @@ class ExpanderDaemon:
         _prepare_directory(os.path.dirname(cfg.socket_path))
         for path in (cfg.socket_path, cfg.fd_socket_path):
             _claim_path(path)
+        available = mem_available_bytes()
+        self.arena_bytes = cfg.sized_arena_bytes(available)
+        self._log.info("arena_sized", arena_bytes=self.arena_bytes, arena_gib=round(self.arena_bytes / 2**30, 2),
+                       source="configured" if cfg.arena_bytes else "fraction", fraction=cfg.arena_fraction,
+                       host_available_bytes=available)  # fmt: skip
         # Prefaulting a large arena takes a while: keep the loop (and signals) responsive.
-        self._arena = await asyncio.to_thread(Arena, cfg.arena_bytes)
+        self._arena = await asyncio.to_thread(Arena, self.arena_bytes)
         self.generation = self._arena.generation
-        self._store = Store(cfg.arena_bytes, ttl_s=cfg.ttl_s, max_lease_s=cfg.max_lease_s)
+        self._store = Store(self.arena_bytes, ttl_s=cfg.ttl_s, max_lease_s=cfg.max_lease_s)
         self._fd_sock = self._bind(cfg.fd_socket_path)
         self._fd_thread = threading.Thread(
             target=self._serve_fds, args=(self._fd_sock, self._arena), name="expander-fd", daemon=True

@@ -396,7 +396,7 @@ def test_a_second_daemon_on_a_live_socket_refuses_to_start(daemon_factory: Any) 
 
 def test_bad_configuration_exits_2(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "services.expander", "--socket-path", str(tmp_path / "x"), "--arena-bytes", "0"],
+        [sys.executable, "-m", "services.expander", "--socket-path", str(tmp_path / "x"), "--arena-bytes", "1000"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
