@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import os
 import platform
+import re
 import socket
 import subprocess
 import time
@@ -110,6 +111,33 @@ async def device_counters(stack: Stack) -> dict[str, float]:
     return dict(totals)
 
 
+_TRIGGER_COUNTER = re.compile(r'relaygr_trigger_(decisions|admitted)_total\{(?:reason|ground)="(\w+)"\}')
+
+
+async def trigger_counters(stack: Stack) -> dict[str, float]:
+    """The trigger's decisions so far by reason (`trigger_<reason>`) and its admissions by ground
+    (`trigger_admitted_risk`, `trigger_admitted_reuse`); {} for a stack without a trigger."""
+    if stack.trigger is None:
+        return {}
+    port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
+    out: dict[str, float] = {}
+    for key, value in (await asyncio.to_thread(scrape_metrics, port)).items():
+        match = _TRIGGER_COUNTER.fullmatch(key)
+        if match:
+            family, label = match.groups()
+            out[f"trigger_{label}" if family == "decisions" else f"trigger_admitted_{label}"] = value
+    return out
+
+
+def _admissions(rankers: dict[str, Any]) -> str:
+    """The trigger's admissions over a point, by ground, for the progress line ('' without any)."""
+    admitted = rankers.get("trigger_admitted", 0.0)
+    if not admitted:
+        return ""
+    risk, reuse = rankers.get("trigger_admitted_risk", 0.0), rankers.get("trigger_admitted_reuse", 0.0)
+    return f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g})"
+
+
 async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
                     eps_sample: int) -> Point:  # fmt: skip
     """Replays one workload through the running stack. Besides the replay's summary, records the
@@ -134,6 +162,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
                                         options=[("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
     router = pb_grpc.RankerStub(channel)
     sampler = asyncio.ensure_future(sample_resident())
+    trigger_before = await trigger_counters(stack)
     device_before, started = await device_counters(stack), time.perf_counter()
     try:
         result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
@@ -147,6 +176,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
     after = await ranker_stats(stack.ranker_targets)
     device = await device_counters(stack)
+    trigger = await trigger_counters(stack)
     eps = await eps_against_full(router, result, materializer) if eps_sample else 0.0
     await channel.close()
     produced = sum(a.psi_produced - b.psi_produced for a, b in zip(after, before, strict=True))
@@ -163,12 +193,15 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         ),
         "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
         **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
+        # What the trigger decided over the point, and why (admitted by risk or by reuse).
+        **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
     }
     point = Point(sweep, value, result.summary(slo_ms), rankers, eps)
     s = point.summary
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
-          f"full {s.get('full_recompute', 0):.2f}  {'meets' if point.ok else 'MISSES'} SLO", flush=True)  # fmt: skip
+          f"full {s.get('full_recompute', 0):.2f}  {'meets' if point.ok else 'MISSES'} SLO"
+          f"{_admissions(rankers)}", flush=True)  # fmt: skip
     return point
 
 
