@@ -14,6 +14,7 @@ services/ranker/graphs.py) and cached_eager_ms the same call issued kernel by ke
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -164,12 +165,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             prefixes, suffixes = batch(prefix_len * 31 + batch_size, [shape] * batch_size)
             keys = [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes]
             sync, reps, warm = acc.synchronize, args.reps, args.warmup
-            full_ms = time_call(lambda p=prefixes, s=suffixes: model.full(p, s), sync, reps, warm)
-            preinfer_ms = time_call(lambda p=prefixes: model.preinfer(p), sync, reps, warm)
+            full_ms = time_call(functools.partial(model.full, prefixes, suffixes), sync, reps, warm)
+            preinfer_ms = time_call(functools.partial(model.preinfer, prefixes), sync, reps, warm)
             psis = model.preinfer(prefixes)
-            eager_ms = time_call(
-                lambda s=suffixes, c=psis, k=keys: model.rank_cached(s, c, k), sync, reps, warm
-            )
+            eager_ms = time_call(functools.partial(model.rank_cached, suffixes, psis, keys), sync, reps, warm)
             full = model.full(prefixes, suffixes)
             cached = model.rank_cached(suffixes, psis, keys)
             cached_ms = eager_ms
@@ -180,9 +179,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if graphed is None:
                     raise RuntimeError(f"no CUDA graph for batch {batch_size} x {prefix_len}: {graphs.stats}")
                 cached = [g.to(acc.device) for g in graphed]
-                cached_ms = time_call(
-                    lambda s=suffixes, c=psis, k=keys: graphs.rank(s, c, k), sync, reps, warm
-                )
+                cached_ms = time_call(functools.partial(graphs.rank, suffixes, psis, keys), sync, reps, warm)
             eps = max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True))
             flops, nbytes = cached_rank_cost(spec, prefix_len, batch_size, args.recent, args.candidates)
             floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (peak_gbps * 1e9)) * 1e3

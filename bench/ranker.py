@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.report import median, percentile, write_result
+from bench.report import RESULTS_DIR, median, percentile, write_result
 from relaygr.processes import ServiceProcess
 from relaygr.synthetic import Shape
 from relaygr.synthetic import request as synthetic_request
@@ -353,8 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["prefix_len", "psi_bytes", "recompute_ms", "demote_ms", "reload_ms", "reload_gbps",
                "rank_p50_ms", "rank_p99_ms", "rank_p999_ms", "rank_p99_ms_with_prefix", "rank_samples", "cpu_steal_pct",
                "fingerprint_us", "by_reference_us"]  # fmt: skip
-    kwargs = {"out_dir": Path(args.out_dir)} if args.out_dir else {}
-    print("wrote", *write_result("ranker", config, results, columns, **kwargs))
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
+    print("wrote", *write_result("ranker", config, results, columns, out_dir=out_dir))
 
 
 if __name__ == "__main__":
