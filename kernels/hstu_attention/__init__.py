@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.device import triton_usable
+from kernels.hstu_attention.bias import BiasTables
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
 from kernels.hstu_attention.reference import (
     ReferencePlan,
@@ -30,6 +31,7 @@ __all__ = [
     "AttentionBatch",
     "AttentionImpl",
     "AttentionParams",
+    "BiasTables",
     "PrefixKV",
     "SeqLayout",
     "hstu_attention",
@@ -71,15 +73,17 @@ def prepare_attention(
     params: AttentionParams,
     head_dim: int,
     impl: AttentionImpl = AttentionImpl.AUTO,
+    bias: BiasTables | None = None,
 ) -> AttentionBatch:
-    """Resolves the implementation for this device. Raises ValueError for TRITON where it cannot run."""
+    """Resolves the implementation for this device. Raises ValueError for TRITON where it cannot
+    run. `bias`: pos/time tables with their kernel forms derived once (a model's, across passes)."""
     supported = triton_supports(seq.timestamps, head_dim)
     if impl is AttentionImpl.TRITON and not supported:
         raise ValueError("the Triton attention needs CUDA tensors and a power-of-two head_dim >= 16")
     if impl is AttentionImpl.TRITON or (impl is AttentionImpl.AUTO and supported):
         from kernels.hstu_attention.triton_impl import plan_triton
 
-        plan = plan_triton(seq, prefix, pos_tables, time_tables, params)
+        plan = plan_triton(seq, prefix, pos_tables, time_tables, params, bias)
         return AttentionBatch(seq, prefix, pos_tables, time_tables, params, plan, None)
     reference = plan_reference(seq, prefix, pos_tables, time_tables, params)
     return AttentionBatch(seq, prefix, pos_tables, time_tables, params, None, reference)

@@ -46,8 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.hstu_attention.bias import (
+    POS_TABLE_MAX_DISTANCE,
+    BiasTables,
+    packed_bias_tables,
+    position_by_distance,
+)
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
-from kernels.hstu_attention.reference import log_bucket
 
 # Relative timestamps are int32 when a sequence's span is at most this: differences of two then
 # lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
@@ -56,9 +61,6 @@ _TS_SPAN_LIMIT = 1 << 30
 _REL_TS_CLAMP = tl.constexpr(1 << 30)
 # Position distances are converted to float32 exactly by OR-ing them into the mantissa of 2**23.
 MAX_POSITIONS = 1 << 22
-# Longer sequences bucket position distances on chip rather than build a table by distance (4 bytes
-# per layer, head and distance: 8 MB for 8 layers x 4 heads at this bound).
-POS_TABLE_MAX_DISTANCE = 1 << 16
 
 
 @triton.jit
@@ -460,12 +462,6 @@ class TritonPlan:
     pos_by_distance: torch.Tensor | None = None
 
 
-def packed_bias_tables(pos_tables: torch.Tensor, time_tables: torch.Tensor) -> torch.Tensor:
-    """[L, H, NB_POS + NB_TIME] float32: each layer's and head's position table, then its time
-    table, both halved (the kernel evaluates SiLU(x) as h + h * tanh(h) with h = x / 2)."""
-    return (0.5 * torch.cat([pos_tables.float(), time_tables.float()], dim=2)).contiguous()
-
-
 def _launch_relative_ts(
     ts32: torch.Tensor,
     prefix_ts32: torch.Tensor,
@@ -492,8 +488,10 @@ def plan_triton(
     pos_tables: torch.Tensor,
     time_tables: torch.Tensor,
     params: AttentionParams,
+    bias: BiasTables | None = None,
 ) -> TritonPlan:
-    """pos_tables [L, H, NB_POS], time_tables [L, H, NB_TIME] (float32, on the device).
+    """pos_tables [L, H, NB_POS], time_tables [L, H, NB_TIME] (float32, on the device); `bias`:
+    the same tables with their kernel forms derived once (else derived here).
     Raises ValueError if a sequence (prefix plus new tokens) reaches MAX_POSITIONS tokens."""
     _install_scratch_allocator()
     plens = prefix.lens_host if prefix is not None else (0,) * seq.batch_size
@@ -509,13 +507,14 @@ def plan_triton(
     if seq.batch_size:
         prefix_d = (prefix.lens, prefix.timestamps, prefix.ts_offsets) if prefix is not None else None
         _launch_relative_ts(ts32, prefix_ts32, fits, seq.offsets, seq.timestamps, prefix_d, seq.batch_size)
-    tables = packed_bias_tables(pos_tables, time_tables)
     nb_pos = pos_tables.shape[2]
-    by_distance = None
-    if longest <= POS_TABLE_MAX_DISTANCE:
-        # Distances run 0..longest (rows past a sequence's end, never stored, read one further).
-        buckets = log_bucket(torch.arange(longest + 1, device=dev), params.pos_mantissa_bits, nb_pos)
-        by_distance = tables[:, :, :nb_pos].index_select(2, buckets.long()).contiguous()
+    # Distances run 0..longest (rows past a sequence's end, never stored, read one further).
+    if bias is not None:
+        tables, by_distance = bias.packed, bias.by_distance(longest)
+    else:
+        tables, by_distance = packed_bias_tables(pos_tables, time_tables), None
+        if longest <= POS_TABLE_MAX_DISTANCE:
+            by_distance = position_by_distance(tables, nb_pos, params.pos_mantissa_bits, longest + 1)
     return TritonPlan(tables, nb_pos, time_tables.shape[2], ts32, prefix_ts32, fits, by_distance)
 
 

@@ -47,6 +47,7 @@ from torch import nn
 from kernels.hstu_attention import (
     AttentionImpl,
     AttentionParams,
+    BiasTables,
     PrefixKV,
     SeqLayout,
     hstu_attention,
@@ -194,6 +195,7 @@ class HSTURanker(nn.Module):
             nn.SiLU(),
             nn.Linear(spec.head_hidden, 1, dtype=dtype),
         )
+        self._bias_cache: tuple[tuple[tuple[int, int], ...], BiasTables] | None = None
         self.params = AttentionParams(
             alpha=spec.head_dim**-0.5,
             inv_norm=1.0 / spec.attn_norm,
@@ -524,10 +526,25 @@ class HSTURanker(nn.Module):
             [layer.time_bias for layer in layers]
         )
 
+    def attention_bias(self) -> BiasTables:
+        """The bias tables with their kernel forms, derived once for the current weights: a new
+        BiasTables whenever a layer's bias parameter changed in place (load_state_dict, copy_:
+        each bumps the tensor's version counter) or moved."""
+        layers = self._stack()
+        stamp = tuple(
+            (p._version, p.data_ptr()) for layer in layers for p in (layer.pos_bias, layer.time_bias)
+        )
+        cached = self._bias_cache
+        if cached is None or cached[0] != stamp:
+            pos, time = (t.detach() for t in self.bias_tables())
+            cached = (stamp, BiasTables(pos, time, self.spec.pos_mantissa_bits))
+            self._bias_cache = cached
+        return cached[1]
+
     def _prepare(self, seq: SeqLayout, prefix: PrefixKV | None) -> Attend:
-        pos, time = self.bias_tables()
+        bias = self.attention_bias()
         batch = prepare_attention(
-            seq, prefix, pos, time, self.params, self.spec.head_dim, self.attention_impl
+            seq, prefix, bias.pos, bias.time, self.params, self.spec.head_dim, self.attention_impl, bias
         )
         return lambda q, k, v, index: hstu_attention(q, k, v, batch, index)
 

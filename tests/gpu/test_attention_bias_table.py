@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.hstu_attention import PrefixKV, SeqLayout, hstu_attention_reference, plan_reference
+from kernels.hstu_attention import BiasTables, PrefixKV, SeqLayout, hstu_attention_reference, plan_reference
 from kernels.hstu_attention.reference import log_bucket
 from tests.gpu.test_triton_attention import CASES, assert_bf16_close, random_case
 
@@ -64,3 +64,21 @@ def test_time_bias_exact_beside_timestamps_at_zero(plens):
         q, k, v, seq, prefix, 1, plan_reference(seq, prefix, pb, tb, params), params
     )
     assert_bf16_close(hstu_attention_triton(q, k, v, seq, prefix, plan, 1, params), want)
+
+
+@pytest.mark.parametrize(("lengths", "n_hist", "plens"), CASES)
+def test_tables_derived_once_per_model_give_the_same_attention(lengths, n_hist, plens):
+    """A model's BiasTables (packed tables and a by-distance table grown past what one pass
+    needs) against the tables plan_triton derives for one pass: bit for bit the same output."""
+    q, k, v, seq, prefix, pb, tb, params = random_case(11, lengths, n_hist, plens, heads=2, dim=64)
+    fresh = plan_triton(seq, prefix, pb, tb, params)
+    bias = BiasTables(pb, tb, params.pos_mantissa_bits)
+    bias.by_distance(5)  # a short table first: this pass must grow it
+    derived = plan_triton(seq, prefix, pb, tb, params, bias)
+    assert derived.pos_by_distance is not None
+    assert fresh.pos_by_distance is not None
+    assert derived.pos_by_distance.shape[2] >= fresh.pos_by_distance.shape[2]
+    for layer in range(pb.shape[0]):
+        got = hstu_attention_triton(q, k, v, seq, prefix, derived, layer, params)
+        want = hstu_attention_triton(q, k, v, seq, prefix, fresh, layer, params)
+        assert torch.equal(got, want)
