@@ -3,21 +3,22 @@ retrieval events per second the trigger decides on one core.
 
     python -m bench.router [--calls 4000] [--runs 3] [--events 50000] [--layout pinned|shared]
 
-Router: one ranker and three routers as real processes on loopback (`python -m services.router`,
+Router: one ranker and two routers as real processes on loopback (`python -m services.router`,
 so with the router's own process settings, health checks aside: TOLERANT_CHECKS), one per front door: the hand-written HTTP/2 frame
-relay (`--front-door relay`, services/router/frontdoor/relay.py), the same relay built on the h2
-library (`--front-door h2`, frontdoor/h2lib.py) and the router's gRPC server (`--front-door grpc`).
+relay (`--front-door relay`, services/router/frontdoor/relay.py) and the router's gRPC server
+(`--front-door grpc`). (A third door, the same relay on the h2 library, lost on CPU per call in
+all nine runs of bench/results/router-cpu.json and was removed.)
 The same Rank request (a short prefix, so the ranker's own time is small) is sent from this
 process directly and through each, one call at a time, alternating in chunks of 50 so all paths
 see the same machine state; `--calls` per path. Reported: p50/p99 of each and
 router_added_p99_ms = p99(routed) - p99(direct) (every call counts) for the hand-written relay,
-h2_relay_added_* and grpc_front_door_added_* for the others; a fifth path through the smallest
+grpc_front_door_added_* for the other; a fourth path through the smallest
 grpc.aio proxy (bench/bare_proxy.py, same core) gives bare_proxy_added_*, the cost of a Python
 gRPC hop on the machine, in the same run. *_cpu_ms_per_call: CPU time of each proxy process (all
 threads, from /proc) while its own chunks ran, per call.
 `--runs`: the whole comparison that many times, fresh processes each time, one record per run
 (with the 1-minute load average before it); the JSON's "decision" applies issue 17's rule: the
-hand-written relay stays the default only if it beats both other front doors by more than the
+hand-written relay stays the default only if it beats the gRPC front door by more than the
 run-to-run spread (router_added_p99_ms; CPU per call breaks a tie), else the gRPC front door.
 Layout (recorded in the JSON's config):
   pinned  (default) what the router adds on one core: the router on the last core (no other
@@ -159,7 +160,7 @@ async def router_overhead(
             door: ServiceProcess("services.router", "--rankers", target, "--bootstrap", broker.bootstrap,
                                  "--consume-signals", "false", "--front-door", door,
                                  *TOLERANT_CHECKS, *tls_flags(proxy_tls))
-            for door in ("relay", "h2", "grpc")
+            for door in ("relay", "grpc")
         }  # fmt: skip
         bare_port = free_port()
         bare = ServiceProcess("bench.bare_proxy", str(bare_port), target, *pem_files(proxy_tls))
@@ -171,7 +172,6 @@ async def router_overhead(
                     pin_threads(proc.proc.pid, cpus["router"])
             channels = {name: client_tls.channel(address) for name, address in
                         (("direct", target), ("routed", f"127.0.0.1:{ports['relay']}"),
-                         ("routed_h2", f"127.0.0.1:{ports['h2']}"),
                          ("routed_grpc", f"127.0.0.1:{ports['grpc']}"), ("bare", f"127.0.0.1:{bare_port}"))}  # fmt: skip
             prefix, suffix = request(torch.Generator().manual_seed(0), 1, Shape(4, 60, 8, 32))
             req = rank_request(prefix, suffix, "bench")
@@ -181,8 +181,8 @@ async def router_overhead(
             ms: dict[str, list[float]] = {name: [] for name in stubs}
             # The CPU each proxy process spends while its own chunks run (health checks and other
             # background work included): what one routed call costs the router's core.
-            pids = {"routed": routers["relay"].proc.pid, "routed_h2": routers["h2"].proc.pid,
-                    "routed_grpc": routers["grpc"].proc.pid, "bare": bare.proc.pid}  # fmt: skip
+            pids = {"routed": routers["relay"].proc.pid, "routed_grpc": routers["grpc"].proc.pid,
+                    "bare": bare.proc.pid}  # fmt: skip
             cpu_s = dict.fromkeys(pids, 0.0)
             # This client's collector runs between chunks, never inside a timed call (it would
             # land on either path at random and only add noise to the difference).
@@ -206,7 +206,7 @@ async def router_overhead(
             for router in routers.values():
                 router.stop()
             ranker.stop()
-    d_ms, r_ms, h_ms, g_ms, b_ms = ms["direct"], ms["routed"], ms["routed_h2"], ms["routed_grpc"], ms["bare"]
+    d_ms, r_ms, g_ms, b_ms = ms["direct"], ms["routed"], ms["routed_grpc"], ms["bare"]
     return {
         "rank_p50_ms_direct": percentile(d_ms, 50),
         "rank_p99_ms_direct": percentile(d_ms, 99),
@@ -214,9 +214,6 @@ async def router_overhead(
         "rank_p99_ms_routed": percentile(r_ms, 99),
         "router_added_p50_ms": percentile(r_ms, 50) - percentile(d_ms, 50),
         "router_added_p99_ms": percentile(r_ms, 99) - percentile(d_ms, 99),
-        # The same relay on the h2 library (RELAYGR_ROUTER_FRONT_DOOR=h2), same run, same core.
-        "h2_relay_added_p50_ms": percentile(h_ms, 50) - percentile(d_ms, 50),
-        "h2_relay_added_p99_ms": percentile(h_ms, 99) - percentile(d_ms, 99),
         # The same router with its gRPC server as the front door (RELAYGR_ROUTER_FRONT_DOOR=grpc),
         # same run, same core.
         "grpc_front_door_added_p50_ms": percentile(g_ms, 50) - percentile(d_ms, 50),
@@ -226,7 +223,6 @@ async def router_overhead(
         "bare_proxy_added_p50_ms": percentile(b_ms, 50) - percentile(d_ms, 50),
         "bare_proxy_added_p99_ms": percentile(b_ms, 99) - percentile(d_ms, 99),
         "router_cpu_ms_per_call": cpu_s["routed"] * 1e3 / len(r_ms),
-        "h2_relay_cpu_ms_per_call": cpu_s["routed_h2"] * 1e3 / len(h_ms),
         "grpc_front_door_cpu_ms_per_call": cpu_s["routed_grpc"] * 1e3 / len(g_ms),
         "bare_proxy_cpu_ms_per_call": cpu_s["bare"] * 1e3 / len(b_ms),
         "rank_calls_each": len(d_ms),
@@ -296,7 +292,6 @@ async def trigger_throughput(events: int, broker: EmbeddedBroker) -> dict[str, f
 # Each front door's fields in a run's record: (added p99, CPU per call).
 DOORS = {
     "relay": ("router_added_p99_ms", "router_cpu_ms_per_call"),
-    "h2": ("h2_relay_added_p99_ms", "h2_relay_cpu_ms_per_call"),
     "grpc": ("grpc_front_door_added_p99_ms", "grpc_front_door_cpu_ms_per_call"),
     "bare_proxy": ("bare_proxy_added_p99_ms", "bare_proxy_cpu_ms_per_call"),
 }
@@ -306,8 +301,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per front door over the runs: mean, min, max and spread (max - min) of added p99 and CPU per
     call; and issue 17's decision. The hand-written relay beats another door when its mean added
     p99 is lower by more than the larger spread of the two; when the p99 difference is within
-    that spread, CPU per call decides the same way. It stays the default only if it beats both the
-    h2 relay and the gRPC front door, else the gRPC front door becomes the default."""
+    that spread, CPU per call decides the same way. It stays the default only if it beats the gRPC
+    front door, else the gRPC front door becomes the default."""
     stats: dict[str, Any] = {}
     for door, fields in DOORS.items():
         stats[door] = {}
@@ -316,7 +311,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             stats[door][field] = {"mean": float(np.mean(values)), "min": min(values), "max": max(values),
                                   "spread": max(values) - min(values)}  # fmt: skip
     verdicts = {}
-    for other in ("h2", "grpc"):
+    for other in ("grpc",):
         verdict = "tie"
         for i in range(2):  # p99 first; CPU per call breaks a tie
             mine, theirs = stats["relay"][DOORS["relay"][i]], stats[other][DOORS[other][i]]
@@ -331,7 +326,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "doors": stats,
         "relay_vs": verdicts,
         "default": "relay" if keep else "grpc",
-        "rule": "relay stays default only if it beats h2 and grpc by more than the run-to-run spread "
+        "rule": "relay stays default only if it beats grpc by more than the run-to-run spread "
         "(max - min over runs, the larger of the two doors) on mean router_added_p99_ms, CPU per call "
         "as the tie-breaker; otherwise grpc",
     }
@@ -385,8 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(rows)
     config = vars(args) | {"machine_cores": os.cpu_count(), "host": socket.gethostname(), "cpus": cpus}
     columns = ["run", "loadavg_1m_before", "rank_p50_ms_direct", "rank_p99_ms_direct", "router_added_p99_ms",
-               "h2_relay_added_p99_ms", "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
-               "router_cpu_ms_per_call", "h2_relay_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call",
+               "grpc_front_door_added_p99_ms", "bare_proxy_added_p99_ms",
+               "router_cpu_ms_per_call", "grpc_front_door_cpu_ms_per_call",
                "bare_proxy_cpu_ms_per_call"]  # fmt: skip
     if args.events:
         columns += ["trigger_events_per_s", "trigger_decision_p99_ms"]

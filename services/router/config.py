@@ -54,7 +54,6 @@ class Placement(enum.StrEnum):
 
 class FrontDoor(enum.StrEnum):
     RELAY = "relay"  # the hand-written HTTP/2 frame relay
-    H2 = "h2"  # the same relay on the h2 library
     GRPC = "grpc"  # the gRPC server serves everything
 
 
@@ -129,8 +128,7 @@ class RouterConfig(KafkaSettings, TlsSettings):
         FrontDoor.RELAY, env="RELAYGR_ROUTER_FRONT_DOOR",
         help="relay: an HTTP/2 frame relay serves Rank on the public port (with the RELAYGR_TLS_* "
         "mutual TLS when set) and passes every other call to the router's gRPC server on loopback "
-        "(about half the CPU per routed call); h2: the same relay built on the h2 library; grpc: the "
-        "gRPC server serves everything",
+        "(about half the CPU per routed call); grpc: the gRPC server serves everything",
     )  # fmt: skip
     default_timeout_ms: float = setting(
         10_000.0, env="RELAYGR_ROUTER_DEFAULT_TIMEOUT_MS", help="deadline of a call whose caller set none",

@@ -38,7 +38,6 @@ from prometheus_client import CollectorRegistry
 from services.router.config import RouterConfig
 from services.router.forwarding import Forwarder, ForwardError
 from services.router.frontdoor import H2_ERROR_NAMES, FrontDoor, FrontDoorError, RelayReply, UpstreamPool
-from services.router.frontdoor.h2lib import H2FrontDoor
 from services.router.metrics import RouterMetrics
 from services.router.passthrough import MalformedMessage, preinfer_key, rank_by_reference, rank_key
 from services.router.residency import ResidencyMap
@@ -86,7 +85,7 @@ class RouterService:
         )
         self._rank_ms = RankLatencies()
         self._server: grpc.aio.Server | None = None
-        self._front_door: FrontDoor | H2FrontDoor | None = None
+        self._front_door: FrontDoor | None = None
         self._upstreams = UpstreamPool(
             int(config.max_message_mb * 2**20),
             on_protocol_error=self._relay_error,
@@ -192,12 +191,10 @@ class RouterService:
 
         "grpc": the gRPC server is the front door (already started on the public address).
         "relay": the HTTP/2 frame relay owns the public port, serves Rank itself (`relay_rank`)
-        and passes every other stream through to the gRPC server on loopback (`grpc_port`).
-        "h2": the same relay built on the h2 library (frontdoor/h2lib.py)."""
+        and passes every other stream through to the gRPC server on loopback (`grpc_port`)."""
         if not self.config.relay_front_door:
             return grpc_port
-        relay_type = H2FrontDoor if self.config.front_door == "h2" else FrontDoor
-        door = self._front_door = relay_type(
+        door = self._front_door = FrontDoor(
             self.relay_rank, f"127.0.0.1:{grpc_port}", int(self.config.max_message_mb * 2**20),
             on_protocol_error=self._relay_error, on_pass_through=self.metrics.relay_passed.inc,
             max_header_list_bytes=self.config.max_header_list_bytes,

@@ -83,7 +83,7 @@ async def test_a_failed_background_task_stops_the_router_with_status_1(monkeypat
     assert refuses_connections(router.port)  # then let go of its port
 
 
-@pytest.mark.parametrize("front_door", ["grpc", "relay", "h2"])
+@pytest.mark.parametrize("front_door", ["grpc", "relay"])
 async def test_sigterm_lets_the_call_in_flight_finish_and_exits_0(monkeypatch, front_door):
     monkeypatch.setenv("RELAYGR_ROUTER_FRONT_DOOR", front_door)
     ranker = HeldRanker()

@@ -2,7 +2,7 @@
 equal to full inference), residency precedence, pass-through of client errors, retries on the next
 instance (dead, overloaded, hung), membership loss, and no instance at all; requests and replies
 forwarded byte for byte, malformed bytes refused, reflection and message-size limits kept. Every
-test runs once per front door (gRPC server, HTTP/2 frame relay, the relay on the h2 library).
+test runs once per front door (gRPC server, HTTP/2 frame relay).
 
 Real rankers (tiny preset) where scores matter; small fake rankers where only status codes do."""
 
@@ -35,10 +35,10 @@ TOL = 1e-5
 BOUND_S = 20.0  # generous upper bound for "eventually" (membership changes): never a speed claim
 
 
-@pytest.fixture(autouse=True, params=["grpc", "relay", "h2"])
+@pytest.fixture(autouse=True, params=["grpc", "relay"])
 def front_door(request, monkeypatch) -> str:
-    """Every test here runs against every front door: the gRPC server, and the HTTP/2 relays (hand-
-    written, and on the h2 library) that serve Rank themselves and pass everything else to it."""
+    """Every test here runs against every front door: the gRPC server, and the HTTP/2 frame relay
+    that serves Rank itself and passes everything else to it."""
     monkeypatch.setenv("RELAYGR_ROUTER_FRONT_DOOR", request.param)
     return request.param
 

@@ -95,7 +95,7 @@ def test_one_variable_sets_a_shared_setting_in_every_service():
         (RankerConfig, ["--device", "cpu"], "device", Device.CPU, "auto, cpu, cuda, npu"),
         (RouterConfig, [*ARGV["router"], "--placement", "round_robin"], "placement", Placement.ROUND_ROBIN,
          "affinity, round_robin"),
-        (RouterConfig, [*ARGV["router"], "--front-door", "grpc"], "front_door", FrontDoor.GRPC, "relay, h2, grpc"),
+        (RouterConfig, [*ARGV["router"], "--front-door", "grpc"], "front_door", FrontDoor.GRPC, "relay, grpc"),
         (TriggerConfig, [*ARGV["trigger"], "--policy", "off"], "policy", Policy.OFF, "sequence, all, off"),
         (ExpanderConfig, ["--log-level", "debug"], "log_level", LogLevel.DEBUG, "debug, info, warning, error"),
     ],

@@ -797,7 +797,7 @@ class FrontDoor:
         return int(self._server.sockets[0].getsockname()[1])
 
     def _connection(self) -> asyncio.Protocol:
-        """A new client connection's protocol (the h2-library relay overrides this)."""
+        """A new client connection's protocol."""
         return FrontDoorConnection(self)
 
     async def _keep_internal(self) -> None:
