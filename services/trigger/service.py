@@ -143,7 +143,7 @@ class TriggerService:
         self._seen_seq: dict[str, int] = {}
         self._psi_per_token: dict[str, int] = {}
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
-        # the rankers' cached batches, compute ms per batch like the latency model's samples).
+        # the rankers' cached batches: their time per call).
         self.returns = ReturnRate(config.reuse_window_s)
         self._cached_ms: collections.deque[float] = collections.deque(maxlen=128)
         self._seen_preinfer_seq: dict[str, int] = {}
@@ -369,16 +369,15 @@ class TriggerService:
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
         pays = self.reuse_pays(meta.prefix_len, tokens)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays)
+        self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)
                                             else "reuse").inc()  # fmt: skip
-        self.metrics.returning.labels("yes" if returning else "no").inc()
-        if reason is Reason.ADMITTED:
             now_unix_ms = int(time.time() * 1e3)
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             # Its pre-inference leaves the instance's queue after the signal's trip and the
             # pre-inferences reported ahead of it.
-            queued_s = _SIGNAL_TRIP_S + self.latency.full_ms(meta.prefix_len) / 1e3 * (
+            queued_s = _SIGNAL_TRIP_S + self.preinfer_ms(meta.prefix_len) / 1e3 * (
                 1 + ledger.reported_backlog
             )
             ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s)
