@@ -298,7 +298,8 @@ class Runner:
             "lag_ms_p99": s["lag_ms_p99"],
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
-                                         "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads")},
+                                         "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",
+                                         "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

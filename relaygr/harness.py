@@ -185,6 +185,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "psi_produced": produced,
         "wasted_preinfer_rate": expired / produced if produced else 0.0,
         "reloads": sum(a.reloads - b.reloads for a, b in zip(after, before, strict=True)),
+        # The tiers (issue 14): psi copied to host DRAM, dropped from HBM for room, dropped uncopied.
+        "demotions": sum(a.demotions - b.demotions for a, b in zip(after, before, strict=True)),
+        "hbm_evictions": sum(a.hbm_evictions - b.hbm_evictions for a, b in zip(after, before, strict=True)),
+        "hbm_released": sum(a.hbm_released - b.hbm_released for a, b in zip(after, before, strict=True)),
         "resident_bytes_max": max(resident, default=0),
         "resident_bytes_mean": sum(resident) / len(resident) if resident else 0.0,
         "lead_time_p50_ms": max((a.lead_time_p50_ms for a in after), default=0.0),

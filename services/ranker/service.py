@@ -626,6 +626,8 @@ class RankerService(pb_grpc.RankerServicer):
             prefix_content_mismatches=self.relay.content_mismatches,
             reloads=self.relay.reloads,
             hbm_evictable_bytes=self.cache.evictable_bytes,
+            hbm_evictions=self.cache.counters.evicted,
+            hbm_released=self.cache.counters.released,
         )
 
 

@@ -58,4 +58,6 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         hbm_hits=sum(s.hbm_hits for s in stats),
         hbm_misses=sum(s.hbm_misses for s in stats),
         prefix_content_mismatches=sum(s.prefix_content_mismatches for s in stats),
+        hbm_evictions=sum(s.hbm_evictions for s in stats),
+        hbm_released=sum(s.hbm_released for s in stats),
     )

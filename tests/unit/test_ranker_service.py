@@ -149,6 +149,24 @@ async def test_preinfer_refused_when_hbm_budget_is_full(ranker):
     assert stats.hbm_leased_bytes > 0
 
 
+@pytest.mark.parametrize("ranker", [["--hbm-budget-mb", "0.5"]], indirect=True)
+async def test_a_consumed_psi_makes_room_and_stats_count_the_eviction(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(4, 2, prefix_len=600)  # ~0.3 MB of psi each: one fits at a time
+    await stub.PreInfer(preinfer_request(prefixes[0], "a"), timeout=5)
+    await wait_produced(stub, 1)
+    hit = await stub.Rank(rank_request(prefixes[0], suffixes[0], "a-r"), timeout=30)
+    assert hit.served_by == pb.HBM_HIT
+    before = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert before.hbm_evictions == 0
+    # No host tier here: the consumed psi stays as an evictable copy, then goes for the next one.
+    second = await stub.PreInfer(preinfer_request(prefixes[1], "b"), timeout=5)
+    assert second.outcome == pb.PreInferReply.ACCEPTED
+    await wait_produced(stub, 2)
+    after = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert after.hbm_evictions == 1
+
+
 class PinnedClock:
     """The HBM cache's clock, held by the test: `at` when set, else the monotonic clock."""
 
