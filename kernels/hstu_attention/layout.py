@@ -17,6 +17,7 @@ contiguous [P, H*D] slab, so a reload can be done layer by layer with large copi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,9 @@ class SeqLayout:
     def total_tokens(self) -> int:
         return self.offsets_host[-1]
 
-    @property
+    @functools.cached_property
     def max_len(self) -> int:
+        """Longest sequence's new tokens (computed once: every layer's launch asks)."""
         o = self.offsets_host
         return max((o[i + 1] - o[i] for i in range(len(o) - 1)), default=0)
 
