@@ -29,13 +29,11 @@ import json
 import math
 import statistics
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from relaygr.core_demo import print_core_demo, run_core_demo
 from relaygr.harness import CONFIGS, machine, markdown_table, ranker_stats, run_point
@@ -229,18 +227,10 @@ async def probe_stack(
     return {n: statistics.median(ms) for n, ms in latencies.items()}, samples
 
 
-def trigger_decisions(stack: Stack) -> dict[str, int]:
-    """The trigger's decision counts by reason, from its Prometheus endpoint."""
-    assert stack.trigger is not None
-    port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "relaygr_trigger_decisions":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    counts[sample.labels["reason"]] = int(sample.value)
-    return counts
+def trigger_decisions(rankers: dict[str, Any]) -> dict[str, int]:
+    """The trigger's decisions over a point by reason, from run_point's counters."""
+    return {key.removeprefix("trigger_"): int(value) for key, value in rankers.items()
+            if key.startswith("trigger_") and not key.startswith("trigger_admitted_")}  # fmt: skip
 
 
 def run_stack_demo(
@@ -278,7 +268,7 @@ def run_stack_demo(
             point = asyncio.run(
                 run_point(stack, config.workload(), calibration.slo_ms, "rate", config.rate_rps, eps_sample=1)
             )
-            decisions = trigger_decisions(stack)
+            decisions = trigger_decisions(point.rankers)
         s = point.summary
         # Latencies are of the answered calls; a percentile they cannot support is left out (None).
         latency = {key: s[key] if percentile_supported(q, s["ok"]) else None
