@@ -151,9 +151,8 @@ class RankGraphs:
         self._dev = torch.zeros(at, dtype=torch.int64, device=dev)
         self._prefix_ts = torch.zeros(b * limits.max_prefix_tokens, dtype=torch.int64, device=dev)
         self._anchor = torch.empty(8, dtype=model.item_emb.weight.dtype, device=dev)
-        pos, tim = model.bias_tables()
-        # The weights never change under a serving model, so the combined table is built once.
-        self._table = triton_impl.packed_bias_tables(pos.detach(), tim.detach())
+        # The weights never change under a serving model: the model's packed table, built once.
+        self._table = model.attention_bias().packed
         self._nb_pos, self._nb_time = spec.num_pos_buckets, spec.num_time_buckets
         self._graphs: dict[BucketKey, _Graph] = {}
         self._pending: set[BucketKey] = set()
