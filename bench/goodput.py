@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import re
 import statistics
@@ -296,11 +297,14 @@ class Runner:
             "duration_s": cfg.duration_s,
             "offered_rps": s["offered_rps"],
             "lag_ms_p99": s["lag_ms_p99"],
+            # Where the tail's time went: P99 of each server stage, and the slowest calls whole.
+            **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"] for stage in ("queue", "compute", "server_total", "network")},
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",
                                          "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
+            "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)
         return Point(rate, s["p99_ms"], p.ok, record)
@@ -335,8 +339,10 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
 
 
 async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: SearchConfig,
-                     earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
-    """Every (workload, repeat) of the plan through one configuration's stack."""
+                     earlier: list[dict[str, Any]],
+                     on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every (workload, repeat) of the plan through one configuration's stack; `on_record` is
+    called with each search's record as soon as it is done."""
     base = WorkloadConfig(seed=args.seed, users=args.users, recent_tokens=args.recent, candidates=args.candidates,
                           length_scale=args.length_scale, max_prefix_len=args.max_prefix_len,
                           session_mean_requests=args.session_mean_requests)  # fmt: skip
@@ -363,6 +369,8 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{' (CENSORED at the cap)' if result.censored else ''}", flush=True)  # fmt: skip
         records.append(record)
+        if on_record is not None:
+            on_record(record)
     return records
 
 
@@ -445,7 +453,10 @@ def plot(records: list[dict[str, Any]], slo_ms: float, stem: Path, device: str) 
 
 
 def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args: argparse.Namespace,
-                 configs: list[str]) -> list[Path]:  # fmt: skip
+                 configs: list[str], info: dict[str, Any] | None = None, quiet: bool = False) -> list[Path]:  # fmt: skip
+    """The JSON, the markdown and the plots of `records`; `info` is the machine that measured
+    them (default: this one)."""
+    info = info or machine()
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     session = (f"sessions of mean {args.session_mean_requests:g} requests (geometric), think times ML-100K gaps "
                f"x{run_config['think_scale']:g}, retrieval -> ranking gap {run_config['gap_ms']} ms")  # fmt: skip
@@ -463,12 +474,60 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
         footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
     json_path, md_path = write_result("goodput", run_config, records,
                                       ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored"],
-                                      out_dir=out_dir, header=header, tag=args.tag, footer=footer)  # fmt: skip
+                                      out_dir=out_dir, header=header, tag=args.tag, footer=footer,
+                                      info=info)  # fmt: skip
     stem = json_path.with_suffix("")
-    pngs = plot(records, args.slo_ms, stem, machine()["device"])
-    print(md_path.read_text())
-    print("wrote", json_path, md_path, *pngs)
+    pngs = plot(records, args.slo_ms, stem, info["device"])
+    if not quiet:
+        print(md_path.read_text())
+        print("wrote", json_path, md_path, *pngs)
     return [json_path, md_path, *pngs]
+
+
+# ---------------------------------------------------------------------- merging parallel runs
+
+
+def merge(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Records of several goodput files measured on one host at once (one GPU each: the repeats of
+    a sitting run side by side), with repeats renumbered in file order per (config, workload).
+    Returns (records, the first file's settings plus `merged_from`, the machine with every GPU
+    index). ValueError if the files come from different hosts, devices or commits, or if their
+    protocol settings differ: such results do not share a sitting and their ratios mean nothing."""
+    if len(paths) < 2:
+        raise ValueError("--merge needs at least two result files")
+    docs = []
+    for path in paths:
+        try:
+            docs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+    first = docs[0]
+    for key in ("host", "device", "commit"):
+        values = {d["machine"].get(key) for d in docs}
+        if len(values) > 1:
+            raise ValueError(
+                f"the files differ in machine.{key} ({sorted(map(str, values))}): not one sitting"
+            )
+    protocol = ("preset", "slo_ms", "rankers", "min_duration_s", "min_calls", "precision", "session_mean_requests",
+                "hbm_budget_mb", "arena_gb", "users", "recent", "candidates", "length_scale", "max_prefix_len")  # fmt: skip
+    for key in protocol:
+        values = {json.dumps(d["config"].get(key)) for d in docs}
+        if len(values) > 1:
+            raise ValueError(f"the files differ in config.{key} ({sorted(values)}): not one protocol")
+    records: list[dict[str, Any]] = []
+    for doc in docs:
+        taken: dict[tuple[str, str], int] = {}
+        for r in records:
+            pair = (r["config"], r["workload"])
+            taken[pair] = max(taken.get(pair, 0), r["repeat"] + 1)
+        for r in doc["results"]:
+            records.append(r | {"repeat": taken.get((r["config"], r["workload"]), 0) + r["repeat"]})
+    settings = first["config"] | {"merged_from": [Path(p).name for p in paths],
+                                  "configs": list(dict.fromkeys(r["config"] for r in records))}  # fmt: skip
+    info = first["machine"] | {
+        "cuda_visible_devices": ",".join(str(d["machine"].get("cuda_visible_devices")) for d in docs)
+    }
+    return records, settings, info
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -507,6 +566,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: combine result files of one sitting (one host, GPUs side by side) "
+                        "into one report, repeats renumbered; written under --tag")  # fmt: skip
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -531,21 +593,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Path]:
     """Runs the benchmark; returns the paths written (JSON, markdown, PNGs)."""
     args = parse_args(argv)
+    if args.merge:
+        try:
+            merged, merged_settings, info = merge([Path(p) for p in args.merge])
+        except ValueError as exc:
+            raise SystemExit(f"bench.goodput --merge: {exc}") from None
+        as_args = argparse.Namespace(**(merged_settings | {"tag": args.tag, "out_dir": args.out_dir}))
+        return write_report(merged, merged_settings, as_args, merged_settings["configs"], info=info)
     # The reference runs first: later configurations step at least through the rates it met.
     configs = sorted(args.configs, key=lambda c: c != REFERENCE)
     started = time.time()
     records: list[dict[str, Any]] = []
+    defaults = WorkloadConfig()
+
+    def settings() -> dict[str, Any]:
+        out = {k: v for k, v in vars(args).items() if k not in ("out_dir", "search", "merge")}
+        return out | {"configs": configs, "think_scale": defaults.think_scale, "wall_s": time.time() - started,
+                      "gap_ms": [defaults.gap_min_ms, defaults.gap_max_ms], "protocol": "bench/goodput.py docstring"}  # fmt: skip
+
+    def save_so_far(record: dict[str, Any]) -> None:
+        # Every finished search is on disk at once: a run cut short (a time limit) keeps them.
+        write_report([*records, *done_here, record], settings(), args, configs, quiet=True)
+        done_here.append(record)
+
     for name in configs:
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
+        done_here: list[dict[str, Any]] = []
         with Stack(relay.stack_config(name, args)) as stack:  # from the main thread: children live as long
-            records += asyncio.run(run_config(stack, name, args, args.search, records))
+            records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far))
             if args.logs_dir:
                 relay.save_logs(stack, Path(args.logs_dir), name)
-    defaults = WorkloadConfig()
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "search")}
-    settings |= {"configs": configs, "think_scale": defaults.think_scale, "wall_s": time.time() - started,
-                 "gap_ms": [defaults.gap_min_ms, defaults.gap_max_ms], "protocol": "bench/goodput.py docstring"}  # fmt: skip
-    return write_report(records, settings, args, configs)
+    return write_report(records, settings(), args, configs)
 
 
 if __name__ == "__main__":

@@ -37,11 +37,12 @@ def write_result(
     header: str = "",
     tag: str = "",
     footer: str = "",
+    info: dict[str, Any] | None = None,
 ) -> tuple[Path, Path]:
     """Writes <name>-<device>[-<tag>].json and .md (title, header, the results table, footer);
-    returns both paths."""
+    returns both paths. `info` describes the machine that measured (default: this one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = machine()
+    info = info or machine()
     stem = f"{name}-{device_slug(info['device'])}{'-' + tag if tag else ''}"
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps({"machine": info, "config": config, "results": results}, indent=2) + "\n")

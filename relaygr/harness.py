@@ -52,6 +52,9 @@ class Point:
     summary: dict[str, Any]
     rankers: dict[str, float]
     eps_max: float
+    # The slowest served calls (1.5%, at least one), each with where its time went
+    # (RequestRecord.breakdown): the calls that set the point's P99.
+    slowest: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -200,7 +203,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
     }
-    point = Point(sweep, value, result.summary(slo_ms), rankers, eps)
+    slowest = [r.breakdown() for r in result.slowest_ok(0.015)]
+    point = Point(sweep, value, result.summary(slo_ms), rankers, eps, slowest)
     s = point.summary
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
@@ -248,6 +252,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "commit": _commit(),
+        # Which of the host's GPUs this process saw (parallel runs on one host, one GPU each).
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
 

@@ -52,5 +52,14 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             )
             if record["config"] == "baseline":
                 assert point.get("trigger_admitted", 0.0) == 0.0
+            # The calls that set the P99, each whole, slowest first, and the stages' P99s.
+            slowest = point["slowest"]
+            assert slowest and [c["latency_ms"] for c in slowest] == sorted(
+                (c["latency_ms"] for c in slowest), reverse=True
+            )
+            assert slowest[0]["latency_ms"] >= point["p99_ms"] - 0.1
+            assert {"served_by", "prefix_len", "queue_ms", "compute_ms", "network_ms"} <= slowest[0].keys()
+            for stage in ("queue", "compute", "server_total", "network"):
+                assert f"{stage}_ms_p99" in point
     md = next(p for p in paths if p.suffix == ".md").read_text()
     assert "relay / baseline" in md
