@@ -22,6 +22,7 @@ from shared.modelspec import ModelSpec
 
 OUTLIER_MEDIANS = 3.0  # a sample is an outlier beyond this many median relative residuals ...
 MIN_OUTLIER_RATIO = 0.5  # ... and beyond +-50% of the prediction
+GROSS_OUTLIER_RATIO = 4.0  # off a robust first fit by more than 4x its prediction: dropped first
 # Every non-empty subset of the terms (intercept, linear, quadratic), for the non-negative fit.
 _TERM_SUBSETS = [list(t) for k in (1, 2, 3) for t in itertools.combinations(range(3), k)]
 
@@ -69,13 +70,21 @@ class LatencyModel:
             return
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
+        # Gross outliers first, judged against a robust fit (least absolute deviations): a
+        # least-squares fit was dragged by a few stalls seconds long among ~10 ms samples (a fresh
+        # ranker's first compiles), every residual then looked alike, none was judged an outlier,
+        # and the model predicted 20-200x the real cost: the trigger, pricing pre-inference by it,
+        # stopped admitting any, so no new sample ever corrected it (a GPU run on the length mix).
+        sane = self._within(n, y, self._fit_lad(n, y), GROSS_OUTLIER_RATIO)
+        if sane.sum() >= 3 and len(set(n[sane].tolist())) >= 3:
+            n, y = n[sane], y[sane]
         coef = self._fit(n, y)
         # One refit without outliers (a stalled batch, a burst of contention): they would drag
         # every prediction up and make the trigger admit requests that are not at risk. Residuals
         # are judged relative to the prediction: timing noise grows with the batch's cost, and an
         # absolute bound set by the many short requests would discard the few long ones, the very
         # measurements the at-risk decision rests on.
-        keep = self._inliers(n, y, coef)
+        keep = self._within(n, y, coef, MIN_OUTLIER_RATIO)
         self.kept = int(keep.sum())
         if self.kept >= 3 and not keep.all() and len(set(n[keep].tolist())) >= 3:
             coef = self._fit(n[keep], y[keep])
@@ -84,31 +93,49 @@ class LatencyModel:
         self._coef = coef
 
     @staticmethod
-    def _inliers(n: np.ndarray, y: np.ndarray, coef: tuple[float, float, float]) -> np.ndarray:
+    def _within(
+        n: np.ndarray, y: np.ndarray, coef: tuple[float, float, float], min_ratio: float
+    ) -> np.ndarray:
+        """The samples that are not outliers of this fit: within OUTLIER_MEDIANS median relative
+        residuals, or within `min_ratio` of the prediction (never an outlier: with a near-perfect
+        fit the median residual is ~0 and any jitter would otherwise count)."""
         a, b, c = coef
         predicted = np.maximum(a + b * n + c * n * n, 1e-3)
         relative = np.abs(y - predicted) / predicted
-        # Within MIN_OUTLIER_RATIO of the fit is never an outlier: with a near-perfect fit the
-        # median residual is ~0 and any jitter would otherwise count.
-        return relative <= max(OUTLIER_MEDIANS * float(np.median(relative)), MIN_OUTLIER_RATIO)
+        return relative <= max(OUTLIER_MEDIANS * float(np.median(relative)), min_ratio)
+
+    @classmethod
+    def _fit_lad(cls, n: np.ndarray, y: np.ndarray, iterations: int = 12) -> tuple[float, float, float]:
+        """Least absolute deviations, coefficients >= 0, by iteratively reweighted least squares
+        (weights 1 / |residual|): a fit through the bulk of the samples that a minority of
+        arbitrarily large ones cannot move far."""
+        coef = cls._fit(n, y)
+        floor = max(1e-6, 1e-3 * float(np.median(np.abs(y))))  # keeps exact fits' weights finite
+        for _ in range(iterations):
+            a, b, c = coef
+            residual = np.abs(y - (a + b * n + c * n * n))
+            coef = cls._fit(n, y, 1.0 / np.maximum(residual, floor))
+        return coef
 
     @staticmethod
-    def _fit(n: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    def _fit(n: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> tuple[float, float, float]:
         """Least squares with every coefficient >= 0 (a negative one would predict impossible
         speed-ups somewhere). Exact for three terms: the constrained optimum is the unconstrained
         fit on some subset of the terms, so the best feasible subset fit is it. Clamping a
         negative coefficient of the full fit instead leaves the others fitted to compensate for
         it, e.g. an intercept inflated several times over when the linear term came out negative."""
         design = np.stack([np.ones_like(n), n, n * n], axis=1)
+        w = np.ones_like(y) if weights is None else weights
+        root = np.sqrt(w)
         best: tuple[float, tuple[float, float, float]] | None = None
         for terms in _TERM_SUBSETS:
-            solved, *_ = np.linalg.lstsq(design[:, terms], y, rcond=None)
+            solved, *_ = np.linalg.lstsq(design[:, terms] * root[:, None], y * root, rcond=None)
             if (solved < 0).any():
                 continue
             coef = [0.0, 0.0, 0.0]
             for term, value in zip(terms, solved, strict=True):
                 coef[term] = float(value)
-            sse = float(np.sum((design @ np.array(coef) - y) ** 2))
+            sse = float(np.sum(w * (design @ np.array(coef) - y) ** 2))
             if best is None or sse < best[0]:
                 best = (sse, (coef[0], coef[1], coef[2]))
         assert best is not None  # the intercept alone (the mean of positive samples) is feasible

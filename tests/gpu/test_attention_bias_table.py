@@ -69,7 +69,9 @@ def test_time_bias_exact_beside_timestamps_at_zero(plens):
 @pytest.mark.parametrize(("lengths", "n_hist", "plens"), CASES)
 def test_tables_derived_once_per_model_give_the_same_attention(lengths, n_hist, plens):
     """A model's BiasTables (packed tables and a by-distance table grown past what one pass
-    needs) against the tables plan_triton derives for one pass: bit for bit the same output."""
+    needs) against the tables plan_triton derives for one pass: bit for bit the same tables, and
+    the same output (within bf16 rounding: a launch split over a long prefix sums its partials
+    with atomics, whose order is not fixed, so two launches of one plan need not agree bitwise)."""
     q, k, v, seq, prefix, pb, tb, params = random_case(11, lengths, n_hist, plens, heads=2, dim=64)
     fresh = plan_triton(seq, prefix, pb, tb, params)
     bias = BiasTables(pb, tb, params.pos_mantissa_bits)
@@ -77,8 +79,12 @@ def test_tables_derived_once_per_model_give_the_same_attention(lengths, n_hist, 
     derived = plan_triton(seq, prefix, pb, tb, params, bias)
     assert derived.pos_by_distance is not None
     assert fresh.pos_by_distance is not None
-    assert derived.pos_by_distance.shape[2] >= fresh.pos_by_distance.shape[2]
+    covered = fresh.pos_by_distance.shape[2]
+    assert derived.pos_by_distance.shape[2] >= covered
+    assert torch.equal(derived.pos_by_distance[:, :, :covered], fresh.pos_by_distance)
+    assert torch.equal(derived.bias_tables, fresh.bias_tables)
     for layer in range(pb.shape[0]):
         got = hstu_attention_triton(q, k, v, seq, prefix, derived, layer, params)
         want = hstu_attention_triton(q, k, v, seq, prefix, fresh, layer, params)
-        assert torch.equal(got, want)
+        if got.numel():
+            assert_bf16_close(got, want)

@@ -226,6 +226,27 @@ def test_latency_model_ignores_a_stalled_batch():
     assert model.full_ms(100) == pytest.approx(truth[100], rel=0.05)
 
 
+@pytest.mark.parametrize("stalls", [1, 5, 10])
+def test_latency_model_is_not_dragged_by_a_minority_of_long_stalls(stalls):
+    # A fresh ranker's first pre-inferences on a GPU included compiles seconds long among ~10 ms
+    # steps: a least-squares first fit through them predicted 20-200x the real cost, judged none
+    # of them an outlier, and the trigger, pricing pre-inference by it, stopped admitting any.
+    rng = np.random.default_rng(stalls)
+
+    def truth(n: int) -> float:
+        return 1.5 + 0.0012 * n + 1e-8 * n * n
+
+    samples = [Sample(int(n), truth(int(n)) * rng.uniform(0.9, 1.2)) for n in rng.integers(200, 6000, 22)]
+    samples[11:11] = [
+        Sample(int(n), float(rng.uniform(3000, 12000))) for n in rng.integers(200, 6000, stalls)
+    ]
+    model = LatencyModel(preset("bench"), assumed_tflops=400.0)
+    model.observe(samples)
+    assert model.kept == 22
+    for n in (1000, 4000):
+        assert model.full_ms(n) == pytest.approx(truth(n), rel=0.25)
+
+
 def noisy_samples(seed: int) -> tuple[list[Sample], Callable[[int], float]]:
     """Many short requests, a few long ones, every timing within +-30% of the truth (noise that
     grows with the cost, as on a shared CPU)."""
