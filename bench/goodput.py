@@ -162,6 +162,18 @@ class LimitSearch:
             raise RuntimeError("the search is not over")
         return SearchResult(self._lo, self._hi, self._censored, list(self._points))
 
+    def bounds(self) -> tuple[float, float | None]:
+        """What the points measured so far say of the limit, for a search cut short: (the highest
+        rate that met below the lowest miss, or 0; the lowest miss, or None)."""
+        misses = self._misses()
+        hi = min(misses) if misses else None
+        met = [p.rate_rps for _, p in self._points if p.meets_slo and (hi is None or p.rate_rps < hi)]
+        return max(met, default=0.0), hi
+
+    def points(self) -> list[tuple[str, Point]]:
+        """(phase, point) measured so far."""
+        return list(self._points)
+
     # ------------------------------------------------------------------ transitions
 
     def _measured(self, rate: float) -> bool:
@@ -275,6 +287,7 @@ class Runner:
         self.stack = stack
         self.args = args
         self._points = 0
+        self.current: LimitSearch | None = None  # the search under way (its points, if cut short)
 
     async def measure(self, workload: WorkloadConfig, rate: float) -> Point:
         a = self.args
@@ -311,10 +324,10 @@ class Runner:
 
     async def search(self, workload: WorkloadConfig, config: SearchConfig, must_reach: float,
                      compare: Sequence[float]) -> SearchResult:  # fmt: skip
-        search = LimitSearch(config, must_reach, compare)
-        while (rate := search.next_rate()) is not None:
-            search.observe(await self.measure(workload, rate))
-        return search.result()
+        self.current = LimitSearch(config, must_reach, compare)
+        while (rate := self.current.next_rate()) is not None:
+            self.current.observe(await self.measure(workload, rate))
+        return self.current.result()
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -323,6 +336,28 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     for r in range(1, args.repeats):
         out += [(w, r) for w in args.workloads if w in HEADLINE]
     return out
+
+
+def incomplete_record(
+    config: str, workload: str, repeat: int, search: LimitSearch, slo_ms: float
+) -> dict[str, Any]:
+    """A search cut short (a time limit): its points are real measurements and are kept (the
+    never-worse table uses them), but it found no limit: goodput_rps and first_miss_rps are None,
+    and the bounds its points set are given instead. Summaries skip it."""
+    met, missed = search.bounds()
+    return {
+        "config": config,
+        "workload": workload,
+        "repeat": repeat,
+        "slo_ms": slo_ms,
+        "goodput_rps": None,
+        "first_miss_rps": None,
+        "censored": False,
+        "incomplete": True,
+        "met_rps_max": met,
+        "missed_rps_min": missed,
+        "points": [p.record | {"phase": phase} for phase, p in search.points()],
+    }
 
 
 def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo_ms: float) -> dict[str, Any]:
@@ -364,7 +399,12 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
             ]
         print(f"[{name}] {workload} repeat {repeat}: grid from {search.grid[0]:g} req/s"
               f"{f', at least to {must_reach:g}' if must_reach else ''}", flush=True)  # fmt: skip
-        result = await runner.search(workload_config(workload, base), search, must_reach, compare)
+        try:
+            result = await runner.search(workload_config(workload, base), search, must_reach, compare)
+        except asyncio.CancelledError:  # Ctrl-C or a time limit's SIGINT: keep what was measured
+            if on_record is not None and runner.current is not None and runner.current.points():
+                on_record(incomplete_record(name, workload, repeat, runner.current, args.slo_ms))
+            raise
         record = record_of(name, workload, repeat, result, args.slo_ms)
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{' (CENSORED at the cap)' if result.censored else ''}", flush=True)  # fmt: skip
@@ -386,7 +426,9 @@ def summary_rows(records: list[dict[str, Any]], configs: list[str]) -> list[dict
         medians = {}
         for config in configs:
             values = [
-                r["goodput_rps"] for r in records if r["workload"] == workload and r["config"] == config
+                r["goodput_rps"]
+                for r in records
+                if r["workload"] == workload and r["config"] == config and not r.get("incomplete")
             ]
             if values:
                 medians[config] = statistics.median(values)
@@ -435,7 +477,8 @@ def plot(records: list[dict[str, Any]], slo_ms: float, stem: Path, device: str) 
         for r in (r for r in records if r["workload"] == workload):
             pts = sorted(r["points"], key=lambda p: p["rate_rps"])
             ax.plot([p["rate_rps"] for p in pts], [p["p99_ms"] for p in pts], marker="o",
-                    label=f"{r['config']} #{r['repeat']} (goodput {r['goodput_rps']:.3g})")  # fmt: skip
+                    label=f"{r['config']} #{r['repeat']} "
+                          + ("(cut short)" if r.get("incomplete") else f"(goodput {r['goodput_rps']:.3g})"))  # fmt: skip
         ax.axhline(slo_ms, color="black", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
         ax.set_xlabel("offered rate (requests/s)")
         ax.set_ylabel("ranking P99 (ms)")
@@ -473,7 +516,8 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
         table = markdown_table(rows, columns) if rows else f"{REFERENCE} met the SLO at no rate.\n"
         footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
     json_path, md_path = write_result("goodput", run_config, records,
-                                      ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored"],
+                                      ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored",
+                                       "incomplete"],
                                       out_dir=out_dir, header=header, tag=args.tag, footer=footer,
                                       info=info)  # fmt: skip
     stem = json_path.with_suffix("")
@@ -620,9 +664,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
         print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
         done_here: list[dict[str, Any]] = []
         with Stack(relay.stack_config(name, args)) as stack:  # from the main thread: children live as long
-            records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far))
-            if args.logs_dir:
-                relay.save_logs(stack, Path(args.logs_dir), name)
+            try:
+                records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far))
+            finally:  # a run cut short keeps its services' logs too
+                if args.logs_dir:
+                    relay.save_logs(stack, Path(args.logs_dir), name)
     return write_report(records, settings(), args, configs)
 
 

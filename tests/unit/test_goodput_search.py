@@ -13,6 +13,7 @@ from bench.goodput import (
     Point,
     SearchConfig,
     find_limit,
+    incomplete_record,
     never_worse_rows,
     point_config,
     summary_rows,
@@ -203,3 +204,30 @@ def test_summary_gives_the_median_over_repeats_and_the_ratio():
     (row,) = summary_rows(records, ["baseline", "relay"])
     assert row["baseline"] == "20 (10, 30)"
     assert row["relay / baseline"] == pytest.approx(2.5)
+
+
+def test_a_search_cut_short_keeps_its_points_and_bounds_but_no_limit():
+    # A time limit stopped the search while bisecting: the points are real, the limit unknown.
+    search = LimitSearch(GRID)
+    measure = curve(55.0)
+    for _ in range(5):  # 10, 20, 40, 80 (miss), then the first bisection point
+        rate = search.next_rate()
+        assert rate is not None
+        search.observe(measure(rate))
+    assert search.next_rate() is not None  # not over
+    assert search.bounds() == (40.0, 60.0)  # 60 missed: the bisection's first point
+    record = incomplete_record("relay", "mix", 1, search, SLO)
+    assert record["incomplete"] is True
+    assert record["goodput_rps"] is None
+    assert record["first_miss_rps"] is None
+    assert (record["met_rps_max"], record["missed_rps_min"]) == (40.0, 60.0)
+    assert [p["phase"] for p in record["points"]] == ["grid"] * 4 + ["bisect"]
+    complete = {"config": "relay", "workload": "mix", "repeat": 0, "goodput_rps": 30.0, "points": []}
+    rows = summary_rows([complete, record], ["relay"])
+    assert rows == [{"workload": "mix", "relay": "30 (30)"}]  # the cut-short search is no value
+
+
+def test_bounds_before_any_miss():
+    search = LimitSearch(GRID)
+    search.observe(curve(1000.0)(10.0))
+    assert search.bounds() == (10.0, None)
