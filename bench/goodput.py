@@ -646,6 +646,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
         return write_report(merged, merged_settings, as_args, merged_settings["configs"], info=info)
     # The reference runs first: later configurations step at least through the rates it met.
     configs = sorted(args.configs, key=lambda c: c != REFERENCE)
+    if args.arena_gb * 2**30 < args.rankers * args.hbm_budget_mb * 2**20:
+        print(f"note: the expander's arena ({args.arena_gb:g} GiB) holds less than the rankers' HBM "
+              f"({args.rankers} x {args.hbm_budget_mb:g} MiB): psi evicted from HBM will rarely be in DRAM "
+              "(dram_reload near 0)", flush=True)  # fmt: skip
     started = time.time()
     records: list[dict[str, Any]] = []
     defaults = WorkloadConfig()

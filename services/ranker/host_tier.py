@@ -58,6 +58,12 @@ class HostTier:
     def connected(self) -> bool:
         return self._client is not None
 
+    @property
+    def arena_bytes(self) -> int:
+        """Size of the mapped arena (0 while not connected)."""
+        arena = self._arena
+        return 0 if arena is None else int(arena.numel() * arena.element_size())
+
     async def start(self) -> None:
         """Connects now if the daemon is up, else keeps trying in the background. Never raises."""
         if not await self._connect():

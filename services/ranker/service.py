@@ -453,6 +453,13 @@ class RankerService(pb_grpc.RankerServicer):
 
     def _host_changed(self, connected: bool) -> None:
         log.info("host_tier", connected=connected)
+        arena = self.host.arena_bytes if connected and self.host is not None else 0
+        if arena and arena < self.cache.budget_bytes:
+            # HBM evicts its least recently used psi, which the arena, holding less, has already
+            # overwritten: returning users are recomputed, not reloaded (GPU runs with a 24 GB
+            # arena beside a 40 GB HBM budget served no reload at all).
+            log.warning("host_tier_smaller_than_hbm", arena_bytes=arena, hbm_budget_bytes=self.cache.budget_bytes,
+                        effect="psi evicted from HBM is rarely still in DRAM: few reloads")  # fmt: skip
 
     def _relay_event(self, kind: str, label: str) -> None:
         """Counts what the relay cache reports (services/ranker/relay_cache.py)."""

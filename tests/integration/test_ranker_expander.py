@@ -31,14 +31,14 @@ def start_expander(sock: Path) -> ServiceProcess:
 
 
 class Ranker:
-    def __init__(self, sock: Path) -> None:
+    def __init__(self, sock: Path, *extra: str) -> None:
         # Admission prices a call that carries its prefix as a full recompute until the ranker
         # knows better (services/ranker/admission.py): a herd of 50 calls on one psi in DRAM, which
         # costs one reload and 50 cheap rankings, would be refused in part (predicted 6 s of work
         # against the 5 s bound). These tests are about the tiers, so the bound is out of the way.
         self.proc = ServiceProcess(
             "services.ranker", "--device", "cpu", "--host-tier", "true", "--expander-socket-path", str(sock),
-            "--admission-target-ms", "600000",
+            "--admission-target-ms", "600000", *extra,
         )  # fmt: skip
         ready = self.proc.wait_event("ranker_ready", timeout_s=120)
         self.port, self.metrics_port = ready["port"], ready["metrics_port"]
@@ -208,3 +208,27 @@ async def test_psi_in_host_dram_is_never_reloaded_for_other_tokens(stack, refere
     ranked = await b.stub.Rank(rank_request(prefix, suffix, "own"), timeout=30)
     assert ranked.served_by == pb.DRAM_RELOAD
     assert close(ranked.scores, want)
+
+
+async def test_a_ranker_warns_when_the_arena_holds_less_than_its_hbm(tmp_path):
+    # HBM evicts its oldest psi, which an arena smaller than HBM has already overwritten: a
+    # returning user is then recomputed, never reloaded. The ranker says so when it connects.
+    sock = tmp_path / "run" / "expander.sock"
+    expander = start_expander(sock)  # a 256 MiB arena
+    rankers = [Ranker(sock, "--hbm-budget-mb", "512"), Ranker(sock, "--hbm-budget-mb", "128")]
+    try:
+        for r in rankers:
+            await r.wait(lambda s: s.expander_connected)
+        warned = [
+            [rec for rec in r.proc.records() if rec.get("event") == "host_tier_smaller_than_hbm"]
+            for r in rankers
+        ]
+        assert len(warned[0]) == 1
+        assert warned[0][0]["arena_bytes"] == 256 << 20
+        assert warned[0][0]["hbm_budget_bytes"] == 512 << 20
+        assert warned[1] == []  # 128 MiB of HBM fits the arena
+    finally:
+        for r in rankers:
+            await r.channel.close()
+            r.proc.stop()
+        expander.stop()
