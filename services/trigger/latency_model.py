@@ -69,8 +69,8 @@ class LatencyModel:
                 # calls can take seconds (compiles), and a prior scaled by them priced
                 # pre-inference so high that none was admitted again (no sample to correct it).
                 ratios = sorted(s.compute_ms / self._flops_ms(s.tokens) for s in self._samples)
-                sane = [r for r in ratios if r <= (1.0 + GROSS_OUTLIER_RATIO) * ratios[0]]
-                self.prior_scale = sane[len(sane) // 2]
+                steady = [r for r in ratios if r <= (1.0 + GROSS_OUTLIER_RATIO) * ratios[0]]
+                self.prior_scale = steady[len(steady) // 2]
             return
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
