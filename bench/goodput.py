@@ -32,7 +32,15 @@ reach for the comparisons.
 
 Per point: P50 / P99 / P99.9, calls, served-by fractions (hbm_hit, inflight_join, partial_prefix,
 dram_reload, full_recompute), the device's busy fraction and device seconds of ranking,
-pre-inference and unused psi (the rankers' counters, services/ranker/device_time.py).
+pre-inference and unused psi (the rankers' counters, services/ranker/device_time.py); the tiers:
+`prefetch` (the share of served calls that read psi reloaded from DRAM ahead of them) with the
+prefetches issued / used / wasted / failed, demotions and their lag (P99, the rankers' recent
+window), HBM evictions, the DRAM tier's evictions and peak bytes; the trigger's decisions by
+reason; the P99 of each server stage and the slowest calls whole (where the tail's time went).
+
+A run cut short (a time limit, Ctrl-C) keeps every finished search and the points of the one
+under way (marked incomplete, left out of the medians). To fit the repeats of one sitting into
+a time limit, run one search per GPU of a host at once and combine the files with `--merge`.
 
 Writes bench/results/goodput-<device>[-<tag>].json and .md (goodput per configuration and
 workload, relay / baseline, the never-worse table) and one PNG per workload (P99 vs rate).
@@ -315,7 +323,10 @@ class Runner:
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",
-                                         "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max")},
+                                         "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max",
+                                         "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
+                                         "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
+                                         "dram_used_bytes_max")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             "slowest": p.slowest,
         }  # fmt: skip

@@ -114,6 +114,20 @@ async def device_counters(stack: Stack) -> dict[str, float]:
     return dict(totals)
 
 
+async def expander_counters(stack: Stack) -> dict[str, float]:
+    """The expander's arena bytes in use and entries evicted for room so far; {} without one."""
+    if stack.expander is None:
+        return {}
+    port = stack.expander.wait_event("expander_ready").get("metrics_port")
+    if not port:
+        return {}
+    samples = await asyncio.to_thread(scrape_metrics, int(port))
+    return {
+        "used_bytes": samples.get('relaygr_expander_bytes{kind="used"}', 0.0),
+        "evictions": samples.get("relaygr_expander_evictions_total", 0.0),
+    }
+
+
 _TRIGGER_COUNTER = re.compile(r'relaygr_trigger_(decisions|admitted)_total\{(?:reason|ground)="(\w+)"\}')
 
 
@@ -153,12 +167,17 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
     await producer.start()
     resident: list[int] = []
+    dram_used: list[float] = []
     stop = asyncio.Event()
+    dram_before = await expander_counters(stack)
 
     async def sample_resident() -> None:
         while not stop.is_set():
             stats = await ranker_stats(stack.ranker_targets)
             resident.append(sum(s.hbm_resident_bytes for s in stats))
+            dram = await expander_counters(stack)
+            if dram:
+                dram_used.append(dram["used_bytes"])
             await asyncio.sleep(0.5)
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}",
@@ -182,7 +201,16 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     trigger = await trigger_counters(stack)
     eps = await eps_against_full(router, result, materializer) if eps_sample else 0.0
     await channel.close()
+    dram_after = await expander_counters(stack)
     produced = sum(a.psi_produced - b.psi_produced for a, b in zip(after, before, strict=True))
+    prefetched = {
+        k: sum(
+            getattr(a, f"prefetches_{k}") - getattr(b, f"prefetches_{k}")
+            for a, b in zip(after, before, strict=True)
+        )
+        for k in ("issued", "used", "wasted", "failed")
+    }
+    ok_calls = sum(1 for r in result.records if r.ok)
     expired = sum(a.psi_expired - b.psi_expired for a, b in zip(after, before, strict=True))
     rankers = {
         "psi_produced": produced,
@@ -192,6 +220,15 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "demotions": sum(a.demotions - b.demotions for a, b in zip(after, before, strict=True)),
         "hbm_evictions": sum(a.hbm_evictions - b.hbm_evictions for a, b in zip(after, before, strict=True)),
         "hbm_released": sum(a.hbm_released - b.hbm_released for a, b in zip(after, before, strict=True)),
+        # Prefetches (reloads from host DRAM ahead of the call) and what became of them; `prefetch`:
+        # the share of served calls that read a prefetched psi.
+        **{f"prefetches_{k}": v for k, v in prefetched.items()},
+        "prefetch": prefetched["used"] / ok_calls if ok_calls else 0.0,
+        "demotion_lag_p99_ms": max((a.demotion_lag_p99_ms for a in after), default=0.0),
+        # The DRAM tier (the expander's arena): entries evicted for room over the point, and the
+        # bytes it held at most (sampled every 0.5 s); 0 without an expander.
+        "dram_evictions": dram_after.get("evictions", 0.0) - dram_before.get("evictions", 0.0),
+        "dram_used_bytes_max": max(dram_used, default=dram_after.get("used_bytes", 0.0)),
         "resident_bytes_max": max(resident, default=0),
         "resident_bytes_mean": sum(resident) / len(resident) if resident else 0.0,
         "lead_time_p50_ms": max((a.lead_time_p50_ms for a in after), default=0.0),
@@ -208,7 +245,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     s = point.summary
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
-          f"full {s.get('full_recompute', 0):.2f}  {'meets' if point.ok else 'MISSES'} SLO"
+          f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
+          f"{'meets' if point.ok else 'MISSES'} SLO"
           f"{_admissions(rankers)}", flush=True)  # fmt: skip
     return point
 

@@ -20,12 +20,18 @@ Driven from one asyncio loop (like the HBM cache it wraps). Testable on the CPU 
 tests/unit/test_relay_cache.py runs it over a real engine and cache, without a host tier.
 `on_event(kind, label)` reports what the service counts: ("reload_decision", reason),
 ("reload", "ok" | "failed"), ("fallback", reason), ("demotion", "ok" | "failed"),
-("content_mismatch", "").
+("content_mismatch", ""), ("prefetch", "issued" | "used" | "wasted" | "failed").
+
+A prefetch is a PreInfer signal answered by a reload from host DRAM (psi already computed once,
+brought back ahead of its ranking call): `used` when a ranking call then reads that psi (a hit
+or a join), `wasted` when its lease ends unconsumed, `failed` when the reload failed (the psi is
+then pre-inferred instead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import time
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
     from services.ranker.host_tier import HostTier
 
 log = get_logger("ranker.relay_cache")
+
+_MAX_PREFETCHED = 100_000  # prefetched keys awaiting an outcome (each ends used, wasted or failed)
 
 Spawn = Callable[[Awaitable[None], str], "asyncio.Task[None]"]
 OnEvent = Callable[[str, str], None]
@@ -82,6 +90,16 @@ class Ranked:
 
 
 @dataclass
+class PrefetchCounts:
+    """Since start (module docstring): reloads ahead of the call, and what became of them."""
+
+    issued: int = 0
+    used: int = 0
+    wasted: int = 0
+    failed: int = 0
+
+
+@dataclass
 class _Production:
     """A psi being produced (pre-inference or reload); ranking calls wait on `done`."""
 
@@ -115,6 +133,10 @@ class RelayCache:
         self._productions: dict[PsiKey, _Production] = {}
         self.reloads = 0
         self.content_mismatches = 0
+        self.prefetches = PrefetchCounts()
+        self._prefetched: set[PsiKey] = set()  # reloaded ahead of their call, not yet read
+        # consumed -> copied to host DRAM (ms), recent window: how long psi is HBM-only
+        self.demotion_lag_ms: collections.deque[float] = collections.deque(maxlen=512)
 
     @property
     def host_usable(self) -> bool:
@@ -140,6 +162,12 @@ class RelayCache:
                 decision = self.costs.choose(nbytes, prefix.length, busy)
                 self._on_event("reload_decision", decision.reason)
                 reload = decision.reload
+        if reload:
+            self.prefetches.issued += 1
+            if len(self._prefetched) > _MAX_PREFETCHED:
+                self._prefetched.clear()  # a bound, not an LRU: missed outcomes only skew counts
+            self._prefetched.add(key)
+            self._on_event("prefetch", "issued")
         self._start(key, prefix, reload)
         return (Produce.RELOAD_SCHEDULED if reload else Produce.ACCEPTED), ""
 
@@ -163,23 +191,36 @@ class RelayCache:
                     )
                 else:
                     self._on_event("fallback", "reload_failed")
+                    self._prefetch_failed(key)
             if psi is None:
                 t0 = time.perf_counter()
                 psi = await self.engine.preinfer(prefix.tensors())
                 self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
             if not self.cache.produced(key, psi):
                 log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
+                if key in self._prefetched:  # its lease ended while it was being reloaded
+                    self._prefetched.discard(key)
+                    self.prefetches.wasted += 1
+                    self._on_event("prefetch", "wasted")
         except PrefixRequired:
             # A reload for a call by reference failed, and there are no tokens to compute from:
             # its call answers prefix_required and comes back with the prefix.
             self.cache.production_failed(key)
+            self._prefetch_failed(key)
         except Exception as exc:
             log.warning("production_failed", user=key.user_id, error=repr(exc))
             self.cache.production_failed(key)
+            self._prefetch_failed(key)
         finally:
             production.done.set()
             if self._productions.get(key) is production:
                 del self._productions[key]
+
+    def _prefetch_failed(self, key: PsiKey) -> None:
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.prefetches.failed += 1
+            self._on_event("prefetch", "failed")
 
     # ------------------------------------------------------------------ claim
 
@@ -196,6 +237,23 @@ class RelayCache:
         """Scores one ranking call by the cheapest path its psi allows (module docstring).
         `deadline` (time.monotonic()) orders it on the device and bounds any wait; a call the
         engine has not started by `start_by` (time.perf_counter()) fails with Overdue."""
+        ranked = await self._rank(key, request_id, prefix, suffix, deadline, after_reply, start_by)
+        if key in self._prefetched and ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN):
+            self._prefetched.discard(key)
+            self.prefetches.used += 1
+            self._on_event("prefetch", "used")
+        return ranked
+
+    async def _rank(
+        self,
+        key: PsiKey,
+        request_id: str,
+        prefix: FallbackPrefix,
+        suffix: RankingSuffix,
+        deadline: float,
+        after_reply: AfterReply,
+        start_by: float = float("inf"),
+    ) -> Ranked:
         t0 = time.perf_counter()
         served = Served.HBM_HIT
         claim = self.cache.claim(key)
@@ -347,9 +405,9 @@ class RelayCache:
             return
         handle = self.cache.pin_for_copy(key)
         if handle is not None:
-            self._spawn(self._demote(key, handle), f"demote-{key.user_id}")
+            self._spawn(self._demote(key, handle, time.perf_counter()), f"demote-{key.user_id}")
 
-    async def _demote(self, key: PsiKey, psi: Psi) -> None:
+    async def _demote(self, key: PsiKey, psi: Psi, consumed_at: float) -> None:
         ok = False
         try:
             assert self.host is not None
@@ -358,6 +416,8 @@ class RelayCache:
             log.warning("demotion_failed", user=key.user_id, error=repr(exc))
         finally:
             self._on_event("demotion", "ok" if ok else "failed")
+            if ok:
+                self.demotion_lag_ms.append((time.perf_counter() - consumed_at) * 1e3)
             self.cache.demoted(key, ok, keep=self._keep_demoted)
 
     def expire(self) -> list[PsiKey]:
@@ -366,4 +426,8 @@ class RelayCache:
         for key in gone:
             self.engine.device_time.expired_unused(key)
             log.debug("psi_expired", key=str(key))
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.prefetches.wasted += 1
+                self._on_event("prefetch", "wasted")
         return gone

@@ -132,6 +132,9 @@ class _Metrics:
                                  registry=registry)  # fmt: skip
         self.fallbacks = Counter("relaygr_ranker_fallbacks_total", "cached paths that fell back to full",
                                  ["reason"], registry=registry)  # fmt: skip
+        self.prefetches = Counter("relaygr_ranker_prefetches_total",
+                                  "reloads from host DRAM ahead of the ranking call: issued, then used, wasted "
+                                  "or failed", ["outcome"], registry=registry)  # fmt: skip
         self.content_mismatch = Counter("relaygr_ranker_prefix_content_mismatch",
                                         "ranking calls whose prefix tokens differ from those of psi held under "
                                         "the same (user, prefix version): ranked without it",
@@ -474,6 +477,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.demotions.labels(label).inc()
         elif kind == "content_mismatch":
             m.content_mismatch.inc()
+        elif kind == "prefetch":
+            m.prefetches.labels(label).inc()
 
     # ------------------------------------------------------------------ PreInfer
 
@@ -635,6 +640,13 @@ class RankerService(pb_grpc.RankerServicer):
             hbm_evictable_bytes=self.cache.evictable_bytes,
             hbm_evictions=self.cache.counters.evicted,
             hbm_released=self.cache.counters.released,
+            prefetches_issued=self.relay.prefetches.issued,
+            prefetches_used=self.relay.prefetches.used,
+            prefetches_wasted=self.relay.prefetches.wasted,
+            prefetches_failed=self.relay.prefetches.failed,
+            demotion_lag_p99_ms=percentile(list(self.relay.demotion_lag_ms), 99)
+            if self.relay.demotion_lag_ms
+            else 0.0,
         )
 
 

@@ -52,6 +52,11 @@ class LatencyModel:
         return bool(self._samples)
 
     @property
+    def sample_count(self) -> int:
+        """Samples held (the window's)."""
+        return len(self._samples)
+
+    @property
     def calibrated(self) -> bool:
         return self._coef is not None
 
@@ -65,12 +70,10 @@ class LatencyModel:
         lengths = {s.tokens for s in self._samples}
         if len(lengths) < 3:
             if self._samples:
-                # The median ratio of the samples that are not stalls: a fresh ranker's first
-                # calls can take seconds (compiles), and a prior scaled by them priced
-                # pre-inference so high that none was admitted again (no sample to correct it).
+                # The median: the majority's scale (a regime that changed is followed; the trigger
+                # does not price pre-inference by the first few samples, which can be compiles).
                 ratios = sorted(s.compute_ms / self._flops_ms(s.tokens) for s in self._samples)
-                steady = [r for r in ratios if r <= (1.0 + GROSS_OUTLIER_RATIO) * ratios[0]]
-                self.prior_scale = steady[len(steady) // 2]
+                self.prior_scale = ratios[len(ratios) // 2]
             return
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)

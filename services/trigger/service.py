@@ -78,6 +78,7 @@ _DECISION_US_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 # Trigger -> Kafka -> router -> ranker for a pre-infer signal, generously (consumers poll every
 # 5 ms): how long an admission counts in an instance's backlog before its pre-inference starts.
 _SIGNAL_TRIP_S = 0.05
+MIN_PREINFER_SAMPLES = 5  # measured pre-inferences before their fit prices admission
 # A signal record's framing and key (a user id) besides its value.
 _SIGNAL_RECORD_OVERHEAD_BYTES = 512
 
@@ -391,9 +392,12 @@ class TriggerService:
         return self.full_work.full_ms(self.config.suffix_tokens_estimate)
 
     def preinfer_ms(self, prefix_len: int) -> float:
-        """A pre-inference's device work: fitted on the rankers' whole pre-inferences, or before
-        any, a full ranking of the prefix (built in one chunk, that is what it costs)."""
-        if self.preinfer_work.measured:
+        """A pre-inference's device work: fitted on the rankers' whole pre-inferences once there
+        are MIN_PREINFER_SAMPLES of them, before that a full ranking of the prefix (built in one
+        chunk, that is what it costs). Not from the first one or two: a fresh ranker's first
+        pre-inferences can include compiles seconds long, and a price set by them admitted no
+        pre-inference by reuse again, so no sample came to correct it (a GPU run on the mix)."""
+        if self.preinfer_work.sample_count >= MIN_PREINFER_SAMPLES:
             return self.preinfer_work.full_ms(prefix_len)
         return self.full_work.full_ms(prefix_len)
 

@@ -42,8 +42,12 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["device_rank_s"] > 0  # the ranker's counters were scraped
             for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
                 assert 0.0 <= point[key] <= 1.0
-            for key in ("reloads", "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max"):
+            for key in ("reloads", "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max",
+                        "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
+                        "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max"):  # fmt: skip
                 assert point[key] >= 0
+            assert 0.0 <= point["prefetch"] <= 1.0
+            assert point["prefetches_used"] + point["prefetches_wasted"] <= point["prefetches_issued"]
             # The trigger's decisions over the point: every event decided, admissions by ground.
             reasons = ("not_at_risk", "footprint_bound", "load_bound", "already_resident", "admitted")
             assert sum(point.get(f"trigger_{r}", 0.0) for r in reasons) > 0

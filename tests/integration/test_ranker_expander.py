@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -114,12 +115,32 @@ async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
     ranked = await b.stub.Rank(rank_request(prefixes[0], suffixes[0], "b0-r"), timeout=30)
     assert ranked.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN)
     assert close(ranked.scores, want[0])
-    # User 1: no signal at all; the ranking call itself reloads from host DRAM.
+    # That reload was a prefetch (ahead of the call), and the call read it.
+    stats = await b.stats()
+    assert (stats.prefetches_issued, stats.prefetches_used, stats.prefetches_wasted) == (1, 1, 0)
+    assert b.proc.metric(b.metrics_port, 'relaygr_ranker_prefetches_total{outcome="used"}') == 1
+    # User 1: no signal at all; the ranking call itself reloads from host DRAM (no prefetch).
     ranked = await b.stub.Rank(rank_request(prefixes[1], suffixes[1], "b1-r"), timeout=30)
     assert ranked.served_by == pb.DRAM_RELOAD
     assert close(ranked.scores, want[1])
     assert b.proc.metric(b.metrics_port, "relaygr_ranker_reloads_total") == 2
-    assert (await b.stats()).reloads == 2
+    stats = await b.stats()
+    assert stats.reloads == 2
+    assert (stats.prefetches_issued, stats.prefetches_used) == (1, 1)
+    assert (await a.stats()).demotion_lag_p99_ms > 0  # A's consumed psi went to DRAM after its reply
+
+
+async def test_a_prefetch_nobody_reads_is_counted_wasted(stack, reference):
+    _, (a, b), _ = stack
+    prefixes, suffixes = batch(14, [Shape(3, 1100, 8, 16)])
+    await produce_and_consume_on(a, prefixes[0], suffixes[0], "seed")
+    await a.wait(lambda st: st.demotions == 1)
+    # A prefetch on B under a lease that ends in 300 ms, and no ranking call.
+    deadline = int(time.time() * 1e3) + 300
+    reply = await b.stub.PreInfer(preinfer_request(prefixes[0], "b-p", deadline), timeout=10)
+    assert reply.outcome == pb.PreInferReply.RELOAD_SCHEDULED
+    stats = await b.wait(lambda st: st.prefetches_wasted == 1)
+    assert (stats.prefetches_issued, stats.prefetches_used, stats.prefetches_failed) == (1, 0, 0)
 
 
 async def test_fifty_concurrent_wants_cause_one_reload(stack, reference):

@@ -231,7 +231,7 @@ def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
     # Full rankings of 4416 tokens, 6 ms each alone, 8 ms for batches of two (4 ms per call);
     # cached calls 1.5 ms per call in batches of 4; a whole pre-inference of 4096 tokens 5 ms.
     t._absorb(
-        "127.0.0.1:1", stats_reply([(1, 4416, 6.0), (2, 4416, 8.0)] * 4, [(4, 6.0)] * 4, [(4096, 5.0)] * 3)
+        "127.0.0.1:1", stats_reply([(1, 4416, 6.0), (2, 4416, 8.0)] * 4, [(4, 6.0)] * 4, [(4096, 5.0)] * 5)
     )
     assert t.cached_call_ms() == pytest.approx(1.5)
     assert 4.0 <= t.full_work.full_ms(4416) <= 6.0  # per call: a batch of two took 8 ms, 4 ms a call
@@ -245,3 +245,20 @@ def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
     assert not trigger(
         "--policy", "sequence", "--rankers", "127.0.0.1:1", "--reuse-window-s", "0"
     ).reuse_pays(4096, 4416)
+
+
+def test_reuse_admission_survives_compile_stalls_in_the_first_pre_inferences():
+    # A fresh ranker's first pre-inferences on a GPU included compiles seconds long: a price
+    # set by them admitted no pre-inference by reuse again, and none came to correct it.
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
+    for user in range(300):
+        for _ in range(3):
+            t.returns.observe((user, 1), 0.0)
+    full, cached = [(1, 4416, 6.0), (2, 4416, 8.0)] * 4, [(4, 6.0)] * 4
+    t._absorb("127.0.0.1:1", stats_reply(full, cached, [(4096, 9000.0), (4000, 12000.0)]))
+    assert t.preinfer_ms(4096) == pytest.approx(t.full_work.full_ms(4096))  # too few: the full ranking's
+    assert t.reuse_pays(4096, 4416)
+    # Once enough are measured, the stalls among them are dropped.
+    t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 5.0), (4096, 5.2), (4096, 4.9), (4096, 5.1)]))
+    assert t.preinfer_ms(4096) == pytest.approx(5.05, rel=0.05)
+    assert t.reuse_pays(4096, 4416)

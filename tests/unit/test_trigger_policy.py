@@ -247,17 +247,6 @@ def test_latency_model_is_not_dragged_by_a_minority_of_long_stalls(stalls):
         assert model.full_ms(n) == pytest.approx(truth(n), rel=0.25)
 
 
-def test_latency_model_prior_is_not_scaled_by_a_stall():
-    # Before three lengths were measured the FLOPs prior is scaled to the samples: one real
-    # timing beside two compile stalls must give the real scale, not a stall's.
-    model = LatencyModel(preset("bench"), assumed_tflops=400.0)
-    true_ms = {1000: 3.0, 2000: 5.0}
-    model.observe([Sample(1000, 3.0), Sample(2000, 12000.0), Sample(1000, 9000.0)])
-    assert not model.calibrated
-    assert model.full_ms(1000) < 10 * true_ms[1000]
-    assert model.full_ms(2000) < 10 * true_ms[2000]
-
-
 def noisy_samples(seed: int) -> tuple[list[Sample], Callable[[int], float]]:
     """Many short requests, a few long ones, every timing within +-30% of the truth (noise that
     grows with the cost, as on a shared CPU)."""
