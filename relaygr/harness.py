@@ -219,6 +219,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         # The tiers (issue 14): psi copied to host DRAM, dropped from HBM for room, dropped uncopied.
         "demotions": sum(a.demotions - b.demotions for a, b in zip(after, before, strict=True)),
         "hbm_evictions": sum(a.hbm_evictions - b.hbm_evictions for a, b in zip(after, before, strict=True)),
+        "hbm_evicted_undemoted": sum(
+            a.hbm_evicted_undemoted - b.hbm_evicted_undemoted for a, b in zip(after, before, strict=True)
+        ),
         "hbm_released": sum(a.hbm_released - b.hbm_released for a, b in zip(after, before, strict=True)),
         # Prefetches (reloads from host DRAM ahead of the call) and what became of them; `prefetch`:
         # the share of served calls that read a prefetched psi.

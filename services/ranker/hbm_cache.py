@@ -127,6 +127,7 @@ class CacheCounters:
     demoted: int = 0
     evicted: int = 0
     released: int = 0  # consumed entries dropped without a host copy
+    evicted_undemoted: int = 0  # of `evicted`: consumed entries with no host copy (lost to the tiers)
 
 
 @dataclass
@@ -320,6 +321,8 @@ class HbmCache:
             if self._used + nbytes <= self.budget_bytes:
                 break
             self.counters.evicted += 1
+            if e.state is EntryState.CONSUMED:
+                self.counters.evicted_undemoted += 1
             self._move(e, EntryState.FREED)
         return self._used + nbytes <= self.budget_bytes
 

@@ -640,6 +640,7 @@ class RankerService(pb_grpc.RankerServicer):
             hbm_evictable_bytes=self.cache.evictable_bytes,
             hbm_evictions=self.cache.counters.evicted,
             hbm_released=self.cache.counters.released,
+            hbm_evicted_undemoted=self.cache.counters.evicted_undemoted,
             prefetches_issued=self.relay.prefetches.issued,
             prefetches_used=self.relay.prefetches.used,
             prefetches_wasted=self.relay.prefetches.wasted,

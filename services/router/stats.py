@@ -60,6 +60,7 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         prefix_content_mismatches=sum(s.prefix_content_mismatches for s in stats),
         hbm_evictions=sum(s.hbm_evictions for s in stats),
         hbm_released=sum(s.hbm_released for s in stats),
+        hbm_evicted_undemoted=sum(s.hbm_evicted_undemoted for s in stats),
         prefetches_issued=sum(s.prefetches_issued for s in stats),
         prefetches_used=sum(s.prefetches_used for s in stats),
         prefetches_wasted=sum(s.prefetches_wasted for s in stats),

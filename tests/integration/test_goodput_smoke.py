@@ -42,7 +42,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["device_rank_s"] > 0  # the ranker's counters were scraped
             for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
                 assert 0.0 <= point[key] <= 1.0
-            for key in ("reloads", "demotions", "hbm_evictions", "hbm_released", "resident_bytes_max",
+            for key in ("reloads", "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released",
+                        "resident_bytes_max",
                         "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
                         "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max"):  # fmt: skip
                 assert point[key] >= 0

@@ -103,6 +103,7 @@ def test_consumed_unpinned_entries_are_evicted_lru_first(clock):
     assert c.lookup("a") is not None
     assert c.lookup("c") is not None
     assert c.counters.evicted == 1
+    assert c.counters.evicted_undemoted == 1  # b had no host copy: lost to both tiers
 
 
 def test_pinned_entries_survive_eviction_and_demotion(clock):
@@ -134,6 +135,7 @@ def test_demoted_hot_copies_are_hits_evicted_first_and_re_leasable(clock):
     assert c.admit("new", 30, lease()).outcome is Admission.ADMITTED
     assert c.lookup("hot") is None  # demoted copies go first: their psi is safe in host DRAM
     assert c.lookup("cold") is not None
+    assert (c.counters.evicted, c.counters.evicted_undemoted) == (1, 0)
     c.admit("cold", 40, lease("r9", deadline=50))
     assert c.lookup("cold").state is EntryState.RESIDENT
 
