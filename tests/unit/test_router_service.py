@@ -665,6 +665,8 @@ class CountingRanker(FakeRanker):
     async def Stats(self, request, context):
         return pb.StatsReply(instance_id=self.name, hbm_hits=15, hbm_misses=2, demotions=1, reloads=3,
                              psi_produced=20, psi_expired=4, preinfers_refused=5, hbm_evictable_bytes=7, hbm_evictions=3, hbm_released=1,
+                             hbm_evicted_undemoted=1, prefetches_issued=6, prefetches_used=4, prefetches_wasted=1,
+                             prefetches_failed=1, demotion_lag_p99_ms=2.0 if self.name == "a" else 5.0,
                              lead_time_p50_ms=10.0 if self.name == "a" else 30.0)  # fmt: skip
 
 
@@ -710,7 +712,10 @@ async def test_router_stats_sum_the_rankers_counters():
         assert (stats.hbm_hits, stats.hbm_misses, stats.demotions, stats.reloads) == (30, 4, 2, 6)
         assert (stats.psi_produced, stats.psi_expired, stats.preinfers_refused) == (40, 8, 10)
         assert stats.hbm_evictable_bytes == 14
-        assert (stats.hbm_evictions, stats.hbm_released) == (6, 2)
+        assert (stats.hbm_evictions, stats.hbm_released, stats.hbm_evicted_undemoted) == (6, 2, 2)
+        assert (stats.prefetches_issued, stats.prefetches_used, stats.prefetches_wasted) == (12, 8, 2)
+        assert stats.prefetches_failed == 2
+        assert stats.demotion_lag_p99_ms == 5.0  # the slowest ranker's
         assert stats.lead_time_p50_ms == 30.0
     finally:
         await channel.close()
