@@ -126,6 +126,19 @@ def test_ranking_calls_go_first_earliest_deadline_first_and_of_one_kind():
     assert plan.rank == (2, 4)
 
 
+def test_calls_against_psi_go_before_a_full_call_that_has_slack():
+    s = scheduler()
+    # A full ranking of 4096 tokens is predicted at ~9 ms, a batch of two cached calls at ~1.4 ms.
+    full = rank(1, 0.050, RankKind.FULL, tokens=4096)
+    hits = [rank(2, 0.060), rank(3, 0.070)]
+    assert s.plan(0.0, [full, *hits], []).rank == (2, 3)
+    # Once the full call's slack is gone it runs first (earliest deadline first).
+    assert s.plan(0.040, [full, *hits], []).rank == (1,)
+    # A partial call (computing the rest of its prefix) is treated alike.
+    partial = rank(4, 0.050, RankKind.PARTIAL, tokens=2048)
+    assert s.plan(0.0, [partial, *hits], []).rank == (2, 3)
+
+
 def test_a_batch_respects_its_call_and_token_limits():
     s = scheduler(max_batch=2, max_batch_tokens=250)
     plan = s.plan(0.0, [rank(1, 0.1, tokens=200), rank(2, 0.2, tokens=100), rank(3, 0.3, tokens=40)], [])
