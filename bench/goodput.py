@@ -326,7 +326,7 @@ class Runner:
                                          "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released", "resident_bytes_max",
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
-                                         "dram_used_bytes_max")},
+                                         "dram_used_bytes_max", "alloc_retries")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             "slowest": p.slowest,
         }  # fmt: skip

@@ -83,6 +83,22 @@ class Accelerator:
         elif self.backend == "npu":
             torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
 
+    def allocator_stats(self) -> dict[str, int]:
+        """The caching allocator's state: bytes reserved from the device and allocated to
+        tensors, and how often an allocation had to free every cached block and retry (a
+        synchronising stall of the whole device, tens of ms). {} where there is no such
+        allocator (the CPU); torch_npu mirrors the CUDA counters."""
+        if self.backend == "cpu":
+            return {}
+        module = torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
+        stats = module.memory_stats(self.index)
+        return {
+            "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
+            "allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "device_allocs": int(stats.get("num_device_alloc", 0)),
+        }
+
     def pin_host_range(self, address: int, nbytes: int) -> bool:
         """Registers host memory as page-locked for fast async copies; a no-op off CUDA.
 

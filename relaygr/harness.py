@@ -111,6 +111,7 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["copy"] += sum(samples.get(_DEVICE_SECONDS % w, 0.0) for w in ("copy", "reload", "demote"))
         totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
         totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
+        totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
     return dict(totals)
 
 
@@ -240,6 +241,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         ),
         "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
         **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
+        # The caching allocator freed every cached block and retried: each a device-wide stall.
+        "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
     }

@@ -143,6 +143,12 @@ class _Metrics:
                                registry=registry)  # fmt: skip
         self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
                                  registry=registry)  # fmt: skip
+        self.device_memory = Gauge("relaygr_ranker_device_memory_bytes",
+                                   "caching allocator: bytes reserved from the device, allocated to tensors",
+                                   ["kind"], registry=registry)  # fmt: skip
+        self.alloc_retries = Counter("relaygr_ranker_allocator_retries",
+                                     "allocations that freed every cached block and retried (a device-wide "
+                                     "synchronising stall)", registry=registry)  # fmt: skip
 
 
 def _psi_name(key: Hashable) -> Hashable:
@@ -165,6 +171,7 @@ def _call_work(request: pb.RankRequest) -> CallWork:
 # device thread's stack, at most once per STALL_REPORT_EVERY_S.
 STALL_AFTER_S = 2.0
 STALL_REPORT_EVERY_S = 5.0
+ALLOCATOR_READ_EVERY_S = 1.0  # the caching allocator's counters (metrics, retries)
 # The prefix length the warm-up calibrates pre-inference steps on (Engine.calibrate_steps).
 CALIBRATION_TOKENS = 2048
 
@@ -439,10 +446,14 @@ class RankerService(pb_grpc.RankerServicer):
             self.lifecycle.fail(f"task {task.get_name()} failed: {task.exception()!r}")
 
     async def _expire_loop(self) -> None:
-        reported = 0.0
+        reported = allocator_read = 0.0
+        retries = self.accel.allocator_stats().get("alloc_retries", 0)
         while True:
             await asyncio.sleep(0.05)
             now = time.monotonic()
+            if now - allocator_read >= ALLOCATOR_READ_EVERY_S:
+                allocator_read = now
+                retries = self._read_allocator(retries)
             if now - reported >= STALL_REPORT_EVERY_S:
                 stall = self.engine.stall_report(STALL_AFTER_S)
                 if stall is not None:
@@ -453,6 +464,21 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)
             self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
             self.metrics.expander_up.set(1 if self.host is not None and self.host.connected else 0)
+
+    def _read_allocator(self, retries_before: int) -> int:
+        """Exports the caching allocator's state; says when allocations had to retry (each a
+        stall of the device, which every queued call waits out). Returns the retry count."""
+        stats = self.accel.allocator_stats()
+        if not stats:
+            return retries_before
+        self.metrics.device_memory.labels("reserved").set(stats["reserved_bytes"])
+        self.metrics.device_memory.labels("allocated").set(stats["allocated_bytes"])
+        retries = stats["alloc_retries"]
+        if retries > retries_before:
+            self.metrics.alloc_retries.inc(retries - retries_before)
+            log.warning("allocator_retried", retries=retries - retries_before, reserved_bytes=stats["reserved_bytes"],
+                        allocated_bytes=stats["allocated_bytes"], hbm_budget_bytes=self.cache.budget_bytes)  # fmt: skip
+        return retries
 
     def _host_changed(self, connected: bool) -> None:
         log.info("host_tier", connected=connected)

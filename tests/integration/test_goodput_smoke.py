@@ -45,7 +45,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             for key in ("reloads", "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released",
                         "resident_bytes_max",
                         "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
-                        "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max"):  # fmt: skip
+                        "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max", "alloc_retries"):  # fmt: skip
                 assert point[key] >= 0
             assert 0.0 <= point["prefetch"] <= 1.0
             assert point["prefetches_used"] + point["prefetches_wasted"] <= point["prefetches_issued"]
