@@ -318,6 +318,8 @@ class Runner:
             "duration_s": cfg.duration_s,
             "offered_rps": s["offered_rps"],
             "lag_ms_p99": s["lag_ms_p99"],
+            "client_loop_lag_ms_p99": s["client_loop_lag_ms_p99"],
+            "client_loop_lag_ms_max": s["client_loop_lag_ms_max"],
             # Where the tail's time went: P99 of each server stage, and the slowest calls whole.
             **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"] for stage in ("queue", "compute", "server_total", "network")},
             **{k: s.get(k, 0.0) for k in _SERVED},

@@ -30,6 +30,7 @@ from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
 
 OK = "OK"
+_LOOP_PROBE_S = 0.005  # the load generator's loop-lag probe sleeps this long
 SERVED_BY = ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute")
 # (elapsed_s, sent, completed, p99 ms of the last 2000 OK calls), about once a second and at the end.
 ProgressFn = Callable[[float, int, int, float], None]
@@ -127,6 +128,10 @@ class ReplayResult:
     score_sample_every: int
     materializer_hits: int = 0
     materializer_misses: int = 0
+    # How late the load generator's own event loop woke from 5 ms sleeps during the replay (ms):
+    # a reply that arrives while the loop is busy is timed late by as much, so client latency
+    # includes it (building requests, publishing events, a garbage collection).
+    loop_lag_ms: list[float] = field(default_factory=list)
 
     def sampled(self) -> list[RequestRecord]:
         """The OK requests whose scores were kept (every score_sample_every-th of the workload)."""
@@ -202,6 +207,8 @@ class ReplayResult:
         out["retrieval_lag_ms_p99"] = percentile(rlags, 99)
         out["retrieval_lag_ms_max"] = max(rlags, default=float("nan"))
         out["wall_s"] = self.wall_s
+        out["client_loop_lag_ms_p99"] = percentile(self.loop_lag_ms, 99) if self.loop_lag_ms else 0.0
+        out["client_loop_lag_ms_max"] = max(self.loop_lag_ms, default=0.0)
         out["materializer_hits"] = self.materializer_hits
         out["materializer_misses"] = self.materializer_misses
         return out
@@ -331,7 +338,16 @@ async def replay(
             recent = list(state.recent_ok_ms)
             progress(loop.time() - t0, state.sent, state.completed, percentile(recent, 99))
 
+    loop_lag_ms: list[float] = []
+
+    async def watch_loop() -> None:
+        while True:
+            before = loop.time()
+            await asyncio.sleep(_LOOP_PROBE_S)
+            loop_lag_ms.append(max(0.0, (loop.time() - before - _LOOP_PROBE_S) * 1e3))
+
     reporting = asyncio.create_task(reporter()) if progress is not None else None
+    watching = asyncio.create_task(watch_loop())
     try:
         await builder()
         # No task is spawned after the builder returns: waiting for these is waiting for all.
@@ -340,10 +356,11 @@ async def replay(
     finally:
         for task in list(pending):
             task.cancel()
-        if reporting is not None:
-            reporting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporting
+        for side_task in (reporting, watching):
+            if side_task is not None:
+                side_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await side_task
         if freeze_gc:
             gc.unfreeze()
     wall_s = loop.time() - t0
@@ -356,4 +373,5 @@ async def replay(
         score_sample_every=score_sample_every,
         materializer_hits=materializer.hits,
         materializer_misses=materializer.misses,
+        loop_lag_ms=loop_lag_ms,
     )

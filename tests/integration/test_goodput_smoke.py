@@ -67,5 +67,6 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert {"served_by", "prefix_len", "queue_ms", "compute_ms", "network_ms"} <= slowest[0].keys()
             for stage in ("queue", "compute", "server_total", "network"):
                 assert f"{stage}_ms_p99" in point
+            assert 0.0 <= point["client_loop_lag_ms_p99"] <= point["client_loop_lag_ms_max"]
     md = next(p for p in paths if p.suffix == ".md").read_text()
     assert "relay / baseline" in md

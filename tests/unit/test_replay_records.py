@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 
 import pytest
 
-from relaygr.replay import OK, ReplayResult, RequestRecord
-from relaygr.workload import PlannedRequest
+from relaygr.replay import OK, ReplayResult, RequestRecord, replay
+from relaygr.workload import Materializer, PlannedRequest, WorkloadConfig, generate
+from shared.protos import ranker_pb2 as pb
 
 
 def planned(i: int, prefix_len: int = 100, session_index: int = 0) -> PlannedRequest:
@@ -80,3 +83,40 @@ def test_breakdown_of_an_unanswered_call_has_no_server_timings():
     assert row["status"] == "DEADLINE_EXCEEDED"
     assert math.isnan(row["server_total_ms"])
     assert math.isnan(row["network_ms"])
+
+
+class _Producer:
+    async def send(self, topic: str, value: bytes, key: bytes):
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+class _BlockingRouter:
+    """Answers at once, but blocks the caller's event loop for `block_s` on its third call (as
+    building a large request or a garbage collection would)."""
+
+    def __init__(self, block_s: float) -> None:
+        self.block_s = block_s
+        self.calls = 0
+
+    async def Rank(self, request, *, timeout: float):  # noqa: ASYNC109 (the stub's signature)
+        self.calls += 1
+        if self.calls == 3:
+            time.sleep(self.block_s)  # noqa: ASYNC251 (the stall is the point)
+        return pb.RankReply(served_by=pb.FULL_RECOMPUTE)
+
+
+async def test_the_replay_measures_its_own_event_loop_lag():
+    # A loop stall in the load generator is timed into every call in flight: the replay reports it.
+    workload = generate(WorkloadConfig(seed=3, rate_rps=40, duration_s=0.5, users=50, recent_tokens=4,
+                                       candidates=8, fixed_prefix_len=64))  # fmt: skip
+    result = await replay(workload, producer=_Producer(), retrieval_topic="t", router_stub=_BlockingRouter(0.08),
+                          materializer=Materializer.for_workload(workload), slo_ms=1000.0,
+                          start_delay_s=0.0, lookahead_s=0.05)  # fmt: skip
+    assert len(workload) >= 3
+    assert all(r.ok for r in result.records)
+    summary = result.summary(1000.0)
+    assert summary["client_loop_lag_ms_max"] >= 70.0
+    assert summary["client_loop_lag_ms_p99"] <= summary["client_loop_lag_ms_max"]
+    assert len(result.loop_lag_ms) >= 10  # sampled every 5 ms over the replay
