@@ -74,8 +74,11 @@ class ExpanderConfig:
         help="with no arena size given: this share of the host's available memory (MemAvailable), "
         f"leaving at least {MIN_HOST_HEADROOM_BYTES >> 30} GiB to the rest of the host", check=_arena_fraction,
     )  # fmt: skip
+    # As long as the trigger's reuse window (RELAYGR_TRIGGER_REUSE_WINDOW_S): the trigger admits a
+    # pre-inference counting on the calls that come back within it, and a returning user's psi
+    # that DRAM dropped sooner is recomputed. Space is reclaimed by LRU eviction, not by the TTL.
     ttl_s: float = setting(
-        30.0, env="RELAYGR_EXPANDER_TTL_S", help="idle lifetime of an unpinned psi entry", check=positive
+        600.0, env="RELAYGR_EXPANDER_TTL_S", help="idle lifetime of an unpinned psi entry", check=positive
     )
     max_lease_ms: float = settings.max_lease_ms(renamed_from="RELAYGR_EXPANDER_MAX_LEASE_S")
     metrics_port: int = setting(
