@@ -222,13 +222,15 @@ class _RankJob(_Job):
     start_by: float = field(kw_only=True, default=float("inf"))  # time.perf_counter(); else Overdue
 
     def item(self) -> RankItem:
+        # The scheduler's clock is time.monotonic(); start_by is on time.perf_counter().
+        start_by = self.start_by + (time.monotonic() - time.perf_counter())
         if self.kind is RankKind.CACHED:
-            return RankItem(self.id, self.kind, self.deadline, self.submitted, self.tokens)
+            return RankItem(self.id, self.kind, self.deadline, self.submitted, self.tokens, start_by=start_by)
         assert self.prefix is not None
         built = self.takes.done if self.takes is not None else 0
         tokens = self.prefix.length - built + self.suffix.length
         return RankItem(
-            self.id, self.kind, self.deadline, self.submitted, tokens, self.prefix.length * tokens
+            self.id, self.kind, self.deadline, self.submitted, tokens, self.prefix.length * tokens, start_by
         )
 
 

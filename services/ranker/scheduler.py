@@ -79,6 +79,7 @@ class RankItem:
     submitted: float
     tokens: int
     pairs: int = 0
+    start_by: float = float("inf")  # the engine drops it (Overdue) if not started by then
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class IterationScheduler:
     def _cheap_first(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> RankItem:
         """The call whose kind runs next: calls against complete psi (a few ms) go before an
         earlier-deadline call that computes its prefix (tens of ms) while that call is still
-        predicted to meet its deadline after them. Earliest deadline first alone put hits behind
+        predicted to meet its deadline, and to start within its queue budget, after them. Earliest deadline first alone put hits behind
         full and partial batches of 20-30 ms (GPU runs at 4096 tokens: the relay's slowest
         calls were hits that had waited 20-67 ms in the queue)."""
         if first.kind is RankKind.CACHED:
@@ -234,7 +235,10 @@ class IterationScheduler:
             return first
         coef = self.rank_costs.coefficients
         cached_s = coef.seconds(sum(r.tokens for r in cached[: self.config.max_batch]), 0)
-        if now + cached_s + coef.seconds(first.tokens, first.pairs) <= first.deadline:
+        if (
+            now + cached_s + coef.seconds(first.tokens, first.pairs) <= first.deadline
+            and now + cached_s <= first.start_by
+        ):
             return cached[0]
         return first
 

@@ -137,6 +137,9 @@ def test_calls_against_psi_go_before_a_full_call_that_has_slack():
     # A partial call (computing the rest of its prefix) is treated alike.
     partial = rank(4, 0.050, RankKind.PARTIAL, tokens=2048)
     assert s.plan(0.0, [partial, *hits], []).rank == (2, 3)
+    # Not when the full call would start past its queue budget (the engine would drop it).
+    hurried = RankItem(5, RankKind.FULL, 0.050, 0.0, 4096, start_by=0.001)
+    assert s.plan(0.0, [hurried, *hits], []).rank == (5,)
 
 
 def test_a_batch_respects_its_call_and_token_limits():
