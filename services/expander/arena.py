@@ -1,7 +1,8 @@
 """The host-DRAM arena: one anonymous shared mapping per daemon, handed to rankers by fd.
 
 `Arena` (the daemon's side): `memfd_create` (close-on-exec, sealed against resizing) + `ftruncate` +
-`mmap(MAP_SHARED)`, every page touched once at start so copies never take a page fault later. A
+`mmap(MAP_SHARED)`, every page allocated at start (fallocate) so that a copy never waits for the
+kernel to find memory, and a host short of it fails at start with an error. A
 memfd has no name in any filesystem: nothing is created in /dev/shm, a `kill -9` leaves nothing
 behind (the pages go when the last fd or mapping goes), and Docker's small /dev/shm limit does not
 apply to it.
@@ -11,6 +12,7 @@ The clients' side (receiving the fd, mapping it) is shared/expander/mapping.py.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -22,9 +24,31 @@ from shared.expander.mapping import arena_header
 PAGE_SIZE = mmap.PAGESIZE
 
 
+def _allocate_pages(fd: int, nbytes: int) -> bool:
+    """Allocates every page of the memfd now, not at a ranker's first copy: fallocate (the
+    kernel allocates the shmem pages, ~10x faster than faulting them in one write per page, and
+    fails with an error where memory runs short instead of ending in the OOM killer); where the
+    kernel refuses fallocate on a memfd, returns False: the caller writes one byte per page."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise MemoryError(f"cannot allocate a {nbytes}-byte arena: {exc.strerror}") from exc
+        return False
+    return True
+
+
+def _touch_pages(mm: mmap.mmap, nbytes: int) -> None:
+    """One write per page (the fallback of _allocate_pages)."""
+    step = PAGE_SIZE * (1 << 16)
+    for start in range(0, nbytes, step):
+        end = min(start + step, nbytes)
+        mm[start:end:PAGE_SIZE] = bytes(len(range(start, end, PAGE_SIZE)))
+
+
 class Arena:
-    """Daemon-side owner of the memfd and its mapping. Blocks while prefaulting (about a quarter of
-    a second per GiB). `close()` unmaps and closes the fd; mappings clients already hold stay valid
+    """Daemon-side owner of the memfd and its mapping. Blocks while allocating its pages (~0.1 s
+    per GiB with fallocate, ~0.8 s where it falls back to touching each page; a 2-core VM). `close()` unmaps and closes the fd; mappings clients already hold stay valid
     until they unmap them."""
 
     def __init__(self, nbytes: int, *, prefault: bool = True, name: str = "relaygr-expander") -> None:
@@ -41,14 +65,10 @@ class Arena:
             fcntl.fcntl(
                 self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
             )
+            allocated = prefault and _allocate_pages(self.fd, nbytes)
             self._mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED)
-            if prefault:
-                # One write per page allocates it now, not at a ranker's first copy.
-                pages_per_chunk = 1 << 16
-                step = PAGE_SIZE * pages_per_chunk
-                for start in range(0, nbytes, step):
-                    end = min(start + step, nbytes)
-                    self._mm[start:end:PAGE_SIZE] = bytes(len(range(start, end, PAGE_SIZE)))
+            if prefault and not allocated:
+                _touch_pages(self._mm, nbytes)
         except BaseException:
             self.close()
             raise
