@@ -7,9 +7,9 @@ loop asks `plan()` before every step and runs what it returns:
 
   * ranking work first, earliest deadline first: one batch of ranking calls of one kind (against
     complete psi, in full, or partial: against psi built in part), up to `max_batch` calls and
-    `max_batch_tokens` computed tokens, after waiting at most `max_wait_s` for it to fill. Calls
-    against complete psi (cheap) go before an earlier-deadline call that computes its prefix
-    while that one is still predicted to meet its deadline after them;
+    `max_batch_tokens` computed tokens, after waiting at most `max_wait_s` for it to fill. Short
+    work (calls against complete psi, or calls far shorter than the earliest one) goes first
+    while the earliest call is still predicted to meet its deadline after it (`_lead`);
   * when no ranking call is waiting, pre-inference CHUNKS: a prefix is built `chunk_tokens` at a
     time at most (a multiple of the fingerprint's 256-token chunks, so a built part is always a
     run of whole fingerprint chunks), each chunk a causal forward of its tokens against the psi
@@ -39,7 +39,7 @@ chunks are sized by), one of ranking batches (what batch composition is judged b
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.ranker.call_cost import CostFit
@@ -55,6 +55,14 @@ __all__ = [
     "Relay",
     "SchedulerConfig",
 ]
+
+
+# A call of the earliest call's kind is short when predicted at most this share of its time
+# (it may then run first, in a batch of its own) ...
+SHORT_FRACTION = 0.25
+# ... and only when the earliest call takes at least this many per-batch fixed costs (below it,
+# a batch of its own costs the short calls about what they save).
+LONG_CALL_BATCHES = 3.0
 
 
 class RankKind(enum.Enum):
@@ -215,34 +223,56 @@ class IterationScheduler:
         if joined_deadline is not None and (first_rank is None or joined_deadline <= first_rank.deadline):
             return self._chunks(joined)  # a waiting call's psi is the most urgent work
         if first_rank is not None:
-            return self._rank_batch(now, ranks, self._cheap_first(now, ranks, first_rank))
+            lead, cap_s = self._lead(now, ranks, first_rank)
+            return self._rank_batch(now, ranks, lead, cap_s)
         started = sorted((p for p in runnable if p.done), key=lambda p: p.submitted)
         fresh = sorted((p for p in runnable if not p.done), key=lambda p: p.submitted)
         return self._chunks(started + fresh)  # finish what holds memory before starting more
 
-    def _cheap_first(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> RankItem:
-        """The call whose kind runs next: calls against complete psi (a few ms) go before an
-        earlier-deadline call that computes its prefix (tens of ms) while that call is still
-        predicted to meet its deadline, and to start within its queue budget, after them. Earliest deadline first alone put hits behind
-        full and partial batches of 20-30 ms (GPU runs at 4096 tokens: the relay's slowest
-        calls were hits that had waited 20-67 ms in the queue)."""
-        if first.kind is RankKind.CACHED:
-            return first
-        cached = sorted(
-            (r for r in ranks if r.kind is RankKind.CACHED), key=lambda r: (r.deadline, r.submitted)
-        )
-        if not cached:
-            return first
+    def _lead(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> tuple[RankItem, float]:
+        """The call that leads the next batch, and the longest predicted time a call may take to
+        join it. Earliest deadline first, except that short work goes before the earliest call
+        while that call is still predicted to meet its deadline, and to start within its queue
+        budget, after it:
+          * calls against complete psi (a few ms) before a call that computes its prefix (tens
+            of ms): EDF alone put hits behind full and partial batches of 20-30 ms (GPU runs at
+            4096 tokens: the relay's slowest calls were hits that had waited 20-67 ms);
+          * calls of the same kind predicted at most SHORT_FRACTION of the earliest one's time,
+            as a batch of their own: batched with a long call, a short one waited for all of it
+            (the baseline on the length mix: 136-477-token calls computing 30-44 ms).
+        Under load the earliest call's slack is gone and the order is EDF again."""
         coef = self.rank_costs.coefficients
-        cached_s = coef.seconds(sum(r.tokens for r in cached[: self.config.max_batch]), 0)
-        if (
-            now + cached_s + coef.seconds(first.tokens, first.pairs) <= first.deadline
-            and now + cached_s <= first.start_by
-        ):
-            return cached[0]
-        return first
+        first_s = coef.seconds(first.tokens, first.pairs)
 
-    def _rank_batch(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> Plan:
+        def fits_before_first(batch: Sequence[RankItem]) -> bool:
+            batch_s = coef.seconds(sum(r.tokens for r in batch), sum(r.pairs for r in batch))
+            return now + batch_s + first_s <= first.deadline and now + batch_s <= first.start_by
+
+        def by_deadline(items: Iterable[RankItem]) -> list[RankItem]:
+            return sorted(items, key=lambda r: (r.deadline, r.submitted))
+
+        max_batch = self.config.max_batch
+        if first.kind is not RankKind.CACHED:
+            cached = by_deadline(r for r in ranks if r.kind is RankKind.CACHED)
+            if cached and fits_before_first(cached[:max_batch]):
+                return cached[0], float("inf")
+        if first_s < LONG_CALL_BATCHES * coef.per_batch_s:
+            return first, float("inf")  # nothing long enough to be worth a batch of its own
+        cap = SHORT_FRACTION * first_s
+        short = by_deadline(
+            r
+            for r in ranks
+            if r.kind is first.kind and r is not first and coef.seconds(r.tokens, r.pairs) <= cap
+        )
+        if short and fits_before_first(short[:max_batch]):
+            return short[0], cap
+        return first, float("inf")
+
+    def _rank_batch(
+        self, now: float, ranks: Sequence[RankItem], first: RankItem, cap_s: float = float("inf")
+    ) -> Plan:
+        """A batch of `first`'s kind led by it, earliest deadline first, of calls predicted at
+        most `cap_s` each."""
         cfg = self.config
         same = sorted((r for r in ranks if r.kind is first.kind), key=lambda r: (r.deadline, r.submitted))
         oldest = min(r.submitted for r in ranks)
@@ -255,6 +285,8 @@ class IterationScheduler:
             if len(batch) == cfg.max_batch:
                 break
             if batch and tokens + r.tokens > cfg.max_batch_tokens:
+                continue
+            if r is not first and coef.seconds(r.tokens, r.pairs) > cap_s:
                 continue
             # A call joins only while batching it saves more than it costs: it delays each call
             # already in the batch by its own time and saves one per-batch cost. On a GPU that

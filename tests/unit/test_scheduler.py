@@ -142,6 +142,25 @@ def test_calls_against_psi_go_before_a_full_call_that_has_slack():
     assert s.plan(0.0, [hurried, *hits], []).rank == (5,)
 
 
+def test_short_calls_of_one_kind_run_before_a_long_one_that_has_slack():
+    s = scheduler()
+    # A full ranking of a 4096-token prefix (~19 ms predicted) and two of 80 tokens (~1.8 ms):
+    # batched behind it they waited for all of it; alone they go first while it keeps its deadline.
+    long = RankItem(1, RankKind.FULL, 0.050, 0.0, 4416, 4096 * 4416)
+    short = [
+        RankItem(2, RankKind.FULL, 0.060, 0.0, 400, 80 * 400),
+        RankItem(3, RankKind.FULL, 0.070, 0.0, 400, 80 * 400),
+    ]
+    medium = RankItem(4, RankKind.FULL, 0.080, 0.0, 2000, 1000 * 2000)  # ~6 ms: not short
+    assert s.plan(0.0, [long, *short, medium], []).rank == (2, 3)
+    # Without the slack, earliest deadline first: the long call leads (a short one joins it, as
+    # far as the batching rule allows).
+    assert s.plan(0.032, [long, *short], []).rank == (1, 2)
+    # A call that is not long (a few per-batch costs) is never put behind shorter ones.
+    modest = RankItem(5, RankKind.FULL, 0.050, 0.0, 700, 600 * 700)  # ~2.6 ms
+    assert s.plan(0.0, [modest, *short], []).rank[0] == 5
+
+
 def test_a_batch_respects_its_call_and_token_limits():
     s = scheduler(max_batch=2, max_batch_tokens=250)
     plan = s.plan(0.0, [rank(1, 0.1, tokens=200), rank(2, 0.2, tokens=100), rank(3, 0.3, tokens=40)], [])
