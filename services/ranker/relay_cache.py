@@ -191,36 +191,35 @@ class RelayCache:
                     )
                 else:
                     self._on_event("fallback", "reload_failed")
-                    self._prefetch_failed(key)
+                    self._settle_prefetch(key, "failed")
             if psi is None:
                 t0 = time.perf_counter()
                 psi = await self.engine.preinfer(prefix.tensors())
                 self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
             if not self.cache.produced(key, psi):
                 log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
-                if key in self._prefetched:  # its lease ended while it was being reloaded
-                    self._prefetched.discard(key)
-                    self.prefetches.wasted += 1
-                    self._on_event("prefetch", "wasted")
+                self._settle_prefetch(key, "wasted")  # its lease ended while it was being reloaded
         except PrefixRequired:
             # A reload for a call by reference failed, and there are no tokens to compute from:
             # its call answers prefix_required and comes back with the prefix.
             self.cache.production_failed(key)
-            self._prefetch_failed(key)
+            self._settle_prefetch(key, "failed")
         except Exception as exc:
             log.warning("production_failed", user=key.user_id, error=repr(exc))
             self.cache.production_failed(key)
-            self._prefetch_failed(key)
+            self._settle_prefetch(key, "failed")
         finally:
             production.done.set()
             if self._productions.get(key) is production:
                 del self._productions[key]
 
-    def _prefetch_failed(self, key: PsiKey) -> None:
+    def _settle_prefetch(self, key: PsiKey, outcome: str) -> None:
+        """A prefetched psi's outcome ("used", "wasted" or "failed"), counted once; nothing for a
+        key that was not prefetched or is settled already."""
         if key in self._prefetched:
             self._prefetched.discard(key)
-            self.prefetches.failed += 1
-            self._on_event("prefetch", "failed")
+            setattr(self.prefetches, outcome, getattr(self.prefetches, outcome) + 1)
+            self._on_event("prefetch", outcome)
 
     # ------------------------------------------------------------------ claim
 
@@ -238,10 +237,8 @@ class RelayCache:
         `deadline` (time.monotonic()) orders it on the device and bounds any wait; a call the
         engine has not started by `start_by` (time.perf_counter()) fails with Overdue."""
         ranked = await self._rank(key, request_id, prefix, suffix, deadline, after_reply, start_by)
-        if key in self._prefetched and ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN):
-            self._prefetched.discard(key)
-            self.prefetches.used += 1
-            self._on_event("prefetch", "used")
+        if ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN):
+            self._settle_prefetch(key, "used")
         return ranked
 
     async def _rank(
@@ -426,8 +423,5 @@ class RelayCache:
         for key in gone:
             self.engine.device_time.expired_unused(key)
             log.debug("psi_expired", key=str(key))
-            if key in self._prefetched:
-                self._prefetched.discard(key)
-                self.prefetches.wasted += 1
-                self._on_event("prefetch", "wasted")
+            self._settle_prefetch(key, "wasted")
         return gone
