@@ -66,7 +66,10 @@ class LatencyModel:
         measures at warm-up): the assumed device rate can be off by 10x either way (a CPU at its
         first request, a GPU whose time is host-bound), and a request far over the SLO must not
         be judged safe because the prior was optimistic."""
-        self._samples.extend(s for s in samples if s.tokens > 0 and s.compute_ms > 0)
+        fresh = [s for s in samples if s.tokens > 0 and s.compute_ms > 0]
+        if not fresh:
+            return  # nothing new: the fit stands (refitting costs milliseconds per Stats poll)
+        self._samples.extend(fresh)
         lengths = {s.tokens for s in self._samples}
         if len(lengths) < 3:
             if self._samples:
@@ -82,10 +85,14 @@ class LatencyModel:
         # ranker's first compiles), every residual then looked alike, none was judged an outlier,
         # and the model predicted 20-200x the real cost: the trigger, pricing pre-inference by it,
         # stopped admitting any, so no new sample ever corrected it (a GPU run on the length mix).
-        sane = self._within(n, y, self._fit_lad(n, y), GROSS_OUTLIER_RATIO)
-        if sane.sum() >= 3 and len(set(n[sane].tolist())) >= 3:
-            n, y = n[sane], y[sane]
+        # (Only when some sample is off the least-squares fit by more than its prediction: the
+        # robust fit costs several least-squares ones, and timing noise alone stays within that.)
         coef = self._fit(n, y)
+        if self._max_relative_residual(n, y, coef) > 1.0:
+            sane = self._within(n, y, self._fit_lad(n, y), GROSS_OUTLIER_RATIO)
+            if sane.sum() >= 3 and len(set(n[sane].tolist())) >= 3 and not sane.all():
+                n, y = n[sane], y[sane]
+                coef = self._fit(n, y)
         # One refit without outliers (a stalled batch, a burst of contention): they would drag
         # every prediction up and make the trigger admit requests that are not at risk. Residuals
         # are judged relative to the prediction: timing noise grows with the batch's cost, and an
@@ -111,8 +118,14 @@ class LatencyModel:
         relative = np.abs(y - predicted) / predicted
         return relative <= max(OUTLIER_MEDIANS * float(np.median(relative)), min_ratio)
 
+    @staticmethod
+    def _max_relative_residual(n: np.ndarray, y: np.ndarray, coef: tuple[float, float, float]) -> float:
+        a, b, c = coef
+        predicted = np.maximum(a + b * n + c * n * n, 1e-3)
+        return float(np.max(np.abs(y - predicted) / predicted))
+
     @classmethod
-    def _fit_lad(cls, n: np.ndarray, y: np.ndarray, iterations: int = 12) -> tuple[float, float, float]:
+    def _fit_lad(cls, n: np.ndarray, y: np.ndarray, iterations: int = 5) -> tuple[float, float, float]:
         """Least absolute deviations, coefficients >= 0, by iteratively reweighted least squares
         (weights 1 / |residual|): a fit through the bulk of the samples that a minority of
         arbitrarily large ones cannot move far."""
