@@ -17,12 +17,12 @@ TINY = ["--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "
 def test_two_searches_side_by_side_are_merged_as_repeats(tmp_path):
     paths = sitting.main([
         "--plan", "L128,L128", "--time-limit-s", "300", "--tag", "pair", "--out-dir", str(tmp_path), "--",
-        "--configs", "baseline,relay", "--slo-ms", "0.01", "--grid", "4", "8", "--floor-rps", "2",
+        "--configs", "baseline", "--slo-ms", "0.01", "--grid", "4", "8", "--floor-rps", "2",
         "--min-duration-s", "1", "--min-calls", "4", *TINY,
     ])  # fmt: skip
     merged = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
     got = sorted((r["config"], r["repeat"]) for r in merged["results"])
-    assert got == [("baseline", 0), ("baseline", 1), ("relay", 0), ("relay", 1)]
+    assert got == [("baseline", 0), ("baseline", 1)]
     assert merged["config"]["merged_from"] == [
         next(tmp_path.glob(f"goodput-*-pair-L128-gpu{i}.json")).name for i in (0, 1)
     ]
@@ -34,7 +34,7 @@ def test_a_search_cut_short_keeps_its_points(tmp_path):
     # A generous SLO: the grid is extended (and perhaps bisected, once the CPU saturates) until
     # the time limit interrupts the search.
     paths = sitting.main([
-        "--plan", "L128", "--time-limit-s", "40", "--tag", "cut", "--out-dir", str(tmp_path), "--",
+        "--plan", "L128", "--time-limit-s", "25", "--tag", "cut", "--out-dir", str(tmp_path), "--",
         "--configs", "baseline", "--slo-ms", "100000", "--grid", "2", "4", "--min-duration-s", "2",
         "--min-calls", "4", *TINY,
     ])  # fmt: skip
