@@ -321,7 +321,9 @@ class Runner:
             "client_loop_lag_ms_p99": s["client_loop_lag_ms_p99"],
             "client_loop_lag_ms_max": s["client_loop_lag_ms_max"],
             # Where the tail's time went: P99 of each server stage, and the slowest calls whole.
-            **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"] for stage in ("queue", "compute", "server_total", "network")},
+            **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"]
+               for stage in ("queue", "compute", "launch", "server_total", "network")},
+            "batch_p99": s["batch_p99"],
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",
@@ -330,6 +332,8 @@ class Runner:
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
                                          "dram_used_bytes_max", "alloc_retries")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
+            # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
+            **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -156,6 +156,30 @@ def _admissions(rankers: dict[str, Any]) -> str:
     return f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g})"
 
 
+def host_cpu_times() -> dict[str, float]:
+    """The host's CPU time so far, in clock ticks summed over its CPUs (Linux /proc/stat): total,
+    idle (iowait included) and steal (time a virtual machine's CPUs were runnable but the
+    hypervisor ran something else). {} where /proc/stat is not there."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    fields += [0.0] * (8 - len(fields))
+    # user nice system idle iowait irq softirq steal (guest time is already counted in user)
+    return {"total": sum(fields[:8]), "idle": fields[3] + fields[4], "steal": fields[7]}
+
+
+def host_cpu_fractions(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Over an interval of host_cpu_times: the share of the host's CPU time that was busy and
+    the share stolen by the hypervisor (a stall no code of ours can see); {} without both."""
+    if not before or not after or after["total"] <= before["total"]:
+        return {}
+    total = after["total"] - before["total"]
+    idle, steal = after["idle"] - before["idle"], after["steal"] - before["steal"]
+    return {"host_cpu_busy": (total - idle - steal) / total, "host_cpu_steal": steal / total}
+
+
 async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
                     eps_sample: int) -> Point:  # fmt: skip
     """Replays one workload through the running stack. Besides the replay's summary, records the
@@ -187,6 +211,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     sampler = asyncio.ensure_future(sample_resident())
     trigger_before = await trigger_counters(stack)
     device_before, started = await device_counters(stack), time.perf_counter()
+    cpu_before = host_cpu_times()
     try:
         result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
                               materializer=materializer, slo_ms=slo_ms)  # fmt: skip
@@ -195,6 +220,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         await sampler
         await producer.stop()
     replay_s = time.perf_counter() - started
+    host_cpu = host_cpu_fractions(cpu_before, host_cpu_times())
     busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
     after = await ranker_stats(stack.ranker_targets)
@@ -245,6 +271,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
+        # The host's CPUs over the replay (every process on it, not only ours; Linux only).
+        **host_cpu,
     }
     slowest = [r.breakdown() for r in result.slowest_ok(0.015)]
     point = Point(sweep, value, result.summary(slo_ms), rankers, eps, slowest)

@@ -62,6 +62,9 @@ class RequestRecord:
     queue_ms: float = float("nan")
     compute_ms: float = float("nan")
     server_total_ms: float = float("nan")
+    launch_ms: float = float("nan")  # host time issuing the call's batch (see StageTimings)
+    batch: int = 0  # calls in the batch that computed this one
+    batch_tokens: int = 0  # tokens that batch computed
     lag_ms: float = float("nan")  # Rank issued - scheduled time
     retrieval_lag_ms: float = float("nan")  # event handed to the producer - scheduled time
     publish_error: str = ""  # the event could not be published (type: message)
@@ -102,6 +105,8 @@ class RequestRecord:
             "prefix_len": p.prefix_len,
             "suffix_len": p.recent_len + p.candidates,
             "returning": p.returning,
+            "batch": self.batch,
+            "batch_tokens": self.batch_tokens,
             **{
                 k: round(v, 1)
                 for k, v in (
@@ -109,6 +114,7 @@ class RequestRecord:
                     ("cache_ms", self.cache_ms),
                     ("queue_ms", self.queue_ms),
                     ("compute_ms", self.compute_ms),
+                    ("launch_ms", self.launch_ms),
                     ("server_other_ms", rest),
                     ("server_total_ms", self.server_total_ms),
                     ("network_ms", self.network_ms),
@@ -148,8 +154,9 @@ class ReplayResult:
         """The run in one flat dict (nested only for per-code / per-path counts).
 
         Keys: slo_ms; planned, sent, ok, failed, failed_by_code, publish_failed; p50_ms, p90_ms, p99_ms,
-        p999_ms, max_ms (client latency of OK calls); {cache,queue,compute,server_total,network}
+        p999_ms, max_ms (client latency of OK calls); {cache,queue,compute,launch,server_total,network}
         _ms_{p50,p99} (the replies' server timings; network = client latency - server total);
+        batch_p50, batch_p99 (calls in the batch that computed each call);
         hbm_hit, inflight_join, dram_reload, full_recompute (fractions of OK calls) and
         served_by_counts; slo_attainment (OK calls within slo_ms / OK calls) and
         slo_attainment_all (/ sent); meets_slo (every planned call sent, none failed, p99 <=
@@ -179,12 +186,15 @@ class ReplayResult:
             "cache": [r.cache_ms for r in ok],
             "queue": [r.queue_ms for r in ok],
             "compute": [r.compute_ms for r in ok],
+            "launch": [r.launch_ms for r in ok],
             "server_total": [r.server_total_ms for r in ok],
             "network": [r.network_ms for r in ok],
         }
         for stage, values in stages.items():
             out[f"{stage}_ms_p50"] = percentile(values, 50)
             out[f"{stage}_ms_p99"] = percentile(values, 99)
+        batches = [float(r.batch) for r in ok]
+        out["batch_p50"], out["batch_p99"] = percentile(batches, 50), percentile(batches, 99)
         served = collections.Counter(r.served_by for r in ok)
         for k in SERVED_BY:  # fractions of OK calls, flat: "hbm_hit", "dram_reload", ...
             out[k] = served[k] / len(ok) if ok else 0.0
@@ -309,6 +319,7 @@ async def replay(
             rec.cache_ms, rec.queue_ms, rec.compute_ms, rec.server_total_ms = (
                 t.cache_ms, t.queue_ms, t.compute_ms, t.total_ms,
             )  # fmt: skip
+            rec.launch_ms, rec.batch, rec.batch_tokens = t.launch_ms, t.batch, t.batch_tokens
             if score_sample_every > 0 and i % score_sample_every == 0:
                 rec.scores = list(reply.scores)
             state.recent_ok_ms.append(rec.latency_ms)

@@ -131,6 +131,8 @@ class RankResult:
     compute_ms: float  # the batch's compute (scores on the host)
     batch_size: int
     reused_tokens: int = 0  # prefix tokens read from psi (the whole prefix against complete psi)
+    batch_tokens: int = 0  # tokens the batch computed (all its calls)
+    launch_ms: float = 0.0  # host time issuing the batch's device work, up to the wait for scores
 
 
 @dataclass(frozen=True)
@@ -744,6 +746,7 @@ class Engine:
                     host = self.graphs.rank(suffixes, psis, keys)  # type: ignore[arg-type]
                 if host is None:
                     scores = self.model.rank_cached(suffixes, psis, keys)  # type: ignore[arg-type]
+            issued = time.perf_counter()
             if host is None:
                 # One copy for the batch; it waits for the device: the batch is done.
                 host = list(torch.cat(scores).cpu().split([s.numel() for s in scores]))
@@ -759,6 +762,9 @@ class Engine:
             self.device_time.add("rank", time.perf_counter() - started)
         seconds = time.perf_counter() - started
         compute_ms = seconds * 1e3
+        # Host time up to the wait for the scores: on a slow batch, close to compute_ms means
+        # the host stalled while issuing; far below it, the device was the slower side.
+        launch_ms = (issued - started) * 1e3
         # Tokens computed: a partial call computes its prefix from what was built on.
         tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
                      for j, c in zip(batch, built, strict=True))  # fmt: skip
@@ -783,7 +789,7 @@ class Engine:
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (started_at - j.submitted) * 1e3)
-            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c))
+            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms))
 
     def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:
         """Partial batch: each call reads what its pre-inference built and completes psi."""

@@ -81,18 +81,24 @@ class PreInferReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PreInferReply.Outcome, str]] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms", "prefix_reused")
+    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms", "prefix_reused", "batch", "batch_tokens", "launch_ms")
     CACHE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REUSED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_MS_FIELD_NUMBER: _ClassVar[int]
     cache_ms: float
     queue_ms: float
     compute_ms: float
     total_ms: float
     prefix_reused: float
-    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefix_reused: _Optional[float] = ...) -> None: ...
+    batch: int
+    batch_tokens: int
+    launch_ms: float
+    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefix_reused: _Optional[float] = ..., batch: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., launch_ms: _Optional[float] = ...) -> None: ...
 
 class PrefixRef(_message.Message):
     __slots__ = ("length", "fingerprint")

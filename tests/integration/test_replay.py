@@ -104,6 +104,15 @@ async def test_replay_sends_every_request_and_records_what_happened(stack):
                 "lag_ms_p99"):  # fmt: skip
         assert key in summary, key
     assert 0 < summary["compute_ms_p50"] <= summary["p99_ms"]
+    # Each reply names its batch: calls, tokens computed (at least this call's), host issue time.
+    for r in result.records:
+        p = r.planned
+        assert r.batch >= 1
+        assert r.batch_tokens >= p.prefix_len + p.recent_len + p.candidates
+        assert 0 < r.launch_ms <= r.compute_ms
+        assert r.breakdown()["batch"] == r.batch
+    assert 1 <= summary["batch_p50"] <= summary["batch_p99"]
+    assert summary["launch_ms_p99"] > 0
     assert summary["slo_attainment"] == 1.0
     assert summary["lag_ms_max"] < 500  # generous: one process on a small CPU
     assert summary["retrieval_lag_ms_max"] < 500

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 import pytest
 
+from relaygr.harness import host_cpu_fractions, host_cpu_times
 from relaygr.replay import OK, ReplayResult, RequestRecord, replay
 from relaygr.workload import Materializer, PlannedRequest, WorkloadConfig, generate
 from shared.protos import ranker_pb2 as pb
@@ -76,6 +78,25 @@ def test_breakdown_splits_the_client_latency():
     assert row["latency_ms"] == pytest.approx(
         row["cache_ms"] + row["queue_ms"] + row["compute_ms"] + row["server_other_ms"] + row["network_ms"]
     )
+
+
+def test_host_cpu_fractions_split_busy_idle_and_stolen_time():
+    before = {"total": 1000.0, "idle": 600.0, "steal": 10.0}
+    after = {"total": 2000.0, "idle": 1100.0, "steal": 110.0}
+    # 1000 ticks: 500 idle, 100 stolen, 400 busy
+    assert host_cpu_fractions(before, after) == {"host_cpu_busy": 0.4, "host_cpu_steal": 0.1}
+    assert host_cpu_fractions({}, after) == {}
+    assert host_cpu_fractions(after, after) == {}  # no time passed: nothing to divide by
+
+
+def test_host_cpu_times_reads_this_host_where_linux_has_proc_stat():
+    times = host_cpu_times()
+    if not os.path.exists("/proc/stat"):
+        assert times == {}
+        return
+    assert times["total"] > 0
+    assert 0 <= times["steal"] <= times["total"]
+    assert 0 <= times["idle"] <= times["total"]
 
 
 def test_breakdown_of_an_unanswered_call_has_no_server_timings():
