@@ -107,6 +107,12 @@ class RankerConfig(TlsSettings):
                                     renamed_from="RELAYGR_GRAPH_MAX_TOKENS",
                                     help="largest ranking batch (new tokens) given a CUDA graph; larger "
                                     "batches run eagerly", check=positive)  # fmt: skip
+    graph_max_full_tokens: int = setting(8192, env="RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS",
+                                         help="largest full ranking or pre-inference step (tokens in all) "
+                                         "given a CUDA graph; larger ones run eagerly (GPU-bound anyway); "
+                                         "0: none. Pre-inference graphs share one K/V staging buffer of "
+                                         "layers x 2 x tokens x hidden (268 MB at 8192 for the bench "
+                                         "preset)", check=non_negative)  # fmt: skip
     cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_RANKER_CPU_AFFINITY",
                                             renamed_from="RELAYGR_CPU_AFFINITY", check=_usable_cpus,
                                             help="CPUs this instance's threads run on (comma-separated; "

@@ -511,8 +511,13 @@ class Engine:
             psi = self.model.new_psi(prefix)
 
             def step(start: int, end: int) -> Callable[[], None]:
-                return lambda: self.model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
+                return lambda: self._preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
 
+            # Steps are measured as they will run: by their graphs where those exist.
+            for s in steps:
+                step(*s)()
+            if self.graphs is not None:
+                self.graphs.capture_pending(limit=len(steps))
             whole = self._median_s(step(0, length), repeats)  # first: the last chunk reads it
             return [self._median_s(step(*s), repeats) for s in steps[:2]] + [whole]
 
@@ -734,7 +739,10 @@ class Engine:
             host: list[torch.Tensor] | None = None
             if kind is RankKind.FULL:
                 prefixes = [j.prefix for j in batch]
-                scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
+                if self.graphs is not None:
+                    host = self.graphs.full(prefixes, suffixes)  # type: ignore[arg-type]
+                if host is None:
+                    scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             elif kind is RankKind.PARTIAL:
                 scores = self._rank_partial(batch, built)
@@ -831,7 +839,7 @@ class Engine:
                 if job.psi is None:
                     job.psi = self.model.new_psi(job.prefix)
             with timer.section():
-                self.model.preinfer_chunks([PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work])  # type: ignore[arg-type]
+                self._preinfer_chunks([PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work])  # type: ignore[arg-type]
             self._sync()  # the chunk is built before anyone reads it
         except Exception as exc:
             with self._cv:
@@ -857,6 +865,12 @@ class Engine:
                         PreinferSample(job.prefix.length, job.cost_s * 1e3, self._preinfers_built)
                     )
                     job.resolve(job.psi)
+
+    def _preinfer_chunks(self, chunks: list[PrefixChunk]) -> None:
+        """On the device thread: one pre-inference step, by a graph replay where one is captured
+        for its shape (chunks from a prefix's first token), else eagerly."""
+        if self.graphs is None or not self.graphs.preinfer(chunks):
+            self.model.preinfer_chunks(chunks)
 
     def _issue_copies(self) -> bool:
         with self._cv:

@@ -1,7 +1,16 @@
-"""CUDA graphs for ranking against psi: one captured forward pass per shape bucket, replayed.
+"""CUDA graphs for the ranker's forward passes: one captured pass per shape bucket, replayed.
 
-Why: with a few hundred new tokens per user, rank_cached is bound by the host: ~70 kernel launches
-issued from Python cost milliseconds, several times the GPU time. A replay issues them in one call.
+Three families, each bucketed by (sequences, tokens, longest sequence):
+  * cached: ranking against psi (rank_cached's [eS_l, I] per user);
+  * full: a full ranking ([U, S_l, eS_l, I] per user: the same pass against empty psi);
+  * preinfer: a pre-inference step whose chunks each start at their prefix's first token (the
+    pass over [U, S_l] tokens, every layer's K/V written to one static buffer, then copied into
+    each user's psi block; chunks after the first read built psi and run eagerly).
+
+Why: the ranker's passes are bound by the host. Against psi, ~70 kernel launches issued from
+Python cost milliseconds, several times the GPU time; in full, a 4096-token ranking on an H100
+spent about as long issuing its kernels as the device spent on them (launch_ms ~ compute_ms,
+6-17 ms). A replay issues them in one call.
 
 How any batch fits a captured graph: every per-batch value the kernels read (sequence offsets,
 psi addresses and lengths, timestamps) lives in static device buffers that
@@ -32,9 +41,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.ranker.model import HSTURanker
+from services.ranker.model import HostTokens, HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
-from services.ranker.sequences import InvalidSequenceError, RankingSuffix
+from services.ranker.sequences import InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.logging import get_logger
 
 if TYPE_CHECKING:  # triton exists only where CUDA does: imported by RankGraphs at run time
@@ -52,22 +61,34 @@ class GraphLimits:
     max_prefix_tokens: int = 16_384  # per user; longer prefixes rank eagerly (GPU-bound anyway)
     rab_index_mb: float = 64.0  # static bias-index buffer
     max_graphs: int = 64
+    # Full rankings and pre-inference steps: tokens in all (0: no graphs for them), sequences,
+    # and graphs of each of the two families.
+    max_full_tokens: int = 0
+    max_full_batch: int = 2
+    max_full_graphs: int = 24
 
     def validate(self) -> GraphLimits:
         if min(self.max_batch, self.max_tokens, self.max_prefix_tokens, self.max_graphs) < 1:
             raise ValueError(f"graph limits must be >= 1: {self}")
+        if self.max_full_tokens < 0 or min(self.max_full_batch, self.max_full_graphs) < 1:
+            raise ValueError(f"full graph limits: tokens >= 0, batch and graphs >= 1: {self}")
         if self.rab_index_mb <= 0:
             raise ValueError("rab_index_mb must be > 0")
         return self
 
 
+# Graph families (BucketKey.mode).
+CACHED, FULL, PREINFER = "cached", "full", "preinfer"
+
+
 @dataclass(frozen=True, order=True)
 class BucketKey:
-    """Upper bounds a captured graph was sized for."""
+    """Upper bounds a captured graph was sized for, and its family."""
 
     batch: int
     tokens: int
     max_len: int
+    mode: str = CACHED
 
 
 @functools.lru_cache(maxsize=16)
@@ -93,22 +114,28 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def bucket_for(batch: int, tokens: int, max_len: int, limits: GraphLimits) -> BucketKey | None:
-    """The smallest bucket holding a batch of `batch` sequences, `tokens` new tokens in all and
-    `max_len` in its longest sequence; None when it exceeds the limits."""
-    if batch < 1 or batch > limits.max_batch or tokens > limits.max_tokens or max_len > tokens:
+def bucket_for(
+    batch: int, tokens: int, max_len: int, limits: GraphLimits, mode: str = CACHED
+) -> BucketKey | None:
+    """The smallest bucket of `mode`'s family holding a batch of `batch` sequences, `tokens` new
+    tokens in all and `max_len` in its longest sequence; None when it exceeds the limits."""
+    if mode == CACHED:
+        max_batch, max_tokens = limits.max_batch, limits.max_tokens
+    else:
+        max_batch, max_tokens = limits.max_full_batch, limits.max_full_tokens
+    if batch < 1 or batch > max_batch or tokens > max_tokens or max_len > tokens:
         return None
-    ladder = _ladder(limits.max_tokens)  # cached: this runs for every ranking batch
+    ladder = _ladder(max_tokens)  # cached: this runs for every ranking batch
     t = ladder[bisect.bisect_left(ladder, tokens)]
-    b = min(_pow2_at_least(batch), limits.max_batch)
+    b = min(_pow2_at_least(batch), max_batch)
     length = min(t, max(_MIN_TOKENS, _pow2_at_least(max_len)))
-    return BucketKey(b, t, length)
+    return BucketKey(b, t, length, mode)
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [key.tokens] float32: the scores of the candidate rows, padded
+    logits: torch.Tensor | None  # [key.tokens] float32: the candidate rows' scores, padded (None: preinfer)
     replays: int = 0
 
 
@@ -117,13 +144,14 @@ class GraphStats:
     captured: int = 0
     replays: int = 0
     capture_ms: list[float] = field(default_factory=list)
-    # Batches ranked eagerly, by reason: "no_graph_yet", "too_large", "prefix_too_long",
-    # "graph_limit".
+    # Batches run eagerly, by reason: "no_graph_yet", "too_large", "prefix_too_long",
+    # "graph_limit", "chunk_reads_psi" (a pre-inference chunk after a prefix's first token).
     fallbacks: dict[str, int] = field(default_factory=dict)
 
 
 class RankGraphs:
-    """Captured rank_cached forward passes of one model on one CUDA device."""
+    """Captured forward passes of one model on one CUDA device: ranking against psi, full
+    ranking, pre-inference steps (module docstring)."""
 
     def __init__(self, model: HSTURanker, limits: GraphLimits) -> None:
         if model.device.type != "cuda":
@@ -136,7 +164,8 @@ class RankGraphs:
         self.stats = GraphStats()
         dev = model.device
         spec = model.spec
-        b, t = limits.max_batch, limits.max_tokens
+        b = max(limits.max_batch, limits.max_full_batch)
+        t = max(limits.max_tokens, limits.max_full_tokens)
         # One int64 staging layout, host (pinned) and device: [item, aux, ts, candidate rows] x T,
         # then [offsets (B+1), n_hist, prefix lens, prefix ts offsets (B+1), kv offsets] x B.
         sizes = {"item": t, "aux": t, "ts": t, "cand": t, "offsets": b + 1, "n_hist": b, "plens": b,
@@ -157,6 +186,9 @@ class RankGraphs:
         self._graphs: dict[BucketKey, _Graph] = {}
         self._pending: set[BucketKey] = set()
         self._pool = torch.cuda.graph_pool_handle()
+        # Every preinfer graph writes its K/V here (allocated at the first such capture):
+        # [layers, 2, tokens, hidden], copied into the users' psi blocks after each replay.
+        self._kv_out: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ ranking
 
@@ -175,20 +207,79 @@ class RankGraphs:
         if any(p.prefix_len > self.limits.max_prefix_tokens for p in psis):
             return self._fallback("prefix_too_long")
         tokens = model.pack_suffixes(suffixes)
-        key = bucket_for(len(suffixes), tokens.total, max(tokens.lengths, default=0), self.limits)
+        found = self._graph_for(CACHED, tokens)
+        if found is None:
+            return None
+        key, graph = found
+        self._stage(key, tokens, psis)
+        return self._replay_scores(graph, tokens)
+
+    def full(
+        self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]
+    ) -> list[torch.Tensor] | None:
+        """Host float32 scores per user, as model.full computes them (the ranking pass against
+        empty psi); None when this batch must run eagerly."""
+        tokens = self.model.pack_full(prefixes, suffixes)
+        found = self._graph_for(FULL, tokens)
+        if found is None:
+            return None
+        key, graph = found
+        self._stage(key, tokens, None)
+        return self._replay_scores(graph, tokens)
+
+    @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
+    def preinfer(self, chunks: Sequence[PrefixChunk]) -> bool:
+        """Builds these chunks into their psi blocks, as model.preinfer_chunks does, when every
+        chunk starts at its prefix's first token (nothing to read from psi); False when the step
+        must run eagerly (nothing was written then). The copies into psi are issued on the
+        current stream: the caller synchronises before psi is read elsewhere."""
+        if any(c.start for c in chunks):
+            self._fallback("chunk_reads_psi")
+            return False
+        for c in chunks:
+            self._check_psi(c.psi)
+        tokens = self.model.pack_chunks(chunks)
+        found = self._graph_for(PREINFER, tokens)
+        if found is None:
+            return False
+        key, graph = found
+        self._stage(key, tokens, None)
+        self._replay(graph)
+        kv = self._kv_out
+        assert kv is not None  # allocated by the capture of any preinfer graph
+        start = 0
+        for c, n in zip(chunks, tokens.lengths, strict=True):
+            c.psi.kv[:, :, c.start : c.start + n].copy_(kv[:, :, start : start + n])
+            start += n
+        return True
+
+    def _graph_for(self, mode: str, tokens: HostTokens) -> tuple[BucketKey, _Graph] | None:
+        """The captured graph of this batch's bucket; None (counted) when there is none: a bucket
+        within the limits is remembered for capture."""
+        key = bucket_for(len(tokens.lengths), tokens.total, max(tokens.lengths, default=0), self.limits, mode)
         if key is None:
-            return self._fallback("too_large")
+            self._fallback("too_large")
+            return None
         graph = self._graphs.get(key)
-        if graph is None:
-            if len(self._graphs) + len(self._pending) < self.limits.max_graphs:
-                self._pending.add(key)
-                return self._fallback("no_graph_yet")
-            return self._fallback("graph_limit")
-        self._stage(key, tokens.columns.numpy(), tokens.candidate_rows.numpy(), tokens.lengths,
-                    tokens.n_hist, psis)  # fmt: skip
+        if graph is not None:
+            return key, graph
+        cap = self.limits.max_graphs if mode == CACHED else self.limits.max_full_graphs
+        held = sum(1 for k in (*self._graphs, *self._pending) if k.mode == mode)
+        if held < cap:
+            self._pending.add(key)
+            self._fallback("no_graph_yet")
+        else:
+            self._fallback("graph_limit")
+        return None
+
+    def _replay(self, graph: _Graph) -> None:
         graph.graph.replay()
         graph.replays += 1
         self.stats.replays += 1
+
+    def _replay_scores(self, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
+        self._replay(graph)
+        assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
         return list(graph.logits[:count].cpu().split(list(tokens.candidate_counts)))
 
@@ -208,17 +299,12 @@ class RankGraphs:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
         return None
 
-    def _stage(
-        self,
-        key: BucketKey,
-        columns: np.ndarray,
-        candidate_rows: np.ndarray,
-        lengths: list[int],
-        n_hist: list[int],
-        psis: Sequence[Psi],
-    ) -> None:
-        """Fills the static inputs for this batch padded to `key`, then copies them to the device."""
+    def _stage(self, key: BucketKey, tokens: HostTokens, psis: Sequence[Psi] | None) -> None:
+        """Fills the static inputs for this batch padded to `key` (psis None: against empty psi),
+        then copies them to the device."""
         h, s = self._host_np, self._slices
+        columns, candidate_rows = tokens.columns.numpy(), tokens.candidate_rows.numpy()
+        lengths, n_hist = tokens.lengths, tokens.n_hist
         total = columns.shape[1]
 
         def put(name: str, values: np.ndarray | list[int], pad: int, upto: int) -> None:
@@ -234,14 +320,17 @@ class RankGraphs:
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         put("offsets", offsets, total, key.batch + 1)
         put("n_hist", n_hist, 0, key.batch)
-        plens = [p.prefix_len for p in psis]
+        plens = [p.prefix_len for p in psis] if psis is not None else [0] * len(lengths)
         put("plens", plens, 0, key.batch)
         pts_off = np.concatenate([[0], np.cumsum(plens)])
         put("pts_off", pts_off, int(pts_off[-1]), key.batch + 1)
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
-        put("kv_off", [(p.kv.data_ptr() - anchor) // size for p in psis], 0, key.batch)
+        kv_off = [(p.kv.data_ptr() - anchor) // size for p in psis] if psis is not None else []
+        put("kv_off", kv_off, 0, key.batch)
         self._dev.copy_(self._host, non_blocking=True)
         ts_total = int(pts_off[-1])
+        if psis is None or not ts_total:
+            return
         if len(psis) == 1:
             self._prefix_ts[:ts_total].copy_(psis[0].timestamps)
         elif ts_total:
@@ -267,15 +356,16 @@ class RankGraphs:
         while self._pending and done < limit:
             key = min(self._pending)
             self._pending.discard(key)
-            if key in self._graphs or len(self._graphs) >= self.limits.max_graphs:
+            cap = self.limits.max_graphs if key.mode == CACHED else self.limits.max_full_graphs
+            if key in self._graphs or sum(1 for k in self._graphs if k.mode == key.mode) >= cap:
                 continue
             started = time.perf_counter()
             self._graphs[key] = self._capture(key)
             ms = (time.perf_counter() - started) * 1e3
             self.stats.captured += 1
             self.stats.capture_ms.append(ms)
-            log.info("rank_graph_captured", batch=key.batch, tokens=key.tokens, max_len=key.max_len,
-                     ms=round(ms, 1), graphs=len(self._graphs))  # fmt: skip
+            log.info("rank_graph_captured", mode=key.mode, batch=key.batch, tokens=key.tokens,
+                     max_len=key.max_len, ms=round(ms, 1), graphs=len(self._graphs))  # fmt: skip
             done += 1
         return done
 
@@ -286,8 +376,10 @@ class RankGraphs:
             return d[s[name].start : s[name].start + n]
 
         k = self._kernels
+        # Full and preinfer passes run against empty psi: no prefix splits.
+        prefix_tokens = self.limits.max_prefix_tokens if key.mode == CACHED else 0
         grid = k.StaticGrid.plan(key.batch, key.max_len, self.model.spec.num_heads, self.model.device,
-                                 tokens=key.tokens, prefix_tokens=self.limits.max_prefix_tokens)  # fmt: skip
+                                 tokens=key.tokens, prefix_tokens=prefix_tokens)  # fmt: skip
         return k.StaticBatch(
             seq_offsets=view("offsets", key.batch + 1),
             n_hist=view("n_hist", key.batch),
@@ -300,22 +392,35 @@ class RankGraphs:
             grid=grid,
         )
 
-    def _forward(self, key: BucketKey, batch: StaticBatch) -> torch.Tensor:
-        """The captured work: reads only the static buffers, returns padded candidate logits."""
+    def _forward(self, key: BucketKey, batch: StaticBatch) -> torch.Tensor | None:
+        """The captured work: reads only the static buffers, returns padded candidate logits (a
+        preinfer pass writes every layer's K/V to the static K/V buffer instead)."""
         model, d, s = self.model, self._dev, self._slices
         k = self._kernels
         plan = k.plan_triton_static(batch, self._table, model.params, self._nb_pos, self._nb_time)
         item = d[s["item"].start : s["item"].start + key.tokens]
         aux = d[s["aux"].start : s["aux"].start + key.tokens]
         x = model.embed(item, aux)
-        x = model.layers_forward(
-            x, lambda q, kk, v, layer: k.hstu_attention_static(q, kk, v, batch, plan, layer, model.params)
-        )
+
+        def attend(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            return k.hstu_attention_static(q, kk, v, batch, plan, layer, model.params)
+
+        if key.mode == PREINFER:
+            assert self._kv_out is not None
+            model.layers_writing(x, attend, self._kv_out)
+            return None
+        x = model.layers_forward(x, attend)
         cand = d[s["cand"].start : s["cand"].start + key.tokens]
         return model.score_rows(x, cand)
 
     @torch.inference_mode()
     def _capture(self, key: BucketKey) -> _Graph:
+        if key.mode == PREINFER and self._kv_out is None:
+            spec = self.model.spec
+            self._kv_out = torch.empty(
+                spec.num_layers, 2, self.limits.max_full_tokens, spec.hidden,
+                dtype=self._anchor.dtype, device=self.model.device,
+            )  # fmt: skip
         batch = self._static_batch(key)
         # An empty batch (every sequence of length 0) for the warm-up runs: they compile the
         # kernels and set up cuBLAS without computing anything that matters.

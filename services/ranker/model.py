@@ -279,15 +279,7 @@ class HSTURanker(nn.Module):
     @torch.inference_mode()
     def full(self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]) -> list[torch.Tensor]:
         """Scores of every candidate, computing the whole [U, S_l, eS_l, I] sequence."""
-        if len(prefixes) != len(suffixes):
-            raise InvalidSequenceError("full() needs one suffix per prefix")
-        tokens = self._tokens(
-            [
-                [self._profile_part(p), self._behavior_part(p.long_term), self._behavior_part(s.recent)]
-                for p, s in zip(prefixes, suffixes, strict=True)
-            ],
-            suffixes,
-        )
+        tokens = self._on_device(self.pack_full(prefixes, suffixes))
         x = self._embed(tokens)
         x = self.layers_forward(x, self._prepare(tokens.seq, None))
         return self._score(x, tokens)
@@ -375,8 +367,7 @@ class HSTURanker(nn.Module):
             return
         if len({id(c.psi) for c in chunks}) != len(chunks):
             raise ValueError("one chunk per psi in a batch: a chunk reads what the one before wrote")
-        history = [_cut(self._prefix_parts(c.prefix), c.start, c.end) for c in chunks]
-        tokens = self._tokens(history, None)
+        tokens = self._on_device(self.pack_chunks(chunks))
         self._forward_writing(
             tokens, [(c.psi, c.start) for c in chunks], [c.end - c.start for c in chunks], last=False
         )
@@ -465,6 +456,36 @@ class HSTURanker(nn.Module):
         """The host-side token layout of rank_cached's new tokens ([eS_l, I] per user)."""
         return self._pack([[self._behavior_part(s.recent)] for s in suffixes], suffixes)
 
+    def pack_full(self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]) -> HostTokens:
+        """The host-side token layout of full()'s sequences ([U, S_l, eS_l, I] per user)."""
+        if len(prefixes) != len(suffixes):
+            raise InvalidSequenceError("full() needs one suffix per prefix")
+        return self._pack(
+            [
+                [*self._prefix_parts(p), self._behavior_part(s.recent)]
+                for p, s in zip(prefixes, suffixes, strict=True)
+            ],
+            suffixes,
+        )
+
+    def pack_chunks(self, chunks: Sequence[PrefixChunk]) -> HostTokens:
+        """The host-side token layout of pre-inference chunks (prefix tokens [start, end) each)."""
+        return self._pack([_cut(self._prefix_parts(c.prefix), c.start, c.end) for c in chunks], None)
+
+    def layers_writing(self, x: torch.Tensor, attend: Attend, kv_out: torch.Tensor) -> None:
+        """Every HSTU layer over new tokens x [T, d], writing layer i's K/V of those tokens into
+        kv_out[i, 0 / 1, :T]; the last layer's attention is skipped (psi is only its K/V). What a
+        pre-inference step computes, on buffers a CUDA graph can hold."""
+        total, num_layers = x.shape[0], self.spec.num_layers
+        shape = (total, self.spec.num_heads, self.spec.head_dim)
+        for index, layer in enumerate(self._stack()):
+            u, v, q, k = layer.project(x)
+            kv_out[index, 0, :total].copy_(k)
+            kv_out[index, 1, :total].copy_(v)
+            if index + 1 < num_layers:
+                attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
+                x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+
     def _pack(
         self, history_parts: list[list[_HostPart]], suffixes: Sequence[RankingSuffix] | None
     ) -> HostTokens:
@@ -501,7 +522,10 @@ class HSTURanker(nn.Module):
         self, history_parts: list[list[_HostPart]], suffixes: Sequence[RankingSuffix] | None
     ) -> _Tokens:
         """_pack, then one copy to the device."""
-        packed_host = self._pack(history_parts, suffixes)
+        return self._on_device(self._pack(history_parts, suffixes))
+
+    def _on_device(self, packed_host: HostTokens) -> _Tokens:
+        """A packed batch on the model's device (one copy) with its sequence layout."""
         row = packed_host.total
         packed = torch.cat([packed_host.columns.reshape(-1), packed_host.candidate_rows])
         if self.device.type != "cpu":

@@ -207,7 +207,9 @@ class RankerService(pb_grpc.RankerServicer):
                 preinfer_chunk_tokens=config.preinfer_chunk_tokens,
                 max_rank_delay_s=config.max_rank_delay_ms / 1e3,
                 cuda_graphs=config.cuda_graphs,
-                graph_limits=GraphLimits(max_tokens=config.graph_max_tokens),
+                graph_limits=GraphLimits(
+                    max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens
+                ),
             ),
             on_fatal=self._engine_failed,
         )

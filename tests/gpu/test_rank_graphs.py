@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relaygr.synthetic import Shape, batch
-from services.ranker.model import HSTURanker
+from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiMismatchError
 from shared.modelspec import preset
 
@@ -97,3 +97,67 @@ def test_bucket_keys_are_what_the_engine_warms():
     keys = {bucket_for(b, b * 320, 320, limits) for b in range(1, 9)}
     assert None not in keys
     assert len(keys) <= 8
+
+
+def with_capture(graphs, run):
+    """run() through a graph: the first call remembers its bucket (None / False), capture, again."""
+    first = run()
+    if first is None or first is False:
+        assert graphs.has_pending()
+        graphs.capture_pending(limit=10)
+        first = run()
+    return first
+
+
+def test_full_graph_replays_match_eager_full(model):
+    graphs = RankGraphs(
+        model, GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=4096, max_full_batch=2)
+    )
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    cases = [
+        [Shape(4, 1500, 20, 40)],
+        [Shape(2, 1200, 30, 50)],  # same bucket, another length
+        [Shape(0, 0, 10, 10)],  # no long-term history
+        [Shape(3, 700, 8, 30), Shape(1, 900, 40, 60)],
+        [Shape(5, 3000, 64, 200)],
+    ]
+    for seed, shapes in enumerate(cases):
+        prefixes, suffixes = batch(100 + seed, shapes)
+        eager = model.full(prefixes, suffixes)
+        graphed = with_capture(graphs, lambda p=prefixes, s=suffixes: graphs.full(p, s))
+        assert graphed is not None
+        assert max_rel(eager, graphed) <= tol, shapes
+    # A batch over the family's limits runs eagerly.
+    prefixes, suffixes = batch(200, [Shape(1, 5000, 4, 4)])
+    assert graphs.full(prefixes, suffixes) is None
+    assert graphs.stats.fallbacks["too_large"] >= 1
+
+
+def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
+    graphs = RankGraphs(
+        model, GraphLimits(max_batch=2, max_tokens=512, max_full_tokens=4096, max_full_batch=2)
+    )
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    cases = [
+        [Shape(4, 2000, 1, 1)],
+        [Shape(2, 1000, 1, 1), Shape(3, 1500, 1, 1)],
+        [Shape(1, 3000, 1, 1)],  # same bucket as the first, written after a larger batch
+    ]
+    for seed, shapes in enumerate(cases):
+        prefixes, suffixes = batch(300 + seed, [Shape(s.profile, s.long_term, 8, 16) for s in shapes])
+        chunks = [PrefixChunk(p, model.new_psi(p), 0, p.length) for p in prefixes]
+        assert with_capture(graphs, lambda c=chunks: graphs.preinfer(c)) is True
+        torch.cuda.synchronize()
+        eager = model.preinfer(prefixes)
+        for c, want in zip(chunks, eager, strict=True):
+            got = c.psi.kv.float()
+            assert (got - want.kv.float()).abs().max() <= tol * max(float(want.kv.float().abs().max()), 1e-3)
+        # Ranking against the graph-built psi gives the eager scores.
+        keys = [c.psi.key for c in chunks]
+        assert max_rel(model.rank_cached(suffixes, [c.psi for c in chunks], keys),
+                       model.rank_cached(suffixes, eager, keys)) <= tol  # fmt: skip
+    # A chunk after a prefix's first token reads psi: eager.
+    prefixes, _ = batch(400, [Shape(1, 600, 1, 1)])
+    psi = model.new_psi(prefixes[0])
+    assert graphs.preinfer([PrefixChunk(prefixes[0], psi, 256, 512)]) is False
+    assert graphs.stats.fallbacks["chunk_reads_psi"] == 1

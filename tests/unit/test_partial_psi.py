@@ -119,3 +119,35 @@ def test_bad_chunks_and_splits_are_refused(model):
         model.rank_partial([prefixes[1]], [suffixes[1]], [psi], [0])
     with pytest.raises(ValueError, match="split"):
         model.rank_partial([prefixes[0]], [suffixes[0]], [psi], [53])
+
+
+def test_one_pass_writing_kv_equals_preinfer(deep):
+    """What a pre-inference CUDA graph computes (services/ranker/graphs.py): the chunks' tokens
+    packed as one batch (pack_chunks), every layer's K/V written into one buffer
+    (layers_writing), gives each user preinfer()'s psi, for whole prefixes and for first chunks."""
+    prefixes, _ = batch(5, [Shape(4, 600, 1, 1), Shape(2, 300, 1, 1), Shape(1, 700, 1, 1)])
+    ends = [prefixes[0].length, prefixes[1].length, CHUNK_TOKENS]  # the last: a first chunk only
+    chunks = [PrefixChunk(p, deep.new_psi(p), 0, end) for p, end in zip(prefixes, ends, strict=True)]
+    host = deep.pack_chunks(chunks)
+    assert host.lengths == ends
+    assert host.candidate_counts == ()
+    spec = deep.spec
+    kv = torch.full((spec.num_layers, 2, host.total, spec.hidden), float("nan"))
+    tokens = deep._on_device(host)
+    deep.layers_writing(deep._embed(tokens), deep._prepare(tokens.seq, None), kv)
+    start = 0
+    for p, end in zip(prefixes, ends, strict=True):
+        want = deep.preinfer([p])[0].kv[:, :, :end]
+        assert (kv[:, :, start : start + end] - want).abs().max() <= TOL
+        start += end
+    assert not kv.isnan().any()  # every row written
+
+
+def test_full_ranking_packs_what_pack_full_lays_out(model):
+    """full() runs on pack_full's layout (what a full-ranking CUDA graph is staged from)."""
+    prefixes, suffixes = batch(6, [Shape(3, 200, 10, 7), Shape(0, 50, 0, 3)])
+    host = model.pack_full(prefixes, suffixes)
+    assert host.lengths == [p.length + s.recent.items.numel() + s.candidates.numel()
+                            for p, s in zip(prefixes, suffixes, strict=True)]  # fmt: skip
+    assert host.n_hist == [p.length + s.recent.items.numel() for p, s in zip(prefixes, suffixes, strict=True)]
+    assert host.candidate_counts == (7, 3)

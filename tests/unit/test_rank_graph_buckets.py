@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.ranker.graphs import BucketKey, GraphLimits, bucket_for, token_ladder
+from services.ranker.graphs import CACHED, FULL, PREINFER, BucketKey, GraphLimits, bucket_for, token_ladder
 
 
 def test_token_ladder_has_bounded_padding_and_ends_at_the_limit():
@@ -67,3 +67,27 @@ def test_limits_are_validated():
         GraphLimits(max_tokens=0).validate()
     with pytest.raises(ValueError, match="rab_index_mb"):
         GraphLimits(rab_index_mb=0).validate()
+
+
+def test_full_and_preinfer_buckets_have_limits_of_their_own():
+    limits = GraphLimits(max_batch=8, max_tokens=1024, max_full_tokens=8192, max_full_batch=2)
+    # A 4096-token prefix with 64 recent and 256 candidates: one full ranking.
+    assert bucket_for(1, 4416, 4416, limits, FULL) == BucketKey(1, 5120, 5120, FULL)
+    assert bucket_for(1, 4096, 4096, limits, PREINFER) == BucketKey(1, 4096, 4096, PREINFER)
+    assert bucket_for(2, 8192, 4096, limits, PREINFER) == BucketKey(2, 8192, 4096, PREINFER)
+    assert bucket_for(3, 3000, 1000, limits, FULL) is None  # more sequences than max_full_batch
+    assert bucket_for(1, 8193, 8193, limits, FULL) is None
+    assert bucket_for(1, 4416, 4416, limits) is None  # the cached family keeps its own limit
+    # Same sizes, other families: other graphs.
+    assert len({bucket_for(1, 300, 300, limits, m) for m in (CACHED, FULL, PREINFER)}) == 3
+    # Off by default: no full or preinfer graph at all.
+    for mode in (FULL, PREINFER):
+        assert bucket_for(1, 100, 100, GraphLimits(), mode) is None
+
+
+def test_full_graph_limits_are_validated():
+    with pytest.raises(ValueError, match="full graph limits"):
+        GraphLimits(max_full_tokens=-1).validate()
+    with pytest.raises(ValueError, match="full graph limits"):
+        GraphLimits(max_full_batch=0).validate()
+    GraphLimits(max_full_tokens=0).validate()  # 0: none, valid
