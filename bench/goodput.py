@@ -324,6 +324,7 @@ class Runner:
             **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"]
                for stage in ("queue", "compute", "launch", "server_total", "network")},
             "batch_p99": s["batch_p99"],
+            "returning_share": s["returning_share"],
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",

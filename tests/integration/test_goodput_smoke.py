@@ -4,6 +4,7 @@ an SLO no point can meet, so each search steps down to its floor and ends in a f
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -65,8 +66,14 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             )
             assert slowest[0]["latency_ms"] >= point["p99_ms"] - 0.1
             assert {"served_by", "prefix_len", "queue_ms", "compute_ms", "network_ms"} <= slowest[0].keys()
-            for stage in ("queue", "compute", "server_total", "network"):
+            for stage in ("queue", "compute", "launch", "server_total", "network"):
                 assert f"{stage}_ms_p99" in point
+            assert point["batch_p99"] >= 1
+            assert {"batch", "batch_tokens", "launch_ms"} <= slowest[0].keys()
             assert 0.0 <= point["client_loop_lag_ms_p99"] <= point["client_loop_lag_ms_max"]
+            assert 0.0 <= point["returning_share"] < 1.0
+            if sys.platform.startswith("linux"):  # the host's CPU shares, from /proc/stat
+                assert 0.0 <= point["host_cpu_steal"] <= 1.0
+                assert 0.0 < point["host_cpu_busy"] <= 1.0
     md = next(p for p in paths if p.suffix == ".md").read_text()
     assert "relay / baseline" in md
