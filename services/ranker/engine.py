@@ -12,8 +12,9 @@ One device loop per accelerator, planned step by step by the iteration scheduler
   3. between steps, calls that must run on the device thread (e.g. CUDA graph captures at
      warm-up); when nothing else is planned, the capture of ranking graphs for batch shapes seen
      without one.
-On CUDA, batches against complete psi replay a captured CUDA graph when one fits (GraphLimits),
-else run eagerly; both give the same scores. Partial and full batches run eagerly.
+On CUDA, batches against complete psi, full batches and pre-inference steps whose chunks start at
+their prefix's first token replay a captured CUDA graph when one fits (GraphLimits), else run
+eagerly; both give the same scores. Partial batches and later chunks run eagerly.
 
 Pre-inference builds psi in chunks of at most `preinfer_chunk_tokens` prefix tokens (a multiple of
 256, the fingerprint's chunk), each a causal forward against the psi built so far whose K/V are

@@ -154,7 +154,7 @@ async def test_a_call_takes_over_a_preinference_not_started_and_no_chunk_runs(mo
     prefixes, suffixes = batch(9, [Shape(2, 600, 4, 4)])
     prefix, suffix = prefixes[0], suffixes[0]
     key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
-    e = chunked(model)  # a join would be allowed: nothing is built, so the call takes over
+    e = chunked(model, delay_s=1e-9)  # the prefix never fits one step: the call takes over
     with PreinferGate(model, monkeypatch, pause_before=()) as gate:
         pre = asyncio.ensure_future(e.preinfer(prefix))
         await eventually(lambda: e.producing(key), "the pre-inference is queued")
@@ -172,6 +172,33 @@ async def test_a_call_takes_over_a_preinference_not_started_and_no_chunk_runs(mo
     assert close(served.result.scores, model.full([prefix], [suffix])[0])
     assert close(psi.kv, model.preinfer([prefix])[0].kv)
     assert not e.producing(key)
+
+
+async def test_a_call_joins_a_preinference_not_started_that_fits_one_step(model, monkeypatch):
+    """Nothing built yet, and the whole pre-inference is predicted within one step's budget: the
+    call waits for it (run with its deadline) and ranks against complete psi; nothing is
+    computed twice."""
+    prefixes, suffixes = batch(12, [Shape(2, 600, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model, delay_s=100.0)
+    with PreinferGate(model, monkeypatch, pause_before=()) as gate:
+        pre = asyncio.ensure_future(e.preinfer(prefix))
+        await eventually(lambda: e.producing(key), "the pre-inference is queued")
+        call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+        e.start()  # only now: nothing of the pre-inference had run when the call came
+        try:
+            served = await asyncio.wait_for(call, 30)
+            psi = await asyncio.wait_for(pre, 30)
+        finally:
+            e.stop()
+    assert served is not None
+    assert served.joined
+    assert served.reused_fraction == 1.0
+    assert gate.chunks[0][0] == 0  # built by the pre-inference's own chunks
+    assert close(served.result.scores, model.full([prefix], [suffix])[0])
+    assert close(psi.kv, model.preinfer([prefix])[0].kv)
+    assert e.device_time.snapshot().unused_psi == 0
 
 
 async def test_a_call_joins_a_preinference_whose_rest_fits_its_budget(model, monkeypatch):

@@ -210,7 +210,12 @@ def test_taken_over_and_finished_preinferences_get_no_chunks():
 def test_relay_decisions():
     s = scheduler()
     now, far = 0.0, 10.0
-    assert s.relay(PreinferItem(1, 4096, 0, 0.0), now, far) is Relay.TAKE_OVER  # not started: cancel
+    assert s.relay(PreinferItem(1, 4096, 0, 0.0), now, far) is Relay.TAKE_OVER  # not started, long
+    assert s.remaining_seconds(0, 256) <= s.step_budget_s()
+    assert s.relay(PreinferItem(1, 256, 0, 0.0), now, far) is Relay.JOIN  # not started, one step
+    assert (
+        s.relay(PreinferItem(1, 256, 0, 0.0), now, now + s.remaining_seconds(0, 256) / 2) is Relay.TAKE_OVER
+    )
     assert s.relay(PreinferItem(1, 4096, 3840, 0.0), now, far) is Relay.JOIN  # one short chunk left
     assert s.relay(PreinferItem(1, 16384, 1024, 0.0), now, far) is Relay.TAKE_OVER  # much left
     rest = s.remaining_seconds(3840, 4096)
