@@ -148,12 +148,16 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
 
 
 def _admissions(rankers: dict[str, Any]) -> str:
-    """The trigger's admissions over a point, by ground, for the progress line ('' without any)."""
-    admitted = rankers.get("trigger_admitted", 0.0)
-    if not admitted:
-        return ""
-    risk, reuse = rankers.get("trigger_admitted_risk", 0.0), rankers.get("trigger_admitted_reuse", 0.0)
-    return f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g})"
+    """The trigger's admissions over a point, by ground, and the calls at risk it left alone because
+    pre-inferring them would add device work, for the progress line ('' without either)."""
+    admitted, adds_work = rankers.get("trigger_admitted", 0.0), rankers.get("trigger_adds_work", 0.0)
+    line = ""
+    if admitted:
+        risk, reuse = rankers.get("trigger_admitted_risk", 0.0), rankers.get("trigger_admitted_reuse", 0.0)
+        line = f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g})"
+    if adds_work:
+        line += f"  at risk, left (adds work) {adds_work:g}"
+    return line
 
 
 def host_cpu_times() -> dict[str, float]:

@@ -33,6 +33,10 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                    renamed_from="RELAYGR_RISK_FRACTION",
                                    help="at risk when predicted full ranking > this x SLO x (1 - the "
                                    "instance's offered load)", check=fraction)  # fmt: skip
+    max_extra_work: float = setting(0.15, env="RELAYGR_TRIGGER_MAX_EXTRA_WORK",
+                                    help="a call at risk is pre-inferred only if pre-inference plus the call "
+                                    "against psi cost the device at most 1 + this times its full ranking "
+                                    "(measured costs); admission by reuse is not bound by it", check=non_negative)  # fmt: skip
     load_window_s: float = setting(2.0, env="RELAYGR_TRIGGER_LOAD_WINDOW_S",
                                    renamed_from="RELAYGR_LOAD_WINDOW_S",
                                    help="time constant of each instance's offered-load estimate (the "

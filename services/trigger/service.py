@@ -44,6 +44,7 @@ from services.trigger.admission import (
     Policy,
     Reason,
     ReturnRate,
+    adds_little_work,
     decide,
     reuse_pays,
     risk_threshold_ms,
@@ -369,7 +370,8 @@ class TriggerService:
         per_token = self._psi_per_token.get(target)
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
         pays = self.reuse_pays(meta.prefix_len, tokens)
-        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays)
+        reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
+                        self.risk_adds_little(meta.prefix_len, tokens))  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)
@@ -409,6 +411,15 @@ class TriggerService:
             return False
         return reuse_pays(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
                           self.returns.expected_later())  # fmt: skip
+
+    def risk_adds_little(self, prefix_len: int, tokens: int) -> bool:
+        """Whether pre-inferring this prefix for risk alone adds little device work
+        (admission.adds_little_work, by max_extra_work); True before any full ranking was measured
+        (nothing to judge by: the latency test alone decides, as before)."""
+        if not self.full_work.measured:
+            return True
+        return adds_little_work(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
+                                self.config.max_extra_work)  # fmt: skip
 
     def lease_deadline_unix_ms(self, meta: EventMeta, now_unix_ms: int) -> int:
         """When an admitted pre-inference's lease ends: its ranking deadline plus the slack, but

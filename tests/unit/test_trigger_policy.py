@@ -14,6 +14,7 @@ from services.trigger.admission import (
     Policy,
     Reason,
     ReturnRate,
+    adds_little_work,
     decide,
     reuse_pays,
     risk_threshold_ms,
@@ -116,6 +117,40 @@ def test_a_prefix_that_pays_by_reuse_is_admitted_though_not_at_risk():
         is Reason.LOAD_BOUND
     )
     assert decide(Policy.OFF, BOUNDS, 5.0, 100, ledger(), key, 1.0, pays_by_reuse=True) is Reason.NOT_AT_RISK
+
+
+def test_a_call_at_risk_is_not_pre_inferred_where_that_adds_device_work():
+    key = (1, 1)
+    at_risk = dict(load=0.9)  # 20 ms against a 2.5 ms threshold
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, ledger(), key, 1.0, **at_risk) is Reason.ADMITTED
+    assert (
+        decide(
+            Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, ledger(), key, 1.0, risk_adds_little=False, **at_risk
+        )
+        is Reason.ADDS_WORK
+    )
+    # Not at risk stays NOT_AT_RISK whatever the work; reuse admits whatever the work.
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 1.0, 100, ledger(), key, 1.0, risk_adds_little=False)
+        is Reason.NOT_AT_RISK
+    )
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, ledger(), key, 1.0, pays_by_reuse=True,
+               risk_adds_little=False, **at_risk)
+        is Reason.ADMITTED
+    )  # fmt: skip
+    assert (
+        decide(Policy.ALL, BOUNDS, 20.0, 100, ledger(), key, 1.0, risk_adds_little=False) is Reason.ADMITTED
+    )
+
+
+def test_adds_little_work_compares_pre_inference_plus_the_cached_call_with_the_full_ranking():
+    # One H100 at 4096 tokens, CUDA graphs: full 4.3 ms, pre-inference 3.8, call against psi 1.6.
+    assert not adds_little_work(4.3, 3.8, 1.6, max_extra=0.15)  # 5.4 > 1.15 x 4.3 = 4.95
+    assert adds_little_work(4.3, 3.8, 1.6, max_extra=0.3)  # 5.4 <= 5.59
+    # Long prefixes: attention dominates both passes, the call against psi is a small share.
+    assert adds_little_work(13.0, 12.5, 0.7, max_extra=0.15)
+    assert not adds_little_work(13.0, 12.5, 0.7, max_extra=-1.0)  # clamped to 0: 13.2 > 13
 
 
 def test_reuse_pays_when_calls_on_one_psi_save_more_than_the_pre_inference():
