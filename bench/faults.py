@@ -279,7 +279,7 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
         assert stack.router is not None
         port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
         decisions = {r: stack.trigger.metric(port, f'relaygr_trigger_decisions_total{{reason="{r}"}}')
-                     for r in ("admitted", "load_bound", "footprint_bound", "not_at_risk")}  # fmt: skip
+                     for r in ("admitted", "load_bound", "footprint_bound", "not_at_risk", "adds_work")}  # fmt: skip
         router_port = int(stack.router.wait_event("router_ready")["metrics_port"])
         router_retries = stack.router.metric(router_port, 'relaygr_router_retries_total{method="rank"}')
         # The router's own view (entry to reply): without the load generator's event-loop lag,

@@ -19,8 +19,11 @@ Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-
      first_miss_rps the latter.
   4. compare (the length mix only): every rate at which the baseline met that this
      configuration has not measured yet, for the never-worse table. These do not move the limit.
-Each point lasts max(`--min-duration-s`, `--min-calls` / rate) seconds (10 s and 400 calls by
-default) and records how many calls it sent. `--repeats` N repeats the headline workloads (L4096
+Each point measures max(`--min-duration-s`, `--min-calls` / rate) seconds (10 s and 400 calls by
+default) and records how many calls it sent, after `--lead-in-s` (10 s) of the same workload
+replayed unmeasured: without it the window starts cold and, users coming back seconds to
+minutes later, only ~1/3 of a 10 s point's calls return to a psi (`returning_share` per
+point; the session model's steady state is ~2/3). `--repeats` N repeats the headline workloads (L4096
 and the mix) N times in the same run; the report gives the median and every value.
 
 Why configuration by configuration (each stack up once, all its workloads, then the next) and not
@@ -272,11 +275,12 @@ def workload_config(name: str, base: WorkloadConfig) -> WorkloadConfig:
 def point_config(
     workload: WorkloadConfig, rate: float, min_duration_s: float, min_calls: int
 ) -> WorkloadConfig:
-    """The workload at `rate`, long enough for max(min_duration_s, min_calls / rate) seconds and
-    at least min_calls planned calls (a Poisson count can fall short: then it is lengthened)."""
+    """The workload at `rate`, its measured window long enough for max(min_duration_s, min_calls /
+    rate) seconds and at least min_calls planned calls (a Poisson count can fall short: then it is
+    lengthened); a lead-in (workload.lead_in_s) comes before it and is not counted."""
     cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(min_duration_s, min_calls / rate))
     for _ in range(8):
-        planned = len(generate(cfg))
+        planned = len(generate(cfg).measured)
         if planned >= min_calls:
             return cfg
         cfg = dataclasses.replace(
@@ -398,7 +402,7 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
     called with each search's record as soon as it is done."""
     base = WorkloadConfig(seed=args.seed, users=args.users, recent_tokens=args.recent, candidates=args.candidates,
                           length_scale=args.length_scale, max_prefix_len=args.max_prefix_len,
-                          session_mean_requests=args.session_mean_requests)  # fmt: skip
+                          session_mean_requests=args.session_mean_requests, lead_in_s=args.lead_in_s)  # fmt: skip
     runner = Runner(stack, args)
     # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
     # (allocator growth, lazy initialisation) that belong to no configuration.
@@ -520,7 +524,8 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
     info = info or machine()
     out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
     session = (f"sessions of mean {args.session_mean_requests:g} requests (geometric), think times ML-100K gaps "
-               f"x{run_config['think_scale']:g}, retrieval -> ranking gap {run_config['gap_ms']} ms")  # fmt: skip
+               f"x{run_config['think_scale']:g}, retrieval -> ranking gap {run_config['gap_ms']} ms, "
+               f"{run_config.get('lead_in_s', 0.0):g} s of unmeasured lead-in per point")  # fmt: skip
     header = (f"SLO {args.slo_ms:g} ms, preset {args.preset}, {args.rankers} ranker(s); {session}; each point "
               f">= {args.min_duration_s:g} s and >= {args.min_calls} calls; limits bisected to "
               f"{args.precision:.0%}.\n\n## Goodput (req/s): median (every repeat)\n\n"
@@ -571,7 +576,8 @@ def merge(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any], 
                 f"the files differ in machine.{key} ({sorted(map(str, values))}): not one sitting"
             )
     protocol = ("preset", "slo_ms", "rankers", "min_duration_s", "min_calls", "precision", "session_mean_requests",
-                "hbm_budget_mb", "arena_gb", "users", "recent", "candidates", "length_scale", "max_prefix_len")  # fmt: skip
+                "hbm_budget_mb", "arena_gb", "users", "recent", "candidates", "length_scale", "max_prefix_len",
+                "lead_in_s")  # fmt: skip
     for key in protocol:
         values = {json.dumps(d["config"].get(key)) for d in docs}
         if len(values) > 1:
@@ -623,6 +629,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hbm-budget-mb", type=float, default=512.0)
     p.add_argument("--arena-gb", type=float, default=1.0)
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between points")
+    p.add_argument("--lead-in-s", type=float, default=10.0,
+                   help="each point first replays this long of the same workload, unmeasured, so that its "
+                   "measured window meets users returning from sessions begun before it (steady state; "
+                   "0: the window starts cold and only ~1/3 of a 10 s point's calls return)")  # fmt: skip
     p.add_argument("--warmup-s", type=float, default=4.0, help="a discarded replay per stack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None)
@@ -647,6 +657,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.repeats < 1 or args.min_calls < 1 or args.min_duration_s <= 0:
         p.error("--repeats and --min-calls must be >= 1, --min-duration-s > 0")
+    if not args.lead_in_s >= 0:
+        p.error("--lead-in-s must be >= 0")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
         p.error("--tag: letters, digits, '.', '_' and '-' only")
     return args

@@ -139,6 +139,11 @@ class ReplayResult:
     # includes it (building requests, publishing events, a garbage collection).
     loop_lag_ms: list[float] = field(default_factory=list)
 
+    @property
+    def measured(self) -> list[RequestRecord]:
+        """The records of the measured window: every one but the lead-in's (WorkloadConfig.lead_in_s)."""
+        return [r for r in self.records if not r.planned.lead_in]
+
     def sampled(self) -> list[RequestRecord]:
         """The OK requests whose scores were kept (every score_sample_every-th of the workload)."""
         return [r for r in self.records if r.scores is not None]
@@ -147,11 +152,12 @@ class ReplayResult:
         """The slowest `fraction` of the OK calls (at least one when any is OK), slowest first."""
         if not 0 < fraction <= 1:
             raise ValueError("fraction must be within (0, 1]")
-        ok = sorted((r for r in self.records if r.ok), key=lambda r: r.latency_ms, reverse=True)
+        ok = sorted((r for r in self.measured if r.ok), key=lambda r: r.latency_ms, reverse=True)
         return ok[: max(1, math.ceil(fraction * len(ok)))] if ok else []
 
     def summary(self, slo_ms: float) -> dict[str, Any]:
-        """The run in one flat dict (nested only for per-code / per-path counts).
+        """The measured window of the run in one flat dict (nested only for per-code / per-path
+        counts); a lead-in's calls are left out of every figure.
 
         Keys: slo_ms; planned, sent, ok, failed, failed_by_code, publish_failed; p50_ms, p90_ms, p99_ms,
         p999_ms, max_ms (client latency of OK calls); {cache,queue,compute,launch,server_total,network}
@@ -163,18 +169,19 @@ class ReplayResult:
         slo_ms); offered_rps (realized: sends per second between the first and last send),
         planned_rps; lag_ms_{p99,max} and retrieval_lag_ms_{p99,max} (behind schedule); wall_s;
         materializer_hits / _misses."""
-        sent = [r for r in self.records if r.status]
+        records = self.measured  # a lead-in is replayed, not measured
+        sent = [r for r in records if r.status]
         ok = [r for r in sent if r.ok]
         failed: dict[str, int] = collections.Counter(r.status for r in sent if not r.ok)
         lat = [r.latency_ms for r in ok]
         out: dict[str, Any] = {
             "slo_ms": slo_ms,
-            "planned": len(self.records),
+            "planned": len(records),
             "sent": len(sent),
             "ok": len(ok),
             "failed": sum(failed.values()),
             "failed_by_code": dict(sorted(failed.items())),
-            "publish_failed": sum(1 for r in self.records if r.publish_error),
+            "publish_failed": sum(1 for r in records if r.publish_error),
             # Client-side ranking latency of OK calls (the headline numbers).
             "p50_ms": percentile(lat, 50),
             "p90_ms": percentile(lat, 90),
@@ -203,17 +210,15 @@ class ReplayResult:
         out["slo_attainment"] = under / len(ok) if ok else 0.0  # of OK calls
         out["slo_attainment_all"] = under / len(sent) if sent else 0.0  # failures count as misses
         p99 = out["p99_ms"]
-        out["meets_slo"] = (
-            bool(ok) and p99 <= slo_ms and out["failed"] == 0 and len(sent) == len(self.records)
-        )
+        out["meets_slo"] = bool(ok) and p99 <= slo_ms and out["failed"] == 0 and len(sent) == len(records)
         times = sorted(r.sent_at_s for r in sent)
         span = times[-1] - times[0] if len(times) > 1 else 0.0
         out["offered_rps"] = (len(times) - 1) / span if span > 0 else float("nan")
-        out["planned_rps"] = len(self.records) / self.planned_duration_s
+        out["planned_rps"] = len(records) / self.planned_duration_s
         lags = [r.lag_ms for r in sent]
         out["lag_ms_p99"] = percentile(lags, 99)
         out["lag_ms_max"] = max(lags, default=float("nan"))
-        rlags = [r.retrieval_lag_ms for r in self.records if r.retrieval_lag_ms == r.retrieval_lag_ms]
+        rlags = [r.retrieval_lag_ms for r in records if r.retrieval_lag_ms == r.retrieval_lag_ms]
         out["retrieval_lag_ms_p99"] = percentile(rlags, 99)
         out["retrieval_lag_ms_max"] = max(rlags, default=float("nan"))
         out["wall_s"] = self.wall_s

@@ -18,7 +18,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         "--configs", "relay,baseline", "--workloads", "L128", "--repeats", "1", "--slo-ms", "0.01",
         "--grid", "4", "8", "--floor-rps", "2", "--min-duration-s", "1", "--min-calls", "4",
         "--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1",
-        "--out-dir", str(tmp_path), "--tag", "smoke",
+        "--lead-in-s", "1", "--out-dir", str(tmp_path), "--tag", "smoke",
     ])  # fmt: skip
     json_path = next(p for p in paths if p.suffix == ".json")
     assert json_path.name.startswith("goodput-")
@@ -51,7 +51,14 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert 0.0 <= point["prefetch"] <= 1.0
             assert point["prefetches_used"] + point["prefetches_wasted"] <= point["prefetches_issued"]
             # The trigger's decisions over the point: every event decided, admissions by ground.
-            reasons = ("not_at_risk", "footprint_bound", "load_bound", "already_resident", "admitted")
+            reasons = (
+                "not_at_risk",
+                "adds_work",
+                "footprint_bound",
+                "load_bound",
+                "already_resident",
+                "admitted",
+            )
             assert sum(point.get(f"trigger_{r}", 0.0) for r in reasons) > 0
             assert point.get("trigger_admitted", 0.0) == point.get("trigger_admitted_risk", 0.0) + point.get(
                 "trigger_admitted_reuse", 0.0
@@ -72,6 +79,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert {"batch", "batch_tokens", "launch_ms"} <= slowest[0].keys()
             assert 0.0 <= point["client_loop_lag_ms_p99"] <= point["client_loop_lag_ms_max"]
             assert 0.0 <= point["returning_share"] < 1.0
+            assert point["calls"] >= 4  # the measured window's calls; the lead-in's are not counted
             if sys.platform.startswith("linux"):  # the host's CPU shares, from /proc/stat
                 assert 0.0 <= point["host_cpu_steal"] <= 1.0
                 assert 0.0 < point["host_cpu_busy"] <= 1.0

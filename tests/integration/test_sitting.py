@@ -11,7 +11,8 @@ from bench import sitting
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TINY = ["--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1"]
+TINY = ["--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1",
+        "--lead-in-s", "0"]  # fmt: skip
 
 
 def test_two_searches_side_by_side_are_merged_as_repeats(tmp_path):

@@ -11,11 +11,13 @@ import pytest
 from bench import goodput
 
 
-def result_file(path: Path, gpu: str, records: list[dict], host: str = "h1", slo_ms: float = 50.0) -> Path:
+def result_file(
+    path: Path, gpu: str, records: list[dict], host: str = "h1", slo_ms: float = 50.0, lead_in_s: float = 10.0
+) -> Path:
     machine = {"host": host, "device": "NVIDIA H100", "commit": "abc", "cuda_visible_devices": gpu}
     config = {"preset": "bench", "slo_ms": slo_ms, "rankers": 1, "min_duration_s": 10.0, "min_calls": 400,
               "precision": 0.1, "session_mean_requests": 3.0, "think_scale": 0.1, "gap_ms": [20.0, 200.0], "tag": gpu,
-              "configs": ["baseline", "relay"]}  # fmt: skip
+              "configs": ["baseline", "relay"], "lead_in_s": lead_in_s}  # fmt: skip
     path.write_text(json.dumps({"machine": machine, "config": config, "results": records}))
     return path
 
@@ -62,7 +64,11 @@ def test_merge_writes_one_report_with_medians(tmp_path):
 
 @pytest.mark.parametrize(
     ("other", "message"),
-    [({"host": "h2"}, "machine.host"), ({"slo_ms": 30.0}, "config.slo_ms")],
+    [
+        ({"host": "h2"}, "machine.host"),
+        ({"slo_ms": 30.0}, "config.slo_ms"),
+        ({"lead_in_s": 0.0}, "config.lead_in_s"),
+    ],
 )
 def test_merge_refuses_files_of_another_sitting_or_protocol(tmp_path, other, message):
     a = result_file(tmp_path / "a.json", "0", [record("baseline", "L4096", 50)])

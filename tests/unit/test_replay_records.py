@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import time
@@ -64,6 +65,23 @@ def test_slowest_ok_takes_the_slowest_fraction_of_served_calls_only():
 def test_slowest_ok_rejects_a_fraction_outside_0_1(fraction):
     with pytest.raises(ValueError, match="fraction"):
         result([served(0, 1.0)]).slowest_ok(fraction)
+
+
+def test_a_lead_in_is_replayed_but_left_out_of_every_figure():
+    measured = [served(i, latency_ms=10.0 + i) for i in range(50)]
+    lead = [
+        RequestRecord(100 + i, dataclasses.replace(planned(100 + i), lead_in=True), status=OK, latency_ms=900.0,
+                      served_by="full_recompute", server_total_ms=1.0, sent_at_s=0.001 * i)
+        for i in range(10)
+    ]  # fmt: skip
+    refused = RequestRecord(200, dataclasses.replace(planned(200), lead_in=True), status="RESOURCE_EXHAUSTED")
+    run = result([*lead, refused, *measured])
+    assert run.measured == measured
+    summary = run.summary(slo_ms=100.0)
+    assert (summary["planned"], summary["sent"], summary["ok"], summary["failed"]) == (50, 50, 50, 0)
+    assert summary["max_ms"] == pytest.approx(59.0)  # none of the lead-in's 900 ms calls
+    assert summary["meets_slo"]
+    assert all(not r.planned.lead_in for r in run.slowest_ok(0.5))
 
 
 def test_breakdown_splits_the_client_latency():

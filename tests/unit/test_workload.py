@@ -198,6 +198,40 @@ def test_messages_are_valid_on_the_wire():
     assert (event.request_id, event.user_id) == (planned.request_id, planned.user_id)
 
 
+def test_a_lead_in_is_planned_before_the_measured_window_and_marked():
+    base = WorkloadConfig(seed=4, duration_s=10.0, rate_rps=50.0, fixed_prefix_len=512)
+    cold = generate(base)
+    warm = generate(dataclasses.replace(base, lead_in_s=20.0))
+    assert not any(r.lead_in for r in cold.requests)
+    assert cold.measured == cold.requests
+    lead = [r for r in warm.requests if r.lead_in]
+    measured = warm.measured
+    assert lead
+    assert measured
+    assert all(r.t_retrieval_s < 20.0 for r in lead)
+    assert all(20.0 <= r.t_retrieval_s < 30.0 for r in measured)
+    assert warm.describe()["requests"] == len(measured)
+    assert warm.describe()["lead_in_requests"] == len(lead)
+
+    # The window meets users returning from sessions begun before it: a cold 10 s plan has about
+    # a third of its requests returning, a warm one over half (the session model: 2/3 at most).
+    def returning(reqs: list) -> float:
+        return sum(r.returning for r in reqs) / len(reqs)
+
+    assert returning(cold.requests) < 0.4
+    assert 0.5 < returning(measured) < 0.7
+
+
+def test_the_measured_window_is_offered_the_planned_rate_whatever_the_lead_in():
+    for lead_in in (0.0, 10.0, 20.0):
+        rates = [
+            len(generate(WorkloadConfig(seed=s, duration_s=10.0, rate_rps=50.0, lead_in_s=lead_in)).measured)
+            / 10.0
+            for s in range(20)
+        ]
+        assert sum(rates) / len(rates) == pytest.approx(50.0, rel=0.05), lead_in
+
+
 def test_describe_states_the_workload(long_workload):
     d = long_workload.describe()
     for key in ("requests", "realized_rps", "returning_fraction", "prefix_len_p50", "prefix_len_p90",
@@ -210,6 +244,10 @@ def test_describe_states_the_workload(long_workload):
 
 
 def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="lead_in_s"):
+        WorkloadConfig(lead_in_s=-1.0)
+    with pytest.raises(ValueError, match="lead_in_s"):
+        WorkloadConfig(lead_in_s=float("nan"))
     with pytest.raises(ValueError, match="fixed_prefix_len"):
         WorkloadConfig(fixed_prefix_len=4)
     with pytest.raises(ValueError, match="session_mean_requests"):
