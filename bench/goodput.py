@@ -339,6 +339,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},
+            # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
+            **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -101,6 +101,9 @@ async def eps_against_full(router: Any, result: ReplayResult, materializer: Mate
 _DEVICE_SECONDS = 'relaygr_ranker_device_seconds_total{work="%s"}'
 
 
+GRAPH_FAMILIES = ("cached", "full", "preinfer")
+
+
 async def device_counters(stack: Stack) -> dict[str, float]:
     """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
     totals: dict[str, float] = collections.defaultdict(float)
@@ -112,6 +115,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
         totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
+        for family in GRAPH_FAMILIES:  # CUDA graphs: batches replayed and run eagerly, by family
+            for what in ("replays", "eager_batches"):
+                name = f'relaygr_ranker_graph_{what}_total{{family="{family}"}}'
+                totals[f"graph_{what}_{family}"] += samples.get(name, 0.0)
     return dict(totals)
 
 
@@ -273,6 +280,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
         # The caching allocator freed every cached block and retried: each a device-wide stall.
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
+        # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
+        **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
         # The host's CPUs over the replay (every process on it, not only ours; Linux only).

@@ -62,7 +62,7 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer
-from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for
+from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for, warm_full_keys
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.scheduler import (
@@ -462,11 +462,14 @@ class Engine:
 
     async def capture_graphs(self, tokens_per_user: list[int]) -> int:
         """Captures the ranking graphs of every batch size up to max_batch for users of these
-        new-token counts (e.g. recent behaviors + candidates); returns how many were captured."""
+        new-token counts (e.g. recent behaviors + candidates), and the full-ranking and
+        pre-inference graphs of one sequence at every size of their ladder (warm_full_keys: a
+        prefix length seen first mid-serving would otherwise stall the device thread for its
+        capture); returns how many were captured."""
         graphs = self.graphs
         if graphs is None:
             return 0
-        keys: list[BucketKey] = []
+        keys: list[BucketKey] = warm_full_keys(graphs.limits)
         for n in tokens_per_user:
             for b in range(1, self.config.max_batch + 1):
                 key = bucket_for(b, b * n, n, graphs.limits)

@@ -34,12 +34,14 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from services.ranker.model import HostTokens, HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
@@ -105,6 +107,31 @@ def _ladder(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(s for s in sizes if s <= max_tokens))
 
 
+@functools.lru_cache(maxsize=16)
+def _full_ladder(max_tokens: int) -> tuple[int, ...]:
+    """Token capacities of the full and preinfer families: 256, then steps of a quarter of the
+    power of two below (padding under 25%), up to and including max_tokens. Coarser than the
+    cached family's at the short end (full passes are prefix-long), so that every size fits the
+    family's graph cap and all of them are captured at start-up (21 graphs up to 8192 tokens)."""
+    sizes = {256}
+    base = 256
+    while base < max_tokens:
+        sizes.update(range(base + base // 4, 2 * base + 1, base // 4))
+        base *= 2
+    sizes.add(max_tokens)
+    return tuple(sorted(s for s in sizes if s <= max_tokens))
+
+
+def warm_full_keys(limits: GraphLimits) -> list[BucketKey]:
+    """The full and preinfer buckets of one sequence at every size of their ladder (what the
+    ranker captures at start-up, so that no capture stalls the device thread mid-serving), at
+    most max_full_graphs per family."""
+    if limits.max_full_tokens <= 0:
+        return []
+    sizes = _full_ladder(limits.max_full_tokens)[: limits.max_full_graphs]
+    return [BucketKey(1, t, t, mode) for mode in (FULL, PREINFER) for t in sizes]
+
+
 def token_ladder(max_tokens: int) -> list[int]:
     """The bucket token capacities for max_tokens (see _ladder)."""
     return list(_ladder(max_tokens))
@@ -125,10 +152,12 @@ def bucket_for(
         max_batch, max_tokens = limits.max_full_batch, limits.max_full_tokens
     if batch < 1 or batch > max_batch or tokens > max_tokens or max_len > tokens:
         return None
-    ladder = _ladder(max_tokens)  # cached: this runs for every ranking batch
+    ladder = _ladder(max_tokens) if mode == CACHED else _full_ladder(max_tokens)  # both lru-cached
     t = ladder[bisect.bisect_left(ladder, tokens)]
     b = min(_pow2_at_least(batch), max_batch)
     length = min(t, max(_MIN_TOKENS, _pow2_at_least(max_len)))
+    if mode != CACHED and b == 1:
+        length = t  # one sequence: its bucket is its size (the graphs captured at start-up)
     return BucketKey(b, t, length, mode)
 
 
@@ -147,6 +176,16 @@ class GraphStats:
     # Batches run eagerly, by reason: "no_graph_yet", "too_large", "prefix_too_long",
     # "graph_limit", "chunk_reads_psi" (a pre-inference chunk after a prefix's first token).
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # By family (CACHED, FULL, PREINFER): replays, and batches that ran eagerly.
+    replays_by_family: dict[str, int] = field(default_factory=dict)
+    eager_by_family: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{family: {"replays": n, "eager": n}} for every family (0 where none ran)."""
+        return {
+            f: {"replays": self.replays_by_family.get(f, 0), "eager": self.eager_by_family.get(f, 0)}
+            for f in (CACHED, FULL, PREINFER)
+        }
 
 
 class RankGraphs:
@@ -212,7 +251,7 @@ class RankGraphs:
             return None
         key, graph = found
         self._stage(key, tokens, psis)
-        return self._replay_scores(graph, tokens)
+        return self._replay_scores(key, graph, tokens)
 
     def full(
         self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]
@@ -225,7 +264,7 @@ class RankGraphs:
             return None
         key, graph = found
         self._stage(key, tokens, None)
-        return self._replay_scores(graph, tokens)
+        return self._replay_scores(key, graph, tokens)
 
     @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
     def preinfer(self, chunks: Sequence[PrefixChunk]) -> bool:
@@ -234,7 +273,7 @@ class RankGraphs:
         must run eagerly (nothing was written then). The copies into psi are issued on the
         current stream: the caller synchronises before psi is read elsewhere."""
         if any(c.start for c in chunks):
-            self._fallback("chunk_reads_psi")
+            self._fallback("chunk_reads_psi", PREINFER)
             return False
         for c in chunks:
             self._check_psi(c.psi)
@@ -244,7 +283,7 @@ class RankGraphs:
             return False
         key, graph = found
         self._stage(key, tokens, None)
-        self._replay(graph)
+        self._replay(key, graph)
         kv = self._kv_out
         assert kv is not None  # allocated by the capture of any preinfer graph
         start = 0
@@ -258,7 +297,7 @@ class RankGraphs:
         within the limits is remembered for capture."""
         key = bucket_for(len(tokens.lengths), tokens.total, max(tokens.lengths, default=0), self.limits, mode)
         if key is None:
-            self._fallback("too_large")
+            self._fallback("too_large", mode)
             return None
         graph = self._graphs.get(key)
         if graph is not None:
@@ -267,18 +306,19 @@ class RankGraphs:
         held = sum(1 for k in (*self._graphs, *self._pending) if k.mode == mode)
         if held < cap:
             self._pending.add(key)
-            self._fallback("no_graph_yet")
+            self._fallback("no_graph_yet", mode)
         else:
-            self._fallback("graph_limit")
+            self._fallback("graph_limit", mode)
         return None
 
-    def _replay(self, graph: _Graph) -> None:
+    def _replay(self, key: BucketKey, graph: _Graph) -> None:
         graph.graph.replay()
         graph.replays += 1
         self.stats.replays += 1
+        self.stats.replays_by_family[key.mode] = self.stats.replays_by_family.get(key.mode, 0) + 1
 
-    def _replay_scores(self, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
-        self._replay(graph)
+    def _replay_scores(self, key: BucketKey, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
+        self._replay(key, graph)
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
         return list(graph.logits[:count].cpu().split(list(tokens.candidate_counts)))
@@ -294,9 +334,10 @@ class RankGraphs:
         if kv.numel() and kv.data_ptr() % 16:
             raise ValueError(f"psi of {psi.key} is not 16-byte aligned")
 
-    def _fallback(self, reason: str) -> list[torch.Tensor] | None:
-        """Counts why a batch runs eagerly; returns None (rank's answer for it)."""
+    def _fallback(self, reason: str, family: str = CACHED) -> list[torch.Tensor] | None:
+        """Counts why a batch of `family` runs eagerly; returns None (rank's answer for it)."""
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
+        self.stats.eager_by_family[family] = self.stats.eager_by_family.get(family, 0) + 1
         return None
 
     def _stage(self, key: BucketKey, tokens: HostTokens, psis: Sequence[Psi] | None) -> None:
@@ -438,3 +479,29 @@ class RankGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(key, batch)
         return _Graph(graph, logits)
+
+
+class GraphStatsCollector(Collector):
+    """Prometheus view of a RankGraphs' GraphStats, read at scrape time: batches per graph family
+    (cached, full, preinfer) served by a replay and run eagerly (CUDA only)."""
+
+    def __init__(self, stats: GraphStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        replays = CounterMetricFamily(
+            "relaygr_ranker_graph_replays",
+            "batches served by a CUDA graph replay, by family",
+            labels=["family"],
+        )
+        eager = CounterMetricFamily(
+            "relaygr_ranker_graph_eager_batches",
+            "batches of a graph family run eagerly (no graph for the shape yet, too large, or a "
+            "pre-inference chunk that reads psi)",
+            labels=["family"],
+        )
+        for family, counts in self._stats.counts().items():
+            replays.add_metric([family], counts["replays"])
+            eager.add_metric([family], counts["eager"])
+        yield replays
+        yield eager

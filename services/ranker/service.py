@@ -52,7 +52,7 @@ from services.ranker.config import RankerConfig
 from services.ranker.cost_model import CostModel
 from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
-from services.ranker.graphs import GraphLimits
+from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
@@ -97,11 +97,6 @@ class _Metrics:
         )  # fmt: skip
         self.rank_errors = Counter("relaygr_ranker_rank_errors_total", "Rank calls not answered", ["code"],
                                    registry=registry)  # fmt: skip
-        self.graph_replays = Gauge("relaygr_ranker_graph_replays", "ranking batches served by a CUDA graph "
-                                   "replay (CUDA only)", registry=registry)  # fmt: skip
-        self.graph_eager = Gauge("relaygr_ranker_graph_eager_batches", "ranking batches against psi run "
-                                 "without a graph (no graph for the shape yet, or too large)",
-                                 registry=registry)  # fmt: skip
         self.rank_refusals = Counter("relaygr_ranker_rank_refusals_total",
                                      "Rank calls refused by admission control (limit: the cap on calls, "
                                      "work: the bound on predicted work, "
@@ -248,8 +243,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.metrics.rank_throughput.set_function(lambda: self.admission.throughput or 0.0)
         graphs = self.engine.graph_stats()
         if graphs is not None:
-            self.metrics.graph_replays.set_function(lambda: graphs.replays)
-            self.metrics.graph_eager.set_function(lambda: sum(graphs.fallbacks.values()))
+            self.registry.register(GraphStatsCollector(graphs))
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._expiry: asyncio.Task[None] | None = None

@@ -127,10 +127,12 @@ def test_full_graph_replays_match_eager_full(model):
         graphed = with_capture(graphs, lambda p=prefixes, s=suffixes: graphs.full(p, s))
         assert graphed is not None
         assert max_rel(eager, graphed) <= tol, shapes
+    assert graphs.stats.replays_by_family["full"] == len(cases)
     # A batch over the family's limits runs eagerly.
     prefixes, suffixes = batch(200, [Shape(1, 5000, 4, 4)])
     assert graphs.full(prefixes, suffixes) is None
     assert graphs.stats.fallbacks["too_large"] >= 1
+    assert graphs.stats.counts()["full"]["eager"] >= 1
 
 
 def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
@@ -161,3 +163,5 @@ def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
     psi = model.new_psi(prefixes[0])
     assert graphs.preinfer([PrefixChunk(prefixes[0], psi, 256, 512)]) is False
     assert graphs.stats.fallbacks["chunk_reads_psi"] == 1
+    assert graphs.stats.replays_by_family["preinfer"] == len(cases)
+    assert "cached" not in graphs.stats.replays_by_family

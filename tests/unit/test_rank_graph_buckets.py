@@ -7,8 +7,20 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
-from services.ranker.graphs import CACHED, FULL, PREINFER, BucketKey, GraphLimits, bucket_for, token_ladder
+from services.ranker.graphs import (
+    CACHED,
+    FULL,
+    PREINFER,
+    BucketKey,
+    GraphLimits,
+    GraphStats,
+    GraphStatsCollector,
+    bucket_for,
+    token_ladder,
+    warm_full_keys,
+)
 
 
 def test_token_ladder_has_bounded_padding_and_ends_at_the_limit():
@@ -91,3 +103,38 @@ def test_full_graph_limits_are_validated():
     with pytest.raises(ValueError, match="full graph limits"):
         GraphLimits(max_full_batch=0).validate()
     GraphLimits(max_full_tokens=0).validate()  # 0: none, valid
+
+
+def test_graph_counts_are_exported_per_family():
+    stats = GraphStats(replays_by_family={FULL: 3}, eager_by_family={PREINFER: 2, CACHED: 1})
+    registry = CollectorRegistry()
+    registry.register(GraphStatsCollector(stats))
+
+    def value(what: str, family: str) -> float | None:
+        return registry.get_sample_value(f"relaygr_ranker_graph_{what}_total", {"family": family})
+
+    assert value("replays", FULL) == 3
+    assert value("replays", CACHED) == 0  # every family is exported, 0 where none ran
+    assert value("eager_batches", PREINFER) == 2
+    assert value("eager_batches", CACHED) == 1
+    stats.replays_by_family[FULL] = 4  # read at scrape time
+    assert value("replays", FULL) == 4
+
+
+def test_full_and_preinfer_graphs_of_one_sequence_are_all_captured_at_start_up():
+    limits = GraphLimits(max_full_tokens=8192)
+    keys = warm_full_keys(limits)
+    sizes = sorted({k.tokens for k in keys})
+    assert sizes[0] == 256
+    assert sizes[-1] == 8192
+    for small, big in itertools.pairwise(sizes):
+        assert big - small <= max(64, small // 4)  # padding under 25% past the first size
+    assert len(sizes) <= limits.max_full_graphs
+    assert {k.mode for k in keys} == {FULL, PREINFER}
+    # Every one-sequence batch of either family lands on a bucket captured at start-up.
+    for mode in (FULL, PREINFER):
+        for tokens in (1, 100, 256, 257, 700, 4096, 4416, 8000, 8192):
+            assert bucket_for(1, tokens, tokens, limits, mode) in keys, (mode, tokens)
+    assert warm_full_keys(GraphLimits()) == []  # off by default
+    few = warm_full_keys(GraphLimits(max_full_tokens=8192, max_full_graphs=4))
+    assert len(few) == 8  # at most the family's cap each
