@@ -263,13 +263,16 @@ def find_limit(
 
 
 def workload_config(name: str, base: WorkloadConfig) -> WorkloadConfig:
-    """`L<n>`: every prefix exactly n tokens; `mix`: the ML-100K length mix of `base`."""
-    if name == "mix":
-        return dataclasses.replace(base, fixed_prefix_len=None)
-    match = re.fullmatch(r"L(\d+)", name)
+    """`L<n>`: every prefix exactly n tokens; `mix`: the ML-100K length mix of `base`. A suffix
+    `-s1` makes every session a single request (no reuse at all: EVALUATION's "where the gain
+    comes from" run, e.g. `L4096-s1` beside `L4096`)."""
+    match = re.fullmatch(r"(mix|L(\d+))(-s1)?", name)
     if match is None:
-        raise ValueError(f"unknown workload {name!r}: L<prefix tokens> or mix")
-    return dataclasses.replace(base, fixed_prefix_len=int(match.group(1)))
+        raise ValueError(f"unknown workload {name!r}: L<prefix tokens> or mix, optionally with -s1")
+    cfg = dataclasses.replace(base, fixed_prefix_len=int(match.group(2)) if match.group(2) else None)
+    if match.group(3):
+        cfg = dataclasses.replace(cfg, session_mean_requests=1.0)
+    return cfg
 
 
 def point_config(
@@ -604,7 +607,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="baseline,relay", help="comma-separated, of " + ", ".join(CONFIGS))
     p.add_argument(
-        "--workloads", default="L2048,L4096,L8192,L12288,mix", help="comma-separated: L<tokens> | mix"
+        "--workloads",
+        default="L2048,L4096,L8192,L12288,mix",
+        help="comma-separated: L<tokens> | mix, each optionally -s1 (sessions of one request)",
     )
     p.add_argument("--repeats", type=int, default=2, help="runs of each headline workload (L4096, mix)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -3,6 +3,7 @@ the precision, extends past the grid instead of censoring, and never confuses a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -162,8 +163,18 @@ def test_workload_names():
     base = WorkloadConfig()
     assert workload_config("L4096", base).fixed_prefix_len == 4096
     assert workload_config("mix", base).fixed_prefix_len is None
-    with pytest.raises(ValueError, match="unknown workload"):
-        workload_config("L4k", base)
+    assert workload_config("L4096", base).session_mean_requests == base.session_mean_requests
+    # -s1: sessions of one request (no reuse), everything else as without it.
+    single = workload_config("L4096-s1", base)
+    assert (single.fixed_prefix_len, single.session_mean_requests) == (4096, 1.0)
+    mix_single = workload_config("mix-s1", base)
+    assert (mix_single.fixed_prefix_len, mix_single.session_mean_requests) == (None, 1.0)
+    assert not any(
+        r.returning for r in generate(dataclasses.replace(single, duration_s=5.0, rate_rps=40.0)).requests
+    )
+    for bad in ("L4k", "L4096-s2", "mix-", "s1", "L-s1"):
+        with pytest.raises(ValueError, match="unknown workload"):
+            workload_config(bad, base)
 
 
 @pytest.mark.parametrize("rate", [2.0, 40.0, 400.0])
