@@ -28,8 +28,9 @@ psi is being pre-inferred here goes through `relay()`, which asks the scheduler:
 
 The step-cost models are `services.ranker.call_cost.CostFit`s (the fit admission uses), fitted
 here on the device thread: one to the measured pre-inference steps (tokens, attention pairs,
-seconds), what the scheduler sizes chunks and judges joins by; one to the ranking batches, what it
-composes batches by. One fit of both ran chunk steps ~1.5x over the budget on the CPU.
+seconds), what the scheduler sizes chunks and judges joins by; one to the steps that a CUDA graph
+ran from a prefix's first token (first chunks, costed apart: see IterationScheduler.chunk_seconds);
+one to the ranking batches, what it composes batches by. One fit of both ran chunk steps ~1.5x over the budget on the CPU.
 
 Device time (services/ranker/device_time.py): every ranking batch, pre-inference chunk and copy
 adds its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
@@ -288,6 +289,10 @@ class Engine:
         # coefficients from the event loop: an immutable value that observe() replaces whole.
         self._step_prior = config.step_prior  # until calibrate_steps() measures one
         self.step_costs = CostFit(config.step_prior)
+        # Steps that build prefixes from their first token by a graph replay: their own fit, from
+        # calibrate_steps() on (None until then, and without graphs for them).
+        self._first_prior: CostPrior | None = None
+        self.first_costs: CostFit | None = None
         self.rank_costs = CostFit(config.step_prior)
         self.scheduler = IterationScheduler(config.scheduler(), self.step_costs, self.rank_costs)
         self.graphs: RankGraphs | None = None
@@ -496,6 +501,9 @@ class Engine:
             self.rank_costs = CostFit(self.config.step_prior)
             self.scheduler.costs = self.step_costs
             self.scheduler.rank_costs = self.rank_costs
+            if self._first_prior is not None:
+                self.first_costs = CostFit(self._first_prior)
+                self.scheduler.first_costs = self.first_costs
 
     async def calibrate_steps(self, prefix: UserPrefix, repeats: int = 3) -> CostPrior:
         """Measures pre-inference steps of this (warm) prefix on the device thread: a first
@@ -515,35 +523,80 @@ class Engine:
             psi = self.model.new_psi(prefix)
 
             def step(start: int, end: int) -> Callable[[], None]:
-                return lambda: self._preinfer_chunks([PrefixChunk(prefix, psi, start, end)])
+                return lambda: self.model.preinfer_chunks([PrefixChunk(prefix, psi, start, end)])  # eager
 
-            # Steps are measured as they will run: by their graphs where those exist.
-            for s in steps:
-                step(*s)()
-            if self.graphs is not None:
-                self.graphs.capture_pending(limit=len(steps))
             whole = self._median_s(step(0, length), repeats)  # first: the last chunk reads it
             return [self._median_s(step(*s), repeats) for s in steps[:2]] + [whole]
 
         seconds = await self.call(measure)
+        prior = self._fitted_prior([(end - start, end) for start, end in steps], seconds)
+        if prior is None:
+            return self._step_prior  # nothing measurable (a clock too coarse): keep it
+        with self._cv:
+            self._step_prior = prior
+            self.step_costs = CostFit(prior)
+            self.scheduler.costs = self.step_costs
+        try:
+            await self._calibrate_graph_steps(prefix, repeats)
+        except Exception as exc:  # best effort: without it first chunks are costed as eager ones
+            log.warning("preinfer_graph_steps_not_calibrated", error=repr(exc))
+        return prior
+
+    async def _calibrate_graph_steps(self, prefix: UserPrefix, repeats: int) -> None:
+        """Where pre-inference steps from a prefix's first token replay graphs: measures such
+        steps of 256 tokens, half the prefix and all of it, whose fit becomes the scheduler's
+        cost of first chunks (IterationScheduler.chunk_seconds). Nothing when no graph holds
+        them (CPU, RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS 0, or a prefix too long)."""
+        graphs = self.graphs
+        length = prefix.length
+        if graphs is None or graphs.limits.max_full_tokens < length:
+            return
+        ends = (CHUNK_TOKENS, max(CHUNK_TOKENS, length // 2), length)
+
+        def measure() -> list[float] | None:
+            psi = self.model.new_psi(prefix)
+
+            def step(end: int) -> Callable[[], bool]:
+                return lambda: graphs.preinfer([PrefixChunk(prefix, psi, 0, end)])
+
+            for end in ends:  # remembers each bucket without a graph; capture them
+                step(end)()
+            graphs.capture_pending(limit=len(ends))
+            if not all(step(end)() for end in ends):
+                return None  # a graph limit or a failed capture: no graph steps to fit
+            return [self._median_s(step(end), repeats) for end in ends]
+
+        seconds = await self.call(measure)
+        if seconds is None:
+            return
+        prior = self._fitted_prior([(end, end) for end in ends], seconds)
+        if prior is None:
+            return
+        with self._cv:
+            self._first_prior = prior
+            self.first_costs = CostFit(prior)
+            self.scheduler.first_costs = self.first_costs
+            self.scheduler.graph_tokens = graphs.limits.max_full_tokens
+        log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
+                 per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
+                 step_ms=[round(t * 1e3, 3) for t in seconds])  # fmt: skip
+
+    def _fitted_prior(self, steps: list[tuple[int, int]], seconds: list[float]) -> CostPrior | None:
+        """A step-cost prior fitted to measured steps of (tokens, end) (pairs: tokens x end);
+        None when nothing is measurable."""
         fit = CostFit(dataclasses.replace(self.config.step_prior, batches=0.0))
-        for (start, end), t in zip(steps, seconds, strict=True):
-            fit.observe(end - start, (end - start) * end, t)
+        for (tokens, end), t in zip(steps, seconds, strict=True):
+            fit.observe(tokens, tokens * end, t)
         c = fit.coefficients
         if c.per_batch_s + c.per_token_s <= 0:
-            return self._step_prior  # nothing measurable (a clock too coarse): keep it
-        prior = dataclasses.replace(
+            return None
+        return dataclasses.replace(
             self.config.step_prior,
             per_batch_s=c.per_batch_s,
             per_token_s=c.per_token_s,
             per_pair_s=c.per_pair_s,
             pairs_measured=True,
         )
-        with self._cv:
-            self._step_prior = prior
-            self.step_costs = CostFit(prior)
-            self.scheduler.costs = self.step_costs
-        return prior
 
     async def measure_copy_gbps(self, nbytes: int = 64 << 20, repeats: int = 3) -> float:
         """Host -> device copy bandwidth (GB/s), measured on the device thread: what a reload of
@@ -842,8 +895,9 @@ class Engine:
             for _, job in work:
                 if job.psi is None:
                     job.psi = self.model.new_psi(job.prefix)
+            chunks = [PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work]  # type: ignore[arg-type]
             with timer.section():
-                self._preinfer_chunks([PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work])  # type: ignore[arg-type]
+                graphed = self._preinfer_chunks(chunks)
             self._sync()  # the chunk is built before anyone reads it
         except Exception as exc:
             with self._cv:
@@ -856,7 +910,10 @@ class Engine:
         seconds = timer.total_s()
         tokens = sum(c.end - c.start for c, _ in work)
         self.device_time.add("preinfer", seconds)
-        self.step_costs.observe(tokens, sum((c.end - c.start) * c.end for c, _ in work), seconds)
+        # Graph steps and eager steps cost differently (IterationScheduler.chunk_seconds): each fit
+        # learns from its own kind.
+        fit = self.first_costs if graphed and self.first_costs is not None else self.step_costs
+        fit.observe(tokens, sum((c.end - c.start) * c.end for c, _ in work), seconds)
         with self._cv:
             for c, job in work:
                 job.done = c.end
@@ -870,11 +927,13 @@ class Engine:
                     )
                     job.resolve(job.psi)
 
-    def _preinfer_chunks(self, chunks: list[PrefixChunk]) -> None:
+    def _preinfer_chunks(self, chunks: list[PrefixChunk]) -> bool:
         """On the device thread: one pre-inference step, by a graph replay where one is captured
-        for its shape (chunks from a prefix's first token), else eagerly."""
-        if self.graphs is None or not self.graphs.preinfer(chunks):
-            self.model.preinfer_chunks(chunks)
+        for its shape (chunks from a prefix's first token), else eagerly. True: by a graph."""
+        if self.graphs is not None and self.graphs.preinfer(chunks):
+            return True
+        self.model.preinfer_chunks(chunks)
+        return False
 
     def _issue_copies(self) -> bool:
         with self._cv:

@@ -36,7 +36,9 @@ the whole pre-inference step (3.5-4 ms) plus the call against psi (~1.6) cost ~5
 
 Step costs come from `services.ranker.call_cost.CostFit` (per batch + per token + per attention
 pair), which the engine fits to its own measured steps: one fit of pre-inference steps (what
-chunks are sized by), one of ranking batches (what batch composition is judged by).
+chunks are sized by), one of ranking batches (what batch composition is judged by), and on a GPU
+one of the steps that build a prefix from its first token by a CUDA graph replay (`first_costs`:
+such a step costs its device work, an eager one ~4-5 ms of host time besides).
 """
 
 from __future__ import annotations
@@ -159,19 +161,37 @@ class IterationScheduler:
     """Plans the engine's steps (see the module docstring). Holds no queue: the engine passes
     what is queued at each call. Not thread-safe: the engine calls it under its lock."""
 
-    def __init__(self, config: SchedulerConfig, costs: CostFit, rank_costs: CostFit | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        costs: CostFit,
+        rank_costs: CostFit | None = None,
+        first_costs: CostFit | None = None,
+        graph_tokens: int = 0,
+    ) -> None:
         """`costs`: the fit of pre-inference steps (chunk sizes, join decisions); `rank_costs`:
-        the fit of ranking batches (batch composition), `costs` when not given."""
+        the fit of ranking batches (batch composition), `costs` when not given; `first_costs`:
+        the fit of steps that build a prefix from its first token in one CUDA graph replay, for
+        chunks of at most `graph_tokens` (None: every step is costed by `costs`)."""
         self.config = config
         self.costs = costs
         self.rank_costs = rank_costs if rank_costs is not None else costs
+        self.first_costs = first_costs
+        self.graph_tokens = graph_tokens
 
     # ------------------------------------------------------------------ costs
 
     def chunk_seconds(self, done: int, tokens: int) -> float:
         """Predicted device time of building `tokens` prefix tokens after `done` built ones, as
-        one batch: each new token attends to the built ones and to the new ones before it."""
-        return self.costs.coefficients.seconds(tokens, tokens * (done + tokens))
+        one batch: each new token attends to the built ones and to the new ones before it. A
+        chunk from the prefix's first token that a graph holds is costed by the graph steps' fit:
+        on a GPU such a step costs its device work while a later chunk (eager, reading psi) pays
+        ~4-5 ms of host time whatever its size, and one fit of both learnt a pair cost that made
+        every large first chunk look dear."""
+        fit = self.costs
+        if done == 0 and self.first_costs is not None and tokens <= self.graph_tokens:
+            fit = self.first_costs
+        return fit.coefficients.seconds(tokens, tokens * (done + tokens))
 
     def chunk_size(self, done: int, remaining: int, budget_s: float) -> int:
         """The largest chunk after `done` built tokens, in whole fingerprint chunks, at most

@@ -244,3 +244,28 @@ def test_a_call_joins_a_batch_only_while_batching_it_saves_more_than_it_costs():
     # Calls against psi of a few tokens cost less than the batch they share: a few join.
     cached = [RankItem(i, RankKind.CACHED, 1.0 + i, 0.0, 48) for i in range(8)]
     assert cpu.plan(0.0, cached, []).rank == (0, 1, 2, 3)  # the 4th: 3 x 0.43 ms <= 1.3 ms
+
+
+def test_first_chunks_that_a_graph_holds_are_costed_by_the_graph_steps_fit():
+    # An H100's shape: an eager step pays ~4.5 ms of host time whatever its size, plus its
+    # attention; a graph step from the prefix's first token costs its device work.
+    eager = fitted(4.5 * MS, 0.1e-6, 0.3e-9)
+    graph = fitted(0.2 * MS, 0.8e-6, 0.0)
+    config = SchedulerConfig(max_wait_s=0.0, chunk_tokens=8192, max_rank_delay_s=1 * MS)
+    plain = IterationScheduler(config, eager)
+    both = IterationScheduler(config, eager, first_costs=graph, graph_tokens=8192)
+    assert both.chunk_seconds(0, 4096) == pytest.approx(0.2 * MS + 4096 * 0.8e-6, rel=0.01)
+    assert both.chunk_seconds(256, 4096) == pytest.approx(plain.chunk_seconds(256, 4096))  # reads psi: eager
+    assert both.chunk_seconds(0, 8448) == pytest.approx(plain.chunk_seconds(0, 8448))  # past the graphs
+    # A fresh 4096-token prefix: one graph step (3.5 ms) fits the step budget (4.5 + 1 ms); by
+    # the eager fit alone (10 ms) it would be built in smaller eager steps.
+    item = PreinferItem(1, 4096, 0, 0.0)
+    [chunk] = both.plan(0.0, [], [item]).chunks
+    assert (chunk.start, chunk.end) == (0, 4096)
+    [eager_chunk] = plain.plan(0.0, [], [item]).chunks
+    assert eager_chunk.end < 4096
+    # ... and a call whose pre-inference has not started joins it rather than taking it over.
+    assert both.relay(item, 0.0, 1.0) is Relay.JOIN
+    assert plain.relay(item, 0.0, 1.0) is Relay.TAKE_OVER
+    # Started pre-inferences are costed by the eager fit.
+    assert both.remaining_seconds(256, 4096) == pytest.approx(plain.remaining_seconds(256, 4096))
