@@ -174,7 +174,8 @@ class GraphStats:
     replays: int = 0
     capture_ms: list[float] = field(default_factory=list)
     # Batches run eagerly, by reason: "no_graph_yet", "too_large", "prefix_too_long",
-    # "graph_limit", "chunk_reads_psi" (a pre-inference chunk after a prefix's first token).
+    # "graph_limit", "capture_failed", "chunk_reads_psi" (a pre-inference chunk after a prefix's
+    # first token).
     fallbacks: dict[str, int] = field(default_factory=dict)
     # By family (CACHED, FULL, PREINFER): replays, and batches that ran eagerly.
     replays_by_family: dict[str, int] = field(default_factory=dict)
@@ -224,6 +225,7 @@ class RankGraphs:
         self._nb_pos, self._nb_time = spec.num_pos_buckets, spec.num_time_buckets
         self._graphs: dict[BucketKey, _Graph] = {}
         self._pending: set[BucketKey] = set()
+        self._failed: set[BucketKey] = set()  # captures that raised: run eagerly from then on
         self._pool = torch.cuda.graph_pool_handle()
         # Every preinfer graph writes its K/V here (allocated at the first such capture):
         # [layers, 2, tokens, hidden], copied into the users' psi blocks after each replay.
@@ -302,6 +304,9 @@ class RankGraphs:
         graph = self._graphs.get(key)
         if graph is not None:
             return key, graph
+        if key in self._failed:
+            self._fallback("capture_failed", mode)
+            return None
         cap = self.limits.max_graphs if mode == CACHED else self.limits.max_full_graphs
         held = sum(1 for k in (*self._graphs, *self._pending) if k.mode == mode)
         if held < cap:
@@ -388,7 +393,7 @@ class RankGraphs:
     def request(self, keys: Sequence[BucketKey]) -> None:
         """Buckets to capture at the next capture_pending() (e.g. at warm-up)."""
         for key in keys:
-            if key not in self._graphs:
+            if key not in self._graphs and key not in self._failed:
                 self._pending.add(key)
 
     def capture_pending(self, limit: int = 1) -> int:
@@ -401,7 +406,13 @@ class RankGraphs:
             if key in self._graphs or sum(1 for k in self._graphs if k.mode == key.mode) >= cap:
                 continue
             started = time.perf_counter()
-            self._graphs[key] = self._capture(key)
+            try:
+                self._graphs[key] = self._capture(key)
+            except Exception as exc:  # that shape stays on the eager path, and is not tried again
+                self._failed.add(key)
+                log.error("rank_graph_capture_failed", mode=key.mode, batch=key.batch, tokens=key.tokens,
+                          max_len=key.max_len, error=repr(exc))  # fmt: skip
+                continue
             ms = (time.perf_counter() - started) * 1e3
             self.stats.captured += 1
             self.stats.capture_ms.append(ms)

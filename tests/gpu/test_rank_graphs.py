@@ -165,3 +165,26 @@ def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
     assert graphs.stats.fallbacks["chunk_reads_psi"] == 1
     assert graphs.stats.replays_by_family["preinfer"] == len(cases)
     assert "cached" not in graphs.stats.replays_by_family
+
+
+def test_a_capture_that_fails_leaves_its_shape_eager_and_the_others_captured(model, monkeypatch):
+    graphs = RankGraphs(
+        model, GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=1024, max_full_batch=1)
+    )
+    real = graphs._capture
+
+    def capture(key):
+        if key.mode == "full" and key.tokens == 256:
+            raise RuntimeError("capture failed")
+        return real(key)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    keys = [bucket_for(1, 256, 256, graphs.limits, "full"), bucket_for(1, 512, 512, graphs.limits, "full")]
+    graphs.request(keys)
+    assert graphs.capture_pending(limit=10) == 1  # the other one is captured
+    prefixes, suffixes = batch(500, [Shape(1, 100, 4, 8)])  # 113 tokens: the failed bucket
+    assert graphs.full(prefixes, suffixes) is None
+    assert graphs.stats.fallbacks["capture_failed"] == 1
+    assert not graphs.has_pending()  # not remembered for another try
+    prefixes, suffixes = batch(501, [Shape(1, 400, 4, 8)])  # 413 tokens: the captured one
+    assert graphs.full(prefixes, suffixes) is not None
