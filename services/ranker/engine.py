@@ -30,7 +30,8 @@ The step-cost models are `services.ranker.call_cost.CostFit`s (the fit admission
 here on the device thread: one to the measured pre-inference steps (tokens, attention pairs,
 seconds), what the scheduler sizes chunks and judges joins by; one to the steps that a CUDA graph
 ran from a prefix's first token (first chunks, costed apart: see IterationScheduler.chunk_seconds);
-one to the ranking batches, what it composes batches by. One fit of both ran chunk steps ~1.5x over the budget on the CPU.
+one to the ranking batches, what it composes batches by (one fit of pre-inference steps and
+ranking batches ran chunk steps ~1.5x over the budget on the CPU).
 
 Device time (services/ranker/device_time.py): every ranking batch, pre-inference chunk and copy
 adds its device time to `device_time` by kind (a copy under the kind its caller names: "copy",
