@@ -24,7 +24,7 @@ import torch
 from bench.report import median, write_result
 from kernels.device import accelerator
 from relaygr.synthetic import Shape, batch
-from services.ranker.model import HSTURanker
+from services.ranker.model import HSTURanker, PrefixChunk
 from shared.modelspec import ModelSpec, preset
 
 PROFILE_TOKENS = 16
@@ -146,8 +146,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         from services.ranker.graphs import GraphLimits, RankGraphs
 
         tokens = max(args.batches) * (args.recent + args.candidates)
+        # Full passes and pre-inference as served too (graph families full / preinfer), for every
+        # shape of the run: the serving default holds one sequence of up to 8192 tokens.
+        full_tokens = max(args.batches) * (max(args.prefix_lens) + args.recent + args.candidates)
         graphs = RankGraphs(model, GraphLimits(max_batch=max(args.batches), max_tokens=max(tokens, 64),
-                                               max_prefix_tokens=max(args.prefix_lens)))  # fmt: skip
+                                               max_prefix_tokens=max(args.prefix_lens), max_full_tokens=full_tokens,
+                                               max_full_batch=max(args.batches)))  # fmt: skip
     if args.profile:
         if graphs is not None:  # the bucket this batch needs, captured before profiling
             shape = Shape(PROFILE_TOKENS, args.profile_prefix - PROFILE_TOKENS, args.recent, args.candidates)
@@ -180,6 +184,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     raise RuntimeError(f"no CUDA graph for batch {batch_size} x {prefix_len}: {graphs.stats}")
                 cached = [g.to(acc.device) for g in graphed]
                 cached_ms = time_call(functools.partial(graphs.rank, suffixes, psis, keys), sync, reps, warm)
+            full_graph_ms = preinfer_graph_ms = None
+            if graphs is not None:
+                full_graph_ms, preinfer_graph_ms = time_graph_passes(
+                    graphs, model, prefixes, suffixes, sync, reps, warm
+                )
             eps = max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True))
             flops, nbytes = cached_rank_cost(spec, prefix_len, batch_size, args.recent, args.candidates)
             floor_ms = max(flops / (peak_tflops * 1e12), nbytes / (peak_gbps * 1e9)) * 1e3
@@ -202,6 +211,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "full_flops": full_flops,
                 "full_floor_ms": full_floor_ms,
                 "full_over_floor": full_ms / full_floor_ms,
+                # The same passes replayed as CUDA graphs (how the ranker serves them; None on the CPU).
+                "full_graph_ms": full_graph_ms,
+                "preinfer_graph_ms": preinfer_graph_ms,
+                "full_graph_over_floor": full_graph_ms / full_floor_ms if full_graph_ms else None,
                 "peak_tflops_measured": peak_tflops,
                 "peak_gbps_measured": peak_gbps,
                 "full_over_cached": full_ms / cached_ms,
@@ -219,6 +232,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if acc.backend == "cuda":
                 torch.cuda.empty_cache()
     return results
+
+
+def time_graph_passes(
+    graphs: Any, model: HSTURanker, prefixes: list[Any], suffixes: list[Any], sync: Any, reps: int, warm: int
+) -> tuple[float, float]:
+    """ms of a full ranking and of a whole pre-inference of this batch replayed as CUDA graphs
+    (captured first)."""
+    chunks = [PrefixChunk(p, model.new_psi(p), 0, p.length) for p in prefixes]
+    if graphs.full(prefixes, suffixes) is None or not graphs.preinfer(chunks):
+        graphs.capture_pending(limit=4)
+    if graphs.full(prefixes, suffixes) is None or not graphs.preinfer(chunks):
+        raise RuntimeError(
+            f"no full / preinfer CUDA graph for {len(prefixes)} x {prefixes[0].length}: {graphs.stats}"
+        )
+    full_ms = time_call(functools.partial(graphs.full, prefixes, suffixes), sync, reps, warm)
+    preinfer_ms = time_call(functools.partial(graphs.preinfer, chunks), sync, reps, warm)
+    return full_ms, preinfer_ms
 
 
 def main(argv: list[str] | None = None) -> None:
