@@ -146,12 +146,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         from services.ranker.graphs import GraphLimits, RankGraphs
 
         tokens = max(args.batches) * (args.recent + args.candidates)
-        # Full passes and pre-inference as served too (graph families full / preinfer), for every
-        # shape of the run: the serving default holds one sequence of up to 8192 tokens.
-        full_tokens = max(args.batches) * (max(args.prefix_lens) + args.recent + args.candidates)
         graphs = RankGraphs(model, GraphLimits(max_batch=max(args.batches), max_tokens=max(tokens, 64),
-                                               max_prefix_tokens=max(args.prefix_lens), max_full_tokens=full_tokens,
-                                               max_full_batch=max(args.batches)))  # fmt: skip
+                                               max_prefix_tokens=max(args.prefix_lens)))  # fmt: skip
     if args.profile:
         if graphs is not None:  # the bucket this batch needs, captured before profiling
             shape = Shape(PROFILE_TOKENS, args.profile_prefix - PROFILE_TOKENS, args.recent, args.candidates)
@@ -187,7 +183,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             full_graph_ms = preinfer_graph_ms = None
             if graphs is not None:
                 full_graph_ms, preinfer_graph_ms = time_graph_passes(
-                    graphs, model, prefixes, suffixes, sync, reps, warm
+                    model, prefixes, suffixes, sync, reps, warm
                 )
             eps = max(float((f - c).abs().max()) for f, c in zip(full, cached, strict=True))
             flops, nbytes = cached_rank_cost(spec, prefix_len, batch_size, args.recent, args.candidates)
@@ -235,10 +231,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def time_graph_passes(
-    graphs: Any, model: HSTURanker, prefixes: list[Any], suffixes: list[Any], sync: Any, reps: int, warm: int
+    model: HSTURanker, prefixes: list[Any], suffixes: list[Any], sync: Any, reps: int, warm: int
 ) -> tuple[float, float]:
     """ms of a full ranking and of a whole pre-inference of this batch replayed as CUDA graphs
-    (captured first)."""
+    (graph families full / preinfer, how the ranker serves them), captured first. Graphs sized
+    for this batch alone, as the ranker's are for the shapes it serves (their staging copy
+    grows with their capacity)."""
+    from services.ranker.graphs import GraphLimits, RankGraphs
+
+    tokens = sum(
+        p.length + s.recent.items.numel() + s.candidates.numel()
+        for p, s in zip(prefixes, suffixes, strict=True)
+    )
+    limits = GraphLimits(max_batch=1, max_tokens=64, max_prefix_tokens=1, max_full_tokens=tokens,
+                         max_full_batch=len(prefixes))  # fmt: skip
+    graphs = RankGraphs(model, limits)
     chunks = [PrefixChunk(p, model.new_psi(p), 0, p.length) for p in prefixes]
     if graphs.full(prefixes, suffixes) is None or not graphs.preinfer(chunks):
         graphs.capture_pending(limit=4)
