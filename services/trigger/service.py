@@ -148,6 +148,7 @@ class TriggerService:
         # the rankers' cached batches: their time per call).
         self.returns = ReturnRate(config.reuse_window_s)
         self._cached_ms: collections.deque[float] = collections.deque(maxlen=128)
+        self._cached_median_ms: float | None = None  # of _cached_ms, until it changes (every event reads it)
         self._seen_preinfer_seq: dict[str, int] = {}
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -390,7 +391,9 @@ class TriggerService:
         """A cached ranking call's device work: the median over the rankers' recent cached
         batches of their time per call, or before any, a full ranking of the suffix alone."""
         if self._cached_ms:
-            return statistics.median(self._cached_ms)
+            if self._cached_median_ms is None:
+                self._cached_median_ms = statistics.median(self._cached_ms)
+            return self._cached_median_ms
         return self.full_work.full_ms(self.config.suffix_tokens_estimate)
 
     def preinfer_ms(self, prefix_len: int) -> float:
@@ -483,6 +486,7 @@ class TriggerService:
         fresh = [s for s in stats.recent_batches if s.seq > seen and s.full and s.batch > 0]
         self._cached_ms.extend(s.compute_ms / s.batch for s in stats.recent_batches
                                if s.seq > seen and not s.full and s.batch > 0)  # fmt: skip
+        self._cached_median_ms = None
         self._seen_seq[target] = max(seen, newest)
         self.full_work.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms / s.batch) for s in fresh])
         newest_pre = max((p.seq for p in stats.recent_preinfers), default=0)

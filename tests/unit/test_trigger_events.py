@@ -237,6 +237,9 @@ def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
     assert 4.0 <= t.full_work.full_ms(4416) <= 6.0  # per call: a batch of two took 8 ms, 4 ms a call
     assert t.preinfer_ms(4096) == pytest.approx(5.0, rel=0.01)
     assert t.reuse_pays(4096, 4416)  # 3 x (5 - 1.5) > 5
+    # Newer cached batches move the price of a cached call (read once per Stats poll, not per event).
+    t._absorb("127.0.0.1:1", stats_reply([], [(4, 12.0)] * 20, []))  # seq 13-20 are new: 3 ms a call
+    assert t.cached_call_ms() == pytest.approx(3.0)
     # A pre-inference measured far dearer than the rankings it saves is not worth it.
     t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 40.0)] * 64))
     assert t.preinfer_ms(4096) > 20.0
