@@ -561,10 +561,11 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
 
 def merge(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Records of several goodput files measured on one host at once (one GPU each: the repeats of
-    a sitting run side by side), with repeats renumbered in file order per (config, workload).
-    Returns (records, the first file's settings plus `merged_from`, the machine with every GPU
-    index). ValueError if the files come from different hosts, devices or commits, or if their
-    protocol settings differ: such results do not share a sitting and their ratios mean nothing."""
+        a sitting run side by side), with repeats renumbered in file order per (config, workload).
+        Returns (records, the first file's settings plus `merged_from`, the machine with every GPU
+        index). ValueError if the files come from different hosts (or boots of one: leased machines
+    here share a host name), devices or commits, or if their
+        protocol settings differ: such results do not share a sitting and their ratios mean nothing."""
     if len(paths) < 2:
         raise ValueError("--merge needs at least two result files")
     docs = []
@@ -574,7 +575,7 @@ def merge(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any], 
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path}: {exc}") from exc
     first = docs[0]
-    for key in ("host", "device", "commit"):
+    for key in ("host", "boot_id", "device", "commit"):
         values = {d["machine"].get(key) for d in docs}
         if len(values) > 1:
             raise ValueError(

@@ -345,7 +345,19 @@ def machine() -> dict[str, Any]:
         "commit": _commit(),
         # Which of the host's GPUs this process saw (parallel runs on one host, one GPU each).
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        # This boot of this machine: leased machines here all call themselves "vm", so results
+        # of one sitting are told from another lease's by it (bench.goodput --merge).
+        "boot_id": boot_id(),
     }
+
+
+def boot_id() -> str | None:
+    """The kernel's id of this boot (Linux; None elsewhere)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

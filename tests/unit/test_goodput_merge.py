@@ -12,9 +12,21 @@ from bench import goodput
 
 
 def result_file(
-    path: Path, gpu: str, records: list[dict], host: str = "h1", slo_ms: float = 50.0, lead_in_s: float = 10.0
+    path: Path,
+    gpu: str,
+    records: list[dict],
+    host: str = "h1",
+    slo_ms: float = 50.0,
+    lead_in_s: float = 10.0,
+    boot: str = "b1",
 ) -> Path:
-    machine = {"host": host, "device": "NVIDIA H100", "commit": "abc", "cuda_visible_devices": gpu}
+    machine = {
+        "host": host,
+        "boot_id": boot,
+        "device": "NVIDIA H100",
+        "commit": "abc",
+        "cuda_visible_devices": gpu,
+    }
     config = {"preset": "bench", "slo_ms": slo_ms, "rankers": 1, "min_duration_s": 10.0, "min_calls": 400,
               "precision": 0.1, "session_mean_requests": 3.0, "think_scale": 0.1, "gap_ms": [20.0, 200.0], "tag": gpu,
               "configs": ["baseline", "relay"], "lead_in_s": lead_in_s}  # fmt: skip
@@ -66,6 +78,7 @@ def test_merge_writes_one_report_with_medians(tmp_path):
     ("other", "message"),
     [
         ({"host": "h2"}, "machine.host"),
+        ({"boot": "b2"}, "machine.boot_id"),  # another lease of a machine with the same name
         ({"slo_ms": 30.0}, "config.slo_ms"),
         ({"lead_in_s": 0.0}, "config.lead_in_s"),
     ],

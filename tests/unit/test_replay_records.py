@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from relaygr.harness import host_cpu_fractions, host_cpu_times
+from relaygr.harness import boot_id, host_cpu_fractions, host_cpu_times, machine
 from relaygr.replay import OK, ReplayResult, RequestRecord, replay
 from relaygr.workload import Materializer, PlannedRequest, WorkloadConfig, generate
 from shared.protos import ranker_pb2 as pb
@@ -115,6 +115,16 @@ def test_host_cpu_times_reads_this_host_where_linux_has_proc_stat():
     assert times["total"] > 0
     assert 0 <= times["steal"] <= times["total"]
     assert 0 <= times["idle"] <= times["total"]
+
+
+def test_the_machine_record_names_this_boot():
+    # Leased machines here are all called "vm": the boot id tells one lease's results from another's.
+    if not os.path.exists("/proc/sys/kernel/random/boot_id"):
+        assert boot_id() is None
+        return
+    assert boot_id() == boot_id()
+    assert len(boot_id() or "") == 36  # a UUID
+    assert machine()["boot_id"] == boot_id()
 
 
 def test_breakdown_of_an_unanswered_call_has_no_server_timings():
