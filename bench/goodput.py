@@ -334,7 +334,7 @@ class Runner:
             "returning_share": s["returning_share"],
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
-                                         "device_unused_psi_s", "psi_produced", "wasted_preinfer_rate", "reloads",
+                                         "device_unused_psi_s", "psi_produced", "psi_from_rankings", "wasted_preinfer_rate", "reloads",
                                          "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released", "resident_bytes_max",
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",

@@ -32,11 +32,18 @@ from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "baseline": {"trigger_policy": "off", "expander": False},
+    # Plain full inference: no pre-inference, and full rankings keep no psi.
+    "baseline": {
+        "trigger_policy": "off",
+        "expander": False,
+        "ranker_args": ("--ranking-psi-min-tokens", "0"),
+    },
     "preinfer-all": {"trigger_policy": "all"},
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
+    # psi only from pre-inference (full rankings keep none): what the rankings' psi adds.
+    "relay-preinfer-only": {"ranker_args": ("--ranking-psi-min-tokens", "0")},
     # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
     "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
     # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
@@ -254,6 +261,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "psi_produced": produced,
         "wasted_preinfer_rate": expired / produced if produced else 0.0,
         "reloads": sum(a.reloads - b.reloads for a, b in zip(after, before, strict=True)),
+        # Full rankings that kept their prefix's psi (the users' next calls read it).
+        "psi_from_rankings": sum(
+            a.psi_from_rankings - b.psi_from_rankings for a, b in zip(after, before, strict=True)
+        ),
         # The tiers (issue 14): psi copied to host DRAM, dropped from HBM for room, dropped uncopied.
         "demotions": sum(a.demotions - b.demotions for a, b in zip(after, before, strict=True)),
         "hbm_evictions": sum(a.hbm_evictions - b.hbm_evictions for a, b in zip(after, before, strict=True)),

@@ -173,6 +173,11 @@ class RankerConfig(TlsSettings):
     keep_demoted: bool = setting(True, env="RELAYGR_RANKER_KEEP_DEMOTED", renamed_from="RELAYGR_KEEP_DEMOTED",
                                  help="keep psi copied to host DRAM in HBM as an evictable hot copy "
                                  "(false: free it at once)")  # fmt: skip
+    ranking_psi_min_tokens: int = setting(512, env="RELAYGR_RANKER_RANKING_PSI_MIN_TOKENS",
+                                          help="a full ranking of a prefix at least this long keeps the "
+                                          "prefix's psi in the cache, written by the same pass, so that the "
+                                          "user's next call reads it (0: never: plain full inference)",
+                                          check=non_negative)  # fmt: skip
     host_tier: bool = setting(False, env="RELAYGR_RANKER_HOST_TIER", renamed_from="RELAYGR_HOST_TIER",
                               help="keep psi evicted from HBM in host DRAM, through the expander at "
                               "RELAYGR_EXPANDER_SOCKET_PATH (which must be running)")  # fmt: skip

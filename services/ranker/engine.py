@@ -115,6 +115,9 @@ class EngineConfig:
     # Replay captured CUDA graphs for batches against psi (CUDA only).
     cuda_graphs: bool = True
     graph_limits: GraphLimits = field(default_factory=GraphLimits)
+    # Full rankings may leave their prefix's psi (rank_full(keep_psi=True)): their graphs then
+    # also write K/V (RankGraphs full_keeps_kv).
+    full_keeps_psi: bool = False
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -136,6 +139,7 @@ class RankResult:
     reused_tokens: int = 0  # prefix tokens read from psi (the whole prefix against complete psi)
     batch_tokens: int = 0  # tokens the batch computed (all its calls)
     launch_ms: float = 0.0  # host time issuing the batch's device work, up to the wait for scores
+    psi: Psi | None = None  # a full ranking's prefix psi, complete (rank_full(keep_psi=True))
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,7 @@ class _RankJob(_Job):
     psi: Psi | None = field(kw_only=True, default=None)  # against complete psi
     key: PsiKey | None = field(kw_only=True, default=None)
     takes: _PreInferJob | None = field(kw_only=True, default=None)  # partial: the job it takes over
+    keep_psi: bool = field(kw_only=True, default=False)  # full: leave the prefix's psi (RankResult.psi)
     start_by: float = field(kw_only=True, default=float("inf"))  # time.perf_counter(); else Overdue
 
     def item(self) -> RankItem:
@@ -299,7 +304,7 @@ class Engine:
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
-            self.graphs = RankGraphs(model, limits)
+            self.graphs = RankGraphs(model, limits, full_keeps_kv=config.full_keeps_psi)
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
 
     # ------------------------------------------------------------------ lifecycle
@@ -371,11 +376,15 @@ class Engine:
         start_by: float = float("inf"),
         *,
         deadline: float | None = None,
+        keep_psi: bool = False,
     ) -> RankResult:
-        """Scores of the whole sequence; `start_by` and `deadline` as for rank_cached."""
+        """Scores of the whole sequence; `start_by` and `deadline` as for rank_cached. With
+        `keep_psi`, the result also carries the prefix's psi, written by the same pass (one
+        fresh block; its K/V are those a pre-inference of the prefix computes)."""
         job = self._rank_job(
-            RankKind.FULL, suffix, prefix.length + suffix.length, deadline, prefix=prefix, start_by=start_by
-        )
+            RankKind.FULL, suffix, prefix.length + suffix.length, deadline, prefix=prefix, start_by=start_by,
+            keep_psi=keep_psi,
+        )  # fmt: skip
         return await self._push_rank(job)
 
     async def preinfer(self, prefix: UserPrefix) -> Psi:
@@ -791,16 +800,19 @@ class Engine:
         self.device_time.begin()
         started, started_at = time.perf_counter(), time.monotonic()
         built = [0] * len(batch)
+        kept: list[Psi | None] = [None] * len(batch)
         prefix_len = 0
         try:
             suffixes = [j.suffix for j in batch]
             host: list[torch.Tensor] | None = None
             if kind is RankKind.FULL:
                 prefixes = [j.prefix for j in batch]
+                kept = [self.model.new_psi(j.prefix) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                psis_out = kept if any(p is not None for p in kept) else None
                 if self.graphs is not None:
-                    host = self.graphs.full(prefixes, suffixes)  # type: ignore[arg-type]
+                    host = self.graphs.full(prefixes, suffixes, psis_out)  # type: ignore[arg-type]
                 if host is None:
-                    scores = self.model.full(prefixes, suffixes)  # type: ignore[arg-type]
+                    scores = self.model.full(prefixes, suffixes, psis_out)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             elif kind is RankKind.PARTIAL:
                 scores = self._rank_partial(batch, built)
@@ -851,11 +863,11 @@ class Engine:
             for j in batch:
                 if j.takes is not None:
                     self._finish(j.takes)
-        for j, s, c in zip(batch, host, built, strict=True):
+        for j, s, c, psi in zip(batch, host, built, kept, strict=True):
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (started_at - j.submitted) * 1e3)
-            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms))
+            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi))
 
     def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:
         """Partial batch: each call reads what its pre-inference built and completes psi."""

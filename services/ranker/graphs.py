@@ -193,7 +193,10 @@ class RankGraphs:
     """Captured forward passes of one model on one CUDA device: ranking against psi, full
     ranking, pre-inference steps (module docstring)."""
 
-    def __init__(self, model: HSTURanker, limits: GraphLimits) -> None:
+    def __init__(self, model: HSTURanker, limits: GraphLimits, full_keeps_kv: bool = False) -> None:
+        """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
+        buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
+        more device time per full ranking, paid only where rankings keep psi."""
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         from kernels.hstu_attention import triton_impl
@@ -201,6 +204,7 @@ class RankGraphs:
         self._kernels = triton_impl
         self.model = model
         self.limits = limits.validate()
+        self.full_keeps_kv = full_keeps_kv
         self.stats = GraphStats()
         dev = model.device
         spec = model.spec
@@ -227,8 +231,9 @@ class RankGraphs:
         self._pending: set[BucketKey] = set()
         self._failed: set[BucketKey] = set()  # captures that raised: run eagerly from then on
         self._pool = torch.cuda.graph_pool_handle()
-        # Every preinfer graph writes its K/V here (allocated at the first such capture):
-        # [layers, 2, tokens, hidden], copied into the users' psi blocks after each replay.
+        # Every preinfer graph (and full graph, with full_keeps_kv) writes its K/V here
+        # (allocated at the first such capture): [layers, 2, tokens, hidden], copied into the
+        # users' psi blocks after each replay.
         self._kv_out: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ ranking
@@ -255,18 +260,46 @@ class RankGraphs:
         self._stage(key, tokens, psis)
         return self._replay_scores(key, graph, tokens)
 
+    @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
     def full(
-        self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]
+        self,
+        prefixes: Sequence[UserPrefix],
+        suffixes: Sequence[RankingSuffix],
+        psis: Sequence[Psi | None] | None = None,
     ) -> list[torch.Tensor] | None:
         """Host float32 scores per user, as model.full computes them (the ranking pass against
-        empty psi); None when this batch must run eagerly."""
+        empty psi); None when this batch must run eagerly. With `psis` (full_keeps_kv only: else
+        None), user b's prefix K/V are copied into psis[b] (None: not kept) after the replay."""
+        keep = psis is not None and any(p is not None for p in psis)
+        if keep and not self.full_keeps_kv:
+            return self._fallback("kv_not_kept", FULL)
+        if keep:
+            assert psis is not None
+            if len(psis) != len(prefixes):
+                raise InvalidSequenceError("full() needs one psi (or None) per prefix")
+            for p, psi in zip(prefixes, psis, strict=True):
+                if psi is not None:
+                    self._check_psi(psi)
+                    if psi.prefix_len != p.length:
+                        raise ValueError(
+                            f"psi of {psi.key} has {psi.prefix_len} tokens, its prefix {p.length}"
+                        )
         tokens = self.model.pack_full(prefixes, suffixes)
         found = self._graph_for(FULL, tokens)
         if found is None:
             return None
         key, graph = found
         self._stage(key, tokens, None)
-        return self._replay_scores(key, graph, tokens)
+        self._replay(key, graph)
+        if keep:
+            assert psis is not None
+            assert self._kv_out is not None
+            start = 0
+            for p, psi, n in zip(prefixes, psis, tokens.lengths, strict=True):
+                if psi is not None:
+                    psi.kv.copy_(self._kv_out[:, :, start : start + p.length])
+                start += n
+        return self._scores(graph, tokens)
 
     @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
     def preinfer(self, chunks: Sequence[PrefixChunk]) -> bool:
@@ -324,6 +357,9 @@ class RankGraphs:
 
     def _replay_scores(self, key: BucketKey, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
         self._replay(key, graph)
+        return self._scores(graph, tokens)
+
+    def _scores(self, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
         return list(graph.logits[:count].cpu().split(list(tokens.candidate_counts)))
@@ -461,13 +497,17 @@ class RankGraphs:
             assert self._kv_out is not None
             model.layers_writing(x, attend, self._kv_out)
             return None
-        x = model.layers_forward(x, attend)
+        if key.mode == FULL and self.full_keeps_kv:
+            assert self._kv_out is not None
+            x = model.layers_writing(x, attend, self._kv_out, last=True)
+        else:
+            x = model.layers_forward(x, attend)
         cand = d[s["cand"].start : s["cand"].start + key.tokens]
         return model.score_rows(x, cand)
 
     @torch.inference_mode()
     def _capture(self, key: BucketKey) -> _Graph:
-        if key.mode == PREINFER and self._kv_out is None:
+        if (key.mode == PREINFER or (key.mode == FULL and self.full_keeps_kv)) and self._kv_out is None:
             spec = self.model.spec
             self._kv_out = torch.empty(
                 spec.num_layers, 2, self.limits.max_full_tokens, spec.hidden,

@@ -107,7 +107,7 @@ class _Entry:
     key: Hashable
     nbytes: int
     state: EntryState
-    source: str  # "compute" or "reload"
+    source: str  # "compute" (pre-inference), "reload" or "ranking" (kept by a full ranking)
     lease: Lease | None
     pins: int = 0
     handle: Any = None

@@ -277,12 +277,35 @@ class HSTURanker(nn.Module):
     # ------------------------------------------------------------------ entry points
 
     @torch.inference_mode()
-    def full(self, prefixes: Sequence[UserPrefix], suffixes: Sequence[RankingSuffix]) -> list[torch.Tensor]:
-        """Scores of every candidate, computing the whole [U, S_l, eS_l, I] sequence."""
+    def full(
+        self,
+        prefixes: Sequence[UserPrefix],
+        suffixes: Sequence[RankingSuffix],
+        psis: Sequence[Psi | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Scores of every candidate, computing the whole [U, S_l, eS_l, I] sequence. With
+        `psis`, user b's prefix K/V are also written into psis[b] (a block from new_psi; None:
+        not kept), which is complete afterwards: the ranking leaves the psi a later call reads."""
         tokens = self._on_device(self.pack_full(prefixes, suffixes))
+        if psis is not None and any(p is not None for p in psis):
+            if len(psis) != len(prefixes):
+                raise InvalidSequenceError("full() needs one psi (or None) per prefix")
+            for p, psi in zip(prefixes, psis, strict=True):
+                if psi is not None:
+                    self._check_block(p, psi)
+            writes = [p.length if psi is not None else 0 for p, psi in zip(prefixes, psis, strict=True)]
+            x = self._forward_writing(tokens, [(psi, 0) for psi in psis], writes, last=True)
+            return self._score(x, tokens)
         x = self._embed(tokens)
         x = self.layers_forward(x, self._prepare(tokens.seq, None))
         return self._score(x, tokens)
+
+    def _check_block(self, p: UserPrefix, psi: Psi) -> None:
+        """psi must be this prefix's block (its key names the prefix's content)."""
+        if psi.prefix_len != p.length or psi.key != self.psi_key(
+            p.user_id, p.prefix_version, p.fingerprint.digest
+        ):
+            raise ValueError(f"psi of {psi.key} ({psi.prefix_len} tokens) is not this prefix's")
 
     def preinfer(self, prefixes: Sequence[UserPrefix]) -> list[Psi]:
         """psi for each user's prefix [U, S_l]: per-layer K/V and the prefix timestamps."""
@@ -388,10 +411,7 @@ class HSTURanker(nn.Module):
         if not len(prefixes) == len(suffixes) == len(psis) == len(built):
             raise InvalidSequenceError("rank_partial() needs one suffix, psi and split per prefix")
         for p, psi, c in zip(prefixes, psis, built, strict=True):
-            if psi.prefix_len != p.length or psi.key != self.psi_key(
-                p.user_id, p.prefix_version, p.fingerprint.digest
-            ):
-                raise ValueError(f"psi of {psi.key} ({psi.prefix_len} tokens) is not this prefix's")
+            self._check_block(p, psi)
             if not 0 <= c <= p.length:
                 raise ValueError(f"split {c} outside a {p.length}-token prefix")
         history = [
@@ -404,15 +424,17 @@ class HSTURanker(nn.Module):
         return self._score(x, tokens)
 
     def _forward_writing(
-        self, tokens: _Tokens, targets: list[tuple[Psi, int]], writes: list[int], last: bool
+        self, tokens: _Tokens, targets: Sequence[tuple[Psi | None, int]], writes: list[int], last: bool
     ) -> torch.Tensor:
         """Every layer over the batch's new tokens, each sequence b against targets[b]'s psi up to
         its split; the K/V of sequence b's first writes[b] new tokens are written into that psi
-        from the split on. `last`: run the last layer's attention too (a ranking needs its
-        output; a chunk only its K/V)."""
-        blocks = [built_prefix(psi, c) for psi, c in targets]
+        from the split on (a None psi: split 0, nothing written). `last`: run the last layer's
+        attention too (a ranking needs its output; a chunk only its K/V)."""
         prefix = None
         if any(c for _, c in targets):
+            blocks = [built_prefix(psi, c) for psi, c in targets if psi is not None]
+            if len(blocks) != len(targets):
+                raise ValueError("a sequence that reads psi needs its psi")
             prefix = PrefixKV.build([kv for kv, _ in blocks], [ts for _, ts in blocks])
         seq = tokens.seq
         attend = self._prepare(seq, prefix)
@@ -422,7 +444,7 @@ class HSTURanker(nn.Module):
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x)
             for b, ((psi, c), n) in enumerate(zip(targets, writes, strict=True)):
-                if n:
+                if n and psi is not None:
                     start = seq.offsets_host[b]
                     psi.kv[index, 0, c : c + n].copy_(k[start : start + n])
                     psi.kv[index, 1, c : c + n].copy_(v[start : start + n])
@@ -472,19 +494,24 @@ class HSTURanker(nn.Module):
         """The host-side token layout of pre-inference chunks (prefix tokens [start, end) each)."""
         return self._pack([_cut(self._prefix_parts(c.prefix), c.start, c.end) for c in chunks], None)
 
-    def layers_writing(self, x: torch.Tensor, attend: Attend, kv_out: torch.Tensor) -> None:
+    def layers_writing(
+        self, x: torch.Tensor, attend: Attend, kv_out: torch.Tensor, last: bool = False
+    ) -> torch.Tensor:
         """Every HSTU layer over new tokens x [T, d], writing layer i's K/V of those tokens into
-        kv_out[i, 0 / 1, :T]; the last layer's attention is skipped (psi is only its K/V). What a
-        pre-inference step computes, on buffers a CUDA graph can hold."""
+        kv_out[i, 0 / 1, :T]; returns the last layer's output. Without `last`, the last layer's
+        attention is skipped (psi is only its K/V) and its input is returned: what a
+        pre-inference step computes; with it, a ranking pass that also keeps its K/V. On buffers
+        a CUDA graph can hold."""
         total, num_layers = x.shape[0], self.spec.num_layers
         shape = (total, self.spec.num_heads, self.spec.head_dim)
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x)
             kv_out[index, 0, :total].copy_(k)
             kv_out[index, 1, :total].copy_(v)
-            if index + 1 < num_layers:
+            if last or index + 1 < num_layers:
                 attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
                 x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+        return x
 
     def _pack(
         self, history_parts: list[list[_HostPart]], suffixes: Sequence[RankingSuffix] | None

@@ -130,6 +130,9 @@ class _Metrics:
         self.prefetches = Counter("relaygr_ranker_prefetches_total",
                                   "reloads from host DRAM ahead of the ranking call: issued, then used, wasted "
                                   "or failed", ["outcome"], registry=registry)  # fmt: skip
+        self.ranking_psi = Counter("relaygr_ranker_psi_from_rankings",
+                                   "full rankings that kept their prefix's psi in the cache (written by the "
+                                   "same pass) for the user's next call", registry=registry)  # fmt: skip
         self.content_mismatch = Counter("relaygr_ranker_prefix_content_mismatch",
                                         "ranking calls whose prefix tokens differ from those of psi held under "
                                         "the same (user, prefix version): ranked without it",
@@ -205,6 +208,7 @@ class RankerService(pb_grpc.RankerServicer):
                 graph_limits=GraphLimits(
                     max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens
                 ),
+                full_keeps_psi=config.ranking_psi_min_tokens > 0,
             ),
             on_fatal=self._engine_failed,
         )
@@ -227,6 +231,7 @@ class RankerService(pb_grpc.RankerServicer):
             join_margin_ms=config.join_margin_ms,
             keep_demoted=config.keep_demoted,
             on_event=self._relay_event,
+            ranking_psi_min_tokens=config.ranking_psi_min_tokens,
         )
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -501,6 +506,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.content_mismatch.inc()
         elif kind == "prefetch":
             m.prefetches.labels(label).inc()
+        elif kind == "ranking_psi":
+            m.ranking_psi.inc()
 
     # ------------------------------------------------------------------ PreInfer
 
@@ -655,7 +662,8 @@ class RankerService(pb_grpc.RankerServicer):
             expander_connected=self.host is not None and self.host.connected,
             psi_bytes_per_token=self.spec.psi_bytes(1),
             demotions=self.cache.counters.demoted,
-            psi_produced=self.cache.counters.produced,
+            # Pre-inferences and reloads (the cache also counts psi kept by full rankings).
+            psi_produced=self.cache.counters.produced - self.relay.psi_from_rankings,
             psi_expired=self.cache.counters.expired,
             lead_time_p50_ms=percentile(list(self._lead_ms), 50) if self._lead_ms else 0.0,
             hbm_hits=self.cache.counters.hits,
@@ -673,6 +681,8 @@ class RankerService(pb_grpc.RankerServicer):
             demotion_lag_p99_ms=percentile(list(self.relay.demotion_lag_ms), 99)
             if self.relay.demotion_lag_ms
             else 0.0,
+            ranking_psi_min_tokens=self.relay.ranking_psi_min_tokens,
+            psi_from_rankings=self.relay.psi_from_rankings,
         )
 
 

@@ -31,7 +31,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     demotions, reloads, psi_produced, psi_expired, preinfers_refused, ...) is the sum over
     `rankers`, the healthy rankers' last polled Stats (up to one check interval old; a ranker that
     leaves membership leaves the sums, so they can fall); model_version is the rankers' common
-    version ("" when they differ); lead_time_p50_ms is the highest ranker's; rank_p50/p99 are
+    version ("" when they differ); ranking_psi_min_tokens the smallest positive one (0: no ranker
+    keeps psi); lead_time_p50_ms is the highest ranker's; rank_p50/p99 are
     this router's own (`rank`); recent_batches is empty; expander_connected is true only if every
     ranker has its host tier."""
     stats = list(rankers)
@@ -66,4 +67,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         prefetches_wasted=sum(s.prefetches_wasted for s in stats),
         prefetches_failed=sum(s.prefetches_failed for s in stats),
         demotion_lag_p99_ms=max((s.demotion_lag_p99_ms for s in stats), default=0.0),
+        ranking_psi_min_tokens=min(
+            (s.ranking_psi_min_tokens for s in stats if s.ranking_psi_min_tokens > 0), default=0
+        ),
+        psi_from_rankings=sum(s.psi_from_rankings for s in stats),
     )

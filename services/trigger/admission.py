@@ -27,7 +27,10 @@ one pre-inference plus K cached calls. On a GPU a 4096-token full ranking (~5 ms
 time) is nowhere near at risk, yet with sessions of 3 calls the relay does about half the work.
 How often keys return is measured from the events themselves (ReturnRate), the costs from the
 rankers' own batches, so a workload of one-off users, or prefixes so short that a cached call
-costs as much as a full one, admits nothing on this ground.
+costs as much as a full one, admits nothing on this ground. Where the rankers' full rankings keep
+psi themselves (StatsReply.ranking_psi_min_tokens), a returning user reads psi without any
+pre-inference: the term then admits only a pre-inference cheaper than the full ranking it
+replaces (never at 4096 tokens on an H100, where it is dearer by the call against psi).
 
 Why the work term: a pre-inference admitted for risk shortens its own call's critical path (a
 call against psi instead of the full ranking) but adds device work wherever pre-inference plus
@@ -214,9 +217,16 @@ class ReturnRate:
         return min(r / (1.0 - r), self.max_later)
 
 
-def reuse_pays(full_ms: float, prefix_ms: float, cached_ms: float, later_calls: float) -> bool:
+def reuse_pays(
+    full_ms: float, prefix_ms: float, cached_ms: float, later_calls: float, rankings_keep_psi: bool = False
+) -> bool:
     """Whether pre-inferring saves device time over this call and `later_calls` more on the same
-    psi: (1 + later) full rankings cost more than one pre-inference plus (1 + later) cached calls."""
+    psi: (1 + later) full rankings cost more than one pre-inference plus (1 + later) cached calls.
+    Where the ranker's full ranking keeps psi itself (`rankings_keep_psi`), the later calls read
+    that psi either way: pre-inferring saves work only if it plus this call against psi cost
+    less than the full ranking it replaces, however many calls follow."""
+    if rankings_keep_psi:
+        return prefix_ms + cached_ms < full_ms
     calls = 1.0 + max(later_calls, 0.0)
     return calls * (full_ms - cached_ms) > prefix_ms
 

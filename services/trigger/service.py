@@ -144,6 +144,8 @@ class TriggerService:
         self._offered: dict[str, OfferedLoad] = {}
         self._seen_seq: dict[str, int] = {}
         self._psi_per_token: dict[str, int] = {}
+        # Per target: its rankers' full rankings keep psi from this prefix length on (0: none).
+        self._ranking_psi_min: dict[str, int] = {}
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
         # the rankers' cached batches: their time per call).
         self.returns = ReturnRate(config.reuse_window_s)
@@ -370,7 +372,7 @@ class TriggerService:
         load = offered.fraction(now)
         per_token = self._psi_per_token.get(target)
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
-        pays = self.reuse_pays(meta.prefix_len, tokens)
+        pays = self.reuse_pays(meta.prefix_len, tokens, target)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
                         self.risk_adds_little(meta.prefix_len, tokens))  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
@@ -406,14 +408,16 @@ class TriggerService:
             return self.preinfer_work.full_ms(prefix_len)
         return self.full_work.full_ms(prefix_len)
 
-    def reuse_pays(self, prefix_len: int, tokens: int) -> bool:
+    def reuse_pays(self, prefix_len: int, tokens: int, target: str = "") -> bool:
         """Whether pre-inferring this prefix saves device work over the calls expected on it
-        (admission.reuse_pays); never with the reuse window at 0, nor before any full ranking
-        was measured (the FLOPs prior says nothing of a device's fixed costs per step)."""
+        (admission.reuse_pays) on `target`, whose full rankings may keep psi themselves; never
+        with the reuse window at 0, nor before any full ranking was measured (the FLOPs prior
+        says nothing of a device's fixed costs per step)."""
         if self.config.reuse_window_s <= 0 or not self.full_work.measured:
             return False
+        keeps = self._ranking_psi_min.get(target, 0)
         return reuse_pays(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
-                          self.returns.expected_later())  # fmt: skip
+                          self.returns.expected_later(), 0 < keeps <= prefix_len)  # fmt: skip
 
     def risk_adds_little(self, prefix_len: int, tokens: int) -> bool:
         """Whether pre-inferring this prefix for risk alone adds little device work
@@ -479,6 +483,7 @@ class TriggerService:
         self._queue_depth[target] = stats.rank_queue_depth
         if stats.psi_bytes_per_token:
             self._psi_per_token[target] = stats.psi_bytes_per_token
+        self._ranking_psi_min[target] = stats.ranking_psi_min_tokens
         newest = max((s.seq for s in stats.recent_batches), default=0)
         seen = self._seen_seq.get(target, 0)
         if newest < seen:  # the instance restarted: its sequence numbers start over

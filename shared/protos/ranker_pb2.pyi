@@ -173,7 +173,7 @@ class PreinferSample(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., device_ms: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses", "prefix_content_mismatches", "recent_preinfers", "hbm_evictions", "hbm_released", "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed", "demotion_lag_p99_ms", "hbm_evicted_undemoted")
+    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses", "prefix_content_mismatches", "recent_preinfers", "hbm_evictions", "hbm_released", "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed", "demotion_lag_p99_ms", "hbm_evicted_undemoted", "ranking_psi_min_tokens", "psi_from_rankings")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HBM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class StatsReply(_message.Message):
     PREFETCHES_FAILED_FIELD_NUMBER: _ClassVar[int]
     DEMOTION_LAG_P99_MS_FIELD_NUMBER: _ClassVar[int]
     HBM_EVICTED_UNDEMOTED_FIELD_NUMBER: _ClassVar[int]
+    RANKING_PSI_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PSI_FROM_RANKINGS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_version: str
     hbm_budget_bytes: int
@@ -236,4 +238,6 @@ class StatsReply(_message.Message):
     prefetches_failed: int
     demotion_lag_p99_ms: float
     hbm_evicted_undemoted: int
-    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., prefix_content_mismatches: _Optional[int] = ..., recent_preinfers: _Optional[_Iterable[_Union[PreinferSample, _Mapping]]] = ..., hbm_evictions: _Optional[int] = ..., hbm_released: _Optional[int] = ..., prefetches_issued: _Optional[int] = ..., prefetches_used: _Optional[int] = ..., prefetches_wasted: _Optional[int] = ..., prefetches_failed: _Optional[int] = ..., demotion_lag_p99_ms: _Optional[float] = ..., hbm_evicted_undemoted: _Optional[int] = ...) -> None: ...
+    ranking_psi_min_tokens: int
+    psi_from_rankings: int
+    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., prefix_content_mismatches: _Optional[int] = ..., recent_preinfers: _Optional[_Iterable[_Union[PreinferSample, _Mapping]]] = ..., hbm_evictions: _Optional[int] = ..., hbm_released: _Optional[int] = ..., prefetches_issued: _Optional[int] = ..., prefetches_used: _Optional[int] = ..., prefetches_wasted: _Optional[int] = ..., prefetches_failed: _Optional[int] = ..., demotion_lag_p99_ms: _Optional[float] = ..., hbm_evicted_undemoted: _Optional[int] = ..., ranking_psi_min_tokens: _Optional[int] = ..., psi_from_rankings: _Optional[int] = ...) -> None: ...

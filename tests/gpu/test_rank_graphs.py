@@ -135,6 +135,46 @@ def test_full_graph_replays_match_eager_full(model):
     assert graphs.stats.counts()["full"]["eager"] >= 1
 
 
+def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
+    """full_keeps_kv: the full-ranking graph also writes K/V; full(..., psis) copies each kept
+    user's prefix rows into its psi. Scores as eager full(); psi as eager preinfer(); a user with
+    None keeps nothing; without full_keeps_kv a batch that keeps psi runs eagerly."""
+    graphs = RankGraphs(
+        model,
+        GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=4096, max_full_batch=2),
+        full_keeps_kv=True,
+    )
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    cases = [
+        [Shape(4, 1500, 20, 40)],
+        [Shape(3, 700, 8, 30), Shape(1, 900, 40, 60)],
+        [Shape(5, 3000, 64, 200)],
+    ]
+    for seed, shapes in enumerate(cases):
+        prefixes, suffixes = batch(500 + seed, shapes)
+        psis = [model.new_psi(p) for p in prefixes]
+        if len(psis) > 1:
+            psis[1] = None  # this user keeps nothing
+        graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, k=psis: graphs.full(p, s, k))
+        assert graphed is not None
+        torch.cuda.synchronize()
+        assert max_rel(model.full(prefixes, suffixes), graphed) <= tol, shapes
+        for p, s, psi in zip(prefixes, suffixes, psis, strict=True):
+            if psi is None:
+                continue
+            want = model.preinfer([p])[0]
+            got = psi.kv.float()
+            assert (got - want.kv.float()).abs().max() <= tol * max(float(want.kv.float().abs().max()), 1e-3)
+            assert max_rel(model.rank_cached([s], [psi], [psi.key]), model.full([p], [s])) <= tol
+    # Plain full-ranking graphs keep no K/V: a batch that asks for psi is eager.
+    plain = RankGraphs(
+        model, GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=4096, max_full_batch=2)
+    )
+    prefixes, suffixes = batch(600, [Shape(1, 600, 4, 4)])
+    assert plain.full(prefixes, suffixes, [model.new_psi(prefixes[0])]) is None
+    assert plain.stats.fallbacks["kv_not_kept"] == 1
+
+
 def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
     graphs = RankGraphs(
         model, GraphLimits(max_batch=2, max_tokens=512, max_full_tokens=4096, max_full_batch=2)

@@ -12,6 +12,7 @@ import torch
 
 from relaygr.synthetic import Shape, batch
 from services.ranker.model import HSTURanker, PrefixChunk
+from services.ranker.sequences import InvalidSequenceError
 from shared.fingerprint import CHUNK_TOKENS
 from shared.modelspec import preset
 
@@ -151,3 +152,36 @@ def test_full_ranking_packs_what_pack_full_lays_out(model):
                             for p, s in zip(prefixes, suffixes, strict=True)]  # fmt: skip
     assert host.n_hist == [p.length + s.recent.items.numel() for p, s in zip(prefixes, suffixes, strict=True)]
     assert host.candidate_counts == (7, 3)
+
+
+def test_a_full_ranking_that_keeps_psi_leaves_preinfers_psi_and_the_same_scores(deep):
+    """full(..., psis): the ranking's own pass writes each kept user's prefix K/V (what a full
+    recompute leaves for the user's next call); users with None keep nothing; scores are those of
+    full() without psi, and a later call against the kept psi scores as full inference."""
+    prefixes, suffixes = batch(16, [Shape(4, 600, 9, 7), Shape(0, 300, 0, 3), Shape(2, 90, 30, 16)])
+    want = deep.full(prefixes, suffixes)
+    psis = [deep.new_psi(prefixes[0]), None, deep.new_psi(prefixes[2])]
+    with torch.inference_mode():  # psi blocks are inference tensors
+        for psi in psis:
+            if psi is not None:
+                psi.kv.fill_(float("nan"))
+    got = deep.full(prefixes, suffixes, psis)
+    for g, w in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= TOL
+    for p, s, psi in zip(prefixes, suffixes, psis, strict=True):
+        if psi is None:
+            continue
+        whole = deep.preinfer([p])[0]
+        assert psi.key == whole.key
+        assert float((psi.kv - whole.kv).abs().max()) <= TOL  # every row written
+        assert torch.equal(psi.timestamps, whole.timestamps)
+        again = deep.rank_cached([s], [psi], [psi.key])[0]
+        assert float((again - deep.full([p], [s])[0]).abs().max()) <= TOL
+
+
+def test_a_full_ranking_refuses_a_psi_not_its_prefixs(model):
+    prefixes, suffixes = batch(17, [Shape(2, 50, 2, 2), Shape(2, 60, 2, 2)])
+    with pytest.raises(ValueError, match="not this prefix"):
+        model.full(prefixes, suffixes, [model.new_psi(prefixes[1]), None])
+    with pytest.raises(InvalidSequenceError, match="one psi"):
+        model.full(prefixes, suffixes, [model.new_psi(prefixes[0])])

@@ -56,10 +56,13 @@ async def waits_for_psi(service: RankerService, calls: int = 1) -> None:
     await eventually(lambda: service.admission.inflight == calls, f"{calls} ranking calls waiting for psi")
 
 
-# psi built 256 tokens a step; a started pre-inference is joined (its rest always fits the delay)
-JOIN = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "100000"]
+# psi built 256 tokens a step; a started pre-inference is joined (its rest always fits the delay).
+# Full rankings keep no psi here: these tests take a full ranking as the reference, then
+# pre-infer the same prefix.
+NO_RANKING_PSI = ["--ranking-psi-min-tokens", "0"]
+JOIN = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "100000", *NO_RANKING_PSI]
 # ... or taken over as partial psi (its rest never fits)
-TAKE_OVER = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "0.000001"]
+TAKE_OVER = ["--preinfer-chunk-tokens", "256", "--max-rank-delay-ms", "0.000001", *NO_RANKING_PSI]
 
 
 @pytest.mark.parametrize("ranker", [JOIN], indirect=True)
@@ -133,6 +136,61 @@ async def test_batch_of_users_each_equal_to_full(ranker):
     for f, c in zip(full, cached, strict=True):
         assert c.served_by == pb.HBM_HIT
         assert max_diff(f.scores, c.scores) <= TOL
+
+
+async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(21, 1, prefix_len=600)  # 600+ tokens: over the default 512
+    req = rank_request(prefixes[0], suffixes[0], "a1")
+    first = await stub.Rank(req, timeout=30)
+    assert first.served_by == pb.FULL_RECOMPUTE
+    assert first.timings.prefix_reused == 0.0
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.ranking_psi_min_tokens == 512
+    assert stats.psi_from_rankings == 1
+    assert stats.hbm_resident_bytes > 0
+    assert stats.hbm_leased_bytes == 0  # consumed by the call that produced it
+    again = await stub.Rank(rank_request(prefixes[0], suffixes[0], "a2"), timeout=30)
+    assert again.served_by == pb.HBM_HIT
+    assert again.timings.prefix_reused == 1.0
+    assert max_diff(again.scores, first.scores) <= TOL
+    pre = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
+    assert pre.outcome == pb.PreInferReply.ALREADY_RESIDENT  # nothing to pre-infer
+    # A prefix under the threshold keeps nothing: its calls are full recomputes.
+    short, short_suffixes = users(22, 1, prefix_len=300)
+    for i in range(2):
+        reply = await stub.Rank(rank_request(short[0], short_suffixes[0], f"s{i}"), timeout=30)
+        assert reply.served_by == pb.FULL_RECOMPUTE
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_from_rankings == 1
+
+
+@pytest.mark.parametrize("ranker", [NO_RANKING_PSI], indirect=True)
+async def test_with_ranking_psi_off_a_full_ranking_keeps_nothing(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(23, 1, prefix_len=600)
+    for i in range(2):
+        reply = await stub.Rank(rank_request(prefixes[0], suffixes[0], f"r{i}"), timeout=30)
+        assert reply.served_by == pb.FULL_RECOMPUTE
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.ranking_psi_min_tokens == 0
+    assert stats.psi_from_rankings == 0
+    assert stats.hbm_resident_bytes == 0
+
+
+@pytest.mark.parametrize("ranker", [["--hbm-budget-mb", "0.5"]], indirect=True)
+async def test_a_full_ranking_without_room_for_its_psi_still_answers(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(24, 2, prefix_len=600)  # ~0.3 MB of psi each: one fits at a time
+    accepted = await stub.PreInfer(preinfer_request(prefixes[0], "a"), timeout=5)
+    assert accepted.outcome == pb.PreInferReply.ACCEPTED  # leased until its call: not evictable
+    await wait_produced(stub, 1)
+    reply = await stub.Rank(rank_request(prefixes[1], suffixes[1], "b"), timeout=30)
+    assert reply.served_by == pb.FULL_RECOMPUTE
+    assert len(reply.scores) == 16
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.psi_from_rankings == 0
+    hit = await stub.Rank(rank_request(prefixes[0], suffixes[0], "a-r"), timeout=30)
+    assert hit.served_by == pb.HBM_HIT
 
 
 @pytest.mark.parametrize("ranker", [["--hbm-budget-mb", "0.5"]], indirect=True)

@@ -97,6 +97,8 @@ async def routed(rankers):
 
 async def test_preinfer_then_rank_land_on_one_instance_and_equal_full(routed, rankers):
     router, stub, _ = routed
+    for r in rankers:  # the reference full rankings must not leave psi: these prefixes are pre-inferred
+        r.relay.ranking_psi_min_tokens = 0
     by_id = {r.instance_id: target(r.port) for r in rankers}
     prefixes, suffixes = users(11, 6, prefix_len=800)
     for p, s in zip(prefixes, suffixes, strict=True):
@@ -667,7 +669,8 @@ class CountingRanker(FakeRanker):
                              psi_produced=20, psi_expired=4, preinfers_refused=5, hbm_evictable_bytes=7, hbm_evictions=3, hbm_released=1,
                              hbm_evicted_undemoted=1, prefetches_issued=6, prefetches_used=4, prefetches_wasted=1,
                              prefetches_failed=1, demotion_lag_p99_ms=2.0 if self.name == "a" else 5.0,
-                             lead_time_p50_ms=10.0 if self.name == "a" else 30.0)  # fmt: skip
+                             lead_time_p50_ms=10.0 if self.name == "a" else 30.0, psi_from_rankings=9,
+                             ranking_psi_min_tokens=1024 if self.name == "a" else 512)  # fmt: skip
 
 
 async def test_router_health_for_the_ranker_api_follows_membership():
@@ -716,6 +719,8 @@ async def test_router_stats_sum_the_rankers_counters():
         assert (stats.prefetches_issued, stats.prefetches_used, stats.prefetches_wasted) == (12, 8, 2)
         assert stats.prefetches_failed == 2
         assert stats.demotion_lag_p99_ms == 5.0  # the slowest ranker's
+        assert stats.psi_from_rankings == 18
+        assert stats.ranking_psi_min_tokens == 512  # the smallest positive: some ranker keeps psi there
         assert stats.lead_time_p50_ms == 30.0
     finally:
         await channel.close()

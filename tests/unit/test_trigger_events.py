@@ -240,6 +240,17 @@ def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
     # Newer cached batches move the price of a cached call (read once per Stats poll, not per event).
     t._absorb("127.0.0.1:1", stats_reply([], [(4, 12.0)] * 20, []))  # seq 13-20 are new: 3 ms a call
     assert t.cached_call_ms() == pytest.approx(3.0)
+    # A target whose full rankings keep psi from 512 tokens on: the later calls read that psi
+    # whether or not this prefix is pre-inferred (5 + 3 ms > 4-6 ms); shorter prefixes as before.
+    assert t.reuse_pays(4096, 4416, "127.0.0.1:1")  # 3 x (5 - 3) > 5
+    keeps = stats_reply([], [], [])
+    keeps.ranking_psi_min_tokens = 512
+    t._absorb("127.0.0.1:1", keeps)
+    assert not t.reuse_pays(4096, 4416, "127.0.0.1:1")
+    assert t.reuse_pays(4096, 4416, "127.0.0.1:2")  # another target: nothing reported
+    keeps.ranking_psi_min_tokens = 8192
+    t._absorb("127.0.0.1:1", keeps)
+    assert t.reuse_pays(4096, 4416, "127.0.0.1:1")  # under that target's threshold
     # A pre-inference measured far dearer than the rankings it saves is not worth it.
     t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 40.0)] * 64))
     assert t.preinfer_ms(4096) > 20.0

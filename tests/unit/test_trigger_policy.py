@@ -163,6 +163,13 @@ def test_reuse_pays_when_calls_on_one_psi_save_more_than_the_pre_inference():
     assert not reuse_pays(5.0, 4.8, 1.5, later_calls=-3.0)  # nonsense is clamped to no return
 
 
+def test_where_rankings_keep_psi_reuse_pays_only_for_a_pre_inference_cheaper_than_the_ranking():
+    # The later calls read the full ranking's own psi: however many, pre-inferring saves nothing
+    # unless it plus the call against psi cost less than the full ranking (H100, 4096 tokens).
+    assert not reuse_pays(4.3, 3.8, 1.6, later_calls=16.0, rankings_keep_psi=True)
+    assert reuse_pays(13.0, 11.5, 0.7, later_calls=0.0, rankings_keep_psi=True)  # 12.2 < 13
+
+
 def test_return_rate_counts_keys_seen_within_the_window():
     rate = ReturnRate(window_s=10.0, prior_events=0.0)
     assert rate.fraction() == 0.0
