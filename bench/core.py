@@ -233,8 +233,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def time_graph_passes(
     model: HSTURanker, prefixes: list[Any], suffixes: list[Any], sync: Any, reps: int, warm: int
-) -> tuple[float, float]:
-    """ms of a full ranking and of a whole pre-inference of this batch replayed as CUDA graphs
+) -> tuple[float, float, float]:
+    """ms of a full ranking, of one that keeps its prefix's psi, and of a whole pre-inference of this batch replayed as CUDA graphs
     (graph families full / preinfer, how the ranker serves them), captured first. Graphs sized
     for this batch alone, as the ranker's are for the shapes it serves (their staging copy
     grows with their capacity)."""
