@@ -332,6 +332,7 @@ class Runner:
                for stage in ("queue", "compute", "launch", "server_total", "network")},
             "batch_p99": s["batch_p99"],
             "returning_share": s["returning_share"],
+            "by_served": s["by_served"],  # latency, queue and compute per path (hit, full, ...)
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "psi_from_rankings", "wasted_preinfer_rate", "reloads",

@@ -164,7 +164,8 @@ class ReplayResult:
         _ms_{p50,p99} (the replies' server timings; network = client latency - server total);
         batch_p50, batch_p99 (calls in the batch that computed each call);
         hbm_hit, inflight_join, dram_reload, full_recompute (fractions of OK calls) and
-        served_by_counts; slo_attainment (OK calls within slo_ms / OK calls) and
+        served_by_counts; by_served (per path that served calls: calls, latency / queue /
+        compute P50 and P99, batch P50); slo_attainment (OK calls within slo_ms / OK calls) and
         slo_attainment_all (/ sent); meets_slo (every planned call sent, none failed, p99 <=
         slo_ms); offered_rps (realized: sends per second between the first and last send),
         planned_rps; lag_ms_{p99,max} and retrieval_lag_ms_{p99,max} (behind schedule); wall_s;
@@ -206,6 +207,25 @@ class ReplayResult:
         for k in SERVED_BY:  # fractions of OK calls, flat: "hbm_hit", "dram_reload", ...
             out[k] = served[k] / len(ok) if ok else 0.0
         out["served_by_counts"] = {k: served[k] for k in SERVED_BY}
+        # Each path on its own (where the relay's time goes, path by path): P50 / P99 of the
+        # client latency and of the server's queue and compute, for the paths that served calls.
+        out["by_served"] = {
+            k: {
+                "calls": served[k],
+                **{
+                    f"{name}_ms_{tag}": percentile([getattr(r, attr) for r in ok if r.served_by == k], q)
+                    for name, attr in (
+                        ("latency", "latency_ms"),
+                        ("queue", "queue_ms"),
+                        ("compute", "compute_ms"),
+                    )
+                    for tag, q in (("p50", 50), ("p99", 99))
+                },
+                "batch_p50": percentile([float(r.batch) for r in ok if r.served_by == k], 50),
+            }
+            for k in SERVED_BY
+            if served[k]
+        }
         under = sum(1 for x in lat if x <= slo_ms)
         out["slo_attainment"] = under / len(ok) if ok else 0.0  # of OK calls
         out["slo_attainment_all"] = under / len(sent) if sent else 0.0  # failures count as misses

@@ -84,6 +84,23 @@ def test_a_lead_in_is_replayed_but_left_out_of_every_figure():
     assert all(not r.planned.lead_in for r in run.slowest_ok(0.5))
 
 
+def test_each_serving_path_is_summarised_on_its_own():
+    full = [served(i, latency_ms=30.0 + i, queue_ms=10.0) for i in range(20)]
+    hits = [
+        dataclasses.replace(served(100 + i, latency_ms=4.0, queue_ms=1.0), served_by="hbm_hit", compute_ms=2.0)
+        for i in range(10)
+    ]
+    summary = result([*full, *hits]).summary(slo_ms=100.0)
+    by = summary["by_served"]
+    assert set(by) == {"full_recompute", "hbm_hit"}  # paths that served no call are left out
+    assert by["hbm_hit"]["calls"] == 10
+    assert by["hbm_hit"]["compute_ms_p50"] == pytest.approx(2.0)
+    assert by["hbm_hit"]["latency_ms_p99"] == pytest.approx(4.0)
+    assert by["full_recompute"]["compute_ms_p50"] == pytest.approx(20.0)
+    assert by["full_recompute"]["queue_ms_p99"] == pytest.approx(10.0)
+    assert by["full_recompute"]["latency_ms_p50"] == pytest.approx(39.5, abs=0.6)
+
+
 def test_breakdown_splits_the_client_latency():
     row = served(7, latency_ms=300.0, queue_ms=200.0).breakdown()
     assert row["served_by"] == "full_recompute"
