@@ -39,6 +39,13 @@ def _whole_chunks(value: int) -> str | None:
     )
 
 
+class Demotion(enum.StrEnum):
+    """When consumed psi is copied to host DRAM (services/ranker/relay_cache.py)."""
+
+    PRESSURE = "pressure"  # when HBM nears its budget, the least recently used first: tiers add up
+    CONSUMED = "consumed"  # as soon as it is consumed: DRAM holds a copy of what HBM holds
+
+
 class Device(enum.StrEnum):
     AUTO = "auto"  # cuda, else npu, else cpu
     CPU = "cpu"
@@ -178,6 +185,16 @@ class RankerConfig(TlsSettings):
                                           "prefix's psi in the cache, written by the same pass, so that the "
                                           "user's next call reads it (0: never: plain full inference)",
                                           check=non_negative)  # fmt: skip
+    demotion: Demotion = setting(Demotion.PRESSURE, env="RELAYGR_RANKER_DEMOTION",
+                                 help="when consumed psi is copied to host DRAM: under HBM pressure, the "
+                                 "least recently used first, so that DRAM holds what HBM no longer does "
+                                 "and the tiers' capacities add up; or as soon as it is consumed (DRAM "
+                                 "then duplicates HBM, and adds nothing unless larger)")  # fmt: skip
+    demotion_reserve_fraction: float = setting(0.05, env="RELAYGR_RANKER_DEMOTION_RESERVE_FRACTION",
+                                               help="under pressure: psi copied to host DRAM ahead of its "
+                                               "eviction, as a fraction of the HBM budget (the room admissions "
+                                               "take before the next copies finish)",
+                                               check=fraction)  # fmt: skip
     host_tier: bool = setting(False, env="RELAYGR_RANKER_HOST_TIER", renamed_from="RELAYGR_HOST_TIER",
                               help="keep psi evicted from HBM in host DRAM, through the expander at "
                               "RELAYGR_EXPANDER_SOCKET_PATH (which must be running)")  # fmt: skip

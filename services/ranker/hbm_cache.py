@@ -261,6 +261,30 @@ class HbmCache:
         e.pins += 1
         return e.handle
 
+    def demotion_candidates(self, reserve_bytes: int, in_flight_bytes: int = 0) -> list[Hashable]:
+        """CONSUMED entries to copy to host DRAM now so that admitting `reserve_bytes` more psi
+        evicts only entries with a host copy: the least recently used first, as many as the
+        bytes to free exceed what DEMOTED entries and the `in_flight_bytes` of copies under way
+        already cover. Empty while the budget has room. (Demotion under pressure: the host tier
+        then holds what HBM no longer does, and the two tiers' capacities add up.)"""
+        needed = self._used + max(reserve_bytes, 0) - self.budget_bytes
+        if needed <= 0:
+            return []
+        covered = in_flight_bytes
+        consumed = []
+        for e in self._entries.values():
+            if e.state is EntryState.DEMOTED and e.pins == 0:
+                covered += e.nbytes
+            elif e.state is EntryState.CONSUMED and e.pins == 0:
+                consumed.append(e)
+        picked: list[Hashable] = []
+        for e in sorted(consumed, key=lambda e: e.last_used):
+            if covered >= needed:
+                break
+            picked.append(e.key)
+            covered += e.nbytes
+        return picked
+
     def demoted(self, key: Hashable, ok: bool, keep: bool) -> None:
         """The demotion copy finished (ok) or failed; unpins. On success the entry is DEMOTED and,
         unless `keep` (stay as an evictable hot copy), freed once nothing else uses it. A failed

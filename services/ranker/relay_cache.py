@@ -10,8 +10,8 @@ entry states) and the host-DRAM tier (services/ranker/host_tier.py); the engine 
             within the deadline: INFLIGHT_JOIN), in host DRAM (reload when that beats
             recomputing: DRAM_RELOAD), else the whole sequence (FULL_RECOMPUTE), which also
             leaves its prefix's psi when rankings keep psi (below);
-  convert   a consumed psi's lease ends (RESIDENT -> CONSUMED): it is demoted to host DRAM after
-            the reply is sent, or stays as an evictable hot copy without a host tier;
+  convert   a consumed psi's lease ends (RESIDENT -> CONSUMED) and it stays as an evictable hot
+            copy; with a host tier it is demoted to host DRAM (below);
   expire    leased psi nobody consumed before its deadline (its device time counts as unused).
 
 Rankings keep psi (`ranking_psi_min_tokens` > 0): a full recompute of a prefix that long is
@@ -22,6 +22,16 @@ computes exactly the K/V a pre-inference would; dropping them made every returni
 prefix computed twice, and a pre-inference only to keep them costs the device a pre-inference
 plus a call against psi where one full ranking does (issue "Relay never loses", GPU runs of
 2026-11-27: P 3.8 + C 1.6 ms against F 4.3 ms at 4096 tokens on an H100).
+
+Demotion (copy to host DRAM, off the critical path, after the reply is sent):
+  * under pressure (default): once admitting `demotion_reserve_bytes` more psi would evict
+    entries without a host copy, the least recently used consumed psi are copied first
+    (HbmCache.demotion_candidates); eviction takes DEMOTED entries first, so DRAM receives what
+    HBM is about to drop and the two tiers' capacities add up. Measured on H100 leases
+    (2026-11-27, L4096): with every consumed psi copied at once, a 40 GiB arena beside a 60 GB
+    HBM budget held only psi still in HBM and served no reload in any point;
+  * on consumption (`demote_under_pressure` False): every consumed psi is copied at once; DRAM
+    then duplicates HBM and adds capacity only where it is larger.
 
 Every cached path is an optimisation: any failure falls back to ranking the whole sequence. Only
 bad input (the caller's) and Overdue (the call's admission budget ran out) propagate.
@@ -51,7 +61,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from services.ranker.cost_model import CostModel
 from services.ranker.engine import Engine, Overdue, RankResult
-from services.ranker.hbm_cache import Admission, Claim, ClaimResult, HbmCache, Lease
+from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from services.ranker.wire import FallbackPrefix, PrefixReference, PrefixRequired
@@ -131,9 +141,12 @@ class RelayCache:
         keep_demoted: bool,
         on_event: OnEvent = lambda kind, label: None,
         ranking_psi_min_tokens: int = 0,
+        demote_under_pressure: bool = True,
+        demotion_reserve_bytes: int = 0,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
-        psi (module docstring); 0: none do."""
+        psi; `demote_under_pressure`, `demotion_reserve_bytes`: when consumed psi is copied to
+        host DRAM (module docstring)."""
         self.cache = cache
         self.engine = engine
         self.costs = costs
@@ -144,13 +157,17 @@ class RelayCache:
         self._keep_demoted = keep_demoted
         self._on_event = on_event
         self.ranking_psi_min_tokens = max(0, ranking_psi_min_tokens)
+        self._demote_under_pressure = demote_under_pressure
+        self._demotion_reserve_bytes = max(0, demotion_reserve_bytes)
+        self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
         self._productions: dict[PsiKey, _Production] = {}
         self.reloads = 0
         self.content_mismatches = 0
         self.prefetches = PrefetchCounts()
         self._prefetched: set[PsiKey] = set()  # reloaded ahead of their call, not yet read
-        # consumed -> copied to host DRAM (ms), recent window: how long psi is HBM-only
+        # decided -> copied to host DRAM (ms), recent window: at consumption (eager demotion),
+        # or when HBM needs the room (under pressure)
         self.demotion_lag_ms: collections.deque[float] = collections.deque(maxlen=512)
 
     @property
@@ -162,7 +179,7 @@ class RelayCache:
     async def produce(self, key: PsiKey, prefix: FallbackPrefix, lease: Lease) -> tuple[Produce, str]:
         """A PreInfer signal: admits psi under `lease` and starts producing it. Returns the
         outcome and, when refused, the reason."""
-        admitted = self.cache.admit(key, self._psi_bytes(prefix.length), lease)
+        admitted = self._admit(key, self._psi_bytes(prefix.length), lease)
         if admitted.outcome is Admission.REFUSED:
             return Produce.REFUSED, admitted.reason
         if admitted.outcome is Admission.ALREADY_RESIDENT:
@@ -332,9 +349,7 @@ class RelayCache:
         meanwhile join this production, as they would a pre-inference's."""
         if self.cache.lookup(key) is not None:
             return None  # held in some state (e.g. a psi of another length): admitting would re-lease it
-        admitted = self.cache.admit(
-            key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "ranking"
-        )
+        admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "ranking")
         if admitted.outcome is not Admission.ADMITTED:
             return None
         production = _Production(asyncio.Event(), reload=False)
@@ -447,9 +462,7 @@ class RelayCache:
         self._on_event("reload_decision", decision.reason)
         if not decision.reload:
             return None
-        admitted = self.cache.admit(
-            key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload"
-        )
+        admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload")
         if admitted.outcome is Admission.REFUSED:
             return None
         if admitted.outcome is not Admission.ADMITTED:
@@ -460,16 +473,42 @@ class RelayCache:
     # ------------------------------------------------------------------ convert, demote, expire
 
     def _after_consume(self, key: PsiKey) -> None:
-        """Demotes a consumed psi to host DRAM off the critical path; without a host tier it stays
-        in HBM as an evictable hot copy."""
-        view = self.cache.lookup(key)
-        if view is None or view.pins or self.host is None or not self.host.connected:
+        """A consumed psi stays in HBM as an evictable hot copy; with a host tier, it is demoted
+        now or once HBM needs its room (module docstring)."""
+        if not self.host_usable:
             return
-        handle = self.cache.pin_for_copy(key)
-        if handle is not None:
-            self._spawn(self._demote(key, handle, time.perf_counter()), f"demote-{key.user_id}")
+        if self._demote_under_pressure:
+            self.demote_ahead()
+            return
+        view = self.cache.lookup(key)
+        if view is not None and not view.pins:
+            self._start_demotion(key)
 
-    async def _demote(self, key: PsiKey, psi: Psi, consumed_at: float) -> None:
+    def _admit(self, key: PsiKey, nbytes: int, lease: Lease, source: str = "compute") -> AdmitResult:
+        """cache.admit, then the demotions the new entry's room calls for (under pressure)."""
+        admitted = self.cache.admit(key, nbytes, lease, source)
+        if admitted.outcome is Admission.ADMITTED:
+            self.demote_ahead()
+        return admitted
+
+    def demote_ahead(self) -> None:
+        """Under pressure: starts the copies to host DRAM that admitting the reserve needs
+        (HbmCache.demotion_candidates). Called after each consumption and admission."""
+        if not self._demote_under_pressure or not self.host_usable:
+            return
+        in_flight = sum(self._demoting.values())
+        for key in self.cache.demotion_candidates(self._demotion_reserve_bytes, in_flight):
+            self._start_demotion(cast(PsiKey, key))
+
+    def _start_demotion(self, key: PsiKey) -> None:
+        view = self.cache.lookup(key)
+        handle = self.cache.pin_for_copy(key)
+        if view is None or handle is None:
+            return
+        self._demoting[key] = view.nbytes
+        self._spawn(self._demote(key, handle, time.perf_counter()), f"demote-{key.user_id}")
+
+    async def _demote(self, key: PsiKey, psi: Psi, started_at: float) -> None:
         ok = False
         try:
             assert self.host is not None
@@ -477,10 +516,13 @@ class RelayCache:
         except Exception as exc:
             log.warning("demotion_failed", user=key.user_id, error=repr(exc))
         finally:
+            self._demoting.pop(key, None)
             self._on_event("demotion", "ok" if ok else "failed")
             if ok:
-                self.demotion_lag_ms.append((time.perf_counter() - consumed_at) * 1e3)
+                self.demotion_lag_ms.append((time.perf_counter() - started_at) * 1e3)
             self.cache.demoted(key, ok, keep=self._keep_demoted)
+        if ok:
+            self.demote_ahead()  # admissions meanwhile may need more room
 
     def expire(self) -> list[PsiKey]:
         """Leased psi past its deadline, never consumed: dropped, its device time unused."""

@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.call_cost import CallWork
-from services.ranker.config import RankerConfig
+from services.ranker.config import Demotion, RankerConfig
 from services.ranker.cost_model import CostModel
 from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
@@ -232,6 +232,8 @@ class RankerService(pb_grpc.RankerServicer):
             keep_demoted=config.keep_demoted,
             on_event=self._relay_event,
             ranking_psi_min_tokens=config.ranking_psi_min_tokens,
+            demote_under_pressure=config.demotion is Demotion.PRESSURE,
+            demotion_reserve_bytes=int(config.demotion_reserve_fraction * self.cache.budget_bytes),
         )
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -484,12 +486,14 @@ class RankerService(pb_grpc.RankerServicer):
     def _host_changed(self, connected: bool) -> None:
         log.info("host_tier", connected=connected)
         arena = self.host.arena_bytes if connected and self.host is not None else 0
-        if arena and arena < self.cache.budget_bytes:
-            # HBM evicts its least recently used psi, which the arena, holding less, has already
-            # overwritten: returning users are recomputed, not reloaded (GPU runs with a 24 GB
-            # arena beside a 40 GB HBM budget served no reload at all).
+        if arena and arena < self.cache.budget_bytes and self.config.demotion is Demotion.CONSUMED:
+            # With every consumed psi copied at once, HBM evicts its least recently used psi,
+            # which the arena, holding less, has already overwritten: returning users are
+            # recomputed, not reloaded (GPU runs with a 24 GB arena beside a 40 GB HBM budget
+            # served no reload at all). Demotion under pressure (the default) avoids this.
             log.warning("host_tier_smaller_than_hbm", arena_bytes=arena, hbm_budget_bytes=self.cache.budget_bytes,
-                        effect="psi evicted from HBM is rarely still in DRAM: few reloads")  # fmt: skip
+                        effect="psi evicted from HBM is rarely still in DRAM: few reloads",
+                        remedy="RELAYGR_RANKER_DEMOTION=pressure")  # fmt: skip
 
     def _relay_event(self, kind: str, label: str) -> None:
         """Counts what the relay cache reports (services/ranker/relay_cache.py)."""

@@ -64,7 +64,8 @@ async def stack(tmp_path):
     shm_before = set(os.listdir("/dev/shm"))
     sock = tmp_path / "run" / "expander.sock"
     expander = start_expander(sock)
-    rankers = [Ranker(sock) for _ in range(2)]
+    # Every consumed psi copied to DRAM at once: these tests are about reloads across rankers.
+    rankers = [Ranker(sock, "--demotion", "consumed") for _ in range(2)]
     holder = {"expander": expander}
     try:
         for r in rankers:
@@ -231,12 +232,49 @@ async def test_psi_in_host_dram_is_never_reloaded_for_other_tokens(stack, refere
     assert close(ranked.scores, want)
 
 
+async def test_under_pressure_dram_receives_what_hbm_drops_and_a_returning_user_reloads_it(
+    tmp_path, reference
+):
+    """Demotion under pressure (the default): psi is copied to host DRAM only when HBM needs
+    its room, least recently used first, and eviction takes it after the copy: nothing leaves
+    HBM without a host copy, and DRAM holds what HBM no longer does."""
+    sock = tmp_path / "run" / "expander.sock"
+    expander = start_expander(sock)
+    prefixes, suffixes = batch(21, [Shape(3, 1200, 8, 24)] * 3)
+    psi_bytes = preset("tiny").psi_bytes(prefixes[0].length)
+    # Room for two psis and a half; the reserve (one psi) starts a copy once two are held.
+    budget_mb = 2.5 * psi_bytes / 2**20
+    ranker = Ranker(sock, "--hbm-budget-mb", f"{budget_mb:.6f}", "--demotion-reserve-fraction", "0.4")
+    try:
+        await ranker.wait(lambda s: s.expander_connected)
+        want = [full_scores(reference, p, s) for p, s in zip(prefixes, suffixes, strict=True)]
+        await produce_and_consume_on(ranker, prefixes[0], suffixes[0], "u0")
+        await asyncio.sleep(0.2)
+        assert (await ranker.stats()).demotions == 0  # room to spare: HBM only
+        await produce_and_consume_on(ranker, prefixes[1], suffixes[1], "u1")
+        await ranker.wait(lambda st: st.demotions == 1)  # the least recently used, user 0
+        await produce_and_consume_on(ranker, prefixes[2], suffixes[2], "u2")  # evicts user 0's copy
+        stats = await ranker.wait(lambda st: st.hbm_evictions == 1 and st.demotions == 2)
+        assert stats.hbm_evicted_undemoted == 0
+        ranked = await ranker.stub.Rank(rank_request(prefixes[0], suffixes[0], "u0-again"), timeout=30)
+        assert ranked.served_by == pb.DRAM_RELOAD  # gone from HBM, back from DRAM
+        assert close(ranked.scores, want[0])
+        assert (await ranker.stats()).hbm_evicted_undemoted == 0
+    finally:
+        await ranker.channel.close()
+        ranker.proc.stop()
+        expander.stop()
+
+
 async def test_a_ranker_warns_when_the_arena_holds_less_than_its_hbm(tmp_path):
-    # HBM evicts its oldest psi, which an arena smaller than HBM has already overwritten: a
-    # returning user is then recomputed, never reloaded. The ranker says so when it connects.
+    # With every consumed psi copied at once, HBM evicts its oldest psi, which an arena smaller
+    # than HBM has already overwritten: a returning user is then recomputed, never reloaded. The
+    # ranker says so when it connects (under pressure, the default, the tiers add up instead).
     sock = tmp_path / "run" / "expander.sock"
     expander = start_expander(sock)  # a 256 MiB arena
-    rankers = [Ranker(sock, "--hbm-budget-mb", "512"), Ranker(sock, "--hbm-budget-mb", "128")]
+    eager = ("--demotion", "consumed")
+    rankers = [Ranker(sock, "--hbm-budget-mb", "512", *eager), Ranker(sock, "--hbm-budget-mb", "128", *eager),
+               Ranker(sock, "--hbm-budget-mb", "512")]  # fmt: skip
     try:
         for r in rankers:
             await r.wait(lambda s: s.expander_connected)
@@ -248,6 +286,7 @@ async def test_a_ranker_warns_when_the_arena_holds_less_than_its_hbm(tmp_path):
         assert warned[0][0]["arena_bytes"] == 256 << 20
         assert warned[0][0]["hbm_budget_bytes"] == 512 << 20
         assert warned[1] == []  # 128 MiB of HBM fits the arena
+        assert warned[2] == []  # under pressure DRAM holds what HBM drops
     finally:
         for r in rankers:
             await r.channel.close()

@@ -184,6 +184,37 @@ def test_invalid_transitions_raise(clock):
         c._move(e, EntryState.DEMOTED)  # resident psi cannot be demoted before it is consumed
 
 
+def consumed(c: HbmCache, clock: Clock, key: str, nbytes: int) -> None:
+    """An entry produced and consumed at the clock's time (unpinned: its call is done)."""
+    c.admit(key, nbytes, lease())
+    c.produced(key, f"psi-{key}")
+    c.claim(key)
+    c.unpin(key)
+
+
+def test_under_pressure_the_least_recently_used_consumed_psi_is_demoted_ahead_of_eviction(clock):
+    c = make(clock, budget=100)
+    for t, key in enumerate(["a", "b", "c"]):
+        clock.now = float(t)
+        consumed(c, clock, key, 30)
+    assert c.demotion_candidates(reserve_bytes=10) == []  # 90 + 10 fits the budget
+    assert c.demotion_candidates(reserve_bytes=30) == ["a"]  # 20 over: the oldest covers it
+    assert c.demotion_candidates(reserve_bytes=50) == ["a", "b"]  # 40 over: two
+    assert c.demotion_candidates(reserve_bytes=30, in_flight_bytes=30) == []  # a copy under way covers it
+    clock.now = 5.0
+    c.claim("a")  # a returning call: "a" is now the most recently used, and pinned by its call
+    assert c.demotion_candidates(reserve_bytes=30) == ["b"]
+    c.unpin("a")
+    # A demoted entry covers the room it frees; then eviction takes it first.
+    assert c.pin_for_copy("b") == "psi-b"
+    c.demoted("b", ok=True, keep=True)
+    assert c.demotion_candidates(reserve_bytes=30) == []
+    assert c.admit("d", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("b") is None  # the demoted copy went, the undemoted ones stayed
+    assert c.counters.evicted_undemoted == 0
+    assert c.demotion_candidates(reserve_bytes=30) == ["c"]  # leased "d" is never a candidate
+
+
 def test_release_without_host_tier(clock):
     c = make(clock)
     c.admit("u", 10, lease())

@@ -87,7 +87,9 @@ def test_a_lead_in_is_replayed_but_left_out_of_every_figure():
 def test_each_serving_path_is_summarised_on_its_own():
     full = [served(i, latency_ms=30.0 + i, queue_ms=10.0) for i in range(20)]
     hits = [
-        dataclasses.replace(served(100 + i, latency_ms=4.0, queue_ms=1.0), served_by="hbm_hit", compute_ms=2.0)
+        dataclasses.replace(
+            served(100 + i, latency_ms=4.0, queue_ms=1.0), served_by="hbm_hit", compute_ms=2.0
+        )
         for i in range(10)
     ]
     summary = result([*full, *hits]).summary(slo_ms=100.0)
