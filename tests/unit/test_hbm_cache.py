@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.ranker.hbm_cache import Admission, Claim, EntryState, HbmCache, InvalidTransition, Lease
@@ -238,8 +238,11 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(ops)
+@example(
+    [("admit", 0, 6), ("produce", 0, 6), ("claim", 0, 6), ("unpin", 0, 6), ("copy", 0, 6)]
+)  # kept demoted
 def test_invariants_under_random_operations(sequence):
     clock = Clock()
     c = make(clock, budget=100)
@@ -267,7 +270,17 @@ def test_invariants_under_random_operations(sequence):
             c.expire()
         entries = c._entries.values()
         assert c.used_bytes == sum(e.nbytes for e in entries) <= c.budget_bytes
-        assert all(e.state not in (EntryState.DEMOTED, EntryState.EXPIRED, EntryState.FREED) for e in entries)
+        assert all(e.state not in (EntryState.EXPIRED, EntryState.FREED) for e in entries)  # terminal: gone
+        # The bookkeeping that spares eviction a sort: unleased entries, least recently used first.
+        unleased = [e for e in entries if e.state in (EntryState.CONSUMED, EntryState.DEMOTED)]
+        assert set(c._lru) == {e.key for e in unleased}
+        used_at = [e.last_used for e in c._lru.values()]
+        assert used_at == sorted(used_at)
+        assert c.leased_bytes == sum(
+            e.nbytes for e in entries if e.state in (EntryState.PRODUCING, EntryState.RESIDENT)
+        )
+        assert c.producing == sum(1 for e in entries if e.state is EntryState.PRODUCING)
+        assert c.evictable_bytes == sum(e.nbytes for e in unleased if e.pins == 0)
         for k, n in pins.items():
             if n:  # a pinned entry is never gone
                 assert c.lookup(k) is not None
