@@ -126,6 +126,7 @@ class _Production:
     done: asyncio.Event
     reload: bool
     task: asyncio.Task[None] | None = None
+    compute_fallback: bool = True  # a failed reload is pre-inferred instead (not for a prefetch-only signal)
 
 
 class RelayCache:
@@ -176,9 +177,18 @@ class RelayCache:
 
     # ------------------------------------------------------------------ produce
 
-    async def produce(self, key: PsiKey, prefix: FallbackPrefix, lease: Lease) -> tuple[Produce, str]:
+    async def produce(
+        self, key: PsiKey, prefix: FallbackPrefix, lease: Lease, prefetch_only: bool = False
+    ) -> tuple[Produce, str]:
         """A PreInfer signal: admits psi under `lease` and starts producing it. Returns the
-        outcome and, when refused, the reason."""
+        outcome and, when refused, the reason. `prefetch_only`: only psi already held comes
+        back (re-leased in HBM, or reloaded from host DRAM, whatever the cost model says of a
+        reload: it runs off the critical path); refused with "not_held" otherwise, and never
+        pre-inferred, not even when the reload fails."""
+        if prefetch_only and self.cache.lookup(key) is None:
+            held = await self.host.lookup(key) if self.host is not None and self.host.connected else None
+            if held is None:
+                return Produce.REFUSED, "not_held"
         admitted = self._admit(key, self._psi_bytes(prefix.length), lease)
         if admitted.outcome is Admission.REFUSED:
             return Produce.REFUSED, admitted.reason
@@ -186,8 +196,8 @@ class RelayCache:
             return Produce.ALREADY_RESIDENT, ""
         if admitted.outcome is Admission.ALREADY_PRODUCING:
             return Produce.ALREADY_PRODUCING, ""
-        reload = False
-        if self.host is not None and self.host.connected:
+        reload = prefetch_only
+        if not prefetch_only and self.host is not None and self.host.connected:
             nbytes = await self.host.lookup(key)
             if nbytes is not None:
                 busy = self.engine.rank_queue_depth > 0 or self.engine.preinfer_backlog > 0
@@ -200,11 +210,13 @@ class RelayCache:
                 self._prefetched.clear()  # a bound, not an LRU: missed outcomes only skew counts
             self._prefetched.add(key)
             self._on_event("prefetch", "issued")
-        self._start(key, prefix, reload)
+        self._start(key, prefix, reload, compute_fallback=not prefetch_only)
         return (Produce.RELOAD_SCHEDULED if reload else Produce.ACCEPTED), ""
 
-    def _start(self, key: PsiKey, prefix: FallbackPrefix, reload: bool) -> None:
-        production = _Production(asyncio.Event(), reload)
+    def _start(
+        self, key: PsiKey, prefix: FallbackPrefix, reload: bool, compute_fallback: bool = True
+    ) -> None:
+        production = _Production(asyncio.Event(), reload, compute_fallback=compute_fallback)
         self._productions[key] = production
         name = f"{'reload' if reload else 'produce'}-{key.user_id}"
         production.task = self._spawn(self._produce(key, prefix, production), name)
@@ -224,6 +236,9 @@ class RelayCache:
                 else:
                     self._on_event("fallback", "reload_failed")
                     self._settle_prefetch(key, "failed")
+            if psi is None and not production.compute_fallback:
+                self.cache.production_failed(key)  # nothing held after all: its call ranks in full
+                return
             if psi is None:
                 t0 = time.perf_counter()
                 psi = await self.engine.preinfer(prefix.tensors())

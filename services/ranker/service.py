@@ -539,7 +539,7 @@ class RankerService(pb_grpc.RankerServicer):
                 fingerprint=key.fingerprint,
             )
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
-        produced, reason = await self.relay.produce(key, prefix, lease)
+        produced, reason = await self.relay.produce(key, prefix, lease, prefetch_only=request.prefetch_only)
         outcome = _OUTCOME[produced]
         self.metrics.preinfers.labels(pb.PreInferReply.Outcome.Name(outcome).lower()).inc()
         return pb.PreInferReply(

@@ -189,8 +189,11 @@ def by_reference(request: pb.RankRequest) -> pb.RankRequest:
 
 
 def preinfer_request(
-    prefix: UserPrefix, request_id: str, lease_deadline_unix_ms: int = 0
+    prefix: UserPrefix, request_id: str, lease_deadline_unix_ms: int = 0, prefetch_only: bool = False
 ) -> pb.PreInferRequest:
     return pb.PreInferRequest(
-        request_id=request_id, prefix=prefix_to_proto(prefix), lease_deadline_unix_ms=lease_deadline_unix_ms
+        request_id=request_id,
+        prefix=prefix_to_proto(prefix),
+        lease_deadline_unix_ms=lease_deadline_unix_ms,
+        prefetch_only=prefetch_only,
     )

@@ -171,7 +171,10 @@ class SignalConsumer:
             return "stale"  # its ranking call is over: pre-inferring now would only waste work
         prefix = signal.prefix
         request = pb.PreInferRequest(
-            request_id=signal.request_id, prefix=prefix, lease_deadline_unix_ms=lease_ms
+            request_id=signal.request_id,
+            prefix=prefix,
+            lease_deadline_unix_ms=lease_ms,
+            prefetch_only=signal.prefetch_only,
         ).SerializeToString()
         error: ForwardError | None = None
         for attempt in range(self.config.signal_retries):

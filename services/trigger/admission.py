@@ -12,6 +12,11 @@ A retrieval event is pre-inferred only if (in this order):
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   -> ADMITTED.
+A returning key (seen within the reuse window) that step 2 turns away is not dropped: with
+prefetch on, and while its psi fits the footprint bound, it gets a prefetch-only signal
+                                                                                 -> PREFETCH
+(the ranker re-leases psi it holds in HBM, so that it is not evicted before the call, or
+reloads it from host DRAM ahead of the call; it never computes psi for it).
 
 Why the load term: a request's P99 is its own compute plus the queue it meets, and the queue grows
 with the instance's load (as rho / (1 - rho) in the textbook queues). A length that is safe on an
@@ -61,6 +66,7 @@ class Reason(enum.Enum):
     ALREADY_RESIDENT = "already_resident"
     ADDS_WORK = "adds_work"  # at risk, but pre-inferring it would add device work (module docstring)
     ADMITTED = "admitted"
+    PREFETCH = "prefetch"  # returning, not pre-inferred: psi re-leased or reloaded where held
 
 
 class Policy(enum.Enum):
@@ -254,6 +260,8 @@ def decide(
     load: float = 0.0,
     pays_by_reuse: bool = False,
     risk_adds_little: bool = True,
+    returning: bool = False,
+    prefetch: bool = False,
 ) -> Reason:
     if policy is Policy.OFF:
         return Reason.NOT_AT_RISK
@@ -261,15 +269,19 @@ def decide(
         return Reason.ALREADY_RESIDENT
     if policy is Policy.ALL:
         return Reason.ADMITTED
-    if not pays_by_reuse:
-        if predicted_full_ms <= risk_threshold_ms(bounds, load):
-            return Reason.NOT_AT_RISK
-        if not risk_adds_little:
-            return Reason.ADDS_WORK
-    if (
+    over_footprint = bool(
         ledger.budget_bytes
         and ledger.resident_bytes() + psi_bytes > bounds.footprint_fraction * ledger.budget_bytes
-    ):
+    )
+    if not pays_by_reuse:
+        turned_away = None
+        if predicted_full_ms <= risk_threshold_ms(bounds, load):
+            turned_away = Reason.NOT_AT_RISK
+        elif not risk_adds_little:
+            turned_away = Reason.ADDS_WORK
+        if turned_away is not None:
+            return Reason.PREFETCH if prefetch and returning and not over_footprint else turned_away
+    if over_footprint:
         return Reason.FOOTPRINT_BOUND
     if ledger.backlog(now) >= bounds.max_backlog:
         return Reason.LOAD_BOUND

@@ -29,7 +29,8 @@ from shared.wire import I32, I64, MAX_TIMESTAMP, RequestLimits, WireError, requi
 SCHEMA_VERSION = 1
 MAX_TIMESTAMP_MS = MAX_TIMESTAMP * 1000
 # A PreInferSignal's fields besides the prefix, the request id and the instance name: tags,
-# lengths and varints (schema_version, signal time, lease deadline) take at most this many bytes.
+# lengths and varints (schema_version, signal time, lease deadline, prefetch flag) take at most
+# this many bytes.
 SIGNAL_FIELDS_OVERHEAD_BYTES = 64
 
 

@@ -332,7 +332,7 @@ class TriggerService:
         self.counts[reason.value] += 1
         self.metrics.decisions.labels(reason.value).inc()
         output = None
-        if reason is Reason.ADMITTED:
+        if reason in (Reason.ADMITTED, Reason.PREFETCH):
             lease_ms = self.lease_deadline_unix_ms(meta, int(time.time() * 1e3))
             signal_msg = ev.PreInferSignal(
                 schema_version=SCHEMA_VERSION,
@@ -341,6 +341,7 @@ class TriggerService:
                 prefix=event.prefix,
                 lease_deadline_unix_ms=lease_ms,
                 expected_instance=target or "",
+                prefetch_only=reason is Reason.PREFETCH,
             )
             output = Output(record, Kind.SIGNAL, self.config.signal_topic, signal_msg.SerializeToString(),
                             str(meta.user_id).encode())  # fmt: skip
@@ -374,7 +375,8 @@ class TriggerService:
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
         pays = self.reuse_pays(meta.prefix_len, tokens, target)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
-                        self.risk_adds_little(meta.prefix_len, tokens))  # fmt: skip
+                        self.risk_adds_little(meta.prefix_len, tokens), returning,
+                        self.config.prefetch)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)

@@ -73,7 +73,15 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         future_schema = events_pb2.PreInferSignal()
         future_schema.CopyFrom(valid)
         future_schema.schema_version = 2
+        # Prefetch-only, for a user whose psi nobody holds: forwarded with its flag, refused, never computed.
+        other = users(22, 1, prefix_len=300)[0][0]
+        prefetch = events_pb2.PreInferSignal()
+        prefetch.CopyFrom(valid)
+        prefetch.request_id = "sig-4"
+        prefetch.prefix.CopyFrom(prefix_to_proto(other))
+        prefetch.prefetch_only = True
         garbage = b"\xff\xff\xff not a protobuf"
+        await producer.send_and_wait(SIGNALS, prefetch.SerializeToString(), key=str(other.user_id).encode())
         await producer.send_and_wait(SIGNALS, valid.SerializeToString(), key=str(prefix.user_id).encode())
         await producer.send_and_wait(SIGNALS, garbage, key=b"77")
         await producer.send_and_wait(SIGNALS, future_schema.SerializeToString(), key=b"78")
@@ -120,14 +128,18 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         assert consumer is not None
         tps = [TopicPartition(SIGNALS, p) for p in (0, 1)]
         ends = await consumer.end_offsets(tps)
-        assert sum(ends.values()) == 3
+        assert sum(ends.values()) == 4
 
         async def committed() -> bool:
             offsets = [await consumer.committed(tp) or 0 for tp in tps]
             return offsets == [ends[tp] for tp in tps]
 
-        await eventually(committed, "the group's committed offsets cover all three signals")
+        await eventually(committed, "the group's committed offsets cover all four signals")
         assert router.metrics.signals.labels("forwarded")._value.get() == 1
+        assert router.metrics.signals.labels("refused")._value.get() == 1  # the prefetch: nothing held
+        assert ranker.cache.lookup(ranker.model.psi_key(other.user_id, other.prefix_version,
+                                                        other.fingerprint.digest)) is None  # fmt: skip
+        assert (await ranker.Stats(pb.StatsRequest(), None)).psi_produced == 1
         assert router.metrics.signals.labels("dlq")._value.get() == 2
     finally:
         await dlq.stop()

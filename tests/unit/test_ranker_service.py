@@ -164,6 +164,30 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_from_rankings == 1
 
 
+async def test_a_prefetch_only_signal_re_leases_held_psi_and_never_computes_it(ranker):
+    _, stub, _ = ranker
+    prefixes, suffixes = users(25, 2, prefix_len=600)
+    nothing = await stub.PreInfer(preinfer_request(prefixes[0], "p0", prefetch_only=True), timeout=5)
+    assert nothing.outcome == pb.PreInferReply.REFUSED
+    assert nothing.reason == "not_held"
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert (stats.psi_produced, stats.preinfer_backlog, stats.hbm_resident_bytes) == (
+        0,
+        0,
+        0,
+    )  # nothing computed
+    first = await stub.Rank(rank_request(prefixes[0], suffixes[0], "r0"), timeout=30)  # keeps psi
+    assert first.served_by == pb.FULL_RECOMPUTE
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_leased_bytes == 0  # a hot copy, evictable
+    held = await stub.PreInfer(preinfer_request(prefixes[0], "p1", prefetch_only=True), timeout=5)
+    assert held.outcome == pb.PreInferReply.ALREADY_RESIDENT
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_leased_bytes > 0  # leased to its call now
+    hit = await stub.Rank(rank_request(prefixes[0], suffixes[0], "r1"), timeout=30)
+    assert hit.served_by == pb.HBM_HIT
+    assert max_diff(hit.scores, first.scores) <= TOL
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_leased_bytes == 0  # consumed again
+
+
 @pytest.mark.parametrize("ranker", [NO_RANKING_PSI], indirect=True)
 async def test_with_ranking_psi_off_a_full_ranking_keeps_nothing(ranker):
     _, stub, _ = ranker

@@ -178,6 +178,44 @@ def test_every_failure_is_dead_lettered_whatever_the_decision():
     assert service.counts["not_at_risk"] == 1
 
 
+async def with_healthy_ranker(*flags: str) -> TriggerService:
+    """A sequence-aware trigger (no broker) whose one ranker, at an address nothing answers,
+    is marked up after its membership's first round of checks."""
+    service = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1", *flags)
+    assert service.membership is not None
+    await service.membership.start()
+    service.membership._set(service.membership._state["127.0.0.1:1"], True, "test")
+    return service
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+async def test_a_returning_user_not_at_risk_gets_a_prefetch_only_signal(prefetch):
+    service = await with_healthy_ranker("--prefetch", str(prefetch).lower())
+    try:
+        check_prefetch_signal(service, prefetch)
+    finally:
+        assert service.membership is not None
+        await service.membership.close()
+
+
+def check_prefetch_signal(service: TriggerService, prefetch: bool) -> None:
+    raw = make_event().SerializeToString()
+    assert service._handle(record(raw)) is None  # a first visit, not at risk: nothing to bring back
+    assert service.counts["not_at_risk"] == 1
+    out = service._handle(record(raw, offset=1))  # the same user and prefix version again
+    if not prefetch:
+        assert out is None
+        assert service.counts["not_at_risk"] == 2
+        return
+    assert out is not None
+    assert out.kind is Kind.SIGNAL
+    signal = ev.PreInferSignal.FromString(out.value)
+    assert signal.prefetch_only
+    assert signal.prefix == make_event().prefix
+    assert signal.lease_deadline_unix_ms > 0
+    assert service.counts["prefetch"] == 1
+
+
 def test_an_event_whose_signal_would_not_fit_is_refused_up_front():
     service = trigger("--max-record-bytes", str(64 << 10))
     raw = make_event(tokens=4000).SerializeToString()  # ~80 KB

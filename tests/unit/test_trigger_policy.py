@@ -144,6 +144,33 @@ def test_a_call_at_risk_is_not_pre_inferred_where_that_adds_device_work():
     )
 
 
+def test_a_returning_key_turned_away_gets_a_prefetch_only_signal():
+    key = (7, 1)
+
+    def d(led: InstanceLedger | None = None, **kw: bool) -> Reason:  # a 20 ms call: not at risk
+        return decide(Policy.SEQUENCE_AWARE, BOUNDS, 20.0, 100, led or ledger(), key, 1.0, **kw)
+
+    assert d(returning=True, prefetch=True) is Reason.PREFETCH  # not at risk, but coming back
+    assert d(returning=False, prefetch=True) is Reason.NOT_AT_RISK  # a first visit: nothing held
+    assert d(returning=True, prefetch=False) is Reason.NOT_AT_RISK  # prefetch off
+    # At risk but adding work: prefetched too.
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, ledger(), key, 1.0, risk_adds_little=False,
+               returning=True, prefetch=True)
+        is Reason.PREFETCH
+    )  # fmt: skip
+    # A reload takes HBM bytes: not past the footprint bound.
+    assert d(returning=True, prefetch=True, led=ledger(resident=850)) is Reason.NOT_AT_RISK
+    # Admitted for pre-inference: that, not a prefetch.
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, ledger(), key, 1.0, returning=True, prefetch=True)
+        is Reason.ADMITTED
+    )
+    assert decide(Policy.OFF, BOUNDS, 20.0, 100, ledger(), key, 1.0, returning=True, prefetch=True) is (
+        Reason.NOT_AT_RISK
+    )
+
+
 def test_adds_little_work_compares_pre_inference_plus_the_cached_call_with_the_full_ranking():
     # One H100 at 4096 tokens, CUDA graphs: full 4.3 ms, pre-inference 3.8, call against psi 1.6.
     assert not adds_little_work(4.3, 3.8, 1.6, max_extra=0.15)  # 5.4 > 1.15 x 4.3 = 4.95
