@@ -313,8 +313,20 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{'meets' if point.ok else 'MISSES'} SLO"
-          f"{_admissions(rankers)}", flush=True)  # fmt: skip
+          f"{_admissions(rankers)}{_compute_by_path(s)}", flush=True)  # fmt: skip
     return point
+
+
+_PATH_LABELS = {"hbm_hit": "hit", "inflight_join": "join", "partial_prefix": "partial",
+                "dram_reload": "reload", "full_recompute": "full"}  # fmt: skip
+
+
+def _compute_by_path(summary: dict[str, Any]) -> str:
+    """The batch compute P50 of each serving path (ms), for the progress line: which path the
+    device thread spends its time on."""
+    by = summary.get("by_served") or {}
+    parts = [f"{_PATH_LABELS.get(k, k)} {v['compute_ms_p50']:.1f}" for k, v in by.items() if v.get("calls")]
+    return f"  compute p50 by path: {', '.join(parts)} ms" if parts else ""
 
 
 # ---------------------------------------------------------------------- reports
