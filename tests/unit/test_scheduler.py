@@ -179,6 +179,17 @@ def test_a_batch_waits_to_fill_at_most_max_wait():
     assert s.plan(0.0, full, []).rank == (0, 1, 2, 3)  # full: no wait
 
 
+def test_a_call_that_would_run_alone_anyway_does_not_wait_for_a_batch():
+    s = scheduler(max_wait_s=2 * MS, max_batch=4)
+    # 1000 tokens: 3 ms, 2 ms beyond the 1 ms per-batch cost; a second such call would delay the
+    # first by more than the batch saves, so it would not join: waiting only idles the device.
+    plan = s.plan(0.0005, [rank(1, 1.0, tokens=1000, submitted=0.0)], [])
+    assert plan.rank == (1,)
+    assert plan.wait_s == 0.0
+    # 400 tokens: 1.8 ms, 0.8 beyond: a second one would join, so the batch waits to fill.
+    assert s.plan(0.0005, [rank(1, 1.0, tokens=400, submitted=0.0)], []).wait_s == pytest.approx(1.5 * MS)
+
+
 def test_a_joined_preinference_runs_by_its_callers_deadline():
     s = scheduler()
     joined = PreinferItem(9, 4096, 2048, 0.0, joined_deadline=0.100)
