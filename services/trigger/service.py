@@ -374,9 +374,12 @@ class TriggerService:
         per_token = self._psi_per_token.get(target)
         psi_bytes = per_token * meta.prefix_len if per_token else self.spec.psi_bytes(meta.prefix_len)
         pays = self.reuse_pays(meta.prefix_len, tokens, target)
+        # No prefetch where the target's full rankings keep no psi of this length (nothing there
+        # to bring back but what an earlier pre-inference left, rarely at such lengths).
+        keeps = self._ranking_psi_min.get(target, 0)
+        prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
-                        self.risk_adds_little(meta.prefix_len, tokens), returning,
-                        self.config.prefetch)  # fmt: skip
+                        self.risk_adds_little(meta.prefix_len, tokens), returning, prefetch)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)

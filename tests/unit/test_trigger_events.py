@@ -214,6 +214,12 @@ def check_prefetch_signal(service: TriggerService, prefetch: bool) -> None:
     assert signal.prefix == make_event().prefix
     assert signal.lease_deadline_unix_ms > 0
     assert service.counts["prefetch"] == 1
+    # A target whose full rankings keep psi only from 512 tokens: this 10-token prefix has none there.
+    keeps = stats_reply([], [], [])
+    keeps.ranking_psi_min_tokens = 512
+    service._absorb("127.0.0.1:1", keeps)
+    assert service._handle(record(raw, offset=2)) is None
+    assert service.counts["not_at_risk"] == 2
 
 
 def test_an_event_whose_signal_would_not_fit_is_refused_up_front():
