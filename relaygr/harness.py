@@ -42,8 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
-    # No prefetch-only signals for returning users (their psi is still read where held).
-    "relay-no-prefetch": {"trigger_args": ("--prefetch", "false")},
+    # Prefetch-only signals for returning users (RELAYGR_TRIGGER_PREFETCH, off by default).
+    "relay-prefetch": {"trigger_args": ("--prefetch", "true")},
     # psi only from pre-inference (full rankings keep none): what the rankings' psi adds.
     "relay-preinfer-only": {"ranker_args": ("--ranking-psi-min-tokens", "0")},
     # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
