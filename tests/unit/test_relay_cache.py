@@ -40,7 +40,7 @@ class Clock:
 class Relay:
     """A relay cache over a real engine, with what the tests look at."""
 
-    def __init__(self, model: HSTURanker, delay_s: float) -> None:
+    def __init__(self, model: HSTURanker, delay_s: float, ranking_psi_min_tokens: int = 0) -> None:
         self.model = model
         self.clock = Clock()
         # Keys grouped by (user, prefix version, model), as the service does: content mismatches show.
@@ -54,6 +54,7 @@ class Relay:
         self.relay = RelayCache(
             self.cache, self.engine, costs, model.spec.psi_bytes, self.spawn,
             join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: self.events.append((k, v)),
+            ranking_psi_min_tokens=ranking_psi_min_tokens,
         )  # fmt: skip
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
@@ -224,3 +225,27 @@ async def test_a_call_in_the_same_turn_as_its_signal_still_takes_the_preinferenc
     assert close(ranked.result.scores, want)
     assert r.state(key) is EntryState.CONSUMED
     assert r.cache.counters.produced == 1
+
+
+@pytest.fixture
+async def keeping(model) -> AsyncIterator[Relay]:
+    r = Relay(model, delay_s=100.0, ranking_psi_min_tokens=512)  # full rankings keep psi from 512 tokens
+    r.engine.start()
+    yield r
+    r.engine.stop()
+
+
+async def test_two_calls_of_a_new_user_compute_its_prefix_once(keeping):
+    """The first call's full ranking keeps psi; a second call that comes meanwhile waits for
+    it (as for a pre-inference) and ranks against it, instead of computing the prefix again."""
+    key, prefix, suffix, want = keeping.inputs(41, 700)
+    first, second = await asyncio.gather(keeping.rank(key, prefix, suffix), keeping.rank(key, prefix, suffix))
+    assert sorted(r.served for r in (first, second)) == sorted([Served.FULL_RECOMPUTE, Served.INFLIGHT_JOIN])
+    for r in (first, second):
+        assert close(r.result.scores, want)
+    assert keeping.relay.psi_from_rankings == 1
+    assert keeping.state(key) is EntryState.CONSUMED
+    assert ("ranking_psi", "kept") in keeping.events
+    again = await keeping.rank(key, prefix, suffix)
+    assert again.served is Served.HBM_HIT
+    assert close(again.result.scores, want)
