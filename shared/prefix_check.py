@@ -69,3 +69,12 @@ def check_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> PrefixArrays:
     require_non_negative(profile, "prefix.profile")
     long_term = check_behaviors(msg.long_term, "prefix.long_term", limits.max_prefix_tokens)
     return PrefixArrays(profile, long_term)
+
+
+def check_prefix_ref(ref: pb.PrefixRef, limits: RequestLimits) -> None:
+    """A prefix named instead of carried (PrefixRef): a possible length and a fingerprint (0, the
+    unset value, names no content). Raises WireError."""
+    if not 0 < ref.length <= limits.max_profile_tokens + limits.max_prefix_tokens:
+        raise WireError(f"prefix_ref.length: {ref.length} is not a possible prefix length")
+    if not ref.fingerprint:
+        raise WireError("prefix_ref.fingerprint is required")

@@ -58,7 +58,7 @@ from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
-from services.ranker.wire import PrefixRequired, checked_prefix, rank_inputs
+from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
 from shared.lifecycle import Lifecycle, pin_process, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
@@ -521,7 +521,7 @@ class RankerService(pb_grpc.RankerServicer):
         try:
             if not request.request_id:
                 raise WireError("request_id is required")
-            prefix = checked_prefix(request.prefix, self.config.limits)
+            prefix = preinfer_prefix(request, self.config.limits)
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)

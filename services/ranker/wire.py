@@ -13,7 +13,7 @@ import torch
 
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.fingerprint import PrefixFingerprint, prefix_fingerprint
-from shared.prefix_check import check_behaviors, check_prefix
+from shared.prefix_check import check_behaviors, check_prefix, check_prefix_ref
 from shared.protos import ranker_pb2 as pb
 from shared.wire import (
     I32,
@@ -104,6 +104,23 @@ def checked_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> CheckedPrefix:
     return CheckedPrefix(
         msg.user_id, msg.prefix_version, len(profile) + len(long_term[0]), fingerprint, profile, long_term
     )
+
+
+def preinfer_prefix(req: pb.PreInferRequest, limits: RequestLimits) -> FallbackPrefix:
+    """A PreInfer signal's prefix: carried (checked), or, for a prefetch only, named
+    (PrefixReference: a prefetch never computes psi, so it needs no tokens). Raises WireError."""
+    if req.HasField("prefix_ref"):
+        if not req.prefetch_only:
+            raise WireError(
+                "prefix_ref: only a prefetch-only signal may name its prefix instead of carrying it"
+            )
+        if req.HasField("prefix"):
+            raise WireError("prefix and prefix_ref: carry the prefix or name it, not both")
+        check_prefix_ref(req.prefix_ref, limits)
+        return PrefixReference(
+            req.user_id, req.prefix_version, req.prefix_ref.length, req.prefix_ref.fingerprint
+        )
+    return checked_prefix(req.prefix, limits)
 
 
 def prefix_from_proto(msg: pb.UserPrefix, limits: RequestLimits) -> UserPrefix:

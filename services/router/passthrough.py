@@ -161,7 +161,8 @@ def _skip_group(data: bytes, pos: int, end: int, field: int, depth: int) -> int:
 # Tags (field number << 3 | wire type) of the fields read, from shared/protos/ranker.proto.
 _RANK_KEY = {2 << 3 | _VARINT: 0, 3 << 3 | _VARINT: 1}  # RankRequest.user_id, .prefix_version
 _PREINFER_PREFIX = 2 << 3 | _LEN  # PreInferRequest.prefix (UserPrefix)
-_PREINFER_LEASE = {3 << 3 | _VARINT: 0}  # PreInferRequest.lease_deadline_unix_ms
+# PreInferRequest.lease_deadline_unix_ms, .user_id, .prefix_version (the last two: by reference)
+_PREINFER_TOP = {3 << 3 | _VARINT: 0, 5 << 3 | _VARINT: 1, 6 << 3 | _VARINT: 2}
 _PREFIX_KEY = {1 << 3 | _VARINT: 0, 2 << 3 | _VARINT: 1}  # UserPrefix.user_id, .prefix_version
 
 
@@ -174,18 +175,18 @@ def rank_key(data: bytes) -> tuple[int, int]:
 
 
 def preinfer_key(data: bytes) -> tuple[int, int, int]:
-    """(prefix.user_id, prefix.prefix_version, lease_deadline_unix_ms) of a serialized
-    relaygr.v1.PreInferRequest: UserPrefix is field 2 (its user_id and prefix_version are fields 1
-    and 2, uint64), the lease field 3 (int64). Raises MalformedMessage."""
-    lease = [0]
+    """(user id, prefix version, lease_deadline_unix_ms) of a serialized
+    relaygr.v1.PreInferRequest: those of its prefix when it carries one (UserPrefix is field 2,
+    its user_id and prefix_version fields 1 and 2, uint64), else its own fields 5 and 6 (a
+    prefetch by reference); the lease is field 3 (int64). Raises MalformedMessage."""
+    top = [0, 0, 0]
     prefixes: dict[int, list[tuple[int, int, int]]] = {_PREINFER_PREFIX: []}
-    _scan(data, 0, len(data), _MAX_DEPTH, _PREINFER_LEASE, lease, prefixes)
-    key = [0, 0]
-    for _, a, b in prefixes[
-        _PREINFER_PREFIX
-    ]:  # occurrences of a message field merge: each scalar's last one wins
+    _scan(data, 0, len(data), _MAX_DEPTH, _PREINFER_TOP, top, prefixes)
+    spans = prefixes[_PREINFER_PREFIX]
+    key = [0, 0] if spans else [top[1], top[2]]
+    for _, a, b in spans:  # occurrences of a message field merge: each scalar's last one wins
         _scan(data, a, b, _MAX_DEPTH - 1, _PREFIX_KEY, key)
-    signed = lease[0] - (1 << 64) if lease[0] & _SIGN64 else lease[0]
+    signed = top[0] - (1 << 64) if top[0] & _SIGN64 else top[0]
     return key[0], key[1], signed
 
 

@@ -28,7 +28,7 @@ from services.router.forwarding import ACCEPTED, ForwardError
 from shared.dlq import dead_letter_headers
 from shared.kafka import ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
-from shared.prefix_check import check_prefix
+from shared.prefix_check import check_prefix, check_prefix_ref
 from shared.protos import events_pb2
 from shared.protos import ranker_pb2 as pb
 from shared.wire import RequestLimits, WireError
@@ -60,13 +60,29 @@ def decode_signal(value: bytes | None, limits: RequestLimits) -> events_pb2.PreI
         raise MalformedSignal(f"schema_version {signal.schema_version} is not {SIGNAL_SCHEMA_VERSION}")
     if not signal.request_id:
         raise MalformedSignal("request_id is required")
+    if signal.HasField("prefix_ref"):
+        # Named, not carried: a prefetch only brings back psi already held, it never computes it.
+        if not signal.prefetch_only:
+            raise MalformedSignal("prefix_ref: only a prefetch-only signal may name its prefix")
+        if signal.HasField("prefix"):
+            raise MalformedSignal("prefix and prefix_ref: a signal carries its prefix or names it, not both")
+        try:
+            check_prefix_ref(signal.prefix_ref, limits)
+        except WireError as exc:
+            raise MalformedSignal(f"invalid prefix_ref: {exc}") from None
+        return signal
     if not signal.HasField("prefix"):
-        raise MalformedSignal("prefix is required")
+        raise MalformedSignal("prefix is required (or, prefetch-only, prefix_ref)")
     try:
         check_prefix(signal.prefix, limits)
     except WireError as exc:
         raise MalformedSignal(f"invalid prefix: {exc}") from None
     return signal
+
+
+def _user_of(signal: events_pb2.PreInferSignal) -> int:
+    """The user a signal is for, whether it carries its prefix or names it."""
+    return signal.user_id if signal.HasField("prefix_ref") else signal.prefix.user_id
 
 
 class SignalConsumer:
@@ -167,15 +183,22 @@ class SignalConsumer:
             return "dlq"
         lease_ms = signal.lease_deadline_unix_ms
         if 0 < lease_ms <= time.time() * 1e3:
-            log.info("signal_stale", request_id=signal.request_id, user=signal.prefix.user_id)
+            log.info("signal_stale", request_id=signal.request_id, user=_user_of(signal))
             return "stale"  # its ranking call is over: pre-inferring now would only waste work
-        prefix = signal.prefix
-        request = pb.PreInferRequest(
-            request_id=signal.request_id,
-            prefix=prefix,
-            lease_deadline_unix_ms=lease_ms,
-            prefetch_only=signal.prefetch_only,
-        ).SerializeToString()
+        if signal.HasField("prefix_ref"):
+            user_id, prefix_version = signal.user_id, signal.prefix_version
+            request = pb.PreInferRequest(
+                request_id=signal.request_id, lease_deadline_unix_ms=lease_ms, prefetch_only=True,
+                user_id=user_id, prefix_version=prefix_version, prefix_ref=signal.prefix_ref,
+            ).SerializeToString()  # fmt: skip
+        else:
+            user_id, prefix_version = signal.prefix.user_id, signal.prefix.prefix_version
+            request = pb.PreInferRequest(
+                request_id=signal.request_id,
+                prefix=signal.prefix,
+                lease_deadline_unix_ms=lease_ms,
+                prefetch_only=signal.prefetch_only,
+            ).SerializeToString()
         error: ForwardError | None = None
         for attempt in range(self.config.signal_retries):
             if attempt:
@@ -183,8 +206,8 @@ class SignalConsumer:
             try:
                 reply, _ = await self._preinfer(
                     request,
-                    prefix.user_id,
-                    prefix.prefix_version,
+                    user_id,
+                    prefix_version,
                     lease_ms,
                     time.monotonic() + self.config.preinfer_timeout_ms / 1e3,
                 )
@@ -195,7 +218,7 @@ class SignalConsumer:
                 error = exc
                 continue
             return "forwarded" if reply.outcome in ACCEPTED else "refused"
-        log.warning("signal_lost", request_id=signal.request_id, user=signal.prefix.user_id,
+        log.warning("signal_lost", request_id=signal.request_id, user=_user_of(signal),
                     error=error.message if error else "")  # fmt: skip
         return "lost"
 

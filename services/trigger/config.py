@@ -44,8 +44,9 @@ class TriggerConfig(KafkaSettings, TlsSettings):
     prefetch: bool = setting(False, env="RELAYGR_TRIGGER_PREFETCH",
                              help="a returning user not admitted for pre-inference gets a prefetch-only "
                              "signal: the ranker re-leases its psi in HBM or reloads it from host DRAM "
-                             "ahead of the call, never computes it (off until measured on a GPU: each "
-                             "signal carries the whole prefix to the ranker's event loop)")  # fmt: skip
+                             "ahead of the call, never computes it; the signal names the prefix (user, version, "
+                             "fingerprint), it does not carry it (off until measured on a GPU: one more call "
+                             "per returning user on the ranker's event loop)")  # fmt: skip
     reuse_window_s: float = setting(600.0, env="RELAYGR_TRIGGER_REUSE_WINDOW_S",
                                     help="an event whose (user, prefix version) was seen within this many "
                                     "seconds is a return; from the share of returns, also admit where "

@@ -61,6 +61,7 @@ from services.trigger.events import (
 )
 from services.trigger.latency_model import LatencyModel, Sample
 from services.trigger.progress import Processed
+from shared.fingerprint import prefix_fingerprint
 from shared.kafka import ensure_topics, make_consumer, make_producer, record_limits
 from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
@@ -338,11 +339,20 @@ class TriggerService:
                 schema_version=SCHEMA_VERSION,
                 request_id=meta.request_id,
                 signal_time_unix_ms=int(time.time() * 1e3),
-                prefix=event.prefix,
                 lease_deadline_unix_ms=lease_ms,
                 expected_instance=target or "",
-                prefetch_only=reason is Reason.PREFETCH,
             )
+            if reason is Reason.PREFETCH:
+                # Named, not carried: a prefetch never computes psi, so the ranker needs only its
+                # name (an 80 KB prefix at 4096 tokens otherwise, decoded on its event loop).
+                p, lt = event.prefix, event.prefix.long_term
+                fingerprint = prefix_fingerprint(p.profile_le, lt.items_le, lt.actions_le, lt.timestamps_le)
+                signal_msg.prefetch_only = True
+                signal_msg.user_id, signal_msg.prefix_version = p.user_id, p.prefix_version
+                signal_msg.prefix_ref.length = fingerprint.length
+                signal_msg.prefix_ref.fingerprint = fingerprint.digest
+            else:
+                signal_msg.prefix.CopyFrom(event.prefix)
             output = Output(record, Kind.SIGNAL, self.config.signal_topic, signal_msg.SerializeToString(),
                             str(meta.user_id).encode())  # fmt: skip
         elapsed = time.perf_counter_ns() - t0

@@ -45,16 +45,22 @@ class UserPrefix(_message.Message):
     def __init__(self, user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., profile_le: _Optional[bytes] = ..., long_term: _Optional[_Union[Behaviors, _Mapping]] = ...) -> None: ...
 
 class PreInferRequest(_message.Message):
-    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only")
+    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only", "user_id", "prefix_version", "prefix_ref")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_ONLY_FIELD_NUMBER: _ClassVar[int]
+    USER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix: UserPrefix
     lease_deadline_unix_ms: int
     prefetch_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ...) -> None: ...
+    user_id: int
+    prefix_version: int
+    prefix_ref: PrefixRef
+    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
 
 class PreInferReply(_message.Message):
     __slots__ = ("outcome", "reason", "instance_id", "fingerprint")

@@ -131,21 +131,33 @@ async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
     assert (await a.stats()).demotion_lag_p99_ms > 0  # A's consumed psi went to DRAM after its reply
 
 
+def named_prefetch(prefix, request_id: str) -> pb.PreInferRequest:
+    """A prefetch-only PreInfer naming its prefix instead of carrying it."""
+    ref = pb.PrefixRef(length=prefix.fingerprint.length, fingerprint=prefix.fingerprint.digest)
+    return pb.PreInferRequest(request_id=request_id, prefetch_only=True, user_id=prefix.user_id,
+                              prefix_version=prefix.prefix_version, prefix_ref=ref)  # fmt: skip
+
+
 async def test_a_prefetch_only_signal_reloads_psi_from_dram_and_computes_nothing_else(stack, reference):
     _, (a, b), _ = stack
     prefixes, suffixes = batch(31, [Shape(3, 1000, 8, 16), Shape(2, 800, 8, 16)])
     want = full_scores(reference, prefixes[0], suffixes[0])
     await produce_and_consume_on(a, prefixes[0], suffixes[0], "a0")
     await a.wait(lambda st: st.demotions == 1)
-    reply = await b.stub.PreInfer(preinfer_request(prefixes[0], "b0-p", prefetch_only=True), timeout=10)
+    # By reference, as the trigger sends it: the name is enough to reload.
+    reply = await b.stub.PreInfer(named_prefetch(prefixes[0], "b0-p"), timeout=10)
     assert reply.outcome == pb.PreInferReply.RELOAD_SCHEDULED
     ranked = await b.stub.Rank(rank_request(prefixes[0], suffixes[0], "b0-r"), timeout=30)
     assert ranked.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN)  # reloaded ahead of the call
     assert close(ranked.scores, want)
     # Neither tier holds user 1's psi: refused, and nothing is pre-inferred for it.
     produced = (await b.stats()).psi_produced
-    refused = await b.stub.PreInfer(preinfer_request(prefixes[1], "b1-p", prefetch_only=True), timeout=10)
-    assert (refused.outcome, refused.reason) == (pb.PreInferReply.REFUSED, "not_held")
+    for request in (
+        preinfer_request(prefixes[1], "b1-p", prefetch_only=True),
+        named_prefetch(prefixes[1], "b1-n"),
+    ):
+        refused = await b.stub.PreInfer(request, timeout=10)
+        assert (refused.outcome, refused.reason) == (pb.PreInferReply.REFUSED, "not_held")
     await asyncio.sleep(0.2)
     assert (await b.stats()).psi_produced == produced
 

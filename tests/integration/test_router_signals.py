@@ -73,13 +73,15 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         future_schema = events_pb2.PreInferSignal()
         future_schema.CopyFrom(valid)
         future_schema.schema_version = 2
-        # Prefetch-only, for a user whose psi nobody holds: forwarded with its flag, refused, never computed.
+        # Prefetch-only by reference (as the trigger sends it), for a user whose psi nobody
+        # holds: forwarded as a named prefetch, refused, never computed.
         other = users(22, 1, prefix_len=300)[0][0]
-        prefetch = events_pb2.PreInferSignal()
-        prefetch.CopyFrom(valid)
-        prefetch.request_id = "sig-4"
-        prefetch.prefix.CopyFrom(prefix_to_proto(other))
-        prefetch.prefetch_only = True
+        prefetch = events_pb2.PreInferSignal(
+            schema_version=1, request_id="sig-4", signal_time_unix_ms=int(time.time() * 1e3),
+            lease_deadline_unix_ms=int(time.time() * 1e3) + 20_000, prefetch_only=True, user_id=other.user_id,
+            prefix_version=other.prefix_version,
+            prefix_ref=pb.PrefixRef(length=other.fingerprint.length, fingerprint=other.fingerprint.digest),
+        )  # fmt: skip
         garbage = b"\xff\xff\xff not a protobuf"
         await producer.send_and_wait(SIGNALS, prefetch.SerializeToString(), key=str(other.user_id).encode())
         await producer.send_and_wait(SIGNALS, valid.SerializeToString(), key=str(prefix.user_id).encode())

@@ -186,6 +186,31 @@ async def test_a_prefetch_only_signal_re_leases_held_psi_and_never_computes_it(r
     assert hit.served_by == pb.HBM_HIT
     assert max_diff(hit.scores, first.scores) <= TOL
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).hbm_leased_bytes == 0  # consumed again
+    # The same by reference (what the trigger sends: the name, not the tokens).
+    ref = by_reference(rank_request(prefixes[0], suffixes[0], "x")).prefix_ref
+    named = pb.PreInferRequest(request_id="p2", prefetch_only=True, user_id=prefixes[0].user_id,
+                               prefix_version=prefixes[0].prefix_version, prefix_ref=ref)  # fmt: skip
+    assert (await stub.PreInfer(named, timeout=5)).outcome == pb.PreInferReply.ALREADY_RESIDENT
+    assert (await stub.Rank(rank_request(prefixes[0], suffixes[0], "r2"), timeout=30)).served_by == pb.HBM_HIT
+    other = pb.PreInferRequest()
+    other.CopyFrom(named)
+    other.prefix_ref.fingerprint ^= 1  # other content under the same name: nothing held
+    refused = await stub.PreInfer(other, timeout=5)
+    assert (refused.outcome, refused.reason) == (pb.PreInferReply.REFUSED, "not_held")
+    # A name alone cannot be pre-inferred, and a name must be possible.
+    for bad, why in ((dict(prefetch_only=False), "only a prefetch-only"),
+                     (dict(prefix_ref=pb.PrefixRef(length=0, fingerprint=5)), "not a possible prefix length")):  # fmt: skip
+        wrong = pb.PreInferRequest()
+        wrong.CopyFrom(named)
+        for field, value in bad.items():
+            if field == "prefix_ref":
+                wrong.prefix_ref.CopyFrom(value)
+            else:
+                setattr(wrong, field, value)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.PreInfer(wrong, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert why in caught.value.details()
 
 
 @pytest.mark.parametrize("ranker", [NO_RANKING_PSI], indirect=True)

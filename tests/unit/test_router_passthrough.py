@@ -77,6 +77,8 @@ def parsed_preinfer(data: bytes) -> tuple[int, int, int] | None:
         msg = pb.PreInferRequest.FromString(data)
     except DecodeError:
         return None
+    if not msg.HasField("prefix"):  # a prefetch by reference names its user and version itself
+        return msg.user_id, msg.prefix_version, msg.lease_deadline_unix_ms
     return msg.prefix.user_id, msg.prefix.prefix_version, msg.lease_deadline_unix_ms
 
 
@@ -135,6 +137,17 @@ def test_preinfer_key_reads_what_the_generated_class_wrote(user_id, version, lea
         request_id=request_id, prefix=prefix_message(user_id, version), lease_deadline_unix_ms=lease
     )
     assert preinfer_key(msg.SerializeToString()) == (user_id, version, lease)
+
+
+@settings(max_examples=200, deadline=None)
+@given(user_id=uint64s, version=uint64s, lease=int64s)
+def test_preinfer_key_of_a_prefetch_by_reference(user_id, version, lease):
+    msg = pb.PreInferRequest(request_id="p", prefetch_only=True, user_id=user_id, prefix_version=version,
+                             prefix_ref=pb.PrefixRef(length=9, fingerprint=5), lease_deadline_unix_ms=lease)  # fmt: skip
+    assert preinfer_key(msg.SerializeToString()) == (user_id, version, lease)
+    # A message with a prefix: the prefix's ids, whatever the top-level fields say.
+    msg.prefix.CopyFrom(prefix_message(3, 4))
+    assert preinfer_key(msg.SerializeToString()) == parsed_preinfer(msg.SerializeToString()) == (3, 4, lease)
 
 
 def test_an_empty_message_is_all_defaults():

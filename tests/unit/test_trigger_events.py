@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from aiokafka import ConsumerRecord
 
+from services.ranker.wire import checked_prefix
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind
 from services.trigger.events import (
@@ -211,7 +212,12 @@ def check_prefetch_signal(service: TriggerService, prefetch: bool) -> None:
     assert out.kind is Kind.SIGNAL
     signal = ev.PreInferSignal.FromString(out.value)
     assert signal.prefetch_only
-    assert signal.prefix == make_event().prefix
+    # By reference: the name the ranker computes from the tokens, not the tokens.
+    assert not signal.HasField("prefix")
+    prefix = checked_prefix(make_event().prefix, LIMITS)
+    assert (signal.user_id, signal.prefix_version) == (prefix.user_id, prefix.prefix_version)
+    assert (signal.prefix_ref.length, signal.prefix_ref.fingerprint) == (prefix.length, prefix.digest)
+    assert len(out.value) < 100
     assert signal.lease_deadline_unix_ms > 0
     assert service.counts["prefetch"] == 1
     # A target whose full rankings keep psi only from 512 tokens: this 10-token prefix has none there.
