@@ -86,6 +86,10 @@ log = get_logger("ranker.engine")
 DEFAULT_DEADLINE_S = 1.0
 
 
+# How often the device loop looks at copies in flight when it has nothing else to do.
+_COPY_POLL_S = 0.00025
+
+
 class EngineStopped(RuntimeError):
     """The engine shut down before the job ran."""
 
@@ -742,7 +746,11 @@ class Engine:
                 # one run ahead of a waited-for chunk or a filling batch delayed both.
                 self._capture_one()
             elif self._copies_in_flight:
-                time.sleep(50e-6)  # copies still running on the copy engine
+                # Copies still running on the copy engine: look again shortly, or at once when
+                # work is submitted (notify). A 50 us sleep here spun the loop (and took the GIL
+                # from the event loop) ~20 times a millisecond through every 2-3 ms demotion.
+                with self._cv:
+                    self._cv.wait(_COPY_POLL_S)
 
     def _plan(self) -> Plan:
         """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
