@@ -311,6 +311,12 @@ class Engine:
             self.graphs = RankGraphs(model, limits, full_keeps_kv=config.full_keeps_psi)
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
 
+    @property
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        """The stream the device loop computes on (CUDA; None elsewhere): psi blocks are
+        allocated from its memory pool."""
+        return self._stream
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:

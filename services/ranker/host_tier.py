@@ -145,7 +145,8 @@ class HostTier:
         self._use(+1)
         try:
             return await engine.copy(
-                lambda: issue_from_host(src, meta, key, self.accel.device), work="reload"
+                lambda: issue_from_host(src, meta, key, self.accel.device, engine.compute_stream),
+                work="reload",
             )
         finally:
             self._use(-1)

@@ -39,8 +39,21 @@ def issue_to_host(psi: Psi, dest: torch.Tensor) -> None:
     dest[kv_bytes : kv_bytes + psi.prefix_len * 8].copy_(psi.timestamps.view(torch.uint8), non_blocking=True)
 
 
-def issue_from_host(src: torch.Tensor, meta: dict[str, Any], key: PsiKey, device: torch.device) -> Psi:
-    """A new psi on `device` filled from src (uint8, host). Validates the metadata first."""
+def issue_from_host(
+    src: torch.Tensor,
+    meta: dict[str, Any],
+    key: PsiKey,
+    device: torch.device,
+    alloc_stream: torch.cuda.Stream | None = None,
+) -> Psi:
+    """A new psi on `device` filled from src (uint8, host). Validates the metadata first.
+
+    `alloc_stream` (CUDA): the stream whose memory pool the block comes from, the compute
+    stream's, where every other psi block lives. The copies run on the current stream (the copy
+    stream, ordered after the compute stream by the engine). Allocated on the copy stream, a
+    reloaded psi's memory went back to that stream's pool when freed, where no full ranking's
+    psi could reuse it: the two pools grew apart until the allocator had to free everything
+    cached (a device-wide synchronisation)."""
     try:
         dtype = _DTYPES[str(meta["dtype"])]
         layers, plen, hidden = int(meta["layers"]), int(meta["prefix_len"]), int(meta["hidden"])
@@ -51,8 +64,18 @@ def issue_from_host(src: torch.Tensor, meta: dict[str, Any], key: PsiKey, device
         raise ValueError("psi metadata sizes disagree")
     if src.numel() < kv_bytes + plen * 8:
         raise ValueError("host range shorter than the psi it should hold")
-    kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
-    ts = torch.empty(plen, dtype=torch.int64, device=device)
+    if alloc_stream is not None:
+        copy_stream = torch.cuda.current_stream(device)
+        with torch.cuda.stream(alloc_stream):
+            kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
+            ts = torch.empty(plen, dtype=torch.int64, device=device)
+        # Freed before the copy completes (it never is: the caller waits for it), the blocks
+        # would wait for the copy stream before reuse.
+        kv.record_stream(copy_stream)
+        ts.record_stream(copy_stream)
+    else:
+        kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
+        ts = torch.empty(plen, dtype=torch.int64, device=device)
     kv.reshape(-1).view(torch.uint8).copy_(src[:kv_bytes], non_blocking=True)
     ts.view(torch.uint8).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
     return Psi(key, kv, ts)
