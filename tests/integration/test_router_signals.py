@@ -141,7 +141,12 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         assert router.metrics.signals.labels("refused")._value.get() == 1  # the prefetch: nothing held
         assert ranker.cache.lookup(ranker.model.psi_key(other.user_id, other.prefix_version,
                                                         other.fingerprint.digest)) is None  # fmt: skip
-        assert (await ranker.Stats(pb.StatsRequest(), None)).psi_produced == 1
+
+        async def produced() -> bool:  # the valid signal's pre-inference may still be running
+            return (await ranker.Stats(pb.StatsRequest(), None)).psi_produced >= 1
+
+        await eventually(produced, "the valid signal's psi produced")
+        assert (await ranker.Stats(pb.StatsRequest(), None)).psi_produced == 1  # and nothing else
         assert router.metrics.signals.labels("dlq")._value.get() == 2
     finally:
         await dlq.stop()
