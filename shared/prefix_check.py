@@ -71,10 +71,11 @@ def check_prefix(msg: pb.UserPrefix, limits: RequestLimits) -> PrefixArrays:
     return PrefixArrays(profile, long_term)
 
 
-def check_prefix_ref(ref: pb.PrefixRef, limits: RequestLimits) -> None:
-    """A prefix named instead of carried (PrefixRef): a possible length and a fingerprint (0, the
-    unset value, names no content). Raises WireError."""
+def check_prefix_ref(ref: pb.PrefixRef, limits: RequestLimits, require_fingerprint: bool = True) -> None:
+    """A prefix named instead of carried (PrefixRef): a possible length and, unless
+    `require_fingerprint` is off, a fingerprint (0, the unset value, names no content: a ranking
+    call by reference may send it and simply matches no psi). Raises WireError."""
     if not 0 < ref.length <= limits.max_profile_tokens + limits.max_prefix_tokens:
         raise WireError(f"prefix_ref.length: {ref.length} is not a possible prefix length")
-    if not ref.fingerprint:
+    if require_fingerprint and not ref.fingerprint:
         raise WireError("prefix_ref.fingerprint is required")

@@ -148,10 +148,9 @@ def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[FallbackPre
         raise WireError("prefix is required (or prefix_ref): without it a cache miss could not be ranked")
     suffix = suffix_from_proto(req, limits)
     if fallback == "prefix_ref":
-        length = req.prefix_ref.length
-        if not 0 < length <= limits.max_profile_tokens + limits.max_prefix_tokens:
-            raise WireError(f"prefix_ref.length: {length} is not a possible prefix length")
-        return PrefixReference(req.user_id, req.prefix_version, length, req.prefix_ref.fingerprint), suffix
+        check_prefix_ref(req.prefix_ref, limits, require_fingerprint=False)
+        ref = req.prefix_ref
+        return PrefixReference(req.user_id, req.prefix_version, ref.length, ref.fingerprint), suffix
     if req.prefix.user_id != req.user_id or req.prefix.prefix_version != req.prefix_version:
         raise WireError("prefix.user_id / prefix_version must equal the request's")
     return checked_prefix(req.prefix, limits), suffix
