@@ -345,6 +345,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
+            # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
+            **{k: v for k, v in p.rankers.items() if k.startswith(("host_lookup_", "reload_decision_"))},
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -124,6 +124,13 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
         totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
+        for result in ("found", "absent", "no_hbm_room"):  # HBM misses asked of the host tier
+            totals[f"host_lookup_{result}"] += samples.get(
+                f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
+            )
+        for reason in ("cheaper", "copy_engine_under_load", "recompute_cheaper"):
+            name = f'relaygr_ranker_reload_decisions_total{{decision="{reason}"}}'
+            totals[f"reload_decision_{reason}"] += samples.get(name, 0.0)
         for family in GRAPH_FAMILIES:  # CUDA graphs: batches replayed and run eagerly, by family
             for what in ("replays", "eager_batches"):
                 name = f'relaygr_ranker_graph_{what}_total{{family="{family}"}}'
@@ -295,6 +302,12 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
+        # HBM misses asked of the host tier, and how the reload-or-recompute choice went.
+        **{
+            k: device[k] - device_before[k]
+            for k in device
+            if k.startswith(("host_lookup_", "reload_decision_"))
+        },
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
         # The host's CPUs over the replay (every process on it, not only ours; Linux only).

@@ -161,6 +161,7 @@ class RelayCache:
         self._demote_under_pressure = demote_under_pressure
         self._demotion_reserve_bytes = max(0, demotion_reserve_bytes)
         self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
+        self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
         self._productions: dict[PsiKey, _Production] = {}
         self.reloads = 0
@@ -471,6 +472,7 @@ class RelayCache:
         if self.host is None or not self.host.connected:
             return None
         nbytes = await self.host.lookup(key)
+        self._on_event("host_lookup", "absent" if nbytes is None else "found")
         if nbytes is None:
             return None
         decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
@@ -479,6 +481,7 @@ class RelayCache:
             return None
         admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload")
         if admitted.outcome is Admission.REFUSED:
+            self._on_event("host_lookup", "no_hbm_room")
             return None
         if admitted.outcome is not Admission.ADMITTED:
             return False  # produced or being produced meanwhile: join it
@@ -502,17 +505,21 @@ class RelayCache:
     def _admit(self, key: PsiKey, nbytes: int, lease: Lease, source: str = "compute") -> AdmitResult:
         """cache.admit, then the demotions the new entry's room calls for (under pressure)."""
         admitted = self.cache.admit(key, nbytes, lease, source)
+        self._largest_admitted = max(self._largest_admitted, nbytes)
         if admitted.outcome is Admission.ADMITTED:
             self.demote_ahead()
         return admitted
 
     def demote_ahead(self) -> None:
         """Under pressure: starts the copies to host DRAM that admitting the reserve needs
-        (HbmCache.demotion_candidates). Called after each consumption and admission."""
+        (HbmCache.demotion_candidates). Called after each consumption and admission. The
+        reserve is never less than two of the largest psi admitted: a smaller one (a small
+        budget, long prefixes) leaves the next admission to evict psi whose copy has not begun."""
         if not self._demote_under_pressure or not self.host_usable:
             return
         in_flight = sum(self._demoting.values())
-        for key in self.cache.demotion_candidates(self._demotion_reserve_bytes, in_flight):
+        reserve = max(self._demotion_reserve_bytes, 2 * self._largest_admitted)
+        for key in self.cache.demotion_candidates(reserve, in_flight):
             self._start_demotion(cast(PsiKey, key))
 
     def _start_demotion(self, key: PsiKey) -> None:

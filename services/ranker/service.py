@@ -121,6 +121,9 @@ class _Metrics:
         )
         self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
                                         ["decision"], registry=registry)  # fmt: skip
+        self.host_lookups = Counter("relaygr_ranker_host_lookups_total",
+                                    "HBM misses asked of the host tier: found, absent, or found with no HBM room",
+                                    ["result"], registry=registry)  # fmt: skip
         self.reloads = Counter("relaygr_ranker_reloads_total", "psi reloads from host DRAM", ["result"],
                                registry=registry)  # fmt: skip
         self.demotions = Counter("relaygr_ranker_demotions_total", "psi demotions to host DRAM", ["result"],
@@ -500,6 +503,8 @@ class RankerService(pb_grpc.RankerServicer):
         m = self.metrics
         if kind == "reload_decision":
             m.reload_decisions.labels(label).inc()
+        elif kind == "host_lookup":
+            m.host_lookups.labels(label).inc()
         elif kind == "reload":
             m.reloads.labels(label).inc()
         elif kind == "fallback":
