@@ -347,6 +347,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
             **{k: v for k, v in p.rankers.items() if k.startswith(("host_lookup_", "reload_decision_"))},
+            # The ranker's garbage-collector pauses over the point: seconds, and pauses over 20 ms.
+            **{k: v for k, v in p.rankers.items() if k.startswith("gc_pause")},
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -124,6 +124,15 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
         totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
+        # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
+        for generation in ("0", "1", "2"):
+            label = f'{{generation="{generation}"}}'
+            totals["gc_pause_s"] += samples.get(f"relaygr_gc_pause_seconds_sum{label}", 0.0)
+            over = samples.get(f"relaygr_gc_pause_seconds_count{label}", 0.0)
+            over -= samples.get(
+                f'relaygr_gc_pause_seconds_bucket{{generation="{generation}",le="0.02"}}', 0.0
+            )
+            totals["gc_pauses_over_20ms"] += over
         for result in ("found", "absent", "no_hbm_room"):  # HBM misses asked of the host tier
             totals[f"host_lookup_{result}"] += samples.get(
                 f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
@@ -306,7 +315,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{
             k: device[k] - device_before[k]
             for k in device
-            if k.startswith(("host_lookup_", "reload_decision_"))
+            if k.startswith(("host_lookup_", "reload_decision_", "gc_pause"))
         },
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},

@@ -78,8 +78,14 @@ class CostModel:
         flops = tokens * s.linear_flops_per_token() + attention
         return flops / (self.assumed_tflops * 1e12) * 1e3
 
-    def choose(self, nbytes: int, tokens: int, compute_busy: bool) -> ReloadDecision:
-        reload_ms, recompute_ms = self.reload_ms(nbytes), self.recompute_ms(tokens)
+    def choose(
+        self, nbytes: int, tokens: int, compute_busy: bool, recompute_ms: float | None = None
+    ) -> ReloadDecision:
+        """Reload `nbytes` of psi or recompute its `tokens`; `recompute_ms`, when given, is the
+        caller's own measure of the device time a reload saves (else the step model's)."""
+        reload_ms = self.reload_ms(nbytes)
+        if recompute_ms is None:
+            recompute_ms = self.recompute_ms(tokens)
         if reload_ms <= recompute_ms:
             return ReloadDecision(True, reload_ms, recompute_ms, "cheaper")
         if compute_busy and reload_ms <= self.busy_copy_preference * recompute_ms:

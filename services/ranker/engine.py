@@ -253,6 +253,10 @@ class _CallJob(_Job):
     fn: Callable[[], Any] = field(kw_only=True)
 
 
+# Ranking batches measured before the full-vs-cached saving is read from their fit.
+_MIN_SAVING_BATCHES = 16
+
+
 @dataclass
 class _CopyJob(_Job):
     issue: Callable[[], Any] = field(kw_only=True)  # issues the copy, returns the result value
@@ -690,6 +694,17 @@ class Engine:
         ]
         return report
 
+    def reload_saving_s(self, prefix_len: int, suffix_len: int) -> float | None:
+        """The device time a call against psi saves over a full ranking of the same call, from
+        the ranking batches measured so far (rank_costs, the same pair and token counts its
+        batches are observed with); None before enough were measured to tell."""
+        fit = self.rank_costs
+        if fit.measured < _MIN_SAVING_BATCHES:
+            return None
+        c = fit.coefficients
+        tokens = prefix_len + suffix_len
+        return max(0.0, c.seconds(tokens, prefix_len * tokens) - c.seconds(suffix_len, 0))
+
     @property
     def rank_queue_depth(self) -> int:
         return len(self._ranks)
@@ -821,12 +836,19 @@ class Engine:
             host: list[torch.Tensor] | None = None
             if kind is RankKind.FULL:
                 prefixes = [j.prefix for j in batch]
-                kept = [self.model.new_psi(j.prefix) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
-                psis_out = kept if any(p is not None for p in kept) else None
+                keeps = any(j.keep_psi for j in batch)
+
+                def new_psis() -> list[Psi | None]:
+                    # Once: a graph that falls back to the eager pass has not called it.
+                    if not any(p is not None for p in kept):
+                        kept[:] = [self.model.new_psi(j.prefix) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                    return kept
+
                 if self.graphs is not None:
-                    host = self.graphs.full(prefixes, suffixes, psis_out)  # type: ignore[arg-type]
+                    # psi blocks are allocated once the replay is issued (RankGraphs.full).
+                    host = self.graphs.full(prefixes, suffixes, new_psis if keeps else None)  # type: ignore[arg-type]
                 if host is None:
-                    scores = self.model.full(prefixes, suffixes, psis_out)  # type: ignore[arg-type]
+                    scores = self.model.full(prefixes, suffixes, new_psis() if keeps else None)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             elif kind is RankKind.PARTIAL:
                 scores = self._rank_partial(batch, built)

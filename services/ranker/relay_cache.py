@@ -161,6 +161,7 @@ class RelayCache:
         self._demote_under_pressure = demote_under_pressure
         self._demotion_reserve_bytes = max(0, demotion_reserve_bytes)
         self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
+        self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
         self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
         self._productions: dict[PsiKey, _Production] = {}
@@ -314,7 +315,7 @@ class RelayCache:
             served = Served.INFLIGHT_JOIN
             claim = await self._join(key, deadline, prefix.length)
         elif claim.outcome is Claim.MISS:
-            started = await self._reload_on_miss(key, request_id, prefix, deadline)
+            started = await self._reload_on_miss(key, request_id, prefix, suffix.length, deadline)
             if started is not None:
                 # Another call may have started the same reload meanwhile: then this one joined it.
                 served = Served.DRAM_RELOAD if started else Served.INFLIGHT_JOIN
@@ -465,18 +466,35 @@ class RelayCache:
     # ------------------------------------------------------------------ reload
 
     async def _reload_on_miss(
-        self, key: PsiKey, request_id: str, prefix: FallbackPrefix, deadline: float
+        self, key: PsiKey, request_id: str, prefix: FallbackPrefix, suffix_len: int, deadline: float
     ) -> bool | None:
         """On a miss, a reload from host DRAM if that beats recomputing the prefix: True when this
-        call started it, False when one was already under way (single flight), None for no reload."""
+        call started it, False when one was already under way (single flight), None for no reload.
+        The recompute it is weighed against is this call's own alternative, a full ranking: the
+        device time it costs over a call against psi, from the ranking batches measured so far
+        (the step model's estimate before those exist). The step model prices a chunked
+        pre-inference, which is not what a call on a miss would run; judged by it, every one
+        of 331 psis found in DRAM at L4096 on an H100 was recomputed."""
         if self.host is None or not self.host.connected:
             return None
         nbytes = await self.host.lookup(key)
         self._on_event("host_lookup", "absent" if nbytes is None else "found")
         if nbytes is None:
             return None
-        decision = self.costs.choose(nbytes, prefix.length, compute_busy=False)
+        saving_s = self.engine.reload_saving_s(prefix.length, suffix_len)
+        busy = self.engine.rank_queue_depth > 0 or self.engine.preinfer_backlog > 0
+        decision = self.costs.choose(
+            nbytes, prefix.length, busy, None if saving_s is None else saving_s * 1e3
+        )
         self._on_event("reload_decision", decision.reason)
+        self._decisions_logged[decision.reason] += 1
+        if (
+            self._decisions_logged[decision.reason] in (1, 2, 3)
+            or self._decisions_logged[decision.reason] % 512 == 0
+        ):
+            log.info("reload_decision", reason=decision.reason, nbytes=nbytes, reload_ms=round(decision.reload_ms, 3),
+                     recompute_ms=round(decision.recompute_ms, 3), measured_saving=saving_s is not None,
+                     seen=self._decisions_logged[decision.reason])  # fmt: skip
         if not decision.reload:
             return None
         admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload")
@@ -513,12 +531,12 @@ class RelayCache:
     def demote_ahead(self) -> None:
         """Under pressure: starts the copies to host DRAM that admitting the reserve needs
         (HbmCache.demotion_candidates). Called after each consumption and admission. The
-        reserve is never less than two of the largest psi admitted: a smaller one (a small
-        budget, long prefixes) leaves the next admission to evict psi whose copy has not begun."""
+        reserve is never less than the largest psi admitted: a smaller one (a small budget, long
+        prefixes) leaves the next admission to evict psi whose copy has not begun."""
         if not self._demote_under_pressure or not self.host_usable:
             return
         in_flight = sum(self._demoting.values())
-        reserve = max(self._demotion_reserve_bytes, 2 * self._largest_admitted)
+        reserve = max(self._demotion_reserve_bytes, self._largest_admitted)
         for key in self.cache.demotion_candidates(reserve, in_flight):
             self._start_demotion(cast(PsiKey, key))
 

@@ -155,7 +155,18 @@ def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
         psis = [model.new_psi(p) for p in prefixes]
         if len(psis) > 1:
             psis[1] = None  # this user keeps nothing
-        graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, k=psis: graphs.full(p, s, k))
+        if seed % 2:  # blocks allocated by a function the graph calls once its replay is issued
+            calls: list[int] = []
+            blocks = psis
+
+            def make(b=blocks, c=calls):
+                c.append(1)
+                return b
+
+            graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, m=make: graphs.full(p, s, m))
+            assert calls  # called on the replay that returned the scores
+        else:
+            graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, k=psis: graphs.full(p, s, k))
         assert graphed is not None
         torch.cuda.synchronize()
         assert max_rel(model.full(prefixes, suffixes), graphed) <= tol, shapes

@@ -38,3 +38,14 @@ def test_measured_steps_judge_recompute_and_win_over_the_wall_time_fit():
     costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)  # one reload measured at 40 GB/s
     costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)
     assert costs.choose(PSI_4K, 4096, compute_busy=False).reason == "cheaper"
+
+
+def test_a_callers_measured_saving_overrides_the_step_model():
+    # A call on a miss would run a full ranking, not a chunked pre-inference: what a reload
+    # saves it is the measured gap between its full and cached rankings (engine.reload_saving_s).
+    costs = CostModel(SPEC, assumed_tflops=200.0, h2d_gbps=52.0)
+    costs.step_s = lambda tokens: 1.0e-3  # a step model that prices the prefix far too cheap
+    assert not costs.choose(PSI_4K, 4096, compute_busy=False).reload
+    decision = costs.choose(PSI_4K, 4096, compute_busy=False, recompute_ms=3.1)
+    assert (decision.reload, decision.reason, decision.recompute_ms) == (True, "cheaper", 3.1)
+    assert not costs.choose(PSI_4K, 4096, compute_busy=True, recompute_ms=1.0).reload

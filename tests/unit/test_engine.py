@@ -351,3 +351,20 @@ async def test_a_failed_device_loop_fails_every_job_and_reports_it(model, monkey
             await e.rank_full(prefixes[0], suffixes[0])  # later jobs refused at once
     finally:
         e.stop()
+
+
+async def test_the_saving_of_a_call_against_psi_is_read_from_measured_rankings(engine, model):
+    # What a reload saves a call on a miss (relay_cache._reload_on_miss): full minus cached
+    # ranking time, from the ranking batches measured; None until enough were.
+    engine.forget_batches()
+    assert engine.reload_saving_s(1000, 16) is None
+    prefixes, suffixes = batch(7, [Shape(2, 1000, 4, 12)] * 10)
+    psis = model.preinfer(prefixes)
+    for p, s, psi in zip(prefixes, suffixes, psis, strict=True):
+        await engine.rank_full(p, s)
+        await engine.rank_cached(s, psi, psi.key)
+    saving = engine.reload_saving_s(1000, 16)
+    assert saving is not None
+    assert saving > 0
+    full_s = max(b.compute_ms for b in engine.recent_batches() if b.full) / 1e3
+    assert saving < full_s  # a gap between the two kinds, never more than a full ranking
