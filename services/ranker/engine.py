@@ -264,6 +264,7 @@ class _CopyJob(_Job):
     event: Any = None
     value: Any = None
     timer: SectionTimer | None = None
+    on_timed: Callable[[float], None] | None = None  # called with the copy's device seconds
 
 
 class Engine:
@@ -293,6 +294,9 @@ class Engine:
         self._threads: list[threading.Thread] = []
         cuda = accel.backend == "cuda"
         self._copy_stream = torch.cuda.Stream(accel.device) if cuda else None
+        # Reloads (host -> device) on their own stream: on the copy stream they queued behind
+        # demotions (device -> host), which another copy engine runs, and waited for them.
+        self._reload_stream = torch.cuda.Stream(accel.device) if cuda else None
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
@@ -467,13 +471,17 @@ class Engine:
         result = await rank.future
         return RelayResult(result, False, result.reused_tokens, prefix.length)
 
-    async def copy(self, issue: Callable[[], Any], work: str = "copy") -> Any:
-        """Runs `issue` on the engine thread (on the copy stream on CUDA) and resolves once the
-        copies it enqueued have completed. `issue` returns the value to resolve with. `work` names
-        the copy in the device-time ledger ("copy", "reload" or "demote"; ValueError otherwise)."""
+    async def copy(
+        self, issue: Callable[[], Any], work: str = "copy", on_timed: Callable[[float], None] | None = None
+    ) -> Any:
+        """Runs `issue` on the engine thread (on a copy stream on CUDA: reloads have their own)
+        and resolves once the copies it enqueued have completed. `issue` returns the value to
+        resolve with. `work` names the copy in the device-time ledger ("copy", "reload" or
+        "demote"; ValueError otherwise). `on_timed` gets the copies' own device seconds, without
+        the waits before them (on the engine's loop, behind other copies): a rate to learn from."""
         if work not in WORKS or work in ("rank", "preinfer"):
             raise ValueError(f"a copy is 'copy', 'reload' or 'demote', not {work!r}")
-        job = _CopyJob(**self._job_args(0), issue=issue, work=work)
+        job = _CopyJob(**self._job_args(0), issue=issue, work=work, on_timed=on_timed)
         with self._cv:
             self._check_running()
             self._copies.append(job)
@@ -996,19 +1004,20 @@ class Engine:
     def _issue_copy(self, job: _CopyJob) -> None:
         try:
             job.timer = SectionTimer(cuda=self._copy_stream is not None)
-            if self._copy_stream is not None:
+            stream = self._reload_stream if job.work == "reload" else self._copy_stream
+            if stream is not None:
                 # Copies read psi that compute just produced: order after it, on the copy stream.
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.accel.device))
-                with torch.cuda.stream(self._copy_stream):
+                stream.wait_stream(torch.cuda.current_stream(self.accel.device))
+                with torch.cuda.stream(stream):
                     with job.timer.section():
                         job.value = job.issue()
                     job.event = torch.cuda.Event()
-                    job.event.record(self._copy_stream)
+                    job.event.record(stream)
                 self._copies_in_flight.append(job)
             else:
                 with job.timer.section():
                     value = job.issue()
-                self.device_time.add(job.work, job.timer.total_s())
+                self._copied(job)
                 job.resolve(value)
         except Exception as exc:
             job.resolve(error=exc)
@@ -1017,12 +1026,22 @@ class Engine:
         still = []
         for job in self._copies_in_flight:
             if job.event.query():
-                if job.timer is not None:  # complete: reading its events does not block
-                    self.device_time.add(job.work, job.timer.total_s())
+                self._copied(job)  # complete: reading its timer's events does not block
                 job.resolve(job.value)
             else:
                 still.append(job)
         self._copies_in_flight = still
+
+    def _copied(self, job: _CopyJob) -> None:
+        if job.timer is None:
+            return
+        seconds = job.timer.total_s()
+        self.device_time.add(job.work, seconds)
+        if job.on_timed is not None:
+            try:
+                job.on_timed(seconds)
+            except Exception as exc:  # a caller's bookkeeping never fails the copy
+                log.warning("copy_timing_callback_failed", error=repr(exc))
 
     def _run_call(self) -> bool:
         with self._cv:

@@ -128,8 +128,11 @@ class HostTier:
         finally:
             self._use(-1)
 
-    async def reload(self, key: PsiKey, engine: Engine) -> Psi | None:
-        """psi back from the arena (acquire -> copy -> release), or None when not there."""
+    async def reload(
+        self, key: PsiKey, engine: Engine, on_copied: Callable[[int, float], None] | None = None
+    ) -> Psi | None:
+        """psi back from the arena (acquire -> copy -> release), or None when not there.
+        `on_copied(nbytes, device_seconds)`: the copy's own duration, once it completed."""
         client, arena = self._client, self._arena
         if client is None or arena is None:
             return None
@@ -144,9 +147,11 @@ class HostTier:
         meta: dict[str, Any] = dict(acquired.meta)
         self._use(+1)
         try:
+            nbytes = acquired.nbytes
             return await engine.copy(
                 lambda: issue_from_host(src, meta, key, self.accel.device, engine.compute_stream),
                 work="reload",
+                on_timed=None if on_copied is None else (lambda seconds: on_copied(nbytes, seconds)),
             )
         finally:
             self._use(-1)

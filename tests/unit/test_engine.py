@@ -368,3 +368,20 @@ async def test_the_saving_of_a_call_against_psi_is_read_from_measured_rankings(e
     assert saving > 0
     full_s = max(b.compute_ms for b in engine.recent_batches() if b.full) / 1e3
     assert saving < full_s  # a gap between the two kinds, never more than a full ranking
+
+
+async def test_a_copy_reports_its_own_duration_not_the_wait_for_the_device_loop(engine):
+    # A reload's rate is learnt from this (relay_cache._observe_reload): a copy that waited for
+    # the loop (here behind a 0.2 s call) reports the copy's time, not the wait.
+    timed: list[float] = []
+    src, dst = torch.ones(1 << 16), torch.empty(1 << 16)
+    busy = asyncio.ensure_future(engine.call(lambda: time.sleep(0.2)))
+    await asyncio.sleep(0.02)  # the call holds the device loop
+    t0 = time.perf_counter()
+    await engine.copy(lambda: dst.copy_(src), work="reload", on_timed=timed.append)
+    waited = time.perf_counter() - t0
+    await busy
+    assert len(timed) == 1
+    assert waited >= 0.1
+    assert 0 <= timed[0] < 0.05
+    assert torch.equal(dst, src)
