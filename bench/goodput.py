@@ -349,6 +349,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith(("host_lookup_", "reload_decision_"))},
             # The ranker's garbage-collector pauses over the point: seconds, and pauses over 20 ms.
             **{k: v for k, v in p.rankers.items() if k.startswith("gc_pause")},
+            # Pre-inferences dropped unstarted at the end of their lease (their calls ranked without).
+            "preinfers_expired": p.rankers.get("preinfers_expired", 0.0),
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -51,6 +51,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import math
 import sys
 import threading
 import time
@@ -92,6 +93,11 @@ _COPY_POLL_S = 0.00025
 
 class EngineStopped(RuntimeError):
     """The engine shut down before the job ran."""
+
+
+class PreinferExpired(RuntimeError):
+    """A pre-inference whose lease ended before any of it was built: dropped unrun (its ranking
+    call is over; building it then only delays the pre-inferences behind it)."""
 
 
 class Overdue(RuntimeError):
@@ -215,6 +221,7 @@ class _PreInferJob(_Job):
     taken: bool = False  # a ranking call computes the rest: no more chunks
     joined_deadline: float | None = None
     cost_s: float = 0.0  # device time of its chunks so far
+    expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
 
     def item(self) -> PreinferItem:
         return PreinferItem(
@@ -285,6 +292,7 @@ class Engine:
         self._cv = threading.Condition(threading.RLock())
         self._ranks: dict[int, _RankJob] = {}
         self._preinfers: dict[int, _PreInferJob] = {}
+        self.preinfers_expired = 0  # dropped unstarted at the end of their lease
         self._producing: dict[PsiKey, _PreInferJob] = {}
         self._copies: collections.deque[_CopyJob] = collections.deque()
         self._copies_in_flight: list[_CopyJob] = []
@@ -405,11 +413,14 @@ class Engine:
         )  # fmt: skip
         return await self._push_rank(job)
 
-    async def preinfer(self, prefix: UserPrefix) -> Psi:
+    async def preinfer(self, prefix: UserPrefix, expires_at: float = math.inf) -> Psi:
         """psi of the prefix, built in chunks between ranking steps (or completed by the ranking
-        call that takes it over: `relay`)."""
+        call that takes it over: `relay`). Not started by `expires_at` (time.monotonic(): its
+        lease's end), it fails with PreinferExpired and costs nothing."""
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
-        job = _PreInferJob(**self._job_args(prefix.length), prefix=prefix, key=key, id=next(self._ids))
+        job = _PreInferJob(
+            **self._job_args(prefix.length), prefix=prefix, key=key, id=next(self._ids), expires_at=expires_at
+        )
         with self._cv:
             self._check_running()
             self._preinfers[job.id] = job
@@ -795,6 +806,19 @@ class Engine:
                 self._hand_back(rank.takes)
         for job in [j for j in self._preinfers.values() if not j.alive()]:
             self._abandon(job)
+        mono = time.monotonic()
+        # Pre-inferences are built first come, first served between ranking steps: under load
+        # some wait past their lease. Built then, their psi came after their call and delayed
+        # every pre-inference behind them, which then came late too (H100, L4096, after an
+        # overload: 53-75% of the psi produced never read, at rates the relay had served).
+        expired = [j for j in self._preinfers.values()
+                   if j.expires_at < mono and not j.done and not j.taken and j.joined_deadline is None]  # fmt: skip
+        for job in expired:
+            self._abandon(job)
+            self.preinfers_expired += 1
+            job.resolve(
+                error=PreinferExpired(f"not started within its lease ({mono - job.expires_at:.3f} s late)")
+            )
         return self.scheduler.plan(
             time.monotonic(),
             [j.item() for j in self._ranks.values()],

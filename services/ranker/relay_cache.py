@@ -54,13 +54,14 @@ import asyncio
 import collections
 import contextlib
 import enum
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from services.ranker.cost_model import CostModel
-from services.ranker.engine import Engine, Overdue, RankResult
+from services.ranker.engine import Engine, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
@@ -127,6 +128,9 @@ class _Production:
     reload: bool
     task: asyncio.Task[None] | None = None
     compute_fallback: bool = True  # a failed reload is pre-inferred instead (not for a prefetch-only signal)
+    expires_at: float = (
+        math.inf
+    )  # its lease's end (time.monotonic()): a pre-inference not started by then is dropped
 
 
 class RelayCache:
@@ -212,13 +216,22 @@ class RelayCache:
                 self._prefetched.clear()  # a bound, not an LRU: missed outcomes only skew counts
             self._prefetched.add(key)
             self._on_event("prefetch", "issued")
-        self._start(key, prefix, reload, compute_fallback=not prefetch_only)
+        # The lease is on the cache's clock, the engine's on time.monotonic().
+        expires_at = time.monotonic() + (lease.deadline - self.cache.clock())
+        self._start(key, prefix, reload, compute_fallback=not prefetch_only, expires_at=expires_at)
         return (Produce.RELOAD_SCHEDULED if reload else Produce.ACCEPTED), ""
 
     def _start(
-        self, key: PsiKey, prefix: FallbackPrefix, reload: bool, compute_fallback: bool = True
+        self,
+        key: PsiKey,
+        prefix: FallbackPrefix,
+        reload: bool,
+        compute_fallback: bool = True,
+        expires_at: float = math.inf,
     ) -> None:
-        production = _Production(asyncio.Event(), reload, compute_fallback=compute_fallback)
+        production = _Production(
+            asyncio.Event(), reload, compute_fallback=compute_fallback, expires_at=expires_at
+        )
         self._productions[key] = production
         name = f"{'reload' if reload else 'produce'}-{key.user_id}"
         production.task = self._spawn(self._produce(key, prefix, production), name)
@@ -244,11 +257,15 @@ class RelayCache:
                 return
             if psi is None:
                 t0 = time.perf_counter()
-                psi = await self.engine.preinfer(prefix.tensors())
+                psi = await self.engine.preinfer(prefix.tensors(), expires_at=production.expires_at)
                 self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
             if not self.cache.produced(key, psi):
                 log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")
                 self._settle_prefetch(key, "wasted")  # its lease ended while it was being reloaded
+        except PreinferExpired:
+            # Not started within its lease: its call came and went (it ranked without psi).
+            self.cache.production_failed(key)
+            self._on_event("preinfer_expired", "")
         except PrefixRequired:
             # A reload for a call by reference failed, and there are no tokens to compute from:
             # its call answers prefix_required and comes back with the prefix.

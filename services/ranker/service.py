@@ -121,6 +121,9 @@ class _Metrics:
         )
         self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
                                         ["decision"], registry=registry)  # fmt: skip
+        self.preinfers_expired = Counter("relaygr_ranker_preinfers_expired",
+                                         "pre-inferences dropped unstarted at the end of their lease",
+                                         registry=registry)  # fmt: skip
         self.host_lookups = Counter("relaygr_ranker_host_lookups_total",
                                     "HBM misses asked of the host tier: found, absent, or found with no HBM room",
                                     ["result"], registry=registry)  # fmt: skip
@@ -508,6 +511,8 @@ class RankerService(pb_grpc.RankerServicer):
         m = self.metrics
         if kind == "reload_decision":
             m.reload_decisions.labels(label).inc()
+        elif kind == "preinfer_expired":
+            m.preinfers_expired.inc()
         elif kind == "host_lookup":
             m.host_lookups.labels(label).inc()
         elif kind == "reload":

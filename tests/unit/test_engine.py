@@ -385,3 +385,21 @@ async def test_a_copy_reports_its_own_duration_not_the_wait_for_the_device_loop(
     assert waited >= 0.1
     assert 0 <= timed[0] < 0.05
     assert torch.equal(dst, src)
+
+
+async def test_a_preinference_not_started_within_its_lease_is_dropped_unrun(engine):
+    # Built after its lease, psi comes after its call and delays every pre-inference behind it.
+    from services.ranker.engine import PreinferExpired
+
+    prefixes, _ = batch(8, [Shape(2, 600, 4, 8)] * 2)
+    busy = asyncio.ensure_future(engine.call(lambda: time.sleep(0.2)))  # the device loop is taken
+    await asyncio.sleep(0.02)
+    late = asyncio.ensure_future(engine.preinfer(prefixes[0], expires_at=time.monotonic() + 0.05))
+    on_time = asyncio.ensure_future(engine.preinfer(prefixes[1], expires_at=time.monotonic() + 60))
+    await busy
+    with pytest.raises(PreinferExpired):
+        await late
+    psi = await on_time
+    assert psi.prefix_len == prefixes[1].length
+    assert engine.preinfers_expired == 1
+    assert not engine.producing(psi.key)

@@ -249,3 +249,19 @@ async def test_two_calls_of_a_new_user_compute_its_prefix_once(keeping):
     again = await keeping.rank(key, prefix, suffix)
     assert again.served is Served.HBM_HIT
     assert close(again.result.scores, want)
+
+
+async def test_a_preinference_not_started_within_its_lease_is_dropped_and_frees_its_room(take_over):
+    r = take_over
+    key, prefix, suffix, want = r.inputs(9, 500)
+    await r.relay.produce(key, prefix, Lease("p", r.clock.now + 0.05))  # queued: the engine is not running
+    assert r.state(key) is EntryState.PRODUCING
+    await asyncio.sleep(0.1)  # its lease ends before the engine could start it
+    r.engine.start()
+    await eventually(lambda: ("preinfer_expired", "") in r.events, "the pre-inference expired")
+    await eventually(lambda: r.state(key) is None, "its entry is gone")
+    assert r.engine.preinfers_expired == 1
+    assert r.engine.device_time.snapshot().unused_psi == 0  # nothing of it was built
+    ranked = await r.rank(key, prefix, suffix)
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
