@@ -351,6 +351,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("gc_pause")},
             # Pre-inferences dropped unstarted at the end of their lease (their calls ranked without).
             "preinfers_expired": p.rankers.get("preinfers_expired", 0.0),
+            # Signals refused because their ranking call had come first (late on the signal path).
+            "late_signals": p.rankers.get("late_signals", 0.0),
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

@@ -134,6 +134,7 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
             totals["gc_pauses_over_20ms"] += over
         totals["preinfers_expired"] += samples.get("relaygr_ranker_preinfers_expired_total", 0.0)
+        totals["late_signals"] += samples.get("relaygr_ranker_late_signals_total", 0.0)
         for result in ("found", "absent", "no_hbm_room"):  # HBM misses asked of the host tier
             totals[f"host_lookup_{result}"] += samples.get(
                 f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
@@ -316,7 +317,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{
             k: device[k] - device_before[k]
             for k in device
-            if k.startswith(("host_lookup_", "reload_decision_", "gc_pause", "preinfers_expired"))
+            if k.startswith(
+                ("host_lookup_", "reload_decision_", "gc_pause", "preinfers_expired", "late_signals")
+            )
         },
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},

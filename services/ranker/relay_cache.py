@@ -133,6 +133,35 @@ class _Production:
     )  # its lease's end (time.monotonic()): a pre-inference not started by then is dropped
 
 
+class RecentIds:
+    """The request ids seen in the last `ttl_s` seconds (at most `max_ids`, the oldest dropped
+    first): which ranking calls have arrived, for the signals that come after them."""
+
+    def __init__(
+        self, ttl_s: float, max_ids: int = 200_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ttl_s, self._max_ids, self._clock = ttl_s, max_ids, clock
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        if not request_id:
+            return  # an id-less call cannot be matched to its signal
+        now = self._clock()
+        self._seen[request_id] = now
+        self._seen.move_to_end(request_id)
+        while self._seen and (
+            len(self._seen) > self._max_ids or next(iter(self._seen.values())) < now - self._ttl_s
+        ):
+            self._seen.popitem(last=False)
+
+    def seen(self, request_id: str) -> bool:
+        at = self._seen.get(request_id) if request_id else None
+        return at is not None and at >= self._clock() - self._ttl_s
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
 class RelayCache:
     def __init__(
         self,
@@ -148,10 +177,12 @@ class RelayCache:
         ranking_psi_min_tokens: int = 0,
         demote_under_pressure: bool = True,
         demotion_reserve_bytes: int = 0,
+        arrived_ttl_s: float = 60.0,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
         psi; `demote_under_pressure`, `demotion_reserve_bytes`: when consumed psi is copied to
-        host DRAM (module docstring)."""
+        host DRAM (module docstring); `arrived_ttl_s`: how long a ranking call's arrival is
+        remembered, to refuse the signal of its request that comes after it."""
         self.cache = cache
         self.engine = engine
         self.costs = costs
@@ -170,6 +201,8 @@ class RelayCache:
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
         self._productions: dict[PsiKey, _Production] = {}
         self.reloads = 0
+        self.late_signals = 0  # PreInfer signals refused: their ranking call had come already
+        self._arrived = RecentIds(ttl_s=arrived_ttl_s)
         self.content_mismatches = 0
         self.prefetches = PrefetchCounts()
         self._prefetched: set[PsiKey] = set()  # reloaded ahead of their call, not yet read
@@ -191,6 +224,13 @@ class RelayCache:
         back (re-leased in HBM, or reloaded from host DRAM, whatever the cost model says of a
         reload: it runs off the critical path); refused with "not_held" otherwise, and never
         pre-inferred, not even when the reload fails."""
+        if self._arrived.seen(lease.owner):
+            # Its ranking call came first (a signal delayed on its way: after an overload the
+            # signal path's backlog drains for seconds) and ranked without psi: built now,
+            # nothing would read it, and the device time would delay the calls still to come.
+            self.late_signals += 1
+            self._on_event("late_signal", "")
+            return Produce.REFUSED, "call_arrived"
         if prefetch_only and self.cache.lookup(key) is None:
             held = await self.host.lookup(key) if self.host is not None and self.host.connected else None
             if held is None:
@@ -303,6 +343,7 @@ class RelayCache:
         """Scores one ranking call by the cheapest path its psi allows (module docstring).
         `deadline` (time.monotonic()) orders it on the device and bounds any wait; a call the
         engine has not started by `start_by` (time.perf_counter()) fails with Overdue."""
+        self._arrived.add(request_id)
         ranked = await self._rank(key, request_id, prefix, suffix, deadline, after_reply, start_by)
         if ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN):
             self._settle_prefetch(key, "used")

@@ -121,6 +121,9 @@ class _Metrics:
         )
         self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
                                         ["decision"], registry=registry)  # fmt: skip
+        self.late_signals = Counter("relaygr_ranker_late_signals",
+                                    "PreInfer signals refused because their ranking call had come already",
+                                    registry=registry)  # fmt: skip
         self.preinfers_expired = Counter("relaygr_ranker_preinfers_expired",
                                          "pre-inferences dropped unstarted at the end of their lease",
                                          registry=registry)  # fmt: skip
@@ -511,6 +514,8 @@ class RankerService(pb_grpc.RankerServicer):
         m = self.metrics
         if kind == "reload_decision":
             m.reload_decisions.labels(label).inc()
+        elif kind == "late_signal":
+            m.late_signals.inc()
         elif kind == "preinfer_expired":
             m.preinfers_expired.inc()
         elif kind == "host_lookup":

@@ -17,7 +17,7 @@ from services.ranker.engine import Engine, EngineConfig
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.model import HSTURanker
 from services.ranker.psi import PsiKey
-from services.ranker.relay_cache import Produce, RelayCache, Served
+from services.ranker.relay_cache import Produce, RecentIds, RelayCache, Served
 from services.ranker.wire import PrefixReference, rank_inputs
 from shared.modelspec import preset
 from shared.wire import RequestLimits
@@ -265,3 +265,36 @@ async def test_a_preinference_not_started_within_its_lease_is_dropped_and_frees_
     ranked = await r.rank(key, prefix, suffix)
     assert ranked.served is Served.FULL_RECOMPUTE
     assert close(ranked.result.scores, want)
+
+
+async def test_a_signal_that_comes_after_its_ranking_call_is_refused(join):
+    key, prefix, suffix, want = join.inputs(10, 500)
+    ranked = await join.relay.rank(key, "req-1", prefix, suffix, FAR, join.after.append)
+    assert ranked.served is Served.FULL_RECOMPUTE  # no psi: the signal was still on its way
+    assert close(ranked.result.scores, want)
+    assert await join.relay.produce(key, prefix, Lease("req-1", FAR)) == (Produce.REFUSED, "call_arrived")
+    assert join.state(key) is None  # nothing admitted, nothing computed
+    assert join.relay.late_signals == 1
+    assert ("late_signal", "") in join.events
+    # The next request of the same user is signalled ahead of its call, as usual.
+    assert await join.relay.produce(key, prefix, Lease("req-2", FAR)) == (Produce.ACCEPTED, "")
+
+
+def test_recent_ids_forget_after_their_ttl_and_beyond_their_bound():
+    clock = Clock()
+    ids = RecentIds(ttl_s=10.0, max_ids=3, clock=clock)
+    ids.add("a")
+    clock.now += 5
+    ids.add("b")
+    assert ids.seen("a")
+    assert ids.seen("b")
+    assert not ids.seen("c")
+    assert not ids.seen("")
+    clock.now += 6  # "a" is 11 s old
+    assert not ids.seen("a")
+    assert ids.seen("b")
+    for name in ("c", "d", "e"):
+        ids.add(name)
+    assert len(ids) == 3  # the oldest went first
+    assert not ids.seen("b")
+    assert ids.seen("e")
