@@ -128,9 +128,8 @@ class _Production:
     reload: bool
     task: asyncio.Task[None] | None = None
     compute_fallback: bool = True  # a failed reload is pre-inferred instead (not for a prefetch-only signal)
-    expires_at: float = (
-        math.inf
-    )  # its lease's end (time.monotonic()): a pre-inference not started by then is dropped
+    # Its lease's end (time.monotonic()): a pre-inference not started by then is dropped.
+    expires_at: float = math.inf
 
 
 class RecentIds:
