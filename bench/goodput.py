@@ -65,7 +65,7 @@ from typing import Any
 
 from bench import relay
 from bench.report import RESULTS_DIR, write_result
-from relaygr.harness import CONFIGS, machine, markdown_table, run_point
+from relaygr.harness import CONFIGS, drain, machine, markdown_table, run_point
 from relaygr.launcher import Stack
 from relaygr.workload import WorkloadConfig, generate
 
@@ -356,6 +356,9 @@ class Runner:
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)
+        # The next point starts from a quiet stack, whatever this one left queued (an overload's
+        # backlog on the signal path, pre-inferences, ranking calls): the seconds it took.
+        record["drain_s"] = await drain(self.stack, timeout_s=a.drain_timeout_s)
         return Point(rate, s["p99_ms"], p.ok, record)
 
     async def search(self, workload: WorkloadConfig, config: SearchConfig, must_reach: float,
@@ -646,6 +649,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hbm-budget-mb", type=float, default=512.0)
     p.add_argument("--arena-gb", type=float, default=1.0)
     p.add_argument("--settle-s", type=float, default=2.0, help="pause between points")
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="after each point (and its pause), wait at most this long for the stack to hold no "
+        "work from it: rankers' queues empty and the signal path quiet for 1 s (drain_s per point)",
+    )
     p.add_argument("--lead-in-s", type=float, default=10.0,
                    help="each point first replays this long of the same workload, unmeasured, so that its "
                    "measured window meets users returning from sessions begun before it (steady state; "
@@ -676,6 +686,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--repeats and --min-calls must be >= 1, --min-duration-s > 0")
     if not args.lead_in_s >= 0:
         p.error("--lead-in-s must be >= 0")
+    if not (args.settle_s >= 0 and args.drain_timeout_s >= 0):
+        p.error("--settle-s and --drain-timeout-s must be >= 0")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
         p.error("--tag: letters, digits, '.', '_' and '-' only")
     return args

@@ -181,6 +181,41 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
     return out
 
 
+async def signal_path_total(stack: Stack) -> float:
+    """Events the trigger has decided on plus signals the router has handled, so far: while the
+    load generator is quiet, a total that still moves is a backlog draining on the signal path."""
+    total = sum(
+        v for k, v in (await trigger_counters(stack)).items() if not k.startswith("trigger_admitted_")
+    )
+    if stack.router is not None:
+        port = stack.router.wait_event("router_ready").get("metrics_port")
+        if port:
+            samples = await asyncio.to_thread(scrape_metrics, int(port))
+            total += sum(v for k, v in samples.items() if k.startswith("relaygr_router_signals_total{"))
+    return total
+
+
+async def drain(stack: Stack, timeout_s: float = 60.0, quiet_s: float = 1.0) -> float:
+    """Waits, with no load offered, until the stack holds no work from the point before: every
+    ranker's ranking queue and pre-inference backlog empty, and the signal path (trigger
+    decisions, router signals) still for `quiet_s`. Returns the seconds waited (`timeout_s` when
+    it never settled). Without it a point after an overload inherits the overload's backlog (an
+    H100 search at L4096 went on serving 8-23% from psi at rates where it had served 77-96%)."""
+    started = time.perf_counter()
+    last, still_since = await signal_path_total(stack), time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        await asyncio.sleep(0.2)
+        stats = await ranker_stats(stack.ranker_targets)
+        total = await signal_path_total(stack)
+        now = time.perf_counter()
+        if total != last:
+            last, still_since = total, now
+        busy = any(s.rank_queue_depth or s.preinfer_backlog for s in stats)
+        if not busy and now - still_since >= quiet_s:
+            return now - started
+    return timeout_s
+
+
 def _admissions(rankers: dict[str, Any]) -> str:
     """The trigger's admissions over a point, by ground, and the calls at risk it left alone because
     pre-inferring them would add device work, for the progress line ('' without either)."""

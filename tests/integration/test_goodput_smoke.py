@@ -46,8 +46,11 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             for key in ("reloads", "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released",
                         "resident_bytes_max",
                         "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
-                        "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max", "alloc_retries"):  # fmt: skip
+                        "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max", "alloc_retries",
+                        "gc_pause_s", "gc_pauses_over_20ms", "preinfers_expired", "late_signals"):  # fmt: skip
                 assert point[key] >= 0
+            # The next point started from a quiet stack: it drained well before its 60 s bound.
+            assert 0.0 <= point["drain_s"] < 60.0
             assert 0.0 <= point["prefetch"] <= 1.0
             assert point["prefetches_used"] + point["prefetches_wasted"] <= point["prefetches_issued"]
             # The trigger's decisions over the point: every event decided, admissions by ground.
