@@ -181,6 +181,30 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
     return out
 
 
+_STALL_COUNT = "relaygr_host_stall_seconds_count"
+_STALL_UNDER_20MS = 'relaygr_host_stall_seconds_bucket{le="0.02"}'
+
+
+async def stall_counters(stack: Stack) -> dict[str, float]:
+    """Per service kind (ranker, summed over rankers; router; expander): how many times its
+    stall watch (shared.metrics.HostStalls) woke more than 20 ms late so far."""
+    ports: list[tuple[str, int]] = [("ranker", p) for p in stack.ranker_metrics_ports]
+    for kind, proc, event in (
+        ("router", stack.router, "router_ready"),
+        ("expander", stack.expander, "expander_ready"),
+    ):
+        port = proc.wait_event(event).get("metrics_port") if proc is not None else None
+        if port:
+            ports.append((kind, int(port)))
+    out: dict[str, float] = collections.defaultdict(float)
+    for kind, port in ports:
+        samples = await asyncio.to_thread(scrape_metrics, port)
+        out[f"host_stalls_over_20ms_{kind}"] += samples.get(_STALL_COUNT, 0.0) - samples.get(
+            _STALL_UNDER_20MS, 0.0
+        )
+    return dict(out)
+
+
 async def signal_path_total(stack: Stack) -> float:
     """Events the trigger has decided on plus signals the router has handled, so far: while the
     load generator is quiet, a total that still moves is a backlog draining on the signal path."""
@@ -283,6 +307,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     router = pb_grpc.RankerStub(channel)
     sampler = asyncio.ensure_future(sample_resident())
     trigger_before = await trigger_counters(stack)
+    stalls_before = await stall_counters(stack)
     device_before, started = await device_counters(stack), time.perf_counter()
     cpu_before = host_cpu_times()
     try:
@@ -295,6 +320,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     replay_s = time.perf_counter() - started
     host_cpu = host_cpu_fractions(cpu_before, host_cpu_times())
     busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
+    stalls = {k: v - stalls_before.get(k, 0.0) for k, v in (await stall_counters(stack)).items()}
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
     after = await ranker_stats(stack.ranker_targets)
     device = await device_counters(stack)
@@ -360,6 +386,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
         # The host's CPUs over the replay (every process on it, not only ours; Linux only).
         **host_cpu,
+        # Each service's stall watch woke > 20 ms late this many times (all at once: the host).
+        **stalls,
     }
     slowest = [r.breakdown() for r in result.slowest_ok(0.015)]
     summary = result.summary(slo_ms)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -74,3 +75,43 @@ class GcPauses:
     def close(self) -> None:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
+
+
+# How late a sleeping thread wakes (seconds): the process could not run, or could not get the GIL.
+STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+class HostStalls:
+    """A daemon thread that sleeps `period_s` at a time and records how late it wakes into
+    `relaygr_host_stall_seconds`. Late by tens of milliseconds means the whole process stood
+    still (the host's scheduler, page faults, memory compaction) or one thread held the GIL
+    through a long C call: every service runs one, so a stall that shows in all of them at
+    once is the host's. Costs one wake-up per period (100 a second by default)."""
+
+    def __init__(self, registry: CollectorRegistry, period_s: float = 0.01, log_over_s: float = 0.02) -> None:
+        if period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.stalls = Histogram("relaygr_host_stall_seconds", "how late a sleeping thread woke",
+                                buckets=STALL_BUCKETS, registry=registry)  # fmt: skip
+        self._period_s, self._log_over_s = period_s, log_over_s
+        self._logged_at, self._over = float("-inf"), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relaygr-stall-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            time.sleep(self._period_s)
+            late = max(0.0, time.perf_counter() - started - self._period_s)
+            self.stalls.observe(late)
+            if late > self._log_over_s:
+                self._over += 1
+                now = time.perf_counter()
+                if now - self._logged_at >= 1.0:  # at most one line a second: a loaded host stalls often
+                    log.warning("host_stall", ms=round(late * 1e3, 1), stalls_since_last_line=self._over)
+                    self._logged_at, self._over = now, 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)

@@ -35,7 +35,7 @@ from services.expander.store import LeaseError, Refusal, Store
 from shared.expander import protocol as p
 from shared.lifecycle import Lifecycle
 from shared.logging import get_logger
-from shared.metrics import LATENCY_MS_BUCKETS, serve_metrics
+from shared.metrics import LATENCY_MS_BUCKETS, HostStalls, serve_metrics
 
 SWEEP_INTERVAL_S = 0.1
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -108,6 +108,7 @@ class ExpanderDaemon:
     def __init__(self, config: ExpanderConfig, *, serve_metrics_http: bool = True) -> None:
         self.config = config
         self.registry = CollectorRegistry()
+        self._stalls: HostStalls | None = None
         self.generation: str | None = None
         self.arena_bytes = config.arena_bytes  # sized at start (config.sized_arena_bytes)
         self.metrics_port: int | None = None
@@ -158,6 +159,7 @@ class ExpanderDaemon:
         except Exception as exc:
             self._log.error("expander_failed", error=str(exc))
             raise
+        self._stalls = HostStalls(self.registry)  # beside the rankers': a host-wide stall shows in all
         self._log.info(
             "expander_ready",
             socket_path=self.config.socket_path,
@@ -188,6 +190,9 @@ class ExpanderDaemon:
 
     async def close(self) -> None:
         """Undoes whatever `start` did; never raises (each step is independent)."""
+        if self._stalls is not None:
+            self._stalls.close()
+            self._stalls = None
         if self._server is not None:
             self._server.close()
             for writer in list(self._writers):  # a drain cut short by its grace period

@@ -61,7 +61,7 @@ from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
 from shared.lifecycle import Lifecycle, pin_process, settle_heap
 from shared.logging import get_logger
-from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, serve_metrics
+from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, HostStalls, serve_metrics
 from shared.modelspec import preset
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -195,6 +195,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.lifecycle = Lifecycle("ranker", grace_s=5.0)
         self._owns_process = owns_process
         self._gc_pauses: GcPauses | None = None
+        self._stalls: HostStalls | None = None
         self.accel: Accelerator = accelerator(config.device, config.device_index)
         spec = preset(config.preset)
         if config.checkpoint:
@@ -325,6 +326,7 @@ class RankerService(pb_grpc.RankerServicer):
             settle_heap()
             if self._gc_pauses is None:
                 self._gc_pauses = GcPauses(self.registry)  # a collection stops the device thread too
+                self._stalls = HostStalls(self.registry)
 
     async def run(self, install_signals: bool = True) -> int:
         """Starts, serves until stopped (SIGTERM / SIGINT when `install_signals`, `shutdown()`, or
@@ -376,6 +378,8 @@ class RankerService(pb_grpc.RankerServicer):
         queued jobs fail) and closes the host tier. Never raises for a half-done start."""
         if self._gc_pauses is not None:
             self._gc_pauses.close()
+        if self._stalls is not None:
+            self._stalls.close()
         try:
             if self._server is not None:
                 await self._server.stop(None)  # idempotent; aborts what a cut-short drain left

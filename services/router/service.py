@@ -46,7 +46,7 @@ from services.router.stats import RankLatencies, fleet_stats
 from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
 from shared.membership import FORWARDED_METHODS, ROUTER_ID_PREFIX, Membership
-from shared.metrics import serve_metrics
+from shared.metrics import HostStalls, serve_metrics
 from shared.protos import ranker_pb2 as pb
 
 log = get_logger("router")
@@ -67,6 +67,7 @@ class RouterService:
         self.life = Lifecycle("router", grace_s=SHUTDOWN_GRACE_S)
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
+        self._stalls: HostStalls | None = None
         self.membership = Membership(
             config.rankers,
             check_interval_s=config.check_interval_s,
@@ -131,6 +132,7 @@ class RouterService:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._sync_ranker_health()
         settle_heap()  # request-time collections then never traverse the libraries' objects
+        self._stalls = HostStalls(self.registry)  # beside the rankers': a host-wide stall shows in all
         self.ready.set()
         log.info("router_ready", port=self.port, metrics_port=self.metrics_port, rankers=list(self.config.rankers),
                  front_door=self.config.front_door, healthy=len(self.membership.healthy()),
@@ -238,6 +240,8 @@ class RouterService:
         if self._closed:
             return
         self._closed = True
+        if self._stalls is not None:
+            self._stalls.close()
         if self._front_door is not None:
             await self._front_door.stop(0)
         if self._server is not None:

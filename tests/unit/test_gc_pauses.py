@@ -1,12 +1,14 @@
-"""Collector pauses are timed into the service's registry (shared.metrics.GcPauses)."""
+"""Collector pauses and host stalls are timed into the service's registry (shared.metrics)."""
 
 from __future__ import annotations
 
 import gc
+import sys
+import time
 
 from prometheus_client import CollectorRegistry
 
-from shared.metrics import GcPauses
+from shared.metrics import GcPauses, HostStalls
 
 
 def test_every_collection_is_timed_by_generation_and_close_stops_it():
@@ -25,3 +27,25 @@ def test_every_collection_is_timed_by_generation_and_close_stops_it():
     gc.collect(2)
     assert registry.get_sample_value("relaygr_gc_pause_seconds_count", {"generation": "2"}) == before
     pauses.close()  # twice: harmless
+
+
+def test_a_thread_kept_from_running_is_counted_as_a_stall():
+    # Holding the GIL for 0.15 s in one stretch (a long switch interval) stands for any stall.
+    registry = CollectorRegistry()
+    stalls = HostStalls(registry, period_s=0.005)
+    interval = sys.getswitchinterval()
+    try:
+        time.sleep(0.05)  # the watch is running
+        sys.setswitchinterval(0.15)
+        deadline = time.perf_counter() + 0.15
+        while time.perf_counter() < deadline:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+        time.sleep(0.05)
+        stalls.close()
+    count = registry.get_sample_value("relaygr_host_stall_seconds_count")
+    under_20ms = registry.get_sample_value("relaygr_host_stall_seconds_bucket", {"le": "0.02"})
+    assert count is not None
+    assert under_20ms is not None
+    assert count > under_20ms  # at least one wake-up came over 20 ms late
