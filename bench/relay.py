@@ -199,8 +199,9 @@ def stack_config(name: str, args: argparse.Namespace) -> StackConfig:
     preset, slo_ms, hbm_budget_mb, arena_gb, recent, candidates, risk_fraction."""
     overrides = dict(CONFIGS[name])
     trigger_extra = tuple(overrides.pop("trigger_args", ()))
+    arena_gb = float(overrides.pop("arena_gb", args.arena_gb))  # a configuration may fix its own
     return StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
-                       hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(args.arena_gb * 2**30) // 4096 * 4096,
+                       hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(arena_gb * 2**30) // 4096 * 4096,
                        # the trigger's estimate of the tokens a ranking call adds to the prefix
                        trigger_args=("--suffix-tokens-estimate", str(args.recent + args.candidates),
                                      "--risk-fraction", str(args.risk_fraction), *trigger_extra),

@@ -92,6 +92,11 @@ class DemoConfig:
 def stack_config(config: DemoConfig, name: str, slo_ms: float | None) -> StackConfig:
     """The stack of configuration `name` (relaygr.harness.CONFIGS) under `slo_ms` (None: the
     launcher's default, what the baseline runs with before calibration)."""
+    overrides = dict(CONFIGS[name])
+    trigger_extra = tuple(overrides.pop("trigger_args", ()))
+    arena_gb = overrides.pop("arena_gb", None)  # a configuration that fixes its own arena
+    if arena_gb is not None:
+        overrides["arena_bytes"] = int(float(arena_gb) * 2**30) // 4096 * 4096
     return StackConfig(
         rankers=config.rankers,
         slo_ms=StackConfig.slo_ms if slo_ms is None else slo_ms,
@@ -101,8 +106,9 @@ def stack_config(config: DemoConfig, name: str, slo_ms: float | None) -> StackCo
             str(config.recent_tokens + config.candidates),
             "--risk-fraction",
             str(config.risk_fraction),
+            *trigger_extra,
         ),
-        **CONFIGS[name],
+        **overrides,
     )
 
 

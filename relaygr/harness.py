@@ -51,6 +51,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
     # pre-inference competing with full rankings for the device at high load.
     "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},
+    # The host-tier arena at 24 GiB whatever --arena-gb says: beside `relay` in one run, whether
+    # pinning most of the host's memory (80 of 128 GiB on the H100 machines) stalls the host.
+    "relay-arena24": {"arena_gb": 24.0},
+    # The ranker's GIL switch interval at 0.1 ms (default 0.5): how long the device thread waits
+    # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
+    "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
 }
 
 
