@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from bench.report import RESULTS_DIR, device_slug
-from relaygr.harness import CONFIGS, Point, machine, markdown_table, run_point
+from relaygr.harness import CONFIGS, Point, machine, markdown_table, run_point, stack_overrides
 from relaygr.launcher import Stack, StackConfig
 from relaygr.workload import WorkloadConfig
 
@@ -197,11 +197,9 @@ def save_logs(stack: Stack, directory: Path, config: str) -> None:
 def stack_config(name: str, args: argparse.Namespace) -> StackConfig:
     """The stack of configuration `name` (CONFIGS) with the run's settings: rankers, device,
     preset, slo_ms, hbm_budget_mb, arena_gb, recent, candidates, risk_fraction."""
-    overrides = dict(CONFIGS[name])
-    trigger_extra = tuple(overrides.pop("trigger_args", ()))
-    arena_gb = float(overrides.pop("arena_gb", args.arena_gb))  # a configuration may fix its own
+    overrides, trigger_extra = stack_overrides(name, args.arena_gb)
     return StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
-                       hbm_budget_mb=args.hbm_budget_mb, arena_bytes=int(arena_gb * 2**30) // 4096 * 4096,
+                       hbm_budget_mb=args.hbm_budget_mb,
                        # the trigger's estimate of the tokens a ranking call adds to the prefix
                        trigger_args=("--suffix-tokens-estimate", str(args.recent + args.candidates),
                                      "--risk-fraction", str(args.risk_fraction), *trigger_extra),

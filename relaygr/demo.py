@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from relaygr.core_demo import print_core_demo, run_core_demo
-from relaygr.harness import CONFIGS, machine, markdown_table, ranker_stats, run_point
+from relaygr.harness import machine, markdown_table, ranker_stats, run_point, stack_overrides
 from relaygr.launcher import Stack, StackConfig
 from relaygr.preflight import check_stack
 from relaygr.workload import Materializer, PlannedRequest, Workload, WorkloadConfig, generate
@@ -92,11 +92,7 @@ class DemoConfig:
 def stack_config(config: DemoConfig, name: str, slo_ms: float | None) -> StackConfig:
     """The stack of configuration `name` (relaygr.harness.CONFIGS) under `slo_ms` (None: the
     launcher's default, what the baseline runs with before calibration)."""
-    overrides = dict(CONFIGS[name])
-    trigger_extra = tuple(overrides.pop("trigger_args", ()))
-    arena_gb = overrides.pop("arena_gb", None)  # a configuration that fixes its own arena
-    if arena_gb is not None:
-        overrides["arena_bytes"] = int(float(arena_gb) * 2**30) // 4096 * 4096
+    overrides, trigger_extra = stack_overrides(name)
     return StackConfig(
         rankers=config.rankers,
         slo_ms=StackConfig.slo_ms if slo_ms is None else slo_ms,

@@ -25,6 +25,7 @@ import torch
 
 from kernels.device import accelerator, resolve_backend, visible_devices
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
+from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
 from shared.kafka import KafkaSettings, make_producer
@@ -58,6 +59,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
     "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
 }
+
+
+def stack_overrides(name: str, arena_gb: float | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Configuration `name`'s StackConfig settings, and its own trigger flags (to go after the
+    caller's). A configuration that fixes its arena (`arena_gb`) wins over the run's `arena_gb`
+    (None: the launcher's default)."""
+    overrides = dict(CONFIGS[name])
+    trigger_extra = tuple(overrides.pop("trigger_args", ()))
+    gb = overrides.pop("arena_gb", arena_gb)
+    if gb is not None:
+        overrides["arena_bytes"] = int(float(gb) * 2**30) // 4096 * 4096
+    return overrides, trigger_extra
 
 
 @dataclasses.dataclass
@@ -132,13 +145,11 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
-            label = f'{{generation="{generation}"}}'
-            totals["gc_pause_s"] += samples.get(f"relaygr_gc_pause_seconds_sum{label}", 0.0)
-            over = samples.get(f"relaygr_gc_pause_seconds_count{label}", 0.0)
-            over -= samples.get(
-                f'relaygr_gc_pause_seconds_bucket{{generation="{generation}",le="0.02"}}', 0.0
+            label = f'generation="{generation}"'
+            totals["gc_pause_s"] += samples.get(f"relaygr_gc_pause_seconds_sum{{{label}}}", 0.0)
+            totals["gc_pauses_over_20ms"] += _observed_over(
+                samples, "relaygr_gc_pause_seconds", "0.02", label
             )
-            totals["gc_pauses_over_20ms"] += over
         totals["preinfers_expired"] += samples.get("relaygr_ranker_preinfers_expired_total", 0.0)
         totals["late_signals"] += samples.get("relaygr_ranker_late_signals_total", 0.0)
         for result in ("found", "absent", "no_hbm_room"):  # HBM misses asked of the host tier
@@ -187,27 +198,32 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
     return out
 
 
-_STALL_COUNT = "relaygr_host_stall_seconds_count"
-_STALL_UNDER_20MS = 'relaygr_host_stall_seconds_bucket{le="0.02"}'
+def _observed_over(samples: dict[str, float], histogram: str, le: str, labels: str = "") -> float:
+    """Observations of a Prometheus histogram above its bucket `le`, from scraped samples."""
+    count = samples.get(f"{histogram}_count{{{labels}}}" if labels else f"{histogram}_count", 0.0)
+    bucket = f'{histogram}_bucket{{{labels + "," if labels else ""}le="{le}"}}'
+    return count - samples.get(bucket, 0.0)
+
+
+def _metrics_port(proc: ServiceProcess | None, ready_event: str) -> int | None:
+    """The metrics port a service announced in its ready line (None without the service)."""
+    port = proc.wait_event(ready_event).get("metrics_port") if proc is not None else None
+    return int(port) if port else None
 
 
 async def stall_counters(stack: Stack) -> dict[str, float]:
     """Per service kind (ranker, summed over rankers; router; expander): how many times its
     stall watch (shared.metrics.HostStalls) woke more than 20 ms late so far."""
-    ports: list[tuple[str, int]] = [("ranker", p) for p in stack.ranker_metrics_ports]
-    for kind, proc, event in (
-        ("router", stack.router, "router_ready"),
-        ("expander", stack.expander, "expander_ready"),
-    ):
-        port = proc.wait_event(event).get("metrics_port") if proc is not None else None
-        if port:
-            ports.append((kind, int(port)))
+    ports: list[tuple[str, int | None]] = [("ranker", p) for p in stack.ranker_metrics_ports]
+    ports += [("router", _metrics_port(stack.router, "router_ready")),
+              ("expander", _metrics_port(stack.expander, "expander_ready"))]  # fmt: skip
     out: dict[str, float] = collections.defaultdict(float)
     for kind, port in ports:
-        samples = await asyncio.to_thread(scrape_metrics, port)
-        out[f"host_stalls_over_20ms_{kind}"] += samples.get(_STALL_COUNT, 0.0) - samples.get(
-            _STALL_UNDER_20MS, 0.0
-        )
+        if port is not None:
+            samples = await asyncio.to_thread(scrape_metrics, port)
+            out[f"host_stalls_over_20ms_{kind}"] += _observed_over(
+                samples, "relaygr_host_stall_seconds", "0.02"
+            )
     return dict(out)
 
 
@@ -217,11 +233,10 @@ async def signal_path_total(stack: Stack) -> float:
     total = sum(
         v for k, v in (await trigger_counters(stack)).items() if not k.startswith("trigger_admitted_")
     )
-    if stack.router is not None:
-        port = stack.router.wait_event("router_ready").get("metrics_port")
-        if port:
-            samples = await asyncio.to_thread(scrape_metrics, int(port))
-            total += sum(v for k, v in samples.items() if k.startswith("relaygr_router_signals_total{"))
+    port = _metrics_port(stack.router, "router_ready")
+    if port is not None:
+        samples = await asyncio.to_thread(scrape_metrics, port)
+        total += sum(v for k, v in samples.items() if k.startswith("relaygr_router_signals_total{"))
     return total
 
 
