@@ -13,7 +13,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_relay_pre_infers_the_at_risk_tail_and_serves_it_from_hbm():
-    calibration, (baseline, relay) = run_stack_demo(DemoConfig(duration_s=30.0))
+    # The demo's own length (60 s): in 30 s the long tail held a request or two, and whether
+    # one passed the trigger's extra-work test (pre-inference plus the call against psi within
+    # 1.15x its full ranking) turned on a few ms of CPU timing (one CI run of six failed).
+    calibration, (baseline, relay) = run_stack_demo(DemoConfig())
     assert calibration.at_risk_requests > 0, calibration
     assert baseline["failed"] == relay["failed"] == 0
     assert baseline["preinfer_admitted"] == baseline["psi_produced"] == 0
