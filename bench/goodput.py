@@ -353,8 +353,10 @@ class Runner:
             "preinfers_expired": p.rankers.get("preinfers_expired", 0.0),
             # Signals refused because their ranking call had come first (late on the signal path).
             "late_signals": p.rankers.get("late_signals", 0.0),
-            # Wake-ups > 20 ms late per service (ranker, router, expander): a host-wide stall shows in all.
-            **{k: v for k, v in p.rankers.items() if k.startswith("host_stalls_")},
+            # Wake-ups > 20 ms late per service (ranker, router, trigger, expander): a host-wide
+            # stall shows in all; event-loop timers > 20 ms late: that service's own Python work
+            # (its log names what the loop was running: event_loop_stall).
+            **{k: v for k, v in p.rankers.items() if k.startswith(("host_stalls_", "loop_stalls_"))},
             "slowest": p.slowest,
         }  # fmt: skip
         await asyncio.sleep(a.settle_s)

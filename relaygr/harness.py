@@ -212,10 +212,12 @@ def _metrics_port(proc: ServiceProcess | None, ready_event: str) -> int | None:
 
 
 async def stall_counters(stack: Stack) -> dict[str, float]:
-    """Per service kind (ranker, summed over rankers; router; expander): how many times its
-    stall watch (shared.metrics.HostStalls) woke more than 20 ms late so far."""
+    """Per service kind (ranker, summed over rankers; router; trigger; expander): how many times
+    its stall watch (shared.metrics.HostStalls) woke more than 20 ms late so far, and how many
+    times its event loop ran a timer more than 20 ms late."""
     ports: list[tuple[str, int | None]] = [("ranker", p) for p in stack.ranker_metrics_ports]
     ports += [("router", _metrics_port(stack.router, "router_ready")),
+              ("trigger", _metrics_port(stack.trigger, "trigger_ready")),
               ("expander", _metrics_port(stack.expander, "expander_ready"))]  # fmt: skip
     out: dict[str, float] = collections.defaultdict(float)
     for kind, port in ports:
@@ -223,6 +225,9 @@ async def stall_counters(stack: Stack) -> dict[str, float]:
             samples = await asyncio.to_thread(scrape_metrics, port)
             out[f"host_stalls_over_20ms_{kind}"] += _observed_over(
                 samples, "relaygr_host_stall_seconds", "0.02"
+            )
+            out[f"loop_stalls_over_20ms_{kind}"] += _observed_over(
+                samples, "relaygr_event_loop_lag_seconds", "0.02"
             )
     return dict(out)
 

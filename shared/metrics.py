@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import sys
 import threading
 import time
+import traceback
+from types import FrameType
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
@@ -79,6 +83,18 @@ class GcPauses:
 
 # How late a sleeping thread wakes (seconds): the process could not run, or could not get the GIL.
 STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+# Frames of the event loop's stack logged with a loop stall (innermost last).
+STALL_STACK_FRAMES = 12
+
+
+def _stack_lines(frame: FrameType | None, limit: int) -> list[str]:
+    """`file:line function` of `frame` and its callers, innermost last, at most `limit`."""
+    if frame is None:  # the thread has no Python frame (ended, or not started yet)
+        return []
+    return [
+        f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+        for f in traceback.extract_stack(frame)[-limit:]
+    ]
 
 
 class HostStalls:
@@ -86,32 +102,81 @@ class HostStalls:
     `relaygr_host_stall_seconds`. Late by tens of milliseconds means the whole process stood
     still (the host's scheduler, page faults, memory compaction) or one thread held the GIL
     through a long C call: every service runs one, so a stall that shows in all of them at
-    once is the host's. Costs one wake-up per period (100 a second by default)."""
+    once is the host's. Costs one wake-up per period (100 a second by default).
+
+    Built inside a running asyncio loop, it also watches that loop: a task that sleeps
+    `period_s` at a time records how late the loop ran it (`relaygr_event_loop_lag_seconds`),
+    and when the loop is more than `log_over_s` behind, the thread logs what the loop thread
+    is executing at that moment (`event_loop_stall`: `loop_frames`, its stack, and the other threads' top
+    frames). A late loop with no late thread is the service's own Python work: one long
+    callback, or many queued at once; the stack names it. At most one such line a second."""
 
     def __init__(self, registry: CollectorRegistry, period_s: float = 0.01, log_over_s: float = 0.02) -> None:
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
         self.stalls = Histogram("relaygr_host_stall_seconds", "how late a sleeping thread woke",
                                 buckets=STALL_BUCKETS, registry=registry)  # fmt: skip
+        self.loop_lag = Histogram("relaygr_event_loop_lag_seconds", "how late the event loop ran a timer",
+                                  buckets=STALL_BUCKETS, registry=registry)  # fmt: skip
         self._period_s, self._log_over_s = period_s, log_over_s
         self._logged_at, self._over = float("-inf"), 0
+        self._loop_logged_at, self._loop_over = float("-inf"), 0
         self._stop = threading.Event()
+        self._ticker: asyncio.Task[None] | None = None
+        self._loop_thread: int | None = None
+        self._tick_at = time.perf_counter()  # when the loop last ran the ticker (perf_counter)
+        self._sampled_tick = -1.0  # the tick whose stall was already looked at
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            self._loop_thread = threading.get_ident()
+            self._ticker = loop.create_task(self._tick(), name="relaygr-loop-watch")
         self._thread = threading.Thread(target=self._run, name="relaygr-stall-watch", daemon=True)
         self._thread.start()
+
+    async def _tick(self) -> None:
+        while True:
+            self._tick_at = started = time.perf_counter()
+            await asyncio.sleep(self._period_s)
+            self.loop_lag.observe(max(0.0, time.perf_counter() - started - self._period_s))
 
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.perf_counter()
             time.sleep(self._period_s)
-            late = max(0.0, time.perf_counter() - started - self._period_s)
+            now = time.perf_counter()
+            late = max(0.0, now - started - self._period_s)
             self.stalls.observe(late)
             if late > self._log_over_s:
                 self._over += 1
-                now = time.perf_counter()
                 if now - self._logged_at >= 1.0:  # at most one line a second: a loaded host stalls often
                     log.warning("host_stall", ms=round(late * 1e3, 1), stalls_since_last_line=self._over)
                     self._logged_at, self._over = now, 0
+            if self._loop_thread is not None:
+                self._watch_loop(now)
+
+    def _watch_loop(self, now: float) -> None:
+        tick = self._tick_at
+        behind = now - tick - self._period_s
+        if behind <= self._log_over_s or tick == self._sampled_tick:
+            return
+        self._sampled_tick = tick  # one look per stall
+        self._loop_over += 1
+        if now - self._loop_logged_at < 1.0:
+            return
+        frames = sys._current_frames()
+        others = {t.name: _stack_lines(frames.get(t.ident or -1), 1)
+                  for t in threading.enumerate() if t.ident not in (self._loop_thread, threading.get_ident())}  # fmt: skip
+        log.warning("event_loop_stall", behind_ms=round(behind * 1e3, 1), stalls_since_last_line=self._loop_over,
+                    loop_frames=_stack_lines(frames.get(self._loop_thread or -1), STALL_STACK_FRAMES),
+                    threads={name: top[0] for name, top in others.items() if top})  # fmt: skip
+        self._loop_logged_at, self._loop_over = now, 0
 
     def close(self) -> None:
         self._stop.set()
+        if self._ticker is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed first: the task is gone with it
+                self._ticker.cancel()
         self._thread.join(timeout=1.0)

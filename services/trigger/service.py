@@ -66,7 +66,7 @@ from shared.kafka import ensure_topics, make_consumer, make_producer, record_lim
 from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
 from shared.membership import Membership
-from shared.metrics import serve_metrics
+from shared.metrics import HostStalls, serve_metrics
 from shared.modelspec import preset
 from shared.placement import preference
 from shared.protos import events_pb2 as ev
@@ -161,6 +161,7 @@ class TriggerService:
         self._stop_intake = asyncio.Event()
         self._closed = False
         self.metrics_port = 0
+        self._stalls: HostStalls | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,6 +192,7 @@ class TriggerService:
         self._spawn(self._consume(), "consume")
         self.metrics_port = serve_metrics(self.registry, c.metrics_port)
         settle_heap()  # decision-time collections then never traverse the libraries' objects
+        self._stalls = HostStalls(self.registry)  # beside the rankers': a host-wide stall shows in all
         log.info("trigger_ready", policy=self.policy.value, rankers=list(c.rankers), slo_ms=c.slo_ms,
                  metrics_port=self.metrics_port, topic=c.retrieval_topic,
                  signal_limit_bytes=self.signal_limit_bytes, producer_limit_bytes=producer_limit)  # fmt: skip
@@ -242,6 +244,9 @@ class TriggerService:
             await self._producer.stop()
         if self.membership is not None:
             await self.membership.close()
+        if self._stalls is not None:
+            self._stalls.close()
+            self._stalls = None
         log.info("trigger_stopped", decisions=self.counts, failure=self.life.failure)
 
     async def shutdown(self) -> None:
