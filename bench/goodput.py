@@ -295,12 +295,24 @@ def point_config(
 # ---------------------------------------------------------------------- running it
 
 
+def workload_name(workload: WorkloadConfig) -> str:
+    """ "L<n>" for a fixed prefix length, else "mix"."""
+    return f"L{workload.fixed_prefix_len}" if workload.fixed_prefix_len else "mix"
+
+
+def write_calls(path: Path, calls: list[dict[str, Any]]) -> None:
+    """One point's calls (RequestRecord.breakdown, in send order), one JSON line each."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(c) + "\n" for c in calls))
+
+
 class Runner:
     """Measures points through one running stack; every point gets fresh prefix versions."""
 
-    def __init__(self, stack: Stack, args: argparse.Namespace) -> None:
+    def __init__(self, stack: Stack, args: argparse.Namespace, label: str = "") -> None:
         self.stack = stack
         self.args = args
+        self.label = label  # names the per-call files (--calls-dir)
         self._points = 0
         self.current: LimitSearch | None = None  # the search under way (its points, if cut short)
 
@@ -312,6 +324,9 @@ class Runner:
         cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
                            a.min_duration_s, a.min_calls)  # fmt: skip
         p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0)
+        if getattr(a, "calls_dir", None):
+            write_calls(Path(a.calls_dir) / f"{self.label}-{workload_name(workload)}-p{self._points}-{rate:g}.jsonl",
+                        p.calls)  # fmt: skip
         s = p.summary
         record = {
             "rate_rps": rate,
@@ -424,7 +439,7 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
     base = WorkloadConfig(seed=args.seed, users=args.users, recent_tokens=args.recent, candidates=args.candidates,
                           length_scale=args.length_scale, max_prefix_len=args.max_prefix_len,
                           session_mean_requests=args.session_mean_requests, lead_in_s=args.lead_in_s)  # fmt: skip
-    runner = Runner(stack, args)
+    runner = Runner(stack, args, label=name)
     # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
     # (allocator growth, lazy initialisation) that belong to no configuration.
     warm = dataclasses.replace(workload_config(args.workloads[0], base), duration_s=args.warmup_s,
@@ -669,6 +684,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
+    p.add_argument("--calls-dir", default=None,
+                   help="write every measured call of every point here (JSON lines: when sent, by whom, where its time went)")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="measure nothing: combine result files of one sitting (one host, GPUs side by side) "
                         "into one report, repeats renumbered; written under --tag")  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import os
 import platform
 import re
@@ -83,6 +84,8 @@ class Point:
     # The slowest served calls (1.5%, at least one), each with where its time went
     # (RequestRecord.breakdown): the calls that set the point's P99.
     slowest: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Every measured call the same way, in send order: arrivals, bursts and what each cost.
+    calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -422,7 +425,11 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     # default session model: ~0.32 without a lead-in, ~0.53 with 10 s of lead-in).
     measured = workload.measured
     summary["returning_share"] = sum(1 for r in measured if r.returning) / max(1, len(measured))
-    point = Point(sweep, value, summary, rankers, eps, slowest)
+    calls = sorted(
+        (r.breakdown() for r in result.measured),
+        key=lambda c: c["at_s"] if c["at_s"] == c["at_s"] else math.inf,
+    )  # unsent (NaN) last
+    point = Point(sweep, value, summary, rankers, eps, slowest, calls)
     s = point.summary
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "

@@ -102,6 +102,8 @@ class RequestRecord:
             "status": self.status,
             "served_by": self.served_by,
             "instance": self.instance_id,
+            "user_id": p.user_id,
+            "session_index": p.session_index,
             "prefix_len": p.prefix_len,
             "suffix_len": p.recent_len + p.candidates,
             "returning": p.returning,

@@ -19,6 +19,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         "--grid", "4", "8", "--floor-rps", "2", "--min-duration-s", "1", "--min-calls", "4",
         "--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1",
         "--lead-in-s", "1", "--out-dir", str(tmp_path), "--tag", "smoke",
+        "--calls-dir", str(tmp_path / "calls"),
     ])  # fmt: skip
     json_path = next(p for p in paths if p.suffix == ".json")
     assert json_path.name.startswith("goodput-")
@@ -48,7 +49,9 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                         "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
                         "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max", "alloc_retries",
                         "gc_pause_s", "gc_pauses_over_20ms", "preinfers_expired", "late_signals",
-                        "host_stalls_over_20ms_ranker", "host_stalls_over_20ms_router"):  # fmt: skip
+                        "host_stalls_over_20ms_ranker", "host_stalls_over_20ms_router",
+                        "host_stalls_over_20ms_trigger", "loop_stalls_over_20ms_ranker",
+                        "loop_stalls_over_20ms_router", "loop_stalls_over_20ms_trigger"):  # fmt: skip
                 assert point[key] >= 0
             # The next point started from a quiet stack: it drained well before its 60 s bound.
             assert 0.0 <= point["drain_s"] < 60.0
@@ -89,3 +92,13 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                 assert 0.0 < point["host_cpu_busy"] <= 1.0
     md = next(p for p in paths if p.suffix == ".md").read_text()
     assert "relay / baseline" in md
+    # --calls-dir: every measured call of every point, in send order, one JSON line each.
+    for record in run["results"]:
+        for point in record["points"]:
+            files = sorted((tmp_path / "calls").glob(f"{record['config']}-L128-p*-{point['rate_rps']:g}.jsonl"))
+            assert len(files) == 1, files
+            calls = [json.loads(line) for line in files[0].read_text().splitlines()]
+            assert len(calls) == point["calls"]
+            sent = [c["at_s"] for c in calls]
+            assert sent == sorted(sent)
+            assert {"user_id", "session_index", "served_by", "queue_ms", "compute_ms"} <= calls[0].keys()
