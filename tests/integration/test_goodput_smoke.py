@@ -95,7 +95,9 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
     # --calls-dir: every measured call of every point, in send order, one JSON line each.
     for record in run["results"]:
         for point in record["points"]:
-            files = sorted((tmp_path / "calls").glob(f"{record['config']}-L128-p*-{point['rate_rps']:g}.jsonl"))
+            files = sorted(
+                (tmp_path / "calls").glob(f"{record['config']}-L128-p*-{point['rate_rps']:g}.jsonl")
+            )
             assert len(files) == 1, files
             calls = [json.loads(line) for line in files[0].read_text().splitlines()]
             assert len(calls) == point["calls"]
