@@ -114,6 +114,11 @@ def fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be within (0, 1]"
 
 
+def share(value: float) -> str | None:
+    """A fraction that may also be 0 (a setting that 0 turns off)."""
+    return None if 0 <= value <= 1 else "must be within [0, 1]"
+
+
 def choices(kind: type[enum.Enum]) -> tuple[str, ...]:
     """The values an enum-typed setting accepts, in declaration order."""
     return tuple(str(member.value) for member in kind)

@@ -65,6 +65,7 @@ class DeviceTime:
         self._max_tracked = max_tracked
         self._unused_s = 0.0
         self._unused = 0
+        self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
         """Adds `seconds` of device time to `work` (one of WORKS; ValueError otherwise)."""
@@ -119,6 +120,24 @@ class DeviceTime:
             self._unused_s += seconds
             self._unused += 1
             return seconds
+
+    def recent_busy_fraction(self, window_s: float = 2.0) -> float:
+        """The busy share of about the last `window_s` seconds (at least that much when there is
+        history), from this ledger's own readings: each call adds one, so callers that ask
+        often (Stats polled every ~0.1-1 s) get a fraction over a sliding window. 0 on the
+        first call."""
+        with self._lock:
+            now = self._clock()
+            busy = self._busy_s + (now - self._busy_since if self._active else 0.0)
+            readings = self._readings
+            readings.append((now, busy))
+            # Keep the newest reading at least window_s old as the base.
+            while len(readings) > 2 and now - readings[1][0] >= window_s:
+                readings.popleft()
+            since, busy_then = readings[0]
+        if now <= since:
+            return 0.0
+        return min(1.0, max(0.0, (busy - busy_then) / (now - since)))
 
     def snapshot(self) -> DeviceTimeSnapshot:
         with self._lock:

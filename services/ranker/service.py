@@ -711,6 +711,7 @@ class RankerService(pb_grpc.RankerServicer):
             else 0.0,
             ranking_psi_min_tokens=self.relay.ranking_psi_min_tokens,
             psi_from_rankings=self.relay.psi_from_rankings,
+            device_busy=self.engine.device_time.recent_busy_fraction(),
         )
 
 

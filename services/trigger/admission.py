@@ -9,6 +9,8 @@ A retrieval event is pre-inferred only if (in this order):
      and, when admitted for risk alone, pre-inference plus the call against psi cost the device
      at most (1 + max_extra_work) x the full ranking they replace (adds_little_work)
                                                                                  -> else ADDS_WORK
+     unless the key is new and the instance's device has room (`spare`: its measured busy
+     share under spare_busy_max): then step 2 admits it whatever the work term says (below);
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   -> ADMITTED.
@@ -45,6 +47,20 @@ when the device has least to spare. At 4096 tokens on an H100 (full ranking 4.3 
 risk at 100 req/s and the relay's P99 went to 113 ms where the baseline's was 40.5 ms. At longer
 prefixes, attention dominates both passes and the call against psi is a small share: the work
 term lets them through.
+
+Why the spare term: the two terms above count device time, but a ranking call's latency is
+its queue plus its own compute, and the queue is made by bursts of arrivals (Poisson: at 100
+req/s, 15 calls inside 60 ms happen every few seconds) meeting full rankings on the critical
+path. A pre-inference runs when no ranking call waits (the ranker's scheduler), 20-200 ms
+before its call, so while the device has idle time it moves the prefix off the critical path
+for the price of some idle time: at 4096 tokens on an H100 (GPU runs of 2026-11-27, one
+lease), pre-inferring every first call (P + C = 5.6 ms of device work where the full ranking
+costs 4.1-4.6) halved the device time spent on the critical path and held P99 38.5 ms at 75
+req/s where rankings keeping psi (no pre-inference) had 59.7 and the baseline 40.7. Only a
+key seen for the first time qualifies (a returning one has psi from its earlier call where
+rankings keep psi, and the reuse term decides it otherwise); the busy share is the rankers'
+own measurement (StatsReply.device_busy, pre-inference included), so admitting more raises it
+and the term turns itself off as the device fills.
 
 Between Stats updates from the rankers, the ledger counts what this trigger admitted on top of the
 last reported figures (conservative: an admission counts until its lease ends or a Stats report
@@ -262,6 +278,7 @@ def decide(
     risk_adds_little: bool = True,
     returning: bool = False,
     prefetch: bool = False,
+    spare: bool = False,
 ) -> Reason:
     if policy is Policy.OFF:
         return Reason.NOT_AT_RISK
@@ -273,7 +290,7 @@ def decide(
         ledger.budget_bytes
         and ledger.resident_bytes() + psi_bytes > bounds.footprint_fraction * ledger.budget_bytes
     )
-    if not pays_by_reuse:
+    if not pays_by_reuse and not (spare and not returning):
         turned_away = None
         if predicted_full_ms <= risk_threshold_ms(bounds, load):
             turned_away = Reason.NOT_AT_RISK

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from services.trigger.admission import Policy
 from shared import settings
-from shared.config import ConfigError, fraction, non_negative, port_number, positive, setting
+from shared.config import ConfigError, fraction, non_negative, port_number, positive, setting, share
 from shared.kafka import KafkaSettings
 from shared.settings import LogLevel
 from shared.tls import TlsSettings
@@ -37,6 +37,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                     help="a call at risk is pre-inferred only if pre-inference plus the call "
                                     "against psi cost the device at most 1 + this times its full ranking "
                                     "(measured costs); admission by reuse is not bound by it", check=non_negative)  # fmt: skip
+    spare_busy_max: float = setting(0.5, env="RELAYGR_TRIGGER_SPARE_BUSY_MAX",
+                                    help="pre-infer a user seen for the first time, whatever the work terms "
+                                    "say, while the instance's device is busy less than this share of the "
+                                    "time (its own report, pre-inference included): the prefix leaves the "
+                                    "critical path for idle device time (0: never)", check=share)  # fmt: skip
     load_window_s: float = setting(2.0, env="RELAYGR_TRIGGER_LOAD_WINDOW_S",
                                    renamed_from="RELAYGR_LOAD_WINDOW_S",
                                    help="time constant of each instance's offered-load estimate (the "

@@ -98,8 +98,10 @@ class _Metrics:
         self.decision_us = Histogram("relaygr_trigger_decision_us", "per-event decision time", registry=registry,
                                      buckets=_DECISION_US_BUCKETS)  # fmt: skip
         self.admitted_by = Counter("relaygr_trigger_admitted_total",
-                                   "admissions by ground: risk (this call's latency) or reuse (work saved "
-                                   "over the calls expected on the psi)", ["ground"], registry=registry)  # fmt: skip
+                                   "admissions by ground: risk (this call's latency), reuse (work saved "
+                                   "over the calls expected on the psi) or spare (a new key, pre-inferred "
+                                   "off the critical path while the device has room)", ["ground"],
+                                   registry=registry)  # fmt: skip
         self.returning = Counter("relaygr_trigger_events_returning_total",
                                  "events whose (user, prefix version) was seen within the reuse window",
                                  ["returning"], registry=registry)  # fmt: skip
@@ -147,6 +149,7 @@ class TriggerService:
         self._psi_per_token: dict[str, int] = {}
         # Per target: its rankers' full rankings keep psi from this prefix length on (0: none).
         self._ranking_psi_min: dict[str, int] = {}
+        self._device_busy: dict[str, float] = {}  # per target: its last reported busy share
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
         # the rankers' cached batches: their time per call).
         self.returns = ReturnRate(config.reuse_window_s)
@@ -393,12 +396,14 @@ class TriggerService:
         # to bring back but what an earlier pre-inference left, rarely at such lengths).
         keeps = self._ranking_psi_min.get(target, 0)
         prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
+        adds_little = self.risk_adds_little(meta.prefix_len, tokens)
+        spare = self.has_spare(target)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
-                        self.risk_adds_little(meta.prefix_len, tokens), returning, prefetch)  # fmt: skip
+                        adds_little, returning, prefetch, spare)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
-            self.metrics.admitted_by.labels("risk" if predicted > risk_threshold_ms(self.bounds, load)
-                                            else "reuse").inc()  # fmt: skip
+            at_risk = predicted > risk_threshold_ms(self.bounds, load) and adds_little
+            self.metrics.admitted_by.labels("risk" if at_risk else "reuse" if pays else "spare").inc()
             now_unix_ms = int(time.time() * 1e3)
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             # Its pre-inference leaves the instance's queue after the signal's trip and the
@@ -408,6 +413,13 @@ class TriggerService:
             )
             ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s)
         return reason, target
+
+    def has_spare(self, target: str) -> bool:
+        """Whether `target`'s device has room for pre-inference off the critical path: its last
+        reported busy share (StatsReply.device_busy) under spare_busy_max (admission docstring).
+        False before any report, and with spare_busy_max 0."""
+        busy = self._device_busy.get(target)
+        return busy is not None and busy < self.config.spare_busy_max
 
     def cached_call_ms(self) -> float:
         """A cached ranking call's device work: the median over the rankers' recent cached
@@ -504,6 +516,7 @@ class TriggerService:
         if stats.psi_bytes_per_token:
             self._psi_per_token[target] = stats.psi_bytes_per_token
         self._ranking_psi_min[target] = stats.ranking_psi_min_tokens
+        self._device_busy[target] = stats.device_busy
         newest = max((s.seq for s in stats.recent_batches), default=0)
         seen = self._seen_seq.get(target, 0)
         if newest < seen:  # the instance restarted: its sequence numbers start over

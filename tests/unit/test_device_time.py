@@ -98,3 +98,26 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     assert samples["relaygr_ranker_unused_psi_device_seconds_total"] == pytest.approx(wasted)
     assert samples["relaygr_ranker_unused_psi_total"] == 1
     assert samples["relaygr_ranker_device_busy_seconds_total"] > 0
+
+
+def test_recent_busy_fraction_is_the_busy_share_of_a_sliding_window():
+    clock = FakeClock()
+    ledger = DeviceTime(clock)
+    assert ledger.recent_busy_fraction(window_s=2.0) == 0.0  # the first reading: no window yet
+    for _ in range(4):  # busy 0.25 of every second
+        ledger.begin()
+        clock.now += 0.25
+        ledger.end()
+        clock.now += 0.75
+    assert ledger.recent_busy_fraction(window_s=2.0) == pytest.approx(0.25)
+    ledger.begin()  # then fully busy, still outstanding when asked: counted up to now
+    for _ in range(4):
+        clock.now += 0.5
+        ledger.recent_busy_fraction(window_s=2.0)
+    # The window slid past the quiet seconds: only the last ~2 s count.
+    assert ledger.recent_busy_fraction(window_s=2.0) == pytest.approx(1.0)
+    ledger.end()
+    clock.now += 3.0
+    ledger.recent_busy_fraction(window_s=2.0)
+    clock.now += 0.1
+    assert ledger.recent_busy_fraction(window_s=2.0) < 0.5  # idle again

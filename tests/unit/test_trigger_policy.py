@@ -171,6 +171,32 @@ def test_a_returning_key_turned_away_gets_a_prefetch_only_signal():
     )
 
 
+def test_a_new_key_is_pre_inferred_off_the_critical_path_while_the_device_has_room():
+    key = (9, 1)
+
+    def d(led: InstanceLedger | None = None, predicted: float = 4.0, **kw: object) -> Reason:
+        return decide(Policy.SEQUENCE_AWARE, BOUNDS, predicted, 100, led or ledger(), key, 1.0, **kw)  # type: ignore[arg-type]
+
+    assert d() is Reason.NOT_AT_RISK  # a 4 ms call on an idle instance: not at risk
+    assert d(spare=True) is Reason.ADMITTED  # ... but the device has room: off the critical path
+    # Whatever the work terms say: at risk and adding work, room on the device admits it.
+    assert d(predicted=30.0, load=0.9, risk_adds_little=False) is Reason.ADDS_WORK
+    assert d(predicted=30.0, load=0.9, risk_adds_little=False, spare=True) is Reason.ADMITTED
+    # Only a key seen for the first time: a returning one is left to the other terms (or prefetch).
+    assert d(spare=True, returning=True) is Reason.NOT_AT_RISK
+    assert d(spare=True, returning=True, prefetch=True) is Reason.PREFETCH
+    # Still within the bounds on bytes and backlog, and never twice for one key.
+    assert d(spare=True, led=ledger(resident=850)) is Reason.FOOTPRINT_BOUND
+    full = ledger()
+    for k in ((1, 1), (2, 1)):
+        full.admit(k, 1, 0.0, 10.0)
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 4.0, 100, full, key, 1.0, spare=True) is Reason.LOAD_BOUND
+    admitted = ledger()
+    admitted.admit(key, 100, 0.0, 10.0)
+    assert d(spare=True, led=admitted) is Reason.ALREADY_RESIDENT
+    assert decide(Policy.OFF, BOUNDS, 4.0, 100, ledger(), key, 1.0, spare=True) is Reason.NOT_AT_RISK
+
+
 def test_adds_little_work_compares_pre_inference_plus_the_cached_call_with_the_full_ranking():
     # One H100 at 4096 tokens, CUDA graphs: full 4.3 ms, pre-inference 3.8, call against psi 1.6.
     assert not adds_little_work(4.3, 3.8, 1.6, max_extra=0.15)  # 5.4 > 1.15 x 4.3 = 4.95
