@@ -44,6 +44,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-affinity": {"placement": "round_robin"},
     "no-expander": {"expander": False},
     "relay": {},
+    # The trigger's spare term off (RELAYGR_TRIGGER_SPARE_BUSY_MAX 0): a first call is pre-inferred
+    # only for risk or reuse, so at 4096 tokens on an H100 it is a full ranking keeping psi.
+    "relay-nospare": {"trigger_args": ("--spare-busy-max", "0")},
     # Prefetch-only signals for returning users (RELAYGR_TRIGGER_PREFETCH, off by default).
     "relay-prefetch": {"trigger_args": ("--prefetch", "true")},
     # psi only from pre-inference (full rankings keep none): what the rankings' psi adds.
@@ -188,7 +191,8 @@ _TRIGGER_COUNTER = re.compile(r'relaygr_trigger_(decisions|admitted)_total\{(?:r
 
 async def trigger_counters(stack: Stack) -> dict[str, float]:
     """The trigger's decisions so far by reason (`trigger_<reason>`) and its admissions by ground
-    (`trigger_admitted_risk`, `trigger_admitted_reuse`); {} for a stack without a trigger."""
+    (`trigger_admitted_risk`, `trigger_admitted_reuse`, `trigger_admitted_spare`); {} for a stack
+    without a trigger."""
     if stack.trigger is None:
         return {}
     port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
@@ -276,7 +280,8 @@ def _admissions(rankers: dict[str, Any]) -> str:
     line = ""
     if admitted:
         risk, reuse = rankers.get("trigger_admitted_risk", 0.0), rankers.get("trigger_admitted_reuse", 0.0)
-        line = f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g})"
+        spare = rankers.get("trigger_admitted_spare", 0.0)
+        line = f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g}, spare {spare:g})"
     if adds_work:
         line += f"  at risk, left (adds work) {adds_work:g}"
     return line

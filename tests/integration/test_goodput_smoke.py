@@ -67,8 +67,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                 "admitted",
             )
             assert sum(point.get(f"trigger_{r}", 0.0) for r in reasons) > 0
-            assert point.get("trigger_admitted", 0.0) == point.get("trigger_admitted_risk", 0.0) + point.get(
-                "trigger_admitted_reuse", 0.0
+            assert point.get("trigger_admitted", 0.0) == sum(
+                point.get(f"trigger_admitted_{ground}", 0.0) for ground in ("risk", "reuse", "spare")
             )
             if record["config"] == "baseline":
                 assert point.get("trigger_admitted", 0.0) == 0.0
