@@ -9,8 +9,9 @@ A retrieval event is pre-inferred only if (in this order):
      and, when admitted for risk alone, pre-inference plus the call against psi cost the device
      at most (1 + max_extra_work) x the full ranking they replace (adds_little_work)
                                                                                  -> else ADDS_WORK
-     unless the key is new and the instance's device has room (`spare`: its measured busy
-     share under spare_busy_max): then step 2 admits it whatever the work term says (below);
+     unless the key is new, the instance's device has room (`spare`: its measured busy
+     share under spare_busy_max) and the call against psi is at most half the full ranking
+     (spare_shortens): then step 2 admits it whatever the work term says (below);
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   -> ADMITTED.
@@ -251,6 +252,18 @@ def reuse_pays(
         return prefix_ms + cached_ms < full_ms
     calls = 1.0 + max(later_calls, 0.0)
     return calls * (full_ms - cached_ms) > prefix_ms
+
+
+# The spare term admits a new key only where the call against psi is at most this share of the
+# full ranking: a short prefix's full ranking costs about what the call against psi does (fixed
+# costs per step dominate both), so pre-inferring it would take nothing off the critical path.
+SPARE_MAX_CACHED_SHARE = 0.5
+
+
+def spare_shortens(full_ms: float, cached_ms: float) -> bool:
+    """Whether pre-inferring takes enough off this call's critical path for the spare term: the
+    call against psi costs at most SPARE_MAX_CACHED_SHARE of the full ranking it replaces."""
+    return cached_ms <= SPARE_MAX_CACHED_SHARE * full_ms
 
 
 def adds_little_work(full_ms: float, prefix_ms: float, cached_ms: float, max_extra: float) -> bool:

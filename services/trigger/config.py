@@ -37,7 +37,7 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                     help="a call at risk is pre-inferred only if pre-inference plus the call "
                                     "against psi cost the device at most 1 + this times its full ranking "
                                     "(measured costs); admission by reuse is not bound by it", check=non_negative)  # fmt: skip
-    spare_busy_max: float = setting(0.5, env="RELAYGR_TRIGGER_SPARE_BUSY_MAX",
+    spare_busy_max: float = setting(0.8, env="RELAYGR_TRIGGER_SPARE_BUSY_MAX",
                                     help="pre-infer a user seen for the first time, whatever the work terms "
                                     "say, while the instance's device is busy less than this share of the "
                                     "time (its own report, pre-inference included): the prefix leaves the "

@@ -48,6 +48,7 @@ from services.trigger.admission import (
     decide,
     reuse_pays,
     risk_threshold_ms,
+    spare_shortens,
 )
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
@@ -397,7 +398,7 @@ class TriggerService:
         keeps = self._ranking_psi_min.get(target, 0)
         prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
         adds_little = self.risk_adds_little(meta.prefix_len, tokens)
-        spare = self.has_spare(target)
+        spare = self.has_spare(target) and self.spare_shortens(tokens)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
                         adds_little, returning, prefetch, spare)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
@@ -420,6 +421,13 @@ class TriggerService:
         False before any report, and with spare_busy_max 0."""
         busy = self._device_busy.get(target)
         return busy is not None and busy < self.config.spare_busy_max
+
+    def spare_shortens(self, tokens: int) -> bool:
+        """Whether a call of `tokens` gets enough shorter against psi for the spare term
+        (admission.spare_shortens); False before any full ranking was measured."""
+        return self.full_work.measured and spare_shortens(
+            self.full_work.full_ms(tokens), self.cached_call_ms()
+        )
 
     def cached_call_ms(self) -> float:
         """A cached ranking call's device work: the median over the rankers' recent cached
