@@ -279,7 +279,8 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
         assert stack.router is not None
         port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
         decisions = {r: stack.trigger.metric(port, f'relaygr_trigger_decisions_total{{reason="{r}"}}')
-                     for r in ("admitted", "load_bound", "footprint_bound", "not_at_risk", "adds_work")}  # fmt: skip
+                     for r in ("admitted", "load_bound", "footprint_bound", "too_late", "not_at_risk",
+                               "adds_work")}  # fmt: skip
         router_port = int(stack.router.wait_event("router_ready")["metrics_port"])
         router_retries = stack.router.metric(router_port, 'relaygr_router_retries_total{method="rank"}')
         # The router's own view (entry to reply): without the load generator's event-loop lag,
@@ -321,7 +322,7 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
         **router_ms,
         "ok_within_slo": sum(1 for r in result.records if r.ok and r.latency_ms <= args.slo_ms),
         "client_lag_ms_p99": summary["lag_ms_p99"],  # the load generator itself behind schedule
-        "preinfers_shed": int(decisions["load_bound"] + decisions["footprint_bound"]),
+        "preinfers_shed": int(decisions["load_bound"] + decisions["footprint_bound"] + decisions["too_late"]),
         "preinfers_admitted": int(decisions["admitted"]),
         # what the rankers did with the admitted ones (they refuse pre-inference while overloaded)
         "preinfers_started": int(preinfer["accepted"] + preinfer["reload_scheduled"]),

@@ -53,7 +53,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-preinfer-only": {"ranker_args": ("--ranking-psi-min-tokens", "0")},
     # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
     "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
-    # At most 2 pre-inferences queued or running per instance (the trigger's default is 8): less
+    # At most 2 pre-inferences queued or running per instance (the trigger's default is 32): less
     # pre-inference competing with full rankings for the device at high load.
     "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},
     # The host-tier arena at 24 GiB whatever --arena-gb says: beside `relay` in one run, whether

@@ -14,6 +14,9 @@ A retrieval event is pre-inferred only if (in this order):
      (spare_shortens): then step 2 admits it whatever the work term says (below);
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
+  5. its pre-inference is predicted to start before its ranking call comes (the signal's trip
+     and the backlog ahead of it, at the measured pre-inference time, within the event's lead:
+     ranking deadline minus SLO minus now; too_late)                               -> else TOO_LATE
   -> ADMITTED.
 A returning key (seen within the reuse window) that step 2 turns away is not dropped: with
 prefetch on, and while its psi fits the footprint bound, it gets a prefetch-only signal
@@ -63,6 +66,15 @@ rankings keep psi, and the reuse term decides it otherwise); the busy share is t
 own measurement (StatsReply.device_busy, pre-inference included), so admitting more raises it
 and the term turns itself off as the device fills.
 
+Why the lead test: a pre-inference not yet started when its call comes is taken over by the
+call (no work twice) but takes nothing off the critical path (one that started leaves the call
+its built chunks: partial psi); admitted anyway, a burst of them only lengthens the backlog the
+next admissions wait behind. A fixed backlog bound cannot
+tell that apart from a backlog that will clear in time: at 125 req/s on an H100 (L4096, lead
+20-200 ms, pre-inference ~3.7 ms) the bound of 8 refused 242 of ~2140 events in one point (GPU
+run s2, 2026-11-27) while the device was 43% busy, and each refused first call became a full
+ranking on the critical path. The count bound stays, larger, against a runaway queue.
+
 Between Stats updates from the rankers, the ledger counts what this trigger admitted on top of the
 last reported figures (conservative: an admission counts until its lease ends or a Stats report
 taken after it arrives).
@@ -84,6 +96,7 @@ class Reason(enum.Enum):
     ADDS_WORK = "adds_work"  # at risk, but pre-inferring it would add device work (module docstring)
     ADMITTED = "admitted"
     PREFETCH = "prefetch"  # returning, not pre-inferred: psi re-leased or reloaded where held
+    TOO_LATE = "too_late"  # its pre-inference would not be done before its ranking call comes
 
 
 class Policy(enum.Enum):
@@ -292,6 +305,7 @@ def decide(
     returning: bool = False,
     prefetch: bool = False,
     spare: bool = False,
+    late: bool = False,
 ) -> Reason:
     if policy is Policy.OFF:
         return Reason.NOT_AT_RISK
@@ -315,4 +329,13 @@ def decide(
         return Reason.FOOTPRINT_BOUND
     if ledger.backlog(now) >= bounds.max_backlog:
         return Reason.LOAD_BOUND
+    if late:
+        return Reason.TOO_LATE
     return Reason.ADMITTED
+
+
+def too_late(lead_s: float, trip_s: float, preinfer_ms: float, backlog: int) -> bool:
+    """Whether a pre-inference admitted now would not even start before its ranking call comes,
+    `lead_s` from now: it starts after the signal's trip (`trip_s`) and the `backlog`
+    pre-inferences ahead of it, each `preinfer_ms` long (module docstring, step 5)."""
+    return trip_s + preinfer_ms / 1e3 * max(backlog, 0) > lead_s

@@ -61,9 +61,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                         renamed_from="RELAYGR_FOOTPRINT_FRACTION",
                                         help="share of each ranker's HBM budget that admitted psi may fill",
                                         check=fraction)  # fmt: skip
-    max_backlog: int = setting(8, env="RELAYGR_TRIGGER_MAX_BACKLOG",
+    max_backlog: int = setting(32, env="RELAYGR_TRIGGER_MAX_BACKLOG",
                                renamed_from="RELAYGR_MAX_PREINFER_BACKLOG",
-                               help="pre-inferences queued or running per ranker", check=positive)  # fmt: skip
+                               help="pre-inferences queued or running per ranker, at most (an admission "
+                               "must also be predicted to start before its ranking call: too_late)",
+                               check=positive)  # fmt: skip
     lease_slack_ms: float = setting(500.0, env="RELAYGR_TRIGGER_LEASE_SLACK_MS",
                                     renamed_from="RELAYGR_LEASE_SLACK_MS",
                                     help="lease = ranking deadline + this", check=non_negative)  # fmt: skip

@@ -49,6 +49,7 @@ from services.trigger.admission import (
     reuse_pays,
     risk_threshold_ms,
     spare_shortens,
+    too_late,
 )
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
@@ -399,13 +400,16 @@ class TriggerService:
         prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
         adds_little = self.risk_adds_little(meta.prefix_len, tokens)
         spare = self.has_spare(target) and self.spare_shortens(tokens)
+        now_unix_ms = int(time.time() * 1e3)
+        # The ranking call's planned time: its deadline less the SLO it was given.
+        lead_s = (meta.ranking_deadline_unix_ms - self.config.slo_ms - now_unix_ms) / 1e3
+        late = too_late(lead_s, _SIGNAL_TRIP_S, self.preinfer_ms(meta.prefix_len), ledger.backlog(now))
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
-                        adds_little, returning, prefetch, spare)  # fmt: skip
+                        adds_little, returning, prefetch, spare, late)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
         if reason is Reason.ADMITTED:
             at_risk = predicted > risk_threshold_ms(self.bounds, load) and adds_little
             self.metrics.admitted_by.labels("risk" if at_risk else "reuse" if pays else "spare").inc()
-            now_unix_ms = int(time.time() * 1e3)
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             # Its pre-inference leaves the instance's queue after the signal's trip and the
             # pre-inferences reported ahead of it.

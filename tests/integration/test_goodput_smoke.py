@@ -63,6 +63,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                 "adds_work",
                 "footprint_bound",
                 "load_bound",
+                "too_late",
                 "already_resident",
                 "admitted",
             )

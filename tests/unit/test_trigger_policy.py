@@ -19,6 +19,7 @@ from services.trigger.admission import (
     reuse_pays,
     risk_threshold_ms,
     spare_shortens,
+    too_late,
 )
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.modelspec import preset
@@ -196,6 +197,25 @@ def test_a_new_key_is_pre_inferred_off_the_critical_path_while_the_device_has_ro
     admitted.admit(key, 100, 0.0, 10.0)
     assert d(spare=True, led=admitted) is Reason.ALREADY_RESIDENT
     assert decide(Policy.OFF, BOUNDS, 4.0, 100, ledger(), key, 1.0, spare=True) is Reason.NOT_AT_RISK
+
+
+def test_a_pre_inference_that_would_not_start_before_its_call_is_too_late():
+    key = (11, 1)
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, ledger(), key, 1.0, load=0.9, late=True) is (
+        Reason.TOO_LATE
+    )
+    # The bounds on bytes and backlog come first; a turned-away call is not "late".
+    assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 100, ledger(backlog=2), key, 1.0, late=True) is (
+        Reason.LOAD_BOUND
+    )
+    assert (
+        decide(Policy.SEQUENCE_AWARE, BOUNDS, 1.0, 100, ledger(), key, 1.0, late=True) is Reason.NOT_AT_RISK
+    )
+    # 3.7 ms pre-inferences, a 50 ms signal trip: with 10 ahead it starts 87 ms from now.
+    assert not too_late(lead_s=0.2, trip_s=0.05, preinfer_ms=3.7, backlog=10)
+    assert too_late(lead_s=0.08, trip_s=0.05, preinfer_ms=3.7, backlog=10)
+    assert not too_late(lead_s=0.06, trip_s=0.05, preinfer_ms=3.7, backlog=0)  # nothing ahead
+    assert too_late(lead_s=0.02, trip_s=0.05, preinfer_ms=3.7, backlog=0)  # the call comes first
 
 
 def test_the_spare_term_wants_the_call_against_psi_to_be_at_most_half_the_full_ranking():
