@@ -32,7 +32,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     `rankers`, the healthy rankers' last polled Stats (up to one check interval old; a ranker that
     leaves membership leaves the sums, so they can fall); model_version is the rankers' common
     version ("" when they differ); ranking_psi_min_tokens the smallest positive one (0: no ranker
-    keeps psi); lead_time_p50_ms is the highest ranker's; rank_p50/p99 are
+    keeps psi); lead_time_p50_ms and device_busy are the highest ranker's (a trigger that asks
+    the router judges the room for pre-inference by the busiest device); rank_p50/p99 are
     this router's own (`rank`); recent_batches is empty; expander_connected is true only if every
     ranker has its host tier."""
     stats = list(rankers)
@@ -71,4 +72,5 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
             (s.ranking_psi_min_tokens for s in stats if s.ranking_psi_min_tokens > 0), default=0
         ),
         psi_from_rankings=sum(s.psi_from_rankings for s in stats),
+        device_busy=max((s.device_busy for s in stats), default=0.0),
     )
