@@ -342,6 +342,9 @@ class Runner:
             "lag_ms_p99": s["lag_ms_p99"],
             "client_loop_lag_ms_p99": s["client_loop_lag_ms_p99"],
             "client_loop_lag_ms_max": s["client_loop_lag_ms_max"],
+            # The load generator's own collector pauses (a cause of its loop lag, or not).
+            "client_gc_pause_ms_max": s["client_gc_pause_ms_max"],
+            "client_gc_pause_ms_total": s["client_gc_pause_ms_total"],
             # Where the tail's time went: P99 of each server stage, and the slowest calls whole.
             **{f"{stage}_ms_p99": s[f"{stage}_ms_p99"]
                for stage in ("queue", "compute", "launch", "server_total", "network")},

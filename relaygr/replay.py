@@ -140,6 +140,9 @@ class ReplayResult:
     # a reply that arrives while the loop is busy is timed late by as much, so client latency
     # includes it (building requests, publishing events, a garbage collection).
     loop_lag_ms: list[float] = field(default_factory=list)
+    # The load generator's own garbage-collector pauses during the replay (ms): each one stalls
+    # its loop, and with it every call in flight (client_loop_lag_ms names the stall, this its cause).
+    gc_pause_ms: list[float] = field(default_factory=list)
 
     @property
     def measured(self) -> list[RequestRecord]:
@@ -246,6 +249,8 @@ class ReplayResult:
         out["wall_s"] = self.wall_s
         out["client_loop_lag_ms_p99"] = percentile(self.loop_lag_ms, 99) if self.loop_lag_ms else 0.0
         out["client_loop_lag_ms_max"] = max(self.loop_lag_ms, default=0.0)
+        out["client_gc_pause_ms_max"] = max(self.gc_pause_ms, default=0.0)
+        out["client_gc_pause_ms_total"] = sum(self.gc_pause_ms)
         out["materializer_hits"] = self.materializer_hits
         out["materializer_misses"] = self.materializer_misses
         return out
@@ -299,6 +304,16 @@ async def replay(
         # requests (measured): move everything that exists now out of the collector's sight.
         gc.collect()
         gc.freeze()
+    gc_pause_ms: list[float] = []
+    gc_started = [0.0]
+
+    def on_gc(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pause_ms.append((time.perf_counter() - gc_started[0]) * 1e3)
+
+    gc.callbacks.append(on_gc)
     t0 = loop.time() + start_delay_s
     wall0 = time.time() + start_delay_s  # the wall time of the replay's time zero
 
@@ -399,6 +414,7 @@ async def replay(
                 side_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await side_task
+        gc.callbacks.remove(on_gc)
         if freeze_gc:
             gc.unfreeze()
     wall_s = loop.time() - t0
@@ -412,4 +428,5 @@ async def replay(
         materializer_hits=materializer.hits,
         materializer_misses=materializer.misses,
         loop_lag_ms=loop_lag_ms,
+        gc_pause_ms=gc_pause_ms,
     )

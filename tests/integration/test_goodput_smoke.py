@@ -86,6 +86,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["batch_p99"] >= 1
             assert {"batch", "batch_tokens", "launch_ms"} <= slowest[0].keys()
             assert 0.0 <= point["client_loop_lag_ms_p99"] <= point["client_loop_lag_ms_max"]
+            assert 0.0 <= point["client_gc_pause_ms_max"] <= point["client_gc_pause_ms_total"] + 1e-9
             assert 0.0 <= point["returning_share"] < 1.0
             assert point["calls"] >= 4  # the measured window's calls; the lead-in's are not counted
             if sys.platform.startswith("linux"):  # the host's CPU shares, from /proc/stat

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import math
 import os
 import time
@@ -188,3 +189,26 @@ async def test_the_replay_measures_its_own_event_loop_lag():
     assert summary["client_loop_lag_ms_max"] >= 70.0
     assert summary["client_loop_lag_ms_p99"] <= summary["client_loop_lag_ms_max"]
     assert len(result.loop_lag_ms) >= 10  # sampled every 5 ms over the replay
+
+
+class _CollectingRouter(_BlockingRouter):
+    """Runs a full collection on the caller's loop on its third call."""
+
+    async def Rank(self, request, *, timeout: float):  # noqa: ASYNC109 (the stub's signature)
+        self.calls += 1
+        if self.calls == 3:
+            gc.collect()
+        return pb.RankReply(served_by=pb.FULL_RECOMPUTE)
+
+
+async def test_the_replay_times_its_own_garbage_collections_and_stops_after():
+    workload = generate(WorkloadConfig(seed=3, rate_rps=40, duration_s=0.5, users=50, recent_tokens=4,
+                                       candidates=8, fixed_prefix_len=64))  # fmt: skip
+    callbacks = len(gc.callbacks)
+    result = await replay(workload, producer=_Producer(), retrieval_topic="t", router_stub=_CollectingRouter(0.0),
+                          materializer=Materializer.for_workload(workload), slo_ms=1000.0,
+                          start_delay_s=0.0, lookahead_s=0.05)  # fmt: skip
+    assert len(result.gc_pause_ms) >= 1  # at least the one this router ran
+    summary = result.summary(1000.0)
+    assert 0.0 < summary["client_gc_pause_ms_max"] <= summary["client_gc_pause_ms_total"]
+    assert len(gc.callbacks) == callbacks  # the replay's timer is gone with it
