@@ -274,8 +274,9 @@ async def drain(stack: Stack, timeout_s: float = 60.0, quiet_s: float = 1.0) -> 
 
 
 def _admissions(rankers: dict[str, Any]) -> str:
-    """The trigger's admissions over a point, by ground, and the calls at risk it left alone because
-    pre-inferring them would add device work, for the progress line ('' without either)."""
+    """The trigger's admissions over a point, by ground, the calls at risk it left alone because
+    pre-inferring them would add device work, and those refused for the instance's load, for the
+    progress line ('' without any)."""
     admitted, adds_work = rankers.get("trigger_admitted", 0.0), rankers.get("trigger_adds_work", 0.0)
     line = ""
     if admitted:
@@ -284,6 +285,10 @@ def _admissions(rankers: dict[str, Any]) -> str:
         line = f"  admitted {admitted:g} (risk {risk:g}, reuse {reuse:g}, spare {spare:g})"
     if adds_work:
         line += f"  at risk, left (adds work) {adds_work:g}"
+    # Refused for the instance's load: its backlog bound, or a pre-inference that would start late.
+    refused = {k: rankers.get(f"trigger_{k}", 0.0) for k in ("load_bound", "too_late")}
+    if any(refused.values()):
+        line += "  refused " + ", ".join(f"{k} {v:g}" for k, v in refused.items())
     return line
 
 
