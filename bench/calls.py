@@ -1,0 +1,114 @@
+"""What a point's per-call records say about its tail (the files `bench.goodput --calls-dir` writes).
+
+    python -m bench.calls bench/results/calls/*.jsonl.gz      # a table, one row per file
+    python -m bench.calls a.jsonl --json out.json             # and the rows as JSON
+
+Per file: the calls served OK and how (shares by path), the measured queue P50 / P99, and the
+queue that one serial server would have given the same calls: each call's measured compute time,
+in order of its send time, first come first served (`fifo_queue_ms_*`). Measured close to the
+FIFO replay: the tail is the arrivals' bursts meeting the service times; measured far above it:
+the server was slower inside the bursts than its calls' own compute times say, ordered them
+worse, or spent the device on work that is in no call's compute (a relay's pre-inference steps
+and copies: s1 at 125 req/s, measured 59 ms against a FIFO replay's 18); far below: it ran
+calls side by side (batches) or shorter ones first. Also the busiest
+60 ms and 150 ms of arrivals (`burst_60ms`, `burst_150ms`) against the mean rate, and the compute
+time summed over the calls' span (`compute_share`, the critical path's share of the device).
+Send times stand for arrival times (the network is a constant offset at the rates measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from relaygr.harness import markdown_table
+from shared.stats import percentile
+
+QUEUE_COLUMNS = ("file", "calls", "served", "queue_ms_p50", "queue_ms_p99", "fifo_queue_ms_p50",
+                 "fifo_queue_ms_p99", "burst_60ms", "burst_150ms", "mean_per_60ms", "compute_share")  # fmt: skip
+
+
+def read_calls(path: Path) -> list[dict[str, Any]]:
+    """One point's calls (JSON lines, gzipped or not)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fifo_queue_ms(calls: Sequence[dict[str, Any]]) -> list[float]:
+    """Each call's wait in one first-come-first-served server that takes each call's measured
+    compute_ms, calls in order of `at_s` (seconds)."""
+    free_ms = float("-inf")
+    waits = []
+    for c in sorted(calls, key=lambda c: c["at_s"]):
+        arrival_ms = c["at_s"] * 1e3
+        start = max(arrival_ms, free_ms)
+        waits.append(start - arrival_ms)
+        free_ms = start + c["compute_ms"]
+    return waits
+
+
+def busiest_window(times_s: Sequence[float], window_s: float) -> int:
+    """The most send times within any `window_s` (inclusive)."""
+    ordered = sorted(times_s)
+    best, lo = 0, 0
+    for hi, t in enumerate(ordered):
+        while t - ordered[lo] > window_s:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return percentile(values, q) if values else 0.0
+
+
+def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The row of one file (module docstring)."""
+    ok = [c for c in calls if c.get("status") == "OK" and c.get("at_s") == c.get("at_s")]  # NaN: never sent
+    times = [c["at_s"] for c in ok]
+    span_s = max(times) - min(times) if len(times) > 1 else 0.0
+    served = collections.Counter(c["served_by"] for c in ok)
+    return {
+        "file": name,
+        "calls": len(ok),
+        "served": {k: round(v / len(ok), 3) for k, v in served.most_common()} if ok else {},
+        "queue_ms_p50": _pct([c["queue_ms"] for c in ok], 50),
+        "queue_ms_p99": _pct([c["queue_ms"] for c in ok], 99),
+        "fifo_queue_ms_p50": _pct(fifo_queue_ms(ok), 50),
+        "fifo_queue_ms_p99": _pct(fifo_queue_ms(ok), 99),
+        "burst_60ms": busiest_window(times, 0.06),
+        "burst_150ms": busiest_window(times, 0.15),
+        "mean_per_60ms": round(len(ok) / span_s * 0.06, 2) if span_s > 0 else 0.0,
+        "compute_share": round(sum(c["compute_ms"] for c in ok) / 1e3 / span_s, 3) if span_s > 0 else 0.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("files", nargs="+", type=Path, help="calls files (JSON lines, .gz or not)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    for path in args.files:
+        try:
+            calls = read_calls(path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"bench.calls: cannot read {path}: {exc}") from None
+        rows.append(analyse(path.name, calls))
+    print(markdown_table(rows, QUEUE_COLUMNS))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

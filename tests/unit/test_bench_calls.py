@@ -1,0 +1,61 @@
+"""bench.calls: the FIFO replay, the busiest windows and the per-file row."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from bench import calls
+
+
+def call(at_s: float, compute_ms: float, queue_ms: float = 0.0, served_by: str = "full_recompute") -> dict:
+    return {
+        "at_s": at_s,
+        "compute_ms": compute_ms,
+        "queue_ms": queue_ms,
+        "served_by": served_by,
+        "status": "OK",
+    }
+
+
+def test_the_fifo_replay_queues_a_burst_behind_each_calls_compute():
+    # Three calls at once, 4 ms each, then one long after: waits 0, 4, 8, then 0.
+    burst = [call(1.0, 4.0), call(1.0, 4.0), call(1.0, 4.0), call(2.0, 4.0)]
+    assert calls.fifo_queue_ms(burst) == pytest.approx([0.0, 4.0, 8.0, 0.0])
+    # Send order, not file order; a call arriving while the server is busy waits the rest.
+    assert calls.fifo_queue_ms([call(0.003, 1.0), call(0.0, 5.0)]) == pytest.approx([0.0, 2.0])
+
+
+def test_the_busiest_window_counts_send_times_within_it():
+    times = [0.0, 0.01, 0.05, 0.2, 0.21, 0.22, 0.23, 0.5]
+    assert calls.busiest_window(times, 0.06) == 4  # 0.2 .. 0.23
+    assert calls.busiest_window(times, 0.005) == 1
+    assert calls.busiest_window([], 0.06) == 0
+
+
+def test_a_files_row_from_gzipped_records(tmp_path, capsys):
+    records = [call(i * 0.01, 2.0, queue_ms=float(i % 3)) for i in range(100)]
+    records[5]["served_by"] = "hbm_hit"
+    records.append({"at_s": float("nan"), "status": "", "served_by": "", "compute_ms": 0.0, "queue_ms": 0.0})
+    path = tmp_path / "p.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    out = tmp_path / "rows.json"
+    rows = calls.main([str(path), "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    row = rows[0]
+    assert row["calls"] == 100  # the unsent one is left out
+    assert row["served"] == {"full_recompute": 0.99, "hbm_hit": 0.01}
+    assert row["fifo_queue_ms_p99"] == 0.0  # 2 ms of work every 10 ms: never a wait
+    assert row["queue_ms_p99"] == 2.0
+    assert row["compute_share"] == pytest.approx(200 / 990, abs=1e-3)
+    assert "p.jsonl.gz" in capsys.readouterr().out
+
+
+def test_an_unreadable_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(SystemExit, match=r"bench\.calls: cannot read .*bad\.jsonl"):
+        calls.main([str(bad)])
