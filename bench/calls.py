@@ -75,14 +75,15 @@ def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
     times = [c["at_s"] for c in ok]
     span_s = max(times) - min(times) if len(times) > 1 else 0.0
     served = collections.Counter(c["served_by"] for c in ok)
+    measured, fifo = [c["queue_ms"] for c in ok], fifo_queue_ms(ok)
     return {
         "file": name,
         "calls": len(ok),
         "served": {k: round(v / len(ok), 3) for k, v in served.most_common()} if ok else {},
-        "queue_ms_p50": _pct([c["queue_ms"] for c in ok], 50),
-        "queue_ms_p99": _pct([c["queue_ms"] for c in ok], 99),
-        "fifo_queue_ms_p50": _pct(fifo_queue_ms(ok), 50),
-        "fifo_queue_ms_p99": _pct(fifo_queue_ms(ok), 99),
+        "queue_ms_p50": _pct(measured, 50),
+        "queue_ms_p99": _pct(measured, 99),
+        "fifo_queue_ms_p50": _pct(fifo, 50),
+        "fifo_queue_ms_p99": _pct(fifo, 99),
         "burst_60ms": busiest_window(times, 0.06),
         "burst_150ms": busiest_window(times, 0.15),
         "mean_per_60ms": round(len(ok) / span_s * 0.06, 2) if span_s > 0 else 0.0,
