@@ -371,6 +371,8 @@ class Runner:
             "preinfers_expired": p.rankers.get("preinfers_expired", 0.0),
             # Signals refused because their ranking call had come first (late on the signal path).
             "late_signals": p.rankers.get("late_signals", 0.0),
+            # The signal path's trip (trigger -> ranker, p90 of the recent signals, ms).
+            "signal_trip_p90_ms": p.rankers.get("signal_trip_p90_ms", 0.0),
             # Wake-ups > 20 ms late per service (ranker, router, trigger, expander): a host-wide
             # stall shows in all; event-loop timers > 20 ms late: that service's own Python work
             # (its log names what the loop was running: event_loop_stall).

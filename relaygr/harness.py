@@ -289,6 +289,8 @@ def _admissions(rankers: dict[str, Any]) -> str:
     refused = {k: rankers.get(f"trigger_{k}", 0.0) for k in ("load_bound", "too_late")}
     if any(refused.values()):
         line += "  refused " + ", ".join(f"{k} {v:g}" for k, v in refused.items())
+    if rankers.get("signal_trip_p90_ms"):
+        line += f"  signal trip p90 {rankers['signal_trip_p90_ms']:.1f} ms"
     return line
 
 
@@ -404,6 +406,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "resident_bytes_max": max(resident, default=0),
         "resident_bytes_mean": sum(resident) / len(resident) if resident else 0.0,
         "lead_time_p50_ms": max((a.lead_time_p50_ms for a in after), default=0.0),
+        # Trigger's signal -> the ranker (p90, recent signals): what too_late predicts with.
+        "signal_trip_p90_ms": max((a.signal_trip_p90_ms for a in after), default=0.0),
         "preinfers_refused": sum(
             a.preinfers_refused - b.preinfers_refused for a, b in zip(after, before, strict=True)
         ),

@@ -121,6 +121,10 @@ class _Metrics:
         )
         self.reload_decisions = Counter("relaygr_ranker_reload_decisions_total", "reload vs recompute",
                                         ["decision"], registry=registry)  # fmt: skip
+        self.signal_trip_ms = Histogram(
+            "relaygr_ranker_signal_trip_ms", "trigger's pre-infer signal -> its PreInfer's arrival (wall clocks)",
+            registry=registry, buckets=LATENCY_MS_BUCKETS,
+        )  # fmt: skip
         self.late_signals = Counter("relaygr_ranker_late_signals",
                                     "PreInfer signals refused because their ranking call had come already",
                                     registry=registry)  # fmt: skip
@@ -250,6 +254,7 @@ class RankerService(pb_grpc.RankerServicer):
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._signal_at: dict[PsiKey, float] = {}  # PreInfer arrival, for the lead time
+        self._signal_trip_ms: collections.deque[float] = collections.deque(maxlen=512)
         self.admission = AdmissionLimiter(config.admission, time.monotonic)
         self._overload_logged_at = float("-inf")
         self._preinfers_shed = 0
@@ -548,6 +553,11 @@ class RankerService(pb_grpc.RankerServicer):
             prefix = preinfer_prefix(request, self.config.limits)
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.signal_time_unix_ms > 0:
+            # Wall clocks: a skewed trigger host can make it negative, which says nothing.
+            trip_ms = max(0.0, time.time() * 1e3 - request.signal_time_unix_ms)
+            self._signal_trip_ms.append(trip_ms)
+            self.metrics.signal_trip_ms.observe(trip_ms)
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
         if len(self._signal_at) > 100_000:
             self._signal_at.clear()  # a bound, not an LRU: lead times are a statistic
@@ -712,6 +722,7 @@ class RankerService(pb_grpc.RankerServicer):
             ranking_psi_min_tokens=self.relay.ranking_psi_min_tokens,
             psi_from_rankings=self.relay.psi_from_rankings,
             device_busy=self.engine.device_time.recent_busy_fraction(),
+            signal_trip_p90_ms=percentile(list(self._signal_trip_ms), 90) if self._signal_trip_ms else 0.0,
         )
 
 

@@ -32,8 +32,9 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     `rankers`, the healthy rankers' last polled Stats (up to one check interval old; a ranker that
     leaves membership leaves the sums, so they can fall); model_version is the rankers' common
     version ("" when they differ); ranking_psi_min_tokens the smallest positive one (0: no ranker
-    keeps psi); lead_time_p50_ms and device_busy are the highest ranker's (a trigger that asks
-    the router judges the room for pre-inference by the busiest device); rank_p50/p99 are
+    keeps psi); lead_time_p50_ms, device_busy and signal_trip_p90_ms are the highest ranker's
+    (a trigger that asks the router judges the room for pre-inference by the busiest device and
+    the slowest signal path); rank_p50/p99 are
     this router's own (`rank`); recent_batches is empty; expander_connected is true only if every
     ranker has its host tier."""
     stats = list(rankers)
@@ -73,4 +74,5 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         ),
         psi_from_rankings=sum(s.psi_from_rankings for s in stats),
         device_busy=max((s.device_busy for s in stats), default=0.0),
+        signal_trip_p90_ms=max((s.signal_trip_p90_ms for s in stats), default=0.0),
     )

@@ -80,8 +80,10 @@ __all__ = ["SCHEMA_VERSION", "EventError", "EventMeta", "TriggerService", "parse
 log = get_logger("trigger")
 _DECISION_US_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 # Trigger -> Kafka -> router -> ranker for a pre-infer signal, generously (consumers poll every
-# 5 ms): how long an admission counts in an instance's backlog before its pre-inference starts.
+# 5 ms), until the target's rankers report a measured trip (StatsReply.signal_trip_p90_ms).
 _SIGNAL_TRIP_S = 0.05
+# A measured trip counts at least this much: the report's p90 lags a path that slows.
+_MIN_SIGNAL_TRIP_S = 0.005
 MIN_PREINFER_SAMPLES = 5  # measured pre-inferences before their fit prices admission
 # A signal record's framing and key (a user id) besides its value.
 _SIGNAL_RECORD_OVERHEAD_BYTES = 512
@@ -152,6 +154,7 @@ class TriggerService:
         # Per target: its rankers' full rankings keep psi from this prefix length on (0: none).
         self._ranking_psi_min: dict[str, int] = {}
         self._device_busy: dict[str, float] = {}  # per target: its last reported busy share
+        self._signal_trip_s: dict[str, float] = {}  # per target: its reported signal trip (p90)
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
         # the rankers' cached batches: their time per call).
         self.returns = ReturnRate(config.reuse_window_s)
@@ -403,7 +406,8 @@ class TriggerService:
         now_unix_ms = int(time.time() * 1e3)
         # The ranking call's planned time: its deadline less the SLO it was given.
         lead_s = (meta.ranking_deadline_unix_ms - self.config.slo_ms - now_unix_ms) / 1e3
-        late = too_late(lead_s, _SIGNAL_TRIP_S, self.preinfer_ms(meta.prefix_len), ledger.backlog(now))
+        trip_s = self.signal_trip_s(target)
+        late = too_late(lead_s, trip_s, self.preinfer_ms(meta.prefix_len), ledger.backlog(now))
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
                         adds_little, returning, prefetch, spare, late)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
@@ -413,11 +417,20 @@ class TriggerService:
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             # Its pre-inference leaves the instance's queue after the signal's trip and the
             # pre-inferences reported ahead of it.
-            queued_s = _SIGNAL_TRIP_S + self.preinfer_ms(meta.prefix_len) / 1e3 * (
-                1 + ledger.reported_backlog
-            )
+            queued_s = trip_s + self.preinfer_ms(meta.prefix_len) / 1e3 * (1 + ledger.reported_backlog)
             ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s)
         return reason, target
+
+    def signal_trip_s(self, target: str) -> float:
+        """Seconds from this trigger's signal to its PreInfer's arrival at `target`: the
+        target's reported p90 (StatsReply.signal_trip_p90_ms), at least _MIN_SIGNAL_TRIP_S;
+        before any report, _SIGNAL_TRIP_S. A fixed 50 ms refused as too late every event whose
+        call came sooner than that, however fast the path (the benchmark's gaps of 20-200 ms:
+        one event in six)."""
+        measured = self._signal_trip_s.get(target)
+        if measured is None:
+            return _SIGNAL_TRIP_S
+        return max(measured, _MIN_SIGNAL_TRIP_S)
 
     def has_spare(self, target: str) -> bool:
         """Whether `target`'s device has room for pre-inference off the critical path: its last
@@ -529,6 +542,8 @@ class TriggerService:
             self._psi_per_token[target] = stats.psi_bytes_per_token
         self._ranking_psi_min[target] = stats.ranking_psi_min_tokens
         self._device_busy[target] = stats.device_busy
+        if stats.signal_trip_p90_ms > 0:
+            self._signal_trip_s[target] = stats.signal_trip_p90_ms / 1e3
         newest = max((s.seq for s in stats.recent_batches), default=0)
         seen = self._seen_seq.get(target, 0)
         if newest < seen:  # the instance restarted: its sequence numbers start over

@@ -45,7 +45,7 @@ class UserPrefix(_message.Message):
     def __init__(self, user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., profile_le: _Optional[bytes] = ..., long_term: _Optional[_Union[Behaviors, _Mapping]] = ...) -> None: ...
 
 class PreInferRequest(_message.Message):
-    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only", "user_id", "prefix_version", "prefix_ref")
+    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only", "user_id", "prefix_version", "prefix_ref", "signal_time_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class PreInferRequest(_message.Message):
     USER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REF_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix: UserPrefix
     lease_deadline_unix_ms: int
@@ -60,7 +61,8 @@ class PreInferRequest(_message.Message):
     user_id: int
     prefix_version: int
     prefix_ref: PrefixRef
-    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
+    signal_time_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ..., signal_time_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PreInferReply(_message.Message):
     __slots__ = ("outcome", "reason", "instance_id", "fingerprint")
@@ -181,7 +183,7 @@ class PreinferSample(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., device_ms: _Optional[float] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses", "prefix_content_mismatches", "recent_preinfers", "hbm_evictions", "hbm_released", "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed", "demotion_lag_p99_ms", "hbm_evicted_undemoted", "ranking_psi_min_tokens", "psi_from_rankings", "device_busy")
+    __slots__ = ("instance_id", "model_version", "hbm_budget_bytes", "hbm_resident_bytes", "hbm_leased_bytes", "preinfer_backlog", "rank_queue_depth", "preinfers_refused", "rank_p50_ms", "rank_p99_ms", "recent_batches", "expander_connected", "psi_bytes_per_token", "demotions", "reloads", "hbm_evictable_bytes", "psi_produced", "psi_expired", "lead_time_p50_ms", "hbm_hits", "hbm_misses", "prefix_content_mismatches", "recent_preinfers", "hbm_evictions", "hbm_released", "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed", "demotion_lag_p99_ms", "hbm_evicted_undemoted", "ranking_psi_min_tokens", "psi_from_rankings", "device_busy", "signal_trip_p90_ms")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HBM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,7 @@ class StatsReply(_message.Message):
     RANKING_PSI_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PSI_FROM_RANKINGS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BUSY_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_TRIP_P90_MS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_version: str
     hbm_budget_bytes: int
@@ -250,4 +253,5 @@ class StatsReply(_message.Message):
     ranking_psi_min_tokens: int
     psi_from_rankings: int
     device_busy: float
-    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., prefix_content_mismatches: _Optional[int] = ..., recent_preinfers: _Optional[_Iterable[_Union[PreinferSample, _Mapping]]] = ..., hbm_evictions: _Optional[int] = ..., hbm_released: _Optional[int] = ..., prefetches_issued: _Optional[int] = ..., prefetches_used: _Optional[int] = ..., prefetches_wasted: _Optional[int] = ..., prefetches_failed: _Optional[int] = ..., demotion_lag_p99_ms: _Optional[float] = ..., hbm_evicted_undemoted: _Optional[int] = ..., ranking_psi_min_tokens: _Optional[int] = ..., psi_from_rankings: _Optional[int] = ..., device_busy: _Optional[float] = ...) -> None: ...
+    signal_trip_p90_ms: float
+    def __init__(self, instance_id: _Optional[str] = ..., model_version: _Optional[str] = ..., hbm_budget_bytes: _Optional[int] = ..., hbm_resident_bytes: _Optional[int] = ..., hbm_leased_bytes: _Optional[int] = ..., preinfer_backlog: _Optional[int] = ..., rank_queue_depth: _Optional[int] = ..., preinfers_refused: _Optional[int] = ..., rank_p50_ms: _Optional[float] = ..., rank_p99_ms: _Optional[float] = ..., recent_batches: _Optional[_Iterable[_Union[LatencySample, _Mapping]]] = ..., expander_connected: _Optional[bool] = ..., psi_bytes_per_token: _Optional[int] = ..., demotions: _Optional[int] = ..., reloads: _Optional[int] = ..., hbm_evictable_bytes: _Optional[int] = ..., psi_produced: _Optional[int] = ..., psi_expired: _Optional[int] = ..., lead_time_p50_ms: _Optional[float] = ..., hbm_hits: _Optional[int] = ..., hbm_misses: _Optional[int] = ..., prefix_content_mismatches: _Optional[int] = ..., recent_preinfers: _Optional[_Iterable[_Union[PreinferSample, _Mapping]]] = ..., hbm_evictions: _Optional[int] = ..., hbm_released: _Optional[int] = ..., prefetches_issued: _Optional[int] = ..., prefetches_used: _Optional[int] = ..., prefetches_wasted: _Optional[int] = ..., prefetches_failed: _Optional[int] = ..., demotion_lag_p99_ms: _Optional[float] = ..., hbm_evicted_undemoted: _Optional[int] = ..., ranking_psi_min_tokens: _Optional[int] = ..., psi_from_rankings: _Optional[int] = ..., device_busy: _Optional[float] = ..., signal_trip_p90_ms: _Optional[float] = ...) -> None: ...

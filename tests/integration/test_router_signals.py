@@ -101,6 +101,8 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         )
         stats = await ranker.Stats(pb.StatsRequest(), None)
         assert stats.hbm_resident_bytes > 0
+        # The router passed the signal's time on: the ranker measured the trip (wall clocks).
+        assert 0 < stats.signal_trip_p90_ms < BOUND_S * 1e3
         entry = recorded()
         assert entry is not None
         assert entry.instance == f"127.0.0.1:{ranker.port}"

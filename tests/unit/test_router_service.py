@@ -671,7 +671,8 @@ class CountingRanker(FakeRanker):
                              prefetches_failed=1, demotion_lag_p99_ms=2.0 if self.name == "a" else 5.0,
                              lead_time_p50_ms=10.0 if self.name == "a" else 30.0, psi_from_rankings=9,
                              ranking_psi_min_tokens=1024 if self.name == "a" else 512,
-                             device_busy=0.3 if self.name == "a" else 0.6)  # fmt: skip
+                             device_busy=0.3 if self.name == "a" else 0.6,
+                             signal_trip_p90_ms=12.0 if self.name == "a" else 4.0)  # fmt: skip
 
 
 async def test_router_health_for_the_ranker_api_follows_membership():
@@ -724,6 +725,7 @@ async def test_router_stats_sum_the_rankers_counters():
         assert stats.ranking_psi_min_tokens == 512  # the smallest positive: some ranker keeps psi there
         assert stats.lead_time_p50_ms == 30.0
         assert stats.device_busy == pytest.approx(0.6)  # the busiest device's
+        assert stats.signal_trip_p90_ms == pytest.approx(12.0)  # the slowest signal path's
     finally:
         await channel.close()
         await router.shutdown(grace_s=0.2)

@@ -326,3 +326,44 @@ def test_reuse_admission_survives_compile_stalls_in_the_first_pre_inferences():
     t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 5.0), (4096, 5.2), (4096, 4.9), (4096, 5.1)]))
     assert t.preinfer_ms(4096) == pytest.approx(5.05, rel=0.05)
     assert t.reuse_pays(4096, 4416)
+
+
+async def test_too_late_uses_the_signal_trip_the_rankers_measure():
+    service = await with_healthy_ranker()
+    try:
+        # A first-seen user the spare term admits: full rankings of ~4416 tokens 6 ms, calls
+        # against psi 1.5 ms, a pre-inference 5 ms, the device 10% busy.
+        reply = stats_reply([(1, 4416, 6.0)] * 8, [(1, 1.5)] * 8, [(4096, 5.0)] * 8)
+        reply.device_busy = 0.1
+        service._absorb("127.0.0.1:1", reply)
+        assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.05)  # nothing measured yet
+
+        def event(user: int, lead_ms: int) -> bytes:
+            e = make_event(tokens=4000, user=user)
+            e.ranking_deadline_unix_ms = int(time.time() * 1e3) + int(service.config.slo_ms) + lead_ms
+            return e.SerializeToString()
+
+        # Its ranking call comes 30 ms from now: under the 50 ms assumed before any report.
+        assert service._handle(record(event(1, 30), key=b"1")) is None
+        assert service.counts["too_late"] == 1
+        # The rankers measure the trip at 8 ms: the same lead now leaves time to start.
+        reply.signal_trip_p90_ms = 8.0
+        service._absorb("127.0.0.1:1", reply)
+        assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.008)
+        out = service._handle(record(event(2, 30), key=b"2"))
+        assert out is not None
+        assert out.kind is Kind.SIGNAL
+        assert ev.PreInferSignal.FromString(out.value).signal_time_unix_ms > 0
+        # A measured trip under the floor counts as the floor; a report without one keeps it.
+        reply.signal_trip_p90_ms = 1.0
+        service._absorb("127.0.0.1:1", reply)
+        assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.005)
+        reply.signal_trip_p90_ms = 0.0
+        service._absorb("127.0.0.1:1", reply)
+        assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.005)
+        # A call due before even the measured trip is still too late.
+        assert service._handle(record(event(3, 2), key=b"3")) is None
+        assert service.counts["too_late"] == 2
+    finally:
+        assert service.membership is not None
+        await service.membership.close()
