@@ -28,13 +28,16 @@ def test_measured_steps_judge_recompute_and_win_over_the_wall_time_fit():
     costs = h100_like()
     costs.observe_preinfer(1024, 2.0)  # waited behind ranking steps too: not the device's cost
     costs.observe_preinfer(2048, 3.0)
-    costs.step_s = lambda tokens: 6.5e-3 * -(-tokens // 4096)  # one ~6.5 ms step per 4096 tokens
-    assert costs.recompute_ms(4096) == pytest.approx(6.5)
-    assert costs.recompute_ms(8192) == pytest.approx(13.0)
+    costs.step_s = lambda tokens: 5.0e-3 * -(-tokens // 4096)  # one ~5 ms step per 4096 tokens
+    assert costs.recompute_ms(4096) == pytest.approx(5.0)
+    assert costs.recompute_ms(8192) == pytest.approx(10.0)
     idle = costs.choose(PSI_4K, 4096, compute_busy=False)
-    assert (idle.reload, idle.reason) == (False, "recompute_cheaper")  # 6.9 ms copy vs 6.5 ms
+    assert (idle.reload, idle.reason) == (False, "recompute_cheaper")  # 6.9 ms copy vs 5 ms
     busy = costs.choose(PSI_4K, 4096, compute_busy=True)
     assert (busy.reload, busy.reason) == (True, "copy_engine_under_load")
+    # Within idle_copy_preference (1.25x) the copy wins at rest too: it leaves the compute free.
+    costs.step_s = lambda tokens: 6.5e-3 * -(-tokens // 4096)
+    assert costs.choose(PSI_4K, 4096, compute_busy=False).reason == "cheaper"  # 6.9 ms vs 6.5
     costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)  # one reload measured at 40 GB/s
     costs.observe_reload(PSI_4K, 0.2 + PSI_4K / 40e9 * 1e3)
     assert costs.choose(PSI_4K, 4096, compute_busy=False).reason == "cheaper"
