@@ -30,6 +30,9 @@ from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
 
 OK = "OK"
+# The replay's clock: the default loop's time() (CLOCK_MONOTONIC), also under uvloop, whose
+# loop.time() is libuv's cached millisecond clock.
+_now = time.monotonic
 _LOOP_PROBE_S = 0.005  # the load generator's loop-lag probe sleeps this long
 SERVED_BY = ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute")
 # (elapsed_s, sent, completed, p99 ms of the last 2000 OK calls), about once a second and at the end.
@@ -295,7 +298,6 @@ async def replay(
     generation for the run (`gc.freeze()`, undone at the end; process-wide), so that garbage
     collections during the replay do not stall the sends.
     """
-    loop = asyncio.get_running_loop()
     requests = workload.requests
     records = [RequestRecord(i, r) for i, r in enumerate(requests)]
     state = _State()
@@ -314,18 +316,18 @@ async def replay(
             gc_pause_ms.append((time.perf_counter() - gc_started[0]) * 1e3)
 
     gc.callbacks.append(on_gc)
-    t0 = loop.time() + start_delay_s
+    t0 = _now() + start_delay_s
     wall0 = time.time() + start_delay_s  # the wall time of the replay's time zero
 
     async def sleep_until(t: float) -> None:
-        delay = t0 + t - loop.time()
+        delay = t0 + t - _now()
         if delay > 0:
             await asyncio.sleep(delay)
 
     async def publish(i: int, p: PlannedRequest, event: ev.RetrievalEvent) -> None:
         rec = records[i]
         await sleep_until(p.t_retrieval_s)
-        rec.retrieval_lag_ms = (loop.time() - t0 - p.t_retrieval_s) * 1e3
+        rec.retrieval_lag_ms = (_now() - t0 - p.t_retrieval_s) * 1e3
         event.event_time_unix_ms = int((wall0 + p.t_retrieval_s) * 1e3)
         event.ranking_deadline_unix_ms = int((wall0 + p.t_rank_s) * 1e3 + slo_ms)
         try:
@@ -339,7 +341,7 @@ async def replay(
     async def rank(i: int, p: PlannedRequest, request: pb.RankRequest) -> None:
         rec = records[i]
         await sleep_until(p.t_rank_s)
-        issued = loop.time()
+        issued = _now()
         rec.sent_at_s = issued - t0
         rec.lag_ms = (issued - t0 - p.t_rank_s) * 1e3
         state.sent += 1
@@ -389,15 +391,15 @@ async def replay(
         while True:
             await asyncio.sleep(1.0)
             recent = list(state.recent_ok_ms)
-            progress(loop.time() - t0, state.sent, state.completed, percentile(recent, 99))
+            progress(_now() - t0, state.sent, state.completed, percentile(recent, 99))
 
     loop_lag_ms: list[float] = []
 
     async def watch_loop() -> None:
         while True:
-            before = loop.time()
+            before = _now()
             await asyncio.sleep(_LOOP_PROBE_S)
-            loop_lag_ms.append(max(0.0, (loop.time() - before - _LOOP_PROBE_S) * 1e3))
+            loop_lag_ms.append(max(0.0, (_now() - before - _LOOP_PROBE_S) * 1e3))
 
     reporting = asyncio.create_task(reporter()) if progress is not None else None
     watching = asyncio.create_task(watch_loop())
@@ -417,7 +419,7 @@ async def replay(
         gc.callbacks.remove(on_gc)
         if freeze_gc:
             gc.unfreeze()
-    wall_s = loop.time() - t0
+    wall_s = _now() - t0
     if progress is not None:
         progress(wall_s, state.sent, state.completed, percentile(list(state.recent_ok_ms), 99))
     return ReplayResult(
