@@ -53,6 +53,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-preinfer-only": {"ranker_args": ("--ranking-psi-min-tokens", "0")},
     # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
     "relay-chunk512": {"ranker_args": ("--preinfer-chunk-tokens", "512")},
+    # Calls against psi wait up to 4 ms for a batch to fill (the ranker's default is 1 ms): at
+    # 4096 tokens on an H100 a hit alone costs ~2 ms of device time, each further one in its
+    # batch ~0.4 (t1), and a relay at its limit runs ~60% of them alone.
+    "relay-wait4": {"ranker_args": ("--max-wait-ms", "4")},
     # At most 2 pre-inferences queued or running per instance (the trigger's default is 32): less
     # pre-inference competing with full rankings for the device at high load.
     "relay-backlog2": {"trigger_args": ("--max-backlog", "2")},
