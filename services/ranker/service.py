@@ -183,6 +183,7 @@ def _call_work(request: pb.RankRequest) -> CallWork:
 STALL_AFTER_S = 2.0
 STALL_REPORT_EVERY_S = 5.0
 ALLOCATOR_READ_EVERY_S = 1.0  # the caching allocator's counters (metrics, retries)
+_MAX_SIGNAL_TRIP_MS = 60_000.0  # a longer trip (PreInferRequest.signal_time_unix_ms) is not measured
 # The prefix length the warm-up calibrates pre-inference steps on (Engine.calibrate_steps).
 CALIBRATION_TOKENS = 2048
 
@@ -554,10 +555,13 @@ class RankerService(pb_grpc.RankerServicer):
         except WireError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.signal_time_unix_ms > 0:
-            # Wall clocks: a skewed trigger host can make it negative, which says nothing.
+            # Wall clocks: a skewed trigger host can make it negative, which says nothing; a
+            # trip past a minute is a bad clock or a made-up time, not the signal path (the
+            # trigger would judge every pre-inference too late by it).
             trip_ms = max(0.0, time.time() * 1e3 - request.signal_time_unix_ms)
-            self._signal_trip_ms.append(trip_ms)
-            self.metrics.signal_trip_ms.observe(trip_ms)
+            if trip_ms <= _MAX_SIGNAL_TRIP_MS:
+                self._signal_trip_ms.append(trip_ms)
+                self.metrics.signal_trip_ms.observe(trip_ms)
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
         if len(self._signal_at) > 100_000:
             self._signal_at.clear()  # a bound, not an LRU: lead times are a statistic

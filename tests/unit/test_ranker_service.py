@@ -532,3 +532,21 @@ async def test_sigterm_stops_intake_and_drains_the_calls_in_flight(monkeypatch):
         if not runner.done():
             await service.shutdown(grace_s=0.5)
             await runner
+
+
+async def test_the_signal_trip_is_measured_from_the_signal_time_and_bad_clocks_are_ignored(ranker):
+    _, stub, _ = ranker
+    prefixes, _ = users(5, 4, prefix_len=40)
+    now_ms = int(time.time() * 1e3)
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).signal_trip_p90_ms == 0.0  # none yet
+    # Made up or skewed: an hour ago, the epoch's first millisecond, a time in the future, unset.
+    for i, when in enumerate((now_ms - 3_600_000, 1, now_ms + 60_000, 0)):
+        request = preinfer_request(prefixes[i], f"odd-{i}")
+        request.signal_time_unix_ms = when
+        await stub.PreInfer(request, timeout=5)
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.signal_trip_p90_ms == 0.0  # the future one counts as 0 ms: nothing above it
+    request = preinfer_request(prefixes[0], "real")
+    request.signal_time_unix_ms = int(time.time() * 1e3) - 40
+    await stub.PreInfer(request, timeout=5)
+    assert (await stub.Stats(pb.StatsRequest(), timeout=5)).signal_trip_p90_ms >= 40.0
