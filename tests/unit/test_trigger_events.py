@@ -343,14 +343,14 @@ async def test_too_late_uses_the_signal_trip_the_rankers_measure():
             e.ranking_deadline_unix_ms = int(time.time() * 1e3) + int(service.config.slo_ms) + lead_ms
             return e.SerializeToString()
 
-        # Its ranking call comes 30 ms from now: under the 50 ms assumed before any report.
-        assert service._handle(record(event(1, 30), key=b"1")) is None
+        # Its ranking call comes 45 ms from now: under the 50 ms assumed before any report.
+        assert service._handle(record(event(1, 45), key=b"1")) is None
         assert service.counts["too_late"] == 1
         # The rankers measure the trip at 8 ms: the same lead now leaves time to start.
         reply.signal_trip_p90_ms = 8.0
         service._absorb("127.0.0.1:1", reply)
         assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.008)
-        out = service._handle(record(event(2, 30), key=b"2"))
+        out = service._handle(record(event(2, 45), key=b"2"))
         assert out is not None
         assert out.kind is Kind.SIGNAL
         assert ev.PreInferSignal.FromString(out.value).signal_time_unix_ms > 0
