@@ -34,9 +34,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     version ("" when they differ); ranking_psi_min_tokens the smallest positive one (0: no ranker
     keeps psi); lead_time_p50_ms, device_busy and signal_trip_p90_ms are the highest ranker's
     (a trigger that asks the router judges the room for pre-inference by the busiest device and
-    the slowest signal path); rank_p50/p99 are
-    this router's own (`rank`); recent_batches is empty; expander_connected is true only if every
-    ranker has its host tier."""
+    the slowest signal path); rank_p50/p99 are this router's own (`rank`); recent_batches is
+    empty; expander_connected is true only if every ranker has its host tier."""
     stats = list(rankers)
     versions = {s.model_version for s in stats}
     return pb.StatsReply(
