@@ -10,7 +10,9 @@ FIFO replay: the tail is the arrivals' bursts meeting the service times; measure
 the server was slower inside the bursts than its calls' own compute times say, ordered them
 worse, or spent the device on work that is in no call's compute (a relay's pre-inference steps
 and copies: s1 at 125 req/s, measured 59 ms against a FIFO replay's 18); far below: it ran
-calls side by side (batches) or shorter ones first. Also the busiest
+shorter ones first. Records that name their batch (`batch_seq`) replay each batch once, when
+its last call has come; older ones replay every call alone with its batch's compute (a
+relay's batched calls then overstate the replay's queue). Also the busiest
 60 ms and 150 ms of arrivals (`burst_60ms`, `burst_150ms`) against the mean rate, and the compute
 time summed over the calls' span (`compute_share`, the critical path's share of the device).
 Send times stand for arrival times (the network is a constant offset at the rates measured).
@@ -41,16 +43,32 @@ def read_calls(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def batches(calls: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The calls grouped by the batch that computed them: one group per (instance, batch_seq)
+    where the records carry it (StageTimings.batch_seq), else each call on its own (older
+    records: every call of a batch then counts the batch's compute again)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    alone: list[list[dict[str, Any]]] = []
+    for c in calls:
+        seq = c.get("batch_seq") or 0
+        if seq:
+            groups.setdefault((c.get("instance", ""), seq), []).append(c)
+        else:
+            alone.append([c])
+    return [*groups.values(), *alone]
+
+
 def fifo_queue_ms(calls: Sequence[dict[str, Any]]) -> list[float]:
-    """Each call's wait in one first-come-first-served server that takes each call's measured
-    compute_ms, calls in order of `at_s` (seconds)."""
+    """Each call's wait in one first-come-first-served server that takes each batch's measured
+    compute_ms once, batches in order of their last call's `at_s` (seconds): a batch starts
+    when the server is free and all its calls have come."""
     free_ms = float("-inf")
     waits = []
-    for c in sorted(calls, key=lambda c: c["at_s"]):
-        arrival_ms = c["at_s"] * 1e3
-        start = max(arrival_ms, free_ms)
-        waits.append(start - arrival_ms)
-        free_ms = start + c["compute_ms"]
+    for group in sorted(batches(calls), key=lambda g: max(c["at_s"] for c in g)):
+        ready_ms = max(c["at_s"] for c in group) * 1e3
+        start = max(ready_ms, free_ms)
+        waits += [start - c["at_s"] * 1e3 for c in group]
+        free_ms = start + group[0]["compute_ms"]
     return waits
 
 
@@ -76,6 +94,7 @@ def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
     span_s = max(times) - min(times) if len(times) > 1 else 0.0
     served = collections.Counter(c["served_by"] for c in ok)
     measured, fifo = [c["queue_ms"] for c in ok], fifo_queue_ms(ok)
+    compute_s = sum(group[0]["compute_ms"] for group in batches(ok)) / 1e3
     return {
         "file": name,
         "calls": len(ok),
@@ -87,7 +106,7 @@ def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "burst_60ms": busiest_window(times, 0.06),
         "burst_150ms": busiest_window(times, 0.15),
         "mean_per_60ms": round(len(ok) / span_s * 0.06, 2) if span_s > 0 else 0.0,
-        "compute_share": round(sum(c["compute_ms"] for c in ok) / 1e3 / span_s, 3) if span_s > 0 else 0.0,
+        "compute_share": round(compute_s / span_s, 3) if span_s > 0 else 0.0,
     }
 
 

@@ -150,6 +150,7 @@ class RankResult:
     batch_tokens: int = 0  # tokens the batch computed (all its calls)
     launch_ms: float = 0.0  # host time issuing the batch's device work, up to the wait for scores
     psi: Psi | None = None  # a full ranking's prefix psi, complete (rank_full(keep_psi=True))
+    batch_seq: int = 0  # the batch's number on this engine (from 1; its calls share it)
 
 
 @dataclass(frozen=True)
@@ -923,6 +924,7 @@ class Engine:
                 self.device_time.consumed(j.key)
         with self._cv:
             self._batches_run += 1
+            batch_seq = self._batches_run
             self._samples.append(
                 BatchSample(
                     kind is not RankKind.CACHED, len(batch), tokens, prefix_len, compute_ms, self._batches_run
@@ -935,7 +937,7 @@ class Engine:
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (started_at - j.submitted) * 1e3)
-            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi))
+            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq))
 
     def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:
         """Partial batch: each call reads what its pre-inference built and completes psi."""

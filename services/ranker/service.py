@@ -653,6 +653,7 @@ class RankerService(pb_grpc.RankerServicer):
                 batch=result.batch_size,
                 batch_tokens=result.batch_tokens,
                 launch_ms=result.launch_ms,
+                batch_seq=result.batch_seq,
             ),
             model_version=self.model.model_version,
             instance_id=self.instance_id,

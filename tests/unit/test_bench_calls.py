@@ -28,6 +28,18 @@ def test_the_fifo_replay_queues_a_burst_behind_each_calls_compute():
     assert calls.fifo_queue_ms([call(0.003, 1.0), call(0.0, 5.0)]) == pytest.approx([0.0, 2.0])
 
 
+def test_the_calls_of_one_batch_are_replayed_once_when_the_last_has_come():
+    # A batch of three (6 ms for all, sequence 7) whose last call came at 2 ms, then a call alone.
+    batch = [dict(call(t, 6.0), batch_seq=7, instance="a") for t in (0.0, 0.001, 0.002)]
+    alone = dict(call(0.003, 1.0), batch_seq=8, instance="a")
+    assert calls.fifo_queue_ms([*batch, alone]) == pytest.approx([2.0, 1.0, 0.0, 5.0])
+    # The same sequence number on another instance is another batch.
+    other = dict(call(0.0, 6.0), batch_seq=7, instance="b")
+    assert len(calls.batches([*batch, other])) == 2
+    row = calls.analyse("f", [*batch, alone])
+    assert row["compute_share"] == pytest.approx(7.0 / 3.0, abs=1e-3)  # 6 + 1 ms over 3 ms of sends
+
+
 def test_the_busiest_window_counts_send_times_within_it():
     times = [0.0, 0.01, 0.05, 0.2, 0.21, 0.22, 0.23, 0.5]
     assert calls.busiest_window(times, 0.06) == 4  # 0.2 .. 0.23

@@ -5,6 +5,7 @@ errors, device-time accounting."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 
@@ -40,6 +41,10 @@ async def test_concurrent_ranks_are_batched_and_scores_match(engine, model):
         *(engine.rank_cached(s, p, p.key) for s, p in zip(suffixes, psis, strict=True))
     )
     assert max(r.batch_size for r in results) > 1
+    # Each batch has its number: its calls share it, as many calls as the batch had.
+    by_seq = collections.Counter(r.batch_seq for r in results)
+    assert min(by_seq) >= 1
+    assert all(by_seq[r.batch_seq] == r.batch_size for r in results)
     want = model.full(prefixes, suffixes)
     for r, w in zip(results, want, strict=True):
         assert torch.allclose(r.scores, w, atol=1e-5, rtol=0)

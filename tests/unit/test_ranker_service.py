@@ -94,6 +94,7 @@ async def test_miss_preinfer_join_hit_all_equal_full(ranker, monkeypatch):
     assert max_diff(hit.scores, full.scores) <= TOL
     assert hit.timings.total_ms > 0
     assert hit.timings.prefix_reused == 1.0
+    assert hit.timings.batch_seq > full.timings.batch_seq >= 1  # batches numbered in order
     assert hit.model_version
 
 
