@@ -66,10 +66,10 @@ rankings keep psi, and the reuse term decides it otherwise); the busy share is t
 own measurement (StatsReply.device_busy, pre-inference included), so admitting more raises it
 and the term turns itself off as the device fills.
 
-Why the lead test: a pre-inference not yet started when its call comes is taken over by the
-call (no work twice) but takes nothing off the critical path (one that started leaves the call
-its built chunks: partial psi); admitted anyway, a burst of them only lengthens the backlog the
-next admissions wait behind. A fixed backlog bound cannot tell that apart from a backlog that
+Why the lead test: a pre-inference not yet started when its call comes is joined or taken over
+by the call (no work twice) but takes nothing off the critical path (one that started leaves the
+call its built chunks: partial psi); admitted anyway, a burst of them only lengthens the backlog
+the next admissions wait behind. A fixed backlog bound cannot tell that apart from a backlog that
 will clear in time: at 125 req/s on an H100 (L4096, lead
 20-200 ms, pre-inference ~3.7 ms) the bound of 8 refused 242 of ~2140 events in one point (GPU
 run s2, 2026-11-27) while the device was 43% busy, and each refused first call became a full
