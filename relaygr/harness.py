@@ -66,6 +66,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The ranker's GIL switch interval at 0.1 ms (default 0.5): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
     "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
+    # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
+    # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
+    "relay-serial": {"ranker_args": ("--launch-ahead", "false")},
+    "baseline-serial": {
+        "trigger_policy": "off",
+        "expander": False,
+        "ranker_args": ("--ranking-psi-min-tokens", "0", "--launch-ahead", "false"),
+    },
 }
 
 

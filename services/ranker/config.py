@@ -107,6 +107,10 @@ class RankerConfig(TlsSettings):
                                        help="pre-inference chunks are sized (from the measured step costs) so "
                                        "that a step lasts at most its fixed cost plus this long: about the "
                                        "longest a ranking call waits behind pre-inference", check=positive)  # fmt: skip
+    launch_ahead: bool = setting(True, env="RELAYGR_RANKER_LAUNCH_AHEAD",
+                                 help="launch the next ranking batch before collecting the scores of the one "
+                                 "on the device, so that the host's work between batches overlaps the "
+                                 "device's (at most two batches in flight)")  # fmt: skip
     cuda_graphs: bool = setting(True, env="RELAYGR_RANKER_CUDA_GRAPHS", renamed_from="RELAYGR_CUDA_GRAPHS",
                                 help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
                                 "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip

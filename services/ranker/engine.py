@@ -16,6 +16,15 @@ On CUDA, batches against complete psi, full batches and pre-inference steps whos
 their prefix's first token replay a captured CUDA graph when one fits (GraphLimits), else run
 eagerly; both give the same scores. Partial batches and later chunks run eagerly.
 
+Launch-ahead (EngineConfig.launch_ahead, on by default): a ranking batch's scores are collected
+only after the next step is planned and, if it is a ranking batch too, launched behind it on the
+ranking stream. The host's work between two batches (answering the first batch's calls, planning,
+packing and staging the next) then runs while the device computes, instead of leaving it idle: in
+service on an H100 a call against 4096 tokens of psi spent ~1.9 ms a step for ~0.85 ms of kernels.
+Anything else the loop does (a pre-inference chunk, a copy's completion, a capture, a wait for a
+batch to fill) first collects the batch in flight. A batch's compute_ms counts from its launch or
+from the end of the batch before it, whichever came later.
+
 Pre-inference builds psi in chunks of at most `preinfer_chunk_tokens` prefix tokens (a multiple of
 256, the fingerprint's chunk), each a causal forward against the psi built so far whose K/V are
 written in place into the user's psi block (HSTURanker.preinfer_chunks). A ranking call whose
@@ -65,7 +74,15 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer
-from services.ranker.graphs import BucketKey, GraphLimits, GraphStats, RankGraphs, bucket_for, warm_full_keys
+from services.ranker.graphs import (
+    BucketKey,
+    GraphLimits,
+    GraphStats,
+    PendingScores,
+    RankGraphs,
+    bucket_for,
+    warm_full_keys,
+)
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.scheduler import (
@@ -128,6 +145,9 @@ class EngineConfig:
     # Full rankings may leave their prefix's psi (rank_full(keep_psi=True)): their graphs then
     # also write K/V (RankGraphs full_keeps_kv).
     full_keeps_psi: bool = False
+    # Launch the next ranking batch before collecting the scores of the one on the device
+    # (Engine._loop): at most two batches in flight.
+    launch_ahead: bool = True
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -275,6 +295,20 @@ class _CopyJob(_Job):
     on_timed: Callable[[float], None] | None = None  # called with the copy's device seconds
 
 
+@dataclass
+class _InFlight:
+    """A ranking batch launched on the device, its scores not yet collected."""
+
+    batch: list[_RankJob]
+    pending: PendingScores
+    started: float  # time.perf_counter() at its launch
+    started_at: float  # time.monotonic() at its launch
+    issued: float  # time.perf_counter() once its device work was issued
+    built: list[int]  # per call: prefix tokens read from psi
+    kept: list[Psi | None]  # per call: the psi a full ranking leaves (keep_psi)
+    prefix_len: int  # longest prefix computed in full
+
+
 class Engine:
     def __init__(
         self,
@@ -309,6 +343,7 @@ class Engine:
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
+        self._last_completed = 0.0  # time.perf_counter() when the last ranking batch's scores came
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
         self.device_time = DeviceTime()
@@ -760,13 +795,22 @@ class Engine:
         if self._stream is not None:
             torch.cuda.set_device(self.accel.device)
             torch.cuda.set_stream(self._stream)
+        # A ranking batch launched whose scores are not collected yet (launch-ahead): the next
+        # batch is staged and launched behind it on the stream before it is collected, so the
+        # host's work between batches (collecting, answering, planning, packing, staging)
+        # overlaps the device's instead of leaving the device idle.
+        flight: _InFlight | None = None
         while True:
             with self._cv:
-                while not self._has_work() and not self._stopping:
+                while flight is None and not self._has_work() and not self._stopping:
                     self._cv.wait()
-                if self._stopping:
+                stopping = self._stopping
+            if stopping:
+                if flight is not None:
+                    self._complete_rank_batch(flight)  # the step in hand
+                with self._cv:
                     self._fail_all()
-                    return
+                return
             # Copies first: on CUDA issuing them is cheap and they run beside the step's compute.
             self._poll_copies()
             self._issue_copies()
@@ -774,8 +818,23 @@ class Engine:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
             if batch:
-                self._run_rank_batch(batch)
-            elif self._run_call():
+                launched = self._launch_rank_batch(batch)
+                if flight is not None:
+                    self._complete_rank_batch(flight)
+                    flight = None
+                if launched is not None:
+                    if self.config.launch_ahead:
+                        flight = launched
+                    else:
+                        self._complete_rank_batch(launched)
+                continue
+            if flight is not None:
+                # Anything else waits for the batch in flight: pre-inference chunks and captures
+                # run between ranking batches, and a filling batch fills while it completes.
+                self._complete_rank_batch(flight)
+                flight = None
+                continue
+            if self._run_call():
                 continue
             elif plan.chunks:
                 self._run_chunks(plan)
@@ -857,7 +916,10 @@ class Engine:
         else:
             self.accel.synchronize()
 
-    def _run_rank_batch(self, batch: list[_RankJob]) -> None:
+    def _launch_rank_batch(self, batch: list[_RankJob]) -> _InFlight | None:
+        """Issues a ranking batch's device work; its scores are collected by _complete_rank_batch
+        (a replayed graph's are still on their way then: PendingScores; an eager batch's are
+        complete). None: the batch failed, its jobs have their error."""
         kind = batch[0].kind
         self.device_time.begin()
         started, started_at = time.perf_counter(), time.monotonic()
@@ -866,7 +928,7 @@ class Engine:
         prefix_len = 0
         try:
             suffixes = [j.suffix for j in batch]
-            host: list[torch.Tensor] | None = None
+            pending: PendingScores | None = None
             if kind is RankKind.FULL:
                 prefixes = [j.prefix for j in batch]
                 keeps = any(j.keep_psi for j in batch)
@@ -879,8 +941,8 @@ class Engine:
 
                 if self.graphs is not None:
                     # psi blocks are allocated once the replay is issued (RankGraphs.full).
-                    host = self.graphs.full(prefixes, suffixes, new_psis if keeps else None)  # type: ignore[arg-type]
-                if host is None:
+                    pending = self.graphs.launch_full(prefixes, suffixes, new_psis if keeps else None)  # type: ignore[arg-type]
+                if pending is None:
                     scores = self.model.full(prefixes, suffixes, new_psis() if keeps else None)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             elif kind is RankKind.PARTIAL:
@@ -890,28 +952,50 @@ class Engine:
                 psis, keys = [j.psi for j in batch], [j.key for j in batch]
                 built = [p.prefix_len for p in psis]  # type: ignore[union-attr]
                 if self.graphs is not None:
-                    host = self.graphs.rank(suffixes, psis, keys)  # type: ignore[arg-type]
-                if host is None:
+                    pending = self.graphs.launch_rank(suffixes, psis, keys)  # type: ignore[arg-type]
+                if pending is None:
                     scores = self.model.rank_cached(suffixes, psis, keys)  # type: ignore[arg-type]
             issued = time.perf_counter()
-            if host is None:
+            if pending is None:
                 # One copy for the batch; it waits for the device: the batch is done.
-                host = list(torch.cat(scores).cpu().split([s.numel() for s in scores]))
+                pending = PendingScores.done(list(torch.cat(scores).cpu().split([s.numel() for s in scores])))
         except Exception as exc:  # a bad batch fails its jobs, never the engine
+            self.device_time.end()
+            self.device_time.add("rank", time.perf_counter() - started)
             for j in batch:
                 j.resolve(error=exc)
             if kind is RankKind.PARTIAL:
                 self._takeovers_failed(batch, exc)
+            return None
+        return _InFlight(batch, pending, started, started_at, issued, built, kept, prefix_len)
+
+    def _complete_rank_batch(self, flight: _InFlight) -> None:
+        """Waits for a launched batch's scores and answers its calls. Its time is counted from
+        its launch, or from the end of the batch launched before it if that came later (the
+        device ran that one first): the batch's own share of the device, what the cost fits
+        learn and the calls' compute_ms report; the wait behind the earlier batch is in their
+        queue_ms."""
+        batch, kind = flight.batch, flight.batch[0].kind
+        try:
+            host = flight.pending.wait()
+        except Exception as exc:
+            for j in batch:
+                j.resolve(error=exc)
             return
         finally:
             # The scores are on the host (or the batch failed): its device work is over.
+            done = time.perf_counter()
             self.device_time.end()
-            self.device_time.add("rank", time.perf_counter() - started)
-        seconds = time.perf_counter() - started
+            own_start = max(flight.started, self._last_completed)
+            self._last_completed = done
+            self.device_time.add("rank", done - own_start)
+        seconds = done - own_start
         compute_ms = seconds * 1e3
-        # Host time up to the wait for the scores: on a slow batch, close to compute_ms means
-        # the host stalled while issuing; far below it, the device was the slower side.
-        launch_ms = (issued - started) * 1e3
+        # Host time up to the launch's last call (before any wait for the scores): on a slow
+        # batch, close to compute_ms means the host stalled while issuing; far below it, the
+        # device was the slower side.
+        launch_ms = (flight.issued - flight.started) * 1e3
+        built = flight.built
         # Tokens computed: a partial call computes its prefix from what was built on.
         tokens = sum(j.tokens if j.prefix is None else j.prefix.length - c + j.suffix.length
                      for j, c in zip(batch, built, strict=True))  # fmt: skip
@@ -927,16 +1011,19 @@ class Engine:
             batch_seq = self._batches_run
             self._samples.append(
                 BatchSample(
-                    kind is not RankKind.CACHED, len(batch), tokens, prefix_len, compute_ms, self._batches_run
+                    kind is not RankKind.CACHED, len(batch), tokens, flight.prefix_len, compute_ms,
+                    self._batches_run,
                 )
-            )
+            )  # fmt: skip
             for j in batch:
                 if j.takes is not None:
                     self._finish(j.takes)
-        for j, s, c, psi in zip(batch, host, built, kept, strict=True):
+        # The device started this batch when it was launched or when the one before it ended.
+        began = flight.started_at + (own_start - flight.started)
+        for j, s, c, psi in zip(batch, host, built, flight.kept, strict=True):
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
-            queue_ms = max(0.0, (started_at - j.submitted) * 1e3)
+            queue_ms = max(0.0, (began - j.submitted) * 1e3)
             j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq))
 
     def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:

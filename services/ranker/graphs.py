@@ -168,6 +168,70 @@ class _Graph:
     replays: int = 0
 
 
+class PendingScores:
+    """A ranking batch's scores, on their way to the host: `wait()` returns them (float32 on the
+    host, one tensor per user). A graph replay's scores are copied into page-locked memory
+    behind the replay on the ranking stream, with an event after the copy, so that the device
+    thread can stage and launch the next batch before this one is done (Engine: launch-ahead);
+    an eager batch's are complete when made (`PendingScores.done`)."""
+
+    def __init__(
+        self, host: torch.Tensor | None, counts: Sequence[int], event: torch.cuda.Event | None = None
+    ) -> None:
+        self._host = host
+        self._counts = list(counts)
+        self._event = event
+        self._scores: list[torch.Tensor] | None = None
+
+    @classmethod
+    def done(cls, scores: list[torch.Tensor]) -> PendingScores:
+        pending = cls(None, [s.numel() for s in scores])
+        pending._scores = scores
+        return pending
+
+    def ready(self) -> bool:
+        """Whether wait() would return without waiting for the device."""
+        return self._scores is not None or self._event is None or bool(self._event.query())
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._scores is None:
+            if self._event is not None:
+                self._event.synchronize()
+            assert self._host is not None
+            # Copies: the page-locked buffer is reused by a later launch.
+            self._scores = [t.clone() for t in self._host[: sum(self._counts)].split(self._counts)]
+            self._host = None
+        return self._scores
+
+
+@dataclass
+class _Slot:
+    """One of the two sets of page-locked buffers a launch uses: its staged inputs and its
+    scores. `event` follows the last launch's copies out of and into them; the next launch on
+    this slot waits for it before writing (two batches may be in flight, never three)."""
+
+    staging: torch.Tensor
+    staging_np: np.ndarray
+    scores: torch.Tensor
+    event: torch.cuda.Event | None = None
+    pending: PendingScores | None = None  # the last launch's scores, read from `scores`
+
+    def close(self, device: torch.device) -> torch.cuda.Event:
+        """After a launch's last copy into or out of these buffers: marks where they are free."""
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(device))
+        return self.event
+
+    def reuse(self) -> None:
+        """Before writing: the last launch's copies are done and its scores are taken."""
+        if self.pending is not None:
+            self.pending.wait()  # copies them out of `scores`
+            self.pending = None
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
 @dataclass
 class GraphStats:
     captured: int = 0
@@ -219,8 +283,13 @@ class RankGraphs:
         for name, n in sizes.items():
             self._slices[name] = slice(at, at + n)
             at += n
-        self._host = torch.zeros(at, dtype=torch.int64).pin_memory()
-        self._host_np = self._host.numpy()
+        # Two sets of page-locked staging and score buffers, used in turn: a batch is staged while
+        # the one before it may still be on the device (RankGraphs.launch_rank).
+        self._slots = [
+            _Slot(staging, staging.numpy(), torch.zeros(t, dtype=torch.float32).pin_memory())
+            for staging in (torch.zeros(at, dtype=torch.int64).pin_memory() for _ in range(2))
+        ]
+        self._slot = 0
         self._dev = torch.zeros(at, dtype=torch.int64, device=dev)
         self._prefix_ts = torch.zeros(b * limits.max_prefix_tokens, dtype=torch.int64, device=dev)
         self._anchor = torch.empty(8, dtype=model.item_emb.weight.dtype, device=dev)
@@ -244,6 +313,15 @@ class RankGraphs:
         """Host float32 scores per suffix, as model.rank_cached computes them; None when this
         batch must run eagerly (see the module docstring). Raises what rank_cached raises on bad
         input (PsiMismatchError, InvalidSequenceError)."""
+        pending = self.launch_rank(suffixes, psis, keys)
+        return pending.wait() if pending is not None else None
+
+    def launch_rank(
+        self, suffixes: Sequence[RankingSuffix], psis: Sequence[Psi], keys: Sequence[PsiKey]
+    ) -> PendingScores | None:
+        """rank() without waiting: the replay is issued and its scores are on their way to the
+        host (PendingScores). At most two launches are outstanding: a third waits for the
+        first's scores before it stages (its buffers are reused)."""
         model = self.model
         if not len(suffixes) == len(psis) == len(keys):
             raise InvalidSequenceError("rank() needs one psi and one key per suffix")
@@ -251,16 +329,17 @@ class RankGraphs:
             psi.require_match(psi_key)
             self._check_psi(psi)
         if any(p.prefix_len > self.limits.max_prefix_tokens for p in psis):
-            return self._fallback("prefix_too_long")
+            self._fallback("prefix_too_long")
+            return None
         tokens = model.pack_suffixes(suffixes)
         found = self._graph_for(CACHED, tokens)
         if found is None:
             return None
         key, graph = found
-        self._stage(key, tokens, psis)
-        return self._replay_scores(key, graph, tokens)
+        slot = self._stage(key, tokens, psis)
+        self._replay(key, graph)
+        return self._launched(slot, graph, tokens)
 
-    @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
     def full(
         self,
         prefixes: Sequence[UserPrefix],
@@ -273,9 +352,22 @@ class RankGraphs:
         `psis` may be a function that allocates them: it is called once the replay is issued,
         so that the blocks' allocation (host work, ~0.3 ms a 4096-token psi in a busy ranker)
         overlaps the device's pass instead of delaying its launch."""
+        pending = self.launch_full(prefixes, suffixes, psis)
+        return pending.wait() if pending is not None else None
+
+    @torch.inference_mode()  # psi blocks are inference tensors: written in place only under it
+    def launch_full(
+        self,
+        prefixes: Sequence[UserPrefix],
+        suffixes: Sequence[RankingSuffix],
+        psis: Sequence[Psi | None] | Callable[[], Sequence[Psi | None]] | None = None,
+    ) -> PendingScores | None:
+        """full() without waiting for the scores (as launch_rank). The kept psi blocks are
+        written by copies queued on the ranking stream: complete once the scores are."""
         keep = callable(psis) or (psis is not None and any(p is not None for p in psis))
         if keep and not self.full_keeps_kv:
-            return self._fallback("kv_not_kept", FULL)
+            self._fallback("kv_not_kept", FULL)
+            return None
         if keep and not callable(psis):
             assert psis is not None
             self._check_kept(prefixes, psis)
@@ -284,7 +376,7 @@ class RankGraphs:
         if found is None:
             return None
         key, graph = found
-        self._stage(key, tokens, None)
+        slot = self._stage(key, tokens, None)
         self._replay(key, graph)
         if keep:
             if callable(psis):
@@ -297,7 +389,7 @@ class RankGraphs:
                 if psi is not None:
                     psi.kv.copy_(self._kv_out[:, :, start : start + p.length])
                 start += n
-        return self._scores(graph, tokens)
+        return self._launched(slot, graph, tokens)
 
     def _check_kept(self, prefixes: Sequence[UserPrefix], psis: Sequence[Psi | None]) -> None:
         if len(psis) != len(prefixes):
@@ -324,7 +416,7 @@ class RankGraphs:
         if found is None:
             return False
         key, graph = found
-        self._stage(key, tokens, None)
+        slot = self._stage(key, tokens, None)
         self._replay(key, graph)
         kv = self._kv_out
         assert kv is not None  # allocated by the capture of any preinfer graph
@@ -332,6 +424,7 @@ class RankGraphs:
         for c, n in zip(chunks, tokens.lengths, strict=True):
             c.psi.kv[:, :, c.start : c.start + n].copy_(kv[:, :, start : start + n])
             start += n
+        slot.close(self.model.device)
         return True
 
     def _graph_for(self, mode: str, tokens: HostTokens) -> tuple[BucketKey, _Graph] | None:
@@ -362,14 +455,15 @@ class RankGraphs:
         self.stats.replays += 1
         self.stats.replays_by_family[key.mode] = self.stats.replays_by_family.get(key.mode, 0) + 1
 
-    def _replay_scores(self, key: BucketKey, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
-        self._replay(key, graph)
-        return self._scores(graph, tokens)
-
-    def _scores(self, graph: _Graph, tokens: HostTokens) -> list[torch.Tensor]:
+    def _launched(self, slot: _Slot, graph: _Graph, tokens: HostTokens) -> PendingScores:
+        """Queues the copy of a replay's scores into the slot's page-locked buffer, behind the
+        replay on the ranking stream."""
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
-        return list(graph.logits[:count].cpu().split(list(tokens.candidate_counts)))
+        slot.scores[:count].copy_(graph.logits[:count], non_blocking=True)
+        event = slot.close(self.model.device)
+        slot.pending = PendingScores(slot.scores, tokens.candidate_counts, event)
+        return slot.pending
 
     def _check_psi(self, psi: Psi) -> None:
         kv = psi.kv
@@ -388,10 +482,21 @@ class RankGraphs:
         self.stats.eager_by_family[family] = self.stats.eager_by_family.get(family, 0) + 1
         return None
 
-    def _stage(self, key: BucketKey, tokens: HostTokens, psis: Sequence[Psi] | None) -> None:
+    def _next_slot(self) -> _Slot:
+        """The page-locked buffers of the next launch, once the launch before last is done with
+        them."""
+        self._slot ^= 1
+        slot = self._slots[self._slot]
+        slot.reuse()
+        return slot
+
+    def _stage(self, key: BucketKey, tokens: HostTokens, psis: Sequence[Psi] | None) -> _Slot:
         """Fills the static inputs for this batch padded to `key` (psis None: against empty psi),
-        then copies them to the device."""
-        h, s = self._host_np, self._slices
+        then copies them to the device (on the current stream: after the kernels of any batch
+        launched before, which read the same device buffers). Returns the slot it staged in: the
+        caller closes it (_Slot.close) after the launch's last copy."""
+        slot = self._next_slot()
+        h, s = slot.staging_np, self._slices
         columns, candidate_rows = tokens.columns.numpy(), tokens.candidate_rows.numpy()
         lengths, n_hist = tokens.lengths, tokens.n_hist
         total = columns.shape[1]
@@ -416,14 +521,15 @@ class RankGraphs:
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
         kv_off = [(p.kv.data_ptr() - anchor) // size for p in psis] if psis is not None else []
         put("kv_off", kv_off, 0, key.batch)
-        self._dev.copy_(self._host, non_blocking=True)
+        self._dev.copy_(slot.staging, non_blocking=True)
         ts_total = int(pts_off[-1])
         if psis is None or not ts_total:
-            return
+            return slot
         if len(psis) == 1:
             self._prefix_ts[:ts_total].copy_(psis[0].timestamps)
         elif ts_total:
             torch.cat([p.timestamps for p in psis], out=self._prefix_ts[:ts_total])
+        return slot
 
     # ------------------------------------------------------------------ capture
 
@@ -523,8 +629,10 @@ class RankGraphs:
         batch = self._static_batch(key)
         # An empty batch (every sequence of length 0) for the warm-up runs: they compile the
         # kernels and set up cuBLAS without computing anything that matters.
-        self._host_np[:] = 0
-        self._dev.copy_(self._host, non_blocking=True)
+        slot = self._next_slot()
+        slot.staging_np[:] = 0
+        self._dev.copy_(slot.staging, non_blocking=True)
+        slot.close(self.model.device)
         current = torch.cuda.current_stream(self.model.device)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(current)

@@ -225,6 +225,7 @@ class RankerService(pb_grpc.RankerServicer):
                     max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens
                 ),
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
+                launch_ahead=config.launch_ahead,
             ),
             on_fatal=self._engine_failed,
         )
