@@ -379,6 +379,12 @@ class HSTURanker(nn.Module):
         )
         ts = torch.cat([torch.zeros(prefix.profile.numel(), dtype=torch.int64), prefix.long_term.timestamps])
         key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+        if self.device.type == "cuda":
+            # From pageable memory a copy returns only once the stream has run it, behind any
+            # replay queued before: a full ranking keeping psi waited for its own pass (and
+            # for the batch launched ahead of it) before it could return. From page-locked
+            # memory (cached by torch's host allocator) it is queued and returns at once.
+            return Psi(key, kv, ts.pin_memory().to(self.device, non_blocking=True))
         return Psi(key, kv, ts.to(self.device))
 
     @torch.inference_mode()
