@@ -11,8 +11,9 @@ it as Prometheus counters, read at scrape time:
     relaygr_ranker_unused_psi_total
 
 What the numbers mean (the engine measures them; services/ranker/engine.py):
-  rank      synchronised wall time of each ranking batch (its compute_ms: the scores are on the
-            host at its end, so the device work is done);
+  rank      each ranking batch's compute_ms: on CUDA the time between events recorded before its
+            first and after its last device work (behind a batch still in flight, from that
+            one's end; on an idle device, the host's launch included), on the CPU its wall time;
   preinfer  on CUDA, CUDA-event time of each pre-inference step on the stream it ran on; on the
             CPU, wall time of each step;
   copy      host <-> device psi copies on the copy stream (event time on CUDA, wall time on the

@@ -22,8 +22,9 @@ ranking stream. The host's work between two batches (answering the first batch's
 packing and staging the next) then runs while the device computes, instead of leaving it idle: in
 service on an H100 a call against 4096 tokens of psi spent ~1.9 ms a step for ~0.85 ms of kernels.
 Anything else the loop does (a pre-inference chunk, a copy's completion, a capture, a wait for a
-batch to fill) first collects the batch in flight. A batch's compute_ms counts from its launch or
-from the end of the batch before it, whichever came later.
+batch to fill) first collects the batch in flight. A batch's compute_ms is its own device time:
+on CUDA between events recorded around its device work (Engine._complete_rank_batch), on the CPU
+its launch's wall time.
 
 Pre-inference builds psi in chunks of at most `preinfer_chunk_tokens` prefix tokens (a multiple of
 256, the fingerprint's chunk), each a causal forward against the psi built so far whose K/V are
@@ -307,6 +308,7 @@ class _InFlight:
     built: list[int]  # per call: prefix tokens read from psi
     kept: list[Psi | None]  # per call: the psi a full ranking leaves (keep_psi)
     prefix_len: int  # longest prefix computed in full
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around its device work
 
 
 class Engine:
@@ -343,7 +345,6 @@ class Engine:
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
-        self._last_completed = 0.0  # time.perf_counter() when the last ranking batch's scores came
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
         self.device_time = DeviceTime()
@@ -923,6 +924,13 @@ class Engine:
         kind = batch[0].kind
         self.device_time.begin()
         started, started_at = time.perf_counter(), time.monotonic()
+        # On CUDA the batch's time is its events' (queued behind any batch still in flight, the
+        # start runs when the device reaches it): a wall clock read when the batch is collected
+        # cannot tell its time from the time of the batch ahead of it.
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        if self._stream is not None:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         built = [0] * len(batch)
         kept: list[Psi | None] = [None] * len(batch)
         prefix_len = 0
@@ -959,6 +967,8 @@ class Engine:
             if pending is None:
                 # One copy for the batch; it waits for the device: the batch is done.
                 pending = PendingScores.done(list(torch.cat(scores).cpu().split([s.numel() for s in scores])))
+            if events is not None:
+                events[1].record()
         except Exception as exc:  # a bad batch fails its jobs, never the engine
             self.device_time.end()
             self.device_time.add("rank", time.perf_counter() - started)
@@ -967,17 +977,23 @@ class Engine:
             if kind is RankKind.PARTIAL:
                 self._takeovers_failed(batch, exc)
             return None
-        return _InFlight(batch, pending, started, started_at, issued, built, kept, prefix_len)
+        return _InFlight(batch, pending, started, started_at, issued, built, kept, prefix_len, events)
 
     def _complete_rank_batch(self, flight: _InFlight) -> None:
-        """Waits for a launched batch's scores and answers its calls. Its time is counted from
-        its launch, or from the end of the batch launched before it if that came later (the
-        device ran that one first): the batch's own share of the device, what the cost fits
-        learn and the calls' compute_ms report; the wait behind the earlier batch is in their
-        queue_ms."""
+        """Waits for a launched batch's scores and answers its calls. Its time is its own share
+        of the device: on CUDA the time between events recorded before its first and after its
+        last device work (behind a batch still in flight the first runs when that one is done,
+        so the wait behind it is not counted; on an idle device it runs at once, so the host's
+        launch is); elsewhere its launch's wall time (the CPU computes it in the launch). That
+        is what the cost fits learn and the calls' compute_ms report; the rest of their time
+        on the device loop is in queue_ms."""
         batch, kind = flight.batch, flight.batch[0].kind
         try:
             host = flight.pending.wait()
+            seconds = flight.issued - flight.started
+            if flight.events is not None:
+                flight.events[1].synchronize()
+                seconds = flight.events[0].elapsed_time(flight.events[1]) / 1e3
         except Exception as exc:
             for j in batch:
                 j.resolve(error=exc)
@@ -986,10 +1002,7 @@ class Engine:
             # The scores are on the host (or the batch failed): its device work is over.
             done = time.perf_counter()
             self.device_time.end()
-            own_start = max(flight.started, self._last_completed)
-            self._last_completed = done
-            self.device_time.add("rank", done - own_start)
-        seconds = done - own_start
+        self.device_time.add("rank", seconds)
         compute_ms = seconds * 1e3
         # Host time up to the launch's last call (before any wait for the scores): on a slow
         # batch, close to compute_ms means the host stalled while issuing; far below it, the
@@ -1018,8 +1031,8 @@ class Engine:
             for j in batch:
                 if j.takes is not None:
                     self._finish(j.takes)
-        # The device started this batch when it was launched or when the one before it ended.
-        began = flight.started_at + (own_start - flight.started)
+        # Its own time ended when its scores were collected (or shortly before).
+        began = flight.started_at + max(0.0, done - flight.started - seconds)
         for j, s, c, psi in zip(batch, host, built, flight.kept, strict=True):
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it

@@ -1,6 +1,6 @@
 """Launch-ahead in the device loop: the next ranking batch is launched before the one on the
 device is collected (at most two in flight), scores are those of the serial loop, and each
-batch's compute_ms counts from its launch or from the end of the batch before it."""
+batch's compute_ms is its own time (on the CPU, its launch's: it computes there)."""
 
 from __future__ import annotations
 
@@ -89,13 +89,17 @@ async def test_serial_loop_collects_each_batch_before_the_next(model):
         assert torch.allclose(r.scores, w, atol=1e-5, rtol=0)
 
 
-async def test_a_batch_behind_another_counts_its_time_from_the_others_end(model):
+async def test_each_batch_counts_its_own_time(model):
     _, _, results, _ = await rank_four(model, launch_ahead=True)
     # Calls queued behind the first: their queue_ms includes the batches ahead of them, their
     # compute_ms only their own, so queue + compute grows with the place in the queue.
     ends = [r.queue_ms + r.compute_ms for r in results[1:]]
     assert ends == sorted(ends)
-    assert all(r.compute_ms > 0 for r in results)
+    # Each batch's own time, not what is left of it after the batch ahead was collected: a
+    # clock read at collection gave a batch launched (and, eagerly, computed) ahead of that
+    # collection almost nothing, and the cost fit then batched full rankings by eight.
+    first = results[0].compute_ms
+    assert all(r.compute_ms > 0.25 * first for r in results[1:])
 
 
 def test_pending_scores_done_and_copied():
