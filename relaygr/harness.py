@@ -71,6 +71,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (4.0-4.6 ms against 5.2-5.6 collected serially, H100, L4096) and the 15% rule then turned
     # away every first call at risk at 137.5 req/s (la2: half the calls ranked in full).
     "relay-extra50": {"trigger_args": ("--max-extra-work", "0.5")},
+    # Pre-inference steps launched ahead too (RELAYGR_RANKER_CHUNKS_AHEAD, off by default): a
+    # step's host launch overlaps the batch before it, and the next batch's overlaps the step.
+    "relay-chunks-ahead": {"ranker_args": ("--chunks-ahead", "true")},
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},

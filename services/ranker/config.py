@@ -111,6 +111,10 @@ class RankerConfig(TlsSettings):
                                  help="launch the next ranking batch before collecting the scores of the one "
                                  "on the device, so that the host's work between batches overlaps the "
                                  "device's (at most two batches in flight)")  # fmt: skip
+    chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
+                                 help="launch pre-inference steps the way launch-ahead launches ranking "
+                                 "batches: behind the step on the device, settled after the next one is "
+                                 "launched (off: not yet measured on a GPU)")  # fmt: skip
     cuda_graphs: bool = setting(True, env="RELAYGR_RANKER_CUDA_GRAPHS", renamed_from="RELAYGR_CUDA_GRAPHS",
                                 help="CUDA only: rank against psi by replaying captured CUDA graphs (one "
                                 "per batch-shape bucket) instead of launching kernels one by one")  # fmt: skip

@@ -111,15 +111,17 @@ class DeviceTime:
         with self._lock:
             self._psi_cost.pop(key, None)
 
-    def expired_unused(self, key: Hashable) -> float:
+    def expired_unused(self, key: Hashable, count: bool = True) -> float:
         """The psi under `key` expired before any ranking call used it: its pre-inference time is
-        counted as unused (once). Returns that time (0 if unknown or already settled)."""
+        counted as unused (once). Returns that time (0 if unknown or already settled). `count`
+        False: more time of a psi already counted (a step that was on the device when it was
+        abandoned), not another psi."""
         with self._lock:
             seconds = self._psi_cost.pop(key, None)
             if seconds is None:
                 return 0.0
             self._unused_s += seconds
-            self._unused += 1
+            self._unused += 1 if count else 0
             return seconds
 
     def recent_busy_fraction(self, window_s: float = 2.0) -> float:

@@ -22,7 +22,10 @@ ranking stream. The host's work between two batches (answering the first batch's
 packing and staging the next) then runs while the device computes, instead of leaving it idle: in
 service on an H100 a call against 4096 tokens of psi spent ~1.9 ms a step for ~0.85 ms of kernels.
 Anything else the loop does (a pre-inference chunk, a copy's completion, a capture, a wait for a
-batch to fill) first collects the batch in flight. A batch's compute_ms is its own device time:
+batch to fill) first collects the batch in flight. With `chunks_ahead` (off by default: not yet
+measured on a GPU) pre-inference steps are launched the same way: behind the step on the device,
+settled once the next step is launched; their chunks' progress moves at the launch, and whatever
+reads their psi next runs behind them on the stream. A batch's compute_ms is its own device time:
 on CUDA between events recorded around its device work (Engine._complete_rank_batch), on the CPU
 its launch's wall time.
 
@@ -87,6 +90,7 @@ from services.ranker.graphs import (
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.scheduler import (
+    Chunk,
     IterationScheduler,
     Plan,
     PreinferItem,
@@ -149,6 +153,9 @@ class EngineConfig:
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
+    # Pre-inference steps too: a step is launched behind the batch or step on the device and
+    # settled after the next one is launched (off until measured on a GPU).
+    chunks_ahead: bool = False
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -244,6 +251,7 @@ class _PreInferJob(_Job):
     joined_deadline: float | None = None
     cost_s: float = 0.0  # device time of its chunks so far
     expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
+    abandoned: bool = False  # left the queue unfinished (Engine._abandon)
 
     def item(self) -> PreinferItem:
         return PreinferItem(
@@ -309,6 +317,16 @@ class _InFlight:
     kept: list[Psi | None]  # per call: the psi a full ranking leaves (keep_psi)
     prefix_len: int  # longest prefix computed in full
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around its device work
+
+
+@dataclass
+class _ChunksInFlight:
+    """A pre-inference step launched on the device, not yet settled."""
+
+    work: list[tuple[Chunk, _PreInferJob]]
+    timer: SectionTimer
+    graphed: bool  # replayed a graph (first chunks), else eager
+    event: torch.cuda.Event | None  # CUDA: after its last device work
 
 
 class Engine:
@@ -800,7 +818,7 @@ class Engine:
         # batch is staged and launched behind it on the stream before it is collected, so the
         # host's work between batches (collecting, answering, planning, packing, staging)
         # overlaps the device's instead of leaving the device idle.
-        flight: _InFlight | None = None
+        flight: _InFlight | _ChunksInFlight | None = None
         while True:
             with self._cv:
                 while flight is None and not self._has_work() and not self._stopping:
@@ -808,31 +826,43 @@ class Engine:
                 stopping = self._stopping
             if stopping:
                 if flight is not None:
-                    self._complete_rank_batch(flight)  # the step in hand
+                    self._complete(flight)  # the step in hand
                 with self._cv:
                     self._fail_all()
                 return
             # Copies first: on CUDA issuing them is cheap and they run beside the step's compute.
             self._poll_copies()
             self._issue_copies()
+            if flight is not None and self._ready(flight):
+                # Done on the device: settle it before planning (its calls are answered now,
+                # not after the next step's launch; what it settles may change the plan).
+                self._complete(flight)
+                flight = None
             with self._cv:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
+            launched: _InFlight | _ChunksInFlight | None = None
             if batch:
                 launched = self._launch_rank_batch(batch)
+            elif plan.chunks and self.config.chunks_ahead and not self._calls:
+                launched = self._launch_chunks(plan)
+            if batch or launched is not None:
                 if flight is not None:
-                    self._complete_rank_batch(flight)
+                    self._complete(flight)
                     flight = None
                 if launched is not None:
-                    if self.config.launch_ahead:
+                    # Held in flight only while its device work is queued (never on the CPU, where
+                    # a launch computes: holding it would only delay its answer).
+                    ahead = self.config.launch_ahead if batch else self.config.chunks_ahead
+                    if ahead and not self._ready(launched):
                         flight = launched
                     else:
-                        self._complete_rank_batch(launched)
+                        self._complete(launched)
                 continue
             if flight is not None:
-                # Anything else waits for the batch in flight: pre-inference chunks and captures
-                # run between ranking batches, and a filling batch fills while it completes.
-                self._complete_rank_batch(flight)
+                # Anything else waits for the step in flight: calls on the device thread and
+                # captures run between steps, and a filling batch fills while it completes.
+                self._complete(flight)
                 flight = None
                 continue
             if self._run_call():
@@ -852,6 +882,19 @@ class Engine:
                 # from the event loop) ~20 times a millisecond through every 2-3 ms demotion.
                 with self._cv:
                     self._cv.wait(_COPY_POLL_S)
+
+    @staticmethod
+    def _ready(flight: _InFlight | _ChunksInFlight) -> bool:
+        """Whether a launched step's device work is done (settling it would not wait)."""
+        if isinstance(flight, _InFlight):
+            return flight.pending.ready() and (flight.events is None or bool(flight.events[1].query()))
+        return flight.event is None or bool(flight.event.query())
+
+    def _complete(self, flight: _InFlight | _ChunksInFlight) -> None:
+        if isinstance(flight, _InFlight):
+            self._complete_rank_batch(flight)
+        else:
+            self._complete_chunks(flight)
 
     def _plan(self) -> Plan:
         """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
@@ -899,6 +942,7 @@ class Engine:
 
     def _abandon(self, job: _PreInferJob) -> None:
         """Under the lock: a pre-inference leaves the queue unfinished; its chunks were for nothing."""
+        job.abandoned = True
         self._preinfers.pop(job.id, None)
         if self._producing.get(job.key) is job:
             del self._producing[job.key]
@@ -1067,12 +1111,23 @@ class Engine:
                     j.takes.resolve(error=exc)
 
     def _run_chunks(self, plan: Plan) -> None:
+        flight = self._launch_chunks(plan)
+        if flight is not None:
+            self._complete_chunks(flight)
+
+    def _launch_chunks(self, plan: Plan) -> _ChunksInFlight | None:
+        """Issues a pre-inference step; _complete_chunks waits for it and settles its jobs. Their
+        progress (`done`) moves at the launch: the next plan must not schedule the same chunks
+        again, and whatever reads their psi next (a later chunk, a take-over's partial batch)
+        runs behind them on the same stream. None: nothing to run, or the step failed (its jobs
+        have their error)."""
         with self._cv:
             jobs = [self._preinfers.get(c.id) for c in plan.chunks]
         work = [(c, j) for c, j in zip(plan.chunks, jobs, strict=True) if j is not None and j.done == c.start]
         if not work:
-            return
-        timer = SectionTimer(cuda=self._stream is not None)
+            return None
+        cuda = self._stream is not None
+        timer = SectionTimer(cuda=cuda)
         self.device_time.begin()
         try:
             for _, job in work:
@@ -1081,7 +1136,28 @@ class Engine:
             chunks = [PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work]  # type: ignore[arg-type]
             with timer.section():
                 graphed = self._preinfer_chunks(chunks)
-            self._sync()  # the chunk is built before anyone reads it
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+        except Exception as exc:
+            self.device_time.end()
+            with self._cv:
+                for _, job in work:
+                    self._abandon(job)
+                    job.resolve(error=exc)
+            return None
+        with self._cv:
+            for c, job in work:
+                job.done = c.end
+        return _ChunksInFlight(work, timer, graphed, event)
+
+    def _complete_chunks(self, flight: _ChunksInFlight) -> None:
+        work = flight.work
+        try:
+            if flight.event is not None:
+                flight.event.synchronize()  # not the stream: a batch launched behind may run
+            seconds = flight.timer.total_s()
         except Exception as exc:
             with self._cv:
                 for _, job in work:
@@ -1090,19 +1166,29 @@ class Engine:
             return
         finally:
             self.device_time.end()
-        seconds = timer.total_s()
         tokens = sum(c.end - c.start for c, _ in work)
         self.device_time.add("preinfer", seconds)
         # Graph steps and eager steps cost differently (IterationScheduler.chunk_seconds): each fit
         # learns from its own kind.
-        fit = self.first_costs if graphed and self.first_costs is not None else self.step_costs
+        fit = self.first_costs if flight.graphed and self.first_costs is not None else self.step_costs
         fit.observe(tokens, sum((c.end - c.start) * c.end for c, _ in work), seconds)
         with self._cv:
             for c, job in work:
-                job.done = c.end
-                job.cost_s += seconds * (c.end - c.start) / tokens
+                share = seconds * (c.end - c.start) / tokens
+                counted = job.cost_s > 0  # by _abandon, if it was abandoned
+                job.cost_s += share
+                if job.abandoned:
+                    # Abandoned while this step was on the device (its caller left, or the step
+                    # ahead failed): built for nothing, counted as unused with what came before.
+                    self.device_time.produced(job.key, share)
+                    self.device_time.expired_unused(job.key, count=not counted)
+                    continue
                 self.device_time.produced(job.key, job.cost_s)
-                if job.done == job.prefix.length and not job.taken:
+                if self._preinfers.get(job.id) is not job:
+                    continue  # finished meanwhile (a take-over's caller left: _hand_back)
+                # The chunk that ends the prefix (`done` moves at each launch: with a later
+                # chunk launched, an earlier one's settling must not finish the pre-inference).
+                if c.end == job.prefix.length and job.done == job.prefix.length and not job.taken:
                     self._finish(job)
                     self._preinfers_built += 1
                     self._preinfer_samples.append(

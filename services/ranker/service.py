@@ -226,6 +226,7 @@ class RankerService(pb_grpc.RankerServicer):
                 ),
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
                 launch_ahead=config.launch_ahead,
+                chunks_ahead=config.chunks_ahead,
             ),
             on_fatal=self._engine_failed,
         )

@@ -67,3 +67,38 @@ async def test_queued_calls_match_eager_with_graphs(launch_ahead):
         assert stats.replays > 0
     finally:
         engine.stop()
+
+
+async def test_chunks_launched_ahead_with_rankings_between_them():
+    """Pre-inference steps launched ahead (graphs for first chunks, eager later ones) with
+    ranking calls arriving among them: every psi equals one pre-inference, every call its full
+    ranking."""
+    model = HSTURanker.from_seed(SPEC, seed=6, device="cuda")
+    config = EngineConfig(
+        max_batch=2,
+        max_wait_s=0.0,
+        chunks_ahead=True,
+        preinfer_chunk_tokens=512,
+        graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
+    )
+    engine = Engine(model, accelerator("cuda"), config)
+    engine.start()
+    try:
+        await engine.capture_graphs([64])
+        prefixes, suffixes = batch(12, [Shape(3, 1500 + 100 * i, 16, 48) for i in range(6)])
+        ready = model.preinfer(prefixes[3:])
+        building = [asyncio.ensure_future(engine.preinfer(p)) for p in prefixes[:3]]
+        ranked = await asyncio.gather(
+            *(engine.rank_cached(s, p, p.key) for s, p in zip(suffixes[3:], ready, strict=True))
+        )
+        built = await asyncio.gather(*building)
+        want = model.full(prefixes, suffixes)
+        scale = max(float(torch.cat(want).abs().max()), 1e-3)
+        for r, w in zip(ranked, want[3:], strict=True):
+            assert float((r.scores - w.cpu()).abs().max()) / scale < 3e-2
+        for psi, ref in zip(built, model.preinfer(prefixes[:3]), strict=True):
+            assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * max(
+                float(ref.kv.float().abs().max()), 1e-3
+            )
+    finally:
+        engine.stop()

@@ -28,7 +28,11 @@ def model() -> HSTURanker:
 
 @pytest.fixture
 def engine(model):
-    e = Engine(model, accelerator("cpu"), EngineConfig(max_batch=8, max_wait_s=0.02))
+    e = Engine(
+        model,
+        accelerator("cpu"),
+        EngineConfig(max_batch=8, max_wait_s=0.02, chunks_ahead=_CHUNKS_AHEAD["value"]),
+    )
     e.start()
     yield e
     e.stop()
@@ -65,9 +69,22 @@ async def test_full_and_cached_jobs_are_not_mixed_in_one_batch(engine, model):
     assert all(s.prefix_len == 0 for s in engine.recent_batches() if not s.full)
 
 
+# The chunk tests run with pre-inference steps settled at once and launched ahead (settled after
+# the next step is launched): joins, take-overs and exactness must not depend on which.
+_CHUNKS_AHEAD = {"value": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["chunks-settled", "chunks-ahead"])
+def chunks_ahead(request):
+    _CHUNKS_AHEAD["value"] = request.param
+    yield request.param
+    _CHUNKS_AHEAD["value"] = False
+
+
 def chunked(model: HSTURanker, delay_s: float = 100.0, **overrides) -> Engine:
     """An engine that builds psi 256 tokens a step; with a long max ranking delay a started
     pre-inference is joined, with a tiny one it is taken over."""
+    overrides.setdefault("chunks_ahead", _CHUNKS_AHEAD["value"])
     config = EngineConfig(max_wait_s=0.0, preinfer_chunk_tokens=256, max_rank_delay_s=delay_s, **overrides)
     return Engine(model, accelerator("cpu"), config)
 

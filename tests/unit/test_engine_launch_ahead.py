@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from services.ranker.engine import Engine, EngineConfig
 from services.ranker.graphs import PendingScores
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
+from tests.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,11 @@ def model() -> HSTURanker:
 
 class Gate:
     """Holds the device loop in the launch of the first batch until released, so that every
-    later call is queued when the loop comes back; records launches and collections."""
+    later call is queued when the loop comes back; records launches and collections. With
+    `device_busy`, every launched batch reads as still computing on the device (on the CPU a
+    launch computes its batch, so the loop would settle each at once)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, device_busy: bool = True) -> None:
         self.order: list[tuple[str, tuple[int, ...]]] = []
         self.release = threading.Event()
         self.entered = threading.Event()
@@ -47,13 +51,15 @@ class Gate:
 
         engine._launch_rank_batch = gated_launch  # type: ignore[method-assign]
         engine._complete_rank_batch = recorded_complete  # type: ignore[method-assign]
+        if device_busy:
+            engine._ready = lambda flight: False  # type: ignore[method-assign]
 
 
-async def rank_four(model: HSTURanker, launch_ahead: bool):
+async def rank_four(model: HSTURanker, launch_ahead: bool, device_busy: bool = True):
     engine = Engine(
         model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0, launch_ahead=launch_ahead)
     )
-    gate = Gate(engine)
+    gate = Gate(engine, device_busy)
     engine.start()
     try:
         prefixes, suffixes = batch(3, [Shape(2, 120, 4, 8)] * 4)
@@ -80,6 +86,15 @@ async def test_next_batch_is_launched_before_the_one_in_flight_is_collected(mode
     for r, w in zip(results, want, strict=True):
         assert torch.allclose(r.scores, w, atol=1e-5, rtol=0)
     assert [r.batch_seq for r in results] == [1, 2, 3, 4]
+
+
+async def test_a_batch_done_on_the_device_is_answered_before_the_next_launch(model):
+    # On the CPU a launch computes its batch: holding it in flight would only make its calls
+    # wait for the next batch's launch (its whole compute here).
+    _, order, results, want = await rank_four(model, launch_ahead=True, device_busy=False)
+    assert [k for k, _ in order] == ["launch", "collect"] * 4
+    for r, w in zip(results, want, strict=True):
+        assert torch.allclose(r.scores, w, atol=1e-5, rtol=0)
 
 
 async def test_serial_loop_collects_each_batch_before_the_next(model):
@@ -114,3 +129,71 @@ def test_pending_scores_done_and_copied():
     buffer.fill_(0)
     assert [t.tolist() for t in got] == [[1.0], [2.0, 3.0]]
     assert pending.wait() is got
+
+
+def chunks_engine(model: HSTURanker, delay_s: float = 100.0) -> tuple[Engine, list[tuple[str, int]]]:
+    """An engine with pre-inference steps launched ahead, 256 tokens a step, whose every step
+    reads as still on the device until settled; records step launches and settlements by the
+    chunk's end."""
+    config = EngineConfig(
+        max_wait_s=0.0, preinfer_chunk_tokens=256, max_rank_delay_s=delay_s, chunks_ahead=True
+    )
+    engine = Engine(model, accelerator("cpu"), config)
+    order: list[tuple[str, int]] = []
+    launch, complete = engine._launch_chunks, engine._complete_chunks
+
+    def recorded_launch(plan):
+        flight = launch(plan)
+        if flight is not None:
+            order.append(("launch", flight.work[0][0].end))
+        return flight
+
+    def recorded_complete(flight):
+        order.append(("settle", flight.work[0][0].end))
+        complete(flight)
+
+    engine._launch_chunks = recorded_launch  # type: ignore[method-assign]
+    engine._complete_chunks = recorded_complete  # type: ignore[method-assign]
+    engine._ready = lambda flight: False  # type: ignore[method-assign]
+    return engine, order
+
+
+async def test_chunks_launched_ahead_build_the_same_psi_and_price(model):
+    prefixes, _ = batch(7, [Shape(3, 900, 0, 1)])
+    engine, order = chunks_engine(model)
+    engine.start()
+    try:
+        psi = await asyncio.wait_for(engine.preinfer(prefixes[0]), 30)
+    finally:
+        engine.stop()
+    # Each step is launched before the one ahead of it is settled.
+    assert order == [("launch", 256), ("launch", 512), ("settle", 256), ("launch", 768), ("settle", 512),
+                     ("launch", 903), ("settle", 768), ("settle", 903)]  # fmt: skip
+    assert float((psi.kv - model.preinfer(prefixes)[0].kv).abs().max()) <= 1e-5
+    # Finished by the step that ends the prefix, priced at all four steps.
+    [sample] = engine.recent_preinfers()
+    assert sample.device_ms == pytest.approx(engine.device_time.snapshot().work_s["preinfer"] * 1e3, rel=1e-6)
+    assert engine.device_time.snapshot().unused_psi == 0
+
+
+@pytest.mark.parametrize("delay_s", [100.0, 1e-9], ids=["join", "take-over"])
+async def test_a_call_during_chunks_launched_ahead_scores_as_in_full(model, delay_s):
+    prefixes, suffixes = batch(8, [Shape(2, 1000, 6, 8)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    engine, order = chunks_engine(model, delay_s)
+    engine.start()
+    try:
+        pre = asyncio.ensure_future(engine.preinfer(prefix))
+        await eventually(lambda: bool(order), "a pre-inference step is launched")
+        relayed = await asyncio.wait_for(
+            engine.relay(prefix, suffix, key, deadline=time.monotonic() + 5.0), 30
+        )
+        psi = await asyncio.wait_for(pre, 30)
+    finally:
+        engine.stop()
+    assert relayed is not None
+    want = model.full(prefixes, suffixes)[0]
+    assert float((relayed.result.scores - want).abs().max()) <= 1e-5
+    assert float((psi.kv - model.preinfer(prefixes)[0].kv).abs().max()) <= 1e-5
+    assert relayed.joined is (delay_s > 1)
