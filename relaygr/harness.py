@@ -71,6 +71,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (4.0-4.6 ms against 5.2-5.6 collected serially, H100, L4096) and the 15% rule then turned
     # away every first call at risk at 137.5 req/s (la2: half the calls ranked in full).
     "relay-extra50": {"trigger_args": ("--max-extra-work", "0.5")},
+    # Pre-inference steps may last up to 10 ms beyond their fixed cost (the ranker's default is
+    # 5): at 4096 tokens two queued first touches then share a step (a step of 4 cost 2.65 ms a
+    # user on an H100 against 3.6 alone) for up to ~5 ms more wait of a ranking call behind it.
+    "relay-delay10": {"ranker_args": ("--max-rank-delay-ms", "10")},
     # Pre-inference steps launched ahead too (RELAYGR_RANKER_CHUNKS_AHEAD, off by default): a
     # step's host launch overlaps the batch before it, and the next batch's overlaps the step.
     "relay-chunks-ahead": {"ranker_args": ("--chunks-ahead", "true")},
