@@ -2,6 +2,7 @@
 
     python -m bench.calls bench/results/calls/*.jsonl.gz      # a table, one row per file
     python -m bench.calls a.jsonl --json out.json             # and the rows as JSON
+    python -m bench.calls a.jsonl --by-path                   # and where each path's time goes
 
 Per file: the calls served OK and how (shares by path), the measured queue P50 / P99, and the
 queue that one serial server would have given the same calls: each call's measured compute time,
@@ -16,6 +17,11 @@ relay's batched calls then overstate the replay's queue). Also the busiest
 60 ms and 150 ms of arrivals (`burst_60ms`, `burst_150ms`) against the mean rate, and the compute
 time summed over the calls' span (`compute_share`, the critical path's share of the device).
 Send times stand for arrival times (the network is a constant offset at the rates measured).
+
+`--by-path`: per file, one row per (served_by, batch size): calls, latency P50 / P99 and the P50
+of each stage the records time (queue, host launch, compute, cache lookup / reload, other server
+time, network), and the share of the file's calls at or over `--slow-ms` (default 40) that the
+row holds: which path and which stage make the tail.
 """
 
 from __future__ import annotations
@@ -110,21 +116,58 @@ def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+PATH_COLUMNS = ("file", "served_by", "batch", "calls", "latency_ms_p50", "latency_ms_p99", "queue_ms_p50",
+                "launch_ms_p50", "compute_ms_p50", "cache_ms_p50", "server_other_ms_p50", "network_ms_p50",
+                "slow_share")  # fmt: skip
+_STAGES = ("queue_ms", "launch_ms", "compute_ms", "cache_ms", "server_other_ms", "network_ms")
+
+
+def by_path(name: str, calls: Sequence[dict[str, Any]], slow_ms: float = 40.0) -> list[dict[str, Any]]:
+    """One row per (served_by, batch size) of the calls served OK (module docstring)."""
+    ok = [c for c in calls if c.get("status") == "OK" and c.get("at_s") == c.get("at_s")]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = collections.defaultdict(list)
+    for c in ok:
+        groups[(str(c.get("served_by", "")), int(c.get("batch", 0)))].append(c)
+    slow_total = sum(1 for c in ok if c.get("latency_ms", 0.0) >= slow_ms)
+    rows = []
+    for (served, size), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        latency = [c["latency_ms"] for c in group]
+        row: dict[str, Any] = {"file": name, "served_by": served, "batch": size, "calls": len(group),
+                               "latency_ms_p50": _pct(latency, 50), "latency_ms_p99": _pct(latency, 99)}  # fmt: skip
+        for stage in _STAGES:
+            values = [c[stage] for c in group if stage in c]
+            row[f"{stage}_p50"] = _pct(values, 50) if values else None
+        slow = sum(1 for v in latency if v >= slow_ms)
+        row["slow_share"] = round(slow / slow_total, 3) if slow_total else 0.0
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("files", nargs="+", type=Path, help="calls files (JSON lines, .gz or not)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--by-path", action="store_true", help="also a table by served_by and batch size")
+    parser.add_argument("--slow-ms", type=float, default=40.0,
+                        help="--by-path: the latency from which a call counts as slow")  # fmt: skip
     args = parser.parse_args(argv)
-    rows = []
+    if not args.slow_ms > 0:
+        parser.error("--slow-ms must be > 0")
+    rows, path_rows = [], []
     for path in args.files:
         try:
             calls = read_calls(path)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"bench.calls: cannot read {path}: {exc}") from None
         rows.append(analyse(path.name, calls))
+        if args.by_path:
+            path_rows += by_path(path.name, calls, args.slow_ms)
     print(markdown_table(rows, QUEUE_COLUMNS))
+    if args.by_path:
+        print()
+        print(markdown_table(path_rows, PATH_COLUMNS))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return rows

@@ -71,3 +71,37 @@ def test_an_unreadable_file_is_one_line(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(SystemExit, match=r"bench\.calls: cannot read .*bad\.jsonl"):
         calls.main([str(bad)])
+
+
+def test_by_path_rows_say_which_path_and_stage_make_the_tail(tmp_path, capsys):
+    def rec(served_by: str, batch: int, latency_ms: float, cache_ms: float = 0.0) -> dict:
+        r = call(0.0, 1.0, served_by=served_by)
+        r.update(batch=batch, latency_ms=latency_ms, cache_ms=cache_ms, launch_ms=0.5, network_ms=2.0)
+        return r
+
+    records = [rec("hbm_hit", 1, 5.0) for _ in range(8)] + [rec("hbm_hit", 2, 6.0) for _ in range(4)]
+    records += [rec("dram_reload", 1, 45.0, cache_ms=30.0) for _ in range(3)] + [
+        rec("full_recompute", 1, 60.0)
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    calls.main([str(path), "--by-path"])
+    out = capsys.readouterr().out
+    assert "served_by" in out
+    rows = {(r["served_by"], r["batch"]): r for r in calls.by_path("p", records)}
+    assert rows[("hbm_hit", 1)]["calls"] == 8
+    assert rows[("hbm_hit", 2)]["latency_ms_p50"] == 6.0
+    reload = rows[("dram_reload", 1)]
+    assert reload["cache_ms_p50"] == 30.0
+    assert reload["server_other_ms_p50"] is None  # not in these records
+    # 4 calls at or over 40 ms: 3 reloads and the full ranking.
+    assert reload["slow_share"] == 0.75
+    assert rows[("full_recompute", 1)]["slow_share"] == 0.25
+    assert rows[("hbm_hit", 1)]["slow_share"] == 0.0
+
+
+def test_a_slow_threshold_that_is_not_positive_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(call(0.0, 1.0)) + "\n")
+    with pytest.raises(SystemExit):
+        calls.main([str(path), "--by-path", "--slow-ms", "0"])
