@@ -81,11 +81,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},
-    "baseline-serial": {
-        "trigger_policy": "off",
-        "expander": False,
-        "ranker_args": ("--ranking-psi-min-tokens", "0", "--launch-ahead", "false"),
-    },
+}
+# The baseline with launch-ahead off, beside `baseline` in one sitting.
+CONFIGS["baseline-serial"] = {
+    **CONFIGS["baseline"],
+    "ranker_args": (*CONFIGS["baseline"]["ranker_args"], "--launch-ahead", "false"),
 }
 
 

@@ -176,6 +176,16 @@ class SectionTimer:
             finally:
                 self._wall_s += time.perf_counter() - started
 
+    def done(self) -> bool:
+        """Whether the sections' device work has completed (always, off CUDA)."""
+        return not self._events or bool(self._events[-1][1].query())
+
+    def synchronize(self) -> None:
+        """Waits for the last section's device work (on CUDA; nothing elsewhere). Not the
+        stream: work queued after the sections may still run."""
+        if self._events:
+            self._events[-1][1].synchronize()
+
     def total_s(self) -> float:
         """Seconds over all sections. Blocks on CUDA until the last section has completed."""
         return self._wall_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3

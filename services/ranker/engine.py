@@ -326,7 +326,6 @@ class _ChunksInFlight:
     work: list[tuple[Chunk, _PreInferJob]]
     timer: SectionTimer
     graphed: bool  # replayed a graph (first chunks), else eager
-    event: torch.cuda.Event | None  # CUDA: after its last device work
 
 
 class Engine:
@@ -888,7 +887,7 @@ class Engine:
         """Whether a launched step's device work is done (settling it would not wait)."""
         if isinstance(flight, _InFlight):
             return flight.pending.ready() and (flight.events is None or bool(flight.events[1].query()))
-        return flight.event is None or bool(flight.event.query())
+        return flight.timer.done()
 
     def _complete(self, flight: _InFlight | _ChunksInFlight) -> None:
         if isinstance(flight, _InFlight):
@@ -971,10 +970,11 @@ class Engine:
         # On CUDA the batch's time is its events' (queued behind any batch still in flight, the
         # start runs when the device reaches it): a wall clock read when the batch is collected
         # cannot tell its time from the time of the batch ahead of it.
-        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        start_event: torch.cuda.Event | None = None
         if self._stream is not None:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         built = [0] * len(batch)
         kept: list[Psi | None] = [None] * len(batch)
         prefix_len = 0
@@ -1011,8 +1011,13 @@ class Engine:
             if pending is None:
                 # One copy for the batch; it waits for the device: the batch is done.
                 pending = PendingScores.done(list(torch.cat(scores).cpu().split([s.numel() for s in scores])))
-            if events is not None:
-                events[1].record()
+            if start_event is not None:
+                # A replay's scores copy ends with a timing event already: its end.
+                end_event = pending.event
+                if end_event is None:
+                    end_event = torch.cuda.Event(enable_timing=True)
+                    end_event.record()
+                events = (start_event, end_event)
         except Exception as exc:  # a bad batch fails its jobs, never the engine
             self.device_time.end()
             self.device_time.add("rank", time.perf_counter() - started)
@@ -1126,8 +1131,7 @@ class Engine:
         work = [(c, j) for c, j in zip(plan.chunks, jobs, strict=True) if j is not None and j.done == c.start]
         if not work:
             return None
-        cuda = self._stream is not None
-        timer = SectionTimer(cuda=cuda)
+        timer = SectionTimer(cuda=self._stream is not None)
         self.device_time.begin()
         try:
             for _, job in work:
@@ -1136,10 +1140,6 @@ class Engine:
             chunks = [PrefixChunk(j.prefix, j.psi, c.start, c.end) for c, j in work]  # type: ignore[arg-type]
             with timer.section():
                 graphed = self._preinfer_chunks(chunks)
-            event = None
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
         except Exception as exc:
             self.device_time.end()
             with self._cv:
@@ -1150,13 +1150,12 @@ class Engine:
         with self._cv:
             for c, job in work:
                 job.done = c.end
-        return _ChunksInFlight(work, timer, graphed, event)
+        return _ChunksInFlight(work, timer, graphed)
 
     def _complete_chunks(self, flight: _ChunksInFlight) -> None:
         work = flight.work
         try:
-            if flight.event is not None:
-                flight.event.synchronize()  # not the stream: a batch launched behind may run
+            flight.timer.synchronize()  # not the stream: a batch launched behind may run
             seconds = flight.timer.total_s()
         except Exception as exc:
             with self._cv:

@@ -189,6 +189,11 @@ class PendingScores:
         pending._scores = scores
         return pending
 
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The timing event after the scores' copy (None: complete when made)."""
+        return self._event
+
     def ready(self) -> bool:
         """Whether wait() would return without waiting for the device."""
         return self._scores is not None or self._event is None or bool(self._event.query())
@@ -217,8 +222,9 @@ class _Slot:
     pending: PendingScores | None = None  # the last launch's scores, read from `scores`
 
     def close(self, device: torch.device) -> torch.cuda.Event:
-        """After a launch's last copy into or out of these buffers: marks where they are free."""
-        self.event = torch.cuda.Event()
+        """After a launch's last copy into or out of these buffers: marks where they are free
+        (a timing event: it also ends the launch's device time, Engine._complete_rank_batch)."""
+        self.event = torch.cuda.Event(enable_timing=True)
         self.event.record(torch.cuda.current_stream(device))
         return self.event
 
