@@ -34,6 +34,7 @@ class PreinferGate:
         self.timeout_s = timeout_s
         self.timed_out: list[int] = []
         self.chunks: list[tuple[int, int]] = []  # (start, end) of every chunk run, in order
+        self.users: list[int] = []  # the user of each of them
         self._reached = {step: threading.Event() for step in pause_before}
         self._opened = {step: threading.Event() for step in pause_before}
         real = model.preinfer_chunks
@@ -43,6 +44,7 @@ class PreinferGate:
             self._pause(next(steps))
             real(chunks)
             self.chunks.extend((c.start, c.end) for c in chunks)
+            self.users.extend(c.prefix.user_id for c in chunks)
 
         monkeypatch.setattr(model, "preinfer_chunks", gated)
 

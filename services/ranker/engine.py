@@ -251,11 +251,18 @@ class _PreInferJob(_Job):
     joined_deadline: float | None = None
     cost_s: float = 0.0  # device time of its chunks so far
     expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
+    need_by: float = math.inf  # time.monotonic(): when its ranking call is due (the build order)
     abandoned: bool = False  # left the queue unfinished (Engine._abandon)
 
     def item(self) -> PreinferItem:
         return PreinferItem(
-            self.id, self.prefix.length, self.done, self.submitted, self.joined_deadline, self.taken
+            self.id,
+            self.prefix.length,
+            self.done,
+            self.submitted,
+            self.joined_deadline,
+            self.taken,
+            need_by=self.need_by,
         )
 
 
@@ -467,13 +474,22 @@ class Engine:
         )  # fmt: skip
         return await self._push_rank(job)
 
-    async def preinfer(self, prefix: UserPrefix, expires_at: float = math.inf) -> Psi:
+    async def preinfer(
+        self, prefix: UserPrefix, expires_at: float = math.inf, need_by: float = math.inf
+    ) -> Psi:
         """psi of the prefix, built in chunks between ranking steps (or completed by the ranking
         call that takes it over: `relay`). Not started by `expires_at` (time.monotonic(): its
-        lease's end), it fails with PreinferExpired and costs nothing."""
+        lease's end), it fails with PreinferExpired and costs nothing. `need_by`
+        (time.monotonic()): when its ranking call is due; pre-inferences are built earliest
+        first (scheduler.plan)."""
         key = self.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
         job = _PreInferJob(
-            **self._job_args(prefix.length), prefix=prefix, key=key, id=next(self._ids), expires_at=expires_at
+            **self._job_args(prefix.length),
+            prefix=prefix,
+            key=key,
+            id=next(self._ids),
+            expires_at=expires_at,
+            need_by=need_by,
         )
         with self._cv:
             self._check_running()

@@ -130,6 +130,8 @@ class _Production:
     compute_fallback: bool = True  # a failed reload is pre-inferred instead (not for a prefetch-only signal)
     # Its lease's end (time.monotonic()): a pre-inference not started by then is dropped.
     expires_at: float = math.inf
+    # When its ranking call is due (time.monotonic()): pre-inferences are built in this order.
+    need_by: float = math.inf
 
 
 class RecentIds:
@@ -216,13 +218,19 @@ class RelayCache:
     # ------------------------------------------------------------------ produce
 
     async def produce(
-        self, key: PsiKey, prefix: FallbackPrefix, lease: Lease, prefetch_only: bool = False
+        self,
+        key: PsiKey,
+        prefix: FallbackPrefix,
+        lease: Lease,
+        prefetch_only: bool = False,
+        need_by: float = math.inf,
     ) -> tuple[Produce, str]:
         """A PreInfer signal: admits psi under `lease` and starts producing it. Returns the
         outcome and, when refused, the reason. `prefetch_only`: only psi already held comes
         back (re-leased in HBM, or reloaded from host DRAM, whatever the cost model says of a
         reload: it runs off the critical path); refused with "not_held" otherwise, and never
-        pre-inferred, not even when the reload fails."""
+        pre-inferred, not even when the reload fails. `need_by` (time.monotonic()): when its
+        ranking call is due; the engine builds the psi needed soonest first."""
         if self._arrived.seen(lease.owner):
             # Its ranking call came first (a signal delayed on its way: after an overload the
             # signal path's backlog drains for seconds) and ranked without psi: built now,
@@ -257,7 +265,9 @@ class RelayCache:
             self._on_event("prefetch", "issued")
         # The lease is on the cache's clock, the engine's on time.monotonic().
         expires_at = time.monotonic() + (lease.deadline - self.cache.clock())
-        self._start(key, prefix, reload, compute_fallback=not prefetch_only, expires_at=expires_at)
+        self._start(
+            key, prefix, reload, compute_fallback=not prefetch_only, expires_at=expires_at, need_by=need_by
+        )
         return (Produce.RELOAD_SCHEDULED if reload else Produce.ACCEPTED), ""
 
     def _start(
@@ -267,9 +277,10 @@ class RelayCache:
         reload: bool,
         compute_fallback: bool = True,
         expires_at: float = math.inf,
+        need_by: float = math.inf,
     ) -> None:
         production = _Production(
-            asyncio.Event(), reload, compute_fallback=compute_fallback, expires_at=expires_at
+            asyncio.Event(), reload, compute_fallback=compute_fallback, expires_at=expires_at, need_by=need_by
         )
         self._productions[key] = production
         name = f"{'reload' if reload else 'produce'}-{key.user_id}"
@@ -296,7 +307,9 @@ class RelayCache:
                 return
             if psi is None:
                 t0 = time.perf_counter()
-                psi = await self.engine.preinfer(prefix.tensors(), expires_at=production.expires_at)
+                psi = await self.engine.preinfer(
+                    prefix.tensors(), expires_at=production.expires_at, need_by=production.need_by
+                )
                 self.costs.observe_preinfer(prefix.length, (time.perf_counter() - t0) * 1e3)
             if not self.cache.produced(key, psi):
                 log.debug("psi_dropped", user=key.user_id, reason="entry gone before production finished")

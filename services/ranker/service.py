@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import socket
 import sys
 import time
@@ -579,12 +580,27 @@ class RankerService(pb_grpc.RankerServicer):
                 fingerprint=key.fingerprint,
             )
         lease = Lease(request.request_id, self._lease_deadline(request.lease_deadline_unix_ms))
-        produced, reason = await self.relay.produce(key, prefix, lease, prefetch_only=request.prefetch_only)
+        produced, reason = await self.relay.produce(
+            key,
+            prefix,
+            lease,
+            prefetch_only=request.prefetch_only,
+            need_by=self._need_by(request.ranking_deadline_unix_ms),
+        )
         outcome = _OUTCOME[produced]
         self.metrics.preinfers.labels(pb.PreInferReply.Outcome.Name(outcome).lower()).inc()
         return pb.PreInferReply(
             outcome=outcome, reason=reason, instance_id=self.instance_id, fingerprint=key.fingerprint
         )
+
+    @staticmethod
+    def _need_by(ranking_deadline_unix_ms: int) -> float:
+        """When the signal's ranking call is due, on time.monotonic() (inf: not said). Only an
+        order among pre-inferences (the engine builds the soonest needed first), so a skewed
+        clock on the trigger's host shifts them all alike."""
+        if ranking_deadline_unix_ms <= 0:
+            return math.inf
+        return time.monotonic() + (ranking_deadline_unix_ms - time.time() * 1e3) / 1e3
 
     def _lease_deadline(self, unix_ms: int) -> float:
         now_ms = time.time() * 1e3

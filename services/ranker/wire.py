@@ -205,11 +205,16 @@ def by_reference(request: pb.RankRequest) -> pb.RankRequest:
 
 
 def preinfer_request(
-    prefix: UserPrefix, request_id: str, lease_deadline_unix_ms: int = 0, prefetch_only: bool = False
+    prefix: UserPrefix,
+    request_id: str,
+    lease_deadline_unix_ms: int = 0,
+    prefetch_only: bool = False,
+    ranking_deadline_unix_ms: int = 0,
 ) -> pb.PreInferRequest:
     return pb.PreInferRequest(
         request_id=request_id,
         prefix=prefix_to_proto(prefix),
         lease_deadline_unix_ms=lease_deadline_unix_ms,
         prefetch_only=prefetch_only,
+        ranking_deadline_unix_ms=ranking_deadline_unix_ms,
     )

@@ -191,6 +191,7 @@ class SignalConsumer:
                 request_id=signal.request_id, lease_deadline_unix_ms=lease_ms, prefetch_only=True,
                 user_id=user_id, prefix_version=prefix_version, prefix_ref=signal.prefix_ref,
                 signal_time_unix_ms=signal.signal_time_unix_ms,
+                ranking_deadline_unix_ms=signal.ranking_deadline_unix_ms,
             ).SerializeToString()  # fmt: skip
         else:
             user_id, prefix_version = signal.prefix.user_id, signal.prefix.prefix_version
@@ -200,6 +201,7 @@ class SignalConsumer:
                 lease_deadline_unix_ms=lease_ms,
                 prefetch_only=signal.prefetch_only,
                 signal_time_unix_ms=signal.signal_time_unix_ms,
+                ranking_deadline_unix_ms=signal.ranking_deadline_unix_ms,
             ).SerializeToString()
         error: ForwardError | None = None
         for attempt in range(self.config.signal_retries):

@@ -354,6 +354,7 @@ class TriggerService:
                 signal_time_unix_ms=int(time.time() * 1e3),
                 lease_deadline_unix_ms=lease_ms,
                 expected_instance=target or "",
+                ranking_deadline_unix_ms=meta.ranking_deadline_unix_ms,
             )
             if reason is Reason.PREFETCH:
                 # Named, not carried: a prefetch never computes psi, so the ranker needs only its

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.protos import ranker_pb2 as shared_dot_protos_dot_ranker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/protos/events.proto\x12\nrelaygr.v1\x1a\x1ashared/protos/ranker.proto\"\xdf\x01\n\x0eRetrievalEvent\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x03 \x01(\x03\x12\x0f\n\x07user_id\x18\x04 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x05 \x01(\x04\x12\x12\n\nprefix_len\x18\x06 \x01(\r\x12&\n\x06prefix\x18\x07 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12 \n\x18ranking_deadline_unix_ms\x18\x08 \x01(\x03\"\xa7\x02\n\x0ePreInferSignal\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1b\n\x13signal_time_unix_ms\x18\x03 \x01(\x03\x12&\n\x06prefix\x18\x04 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12\x1e\n\x16lease_deadline_unix_ms\x18\x05 \x01(\x03\x12\x19\n\x11\x65xpected_instance\x18\x06 \x01(\t\x12\x15\n\rprefetch_only\x18\x07 \x01(\x08\x12\x0f\n\x07user_id\x18\x08 \x01(\x04\x12\x16\n\x0eprefix_version\x18\t \x01(\x04\x12)\n\nprefix_ref\x18\n \x01(\x0b\x32\x15.relaygr.v1.PrefixRefb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ashared/protos/events.proto\x12\nrelaygr.v1\x1a\x1ashared/protos/ranker.proto\"\xdf\x01\n\x0eRetrievalEvent\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x03 \x01(\x03\x12\x0f\n\x07user_id\x18\x04 \x01(\x04\x12\x16\n\x0eprefix_version\x18\x05 \x01(\x04\x12\x12\n\nprefix_len\x18\x06 \x01(\r\x12&\n\x06prefix\x18\x07 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12 \n\x18ranking_deadline_unix_ms\x18\x08 \x01(\x03\"\xc9\x02\n\x0ePreInferSignal\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x1b\n\x13signal_time_unix_ms\x18\x03 \x01(\x03\x12&\n\x06prefix\x18\x04 \x01(\x0b\x32\x16.relaygr.v1.UserPrefix\x12\x1e\n\x16lease_deadline_unix_ms\x18\x05 \x01(\x03\x12\x19\n\x11\x65xpected_instance\x18\x06 \x01(\t\x12\x15\n\rprefetch_only\x18\x07 \x01(\x08\x12\x0f\n\x07user_id\x18\x08 \x01(\x04\x12\x16\n\x0eprefix_version\x18\t \x01(\x04\x12)\n\nprefix_ref\x18\n \x01(\x0b\x32\x15.relaygr.v1.PrefixRef\x12 \n\x18ranking_deadline_unix_ms\x18\x0b \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,5 +35,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RETRIEVALEVENT']._serialized_start=71
   _globals['_RETRIEVALEVENT']._serialized_end=294
   _globals['_PREINFERSIGNAL']._serialized_start=297
-  _globals['_PREINFERSIGNAL']._serialized_end=592
+  _globals['_PREINFERSIGNAL']._serialized_end=626
 # @@protoc_insertion_point(module_scope)

@@ -45,7 +45,7 @@ class UserPrefix(_message.Message):
     def __init__(self, user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., profile_le: _Optional[bytes] = ..., long_term: _Optional[_Union[Behaviors, _Mapping]] = ...) -> None: ...
 
 class PreInferRequest(_message.Message):
-    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only", "user_id", "prefix_version", "prefix_ref", "signal_time_unix_ms")
+    __slots__ = ("request_id", "prefix", "lease_deadline_unix_ms", "prefetch_only", "user_id", "prefix_version", "prefix_ref", "signal_time_unix_ms", "ranking_deadline_unix_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PreInferRequest(_message.Message):
     PREFIX_VERSION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_REF_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_TIME_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RANKING_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefix: UserPrefix
     lease_deadline_unix_ms: int
@@ -62,7 +63,8 @@ class PreInferRequest(_message.Message):
     prefix_version: int
     prefix_ref: PrefixRef
     signal_time_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ..., signal_time_unix_ms: _Optional[int] = ...) -> None: ...
+    ranking_deadline_unix_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prefix: _Optional[_Union[UserPrefix, _Mapping]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., prefetch_only: _Optional[bool] = ..., user_id: _Optional[int] = ..., prefix_version: _Optional[int] = ..., prefix_ref: _Optional[_Union[PrefixRef, _Mapping]] = ..., signal_time_unix_ms: _Optional[int] = ..., ranking_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PreInferReply(_message.Message):
     __slots__ = ("outcome", "reason", "instance_id", "fingerprint")

@@ -5,6 +5,7 @@ reason, and the consumer group's committed offsets cover every record."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -69,7 +70,17 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
             signal_time_unix_ms=int(time.time() * 1e3),
             prefix=prefix_to_proto(prefix),
             lease_deadline_unix_ms=int(time.time() * 1e3) + 20_000,
+            ranking_deadline_unix_ms=int(time.time() * 1e3) + 5_000,
         )
+        # When its call is due reaches the ranker, as the order of its pre-inference.
+        needed_in_s: list[float] = []
+        produce = ranker.relay.produce
+
+        async def recording_produce(*args, **kwargs):
+            needed_in_s.append(kwargs.get("need_by", math.inf) - time.monotonic())
+            return await produce(*args, **kwargs)
+
+        ranker.relay.produce = recording_produce  # type: ignore[method-assign]
         future_schema = events_pb2.PreInferSignal()
         future_schema.CopyFrom(valid)
         future_schema.schema_version = 2
@@ -101,6 +112,7 @@ async def test_signals_are_forwarded_or_dead_lettered_and_committed(broker):
         )
         stats = await ranker.Stats(pb.StatsRequest(), None)
         assert stats.hbm_resident_bytes > 0
+        assert any(0 < s <= 5 for s in needed_in_s), needed_in_s  # the valid signal's
         # The router passed the signal's time on: the ranker measured the trip (wall clocks).
         assert 0 < stats.signal_trip_p90_ms < BOUND_S * 1e3
         entry = recorded()

@@ -124,6 +124,31 @@ async def test_a_call_takes_over_its_half_built_psi_and_completes_it(ranker, mon
     assert stats.psi_expired == 0
 
 
+# One prefix a pre-inference step: the order of the steps is the order of the users.
+ONE_A_STEP = ["--preinfer-max-batch", "1", *NO_RANKING_PSI]
+
+
+@pytest.mark.parametrize("ranker", [ONE_A_STEP], indirect=True)
+async def test_preinferences_are_built_in_the_order_their_ranking_calls_are_due(ranker, monkeypatch):
+    service, stub, _ = ranker
+    prefixes, _ = users(3, 4, prefix_len=300)
+    now_ms = int(time.time() * 1e3)
+    due_ms = [now_ms + 500, now_ms + 9_000, now_ms + 1_000, 0]  # 0: the signal does not say
+    with PreinferGate(service.model, monkeypatch, pause_before=(0,)) as gate:
+        first = preinfer_request(prefixes[0], "p0", ranking_deadline_unix_ms=due_ms[0])
+        await stub.PreInfer(first, timeout=5)
+        await gate.wait_reached(0)  # the device is busy with the first: the others queue
+        for i in (1, 2, 3):
+            request = preinfer_request(prefixes[i], f"p{i}", ranking_deadline_unix_ms=due_ms[i])
+            assert (await stub.PreInfer(request, timeout=5)).outcome == pb.PreInferReply.ACCEPTED
+        gate.open()
+        await wait_produced(stub, 4)
+        assert gate.timed_out == []
+    # Each built whole before the next (one or more chunks each), in the order their calls are due.
+    assert list(dict.fromkeys(gate.users)) == [prefixes[i].user_id for i in (0, 2, 1, 3)]
+    assert gate.users == sorted(gate.users, key=list(dict.fromkeys(gate.users)).index)
+
+
 async def test_batch_of_users_each_equal_to_full(ranker):
     _, stub, _ = ranker
     prefixes, suffixes = users(2, 6, prefix_len=300)

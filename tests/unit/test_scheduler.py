@@ -211,6 +211,21 @@ def test_started_preinferences_are_finished_before_new_ones_and_batched_within_t
     assert [c.id for c in tight.chunks] == [2]  # the next one would pass the budget
 
 
+def test_preinferences_are_built_in_the_order_their_calls_are_due():
+    s = scheduler(max_rank_delay_s=500 * MS, preinfer_max_batch=5)
+    items = [
+        PreinferItem(1, 1024, 0, 0.0, need_by=0.300),
+        PreinferItem(2, 1024, 0, 1.0, need_by=0.050),  # signalled later, needed sooner
+        PreinferItem(3, 1024, 0, 2.0),  # no known need: after those with one
+        PreinferItem(4, 1024, 256, 3.0),  # ... but started ones first among those
+    ]
+    assert [c.id for c in s.plan(0.0, [], items).chunks] == [2, 1, 4, 3]
+    # Ranking calls still go first, and a pre-inference a call waits for goes before the rest.
+    assert s.plan(0.0, [rank(7, 0.500)], items).rank == (7,)
+    joined = PreinferItem(5, 1024, 0, 4.0, joined_deadline=0.200, need_by=0.400)
+    assert [c.id for c in s.plan(0.0, [], [*items, joined]).chunks] == [5]
+
+
 def test_taken_over_and_finished_preinferences_get_no_chunks():
     s = scheduler()
     plan = s.plan(0.0, [], [PreinferItem(1, 4096, 1024, 0.0, taken=True), PreinferItem(2, 512, 512, 0.0)])

@@ -350,10 +350,16 @@ async def test_too_late_uses_the_signal_trip_the_rankers_measure():
         reply.signal_trip_p90_ms = 8.0
         service._absorb("127.0.0.1:1", reply)
         assert service.signal_trip_s("127.0.0.1:1") == pytest.approx(0.008)
-        out = service._handle(record(event(2, 45), key=b"2"))
+        raw = event(2, 45)
+        out = service._handle(record(raw, key=b"2"))
         assert out is not None
         assert out.kind is Kind.SIGNAL
-        assert ev.PreInferSignal.FromString(out.value).signal_time_unix_ms > 0
+        signal = ev.PreInferSignal.FromString(out.value)
+        assert signal.signal_time_unix_ms > 0
+        # The ranker builds the psi needed soonest first: the signal says when its call is due.
+        assert (
+            signal.ranking_deadline_unix_ms == ev.RetrievalEvent.FromString(raw).ranking_deadline_unix_ms > 0
+        )
         # A measured trip under the floor counts as the floor; a report without one keeps it.
         reply.signal_trip_p90_ms = 1.0
         service._absorb("127.0.0.1:1", reply)
