@@ -81,6 +81,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},
+    # psi moved to and from host DRAM in one copy each (RELAYGR_RANKER_COPY_PIECE_MB 0), not in
+    # pieces: beside `relay`, whether a ranking batch's copies wait behind whole psi copies.
+    "relay-copy-whole": {"ranker_args": ("--copy-piece-mb", "0")},
 }
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {

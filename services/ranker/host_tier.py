@@ -37,10 +37,13 @@ class HostTier:
         on_change: Callable[[bool], None] | None = None,
         owner: str = "ranker",
         connect_timeout_s: float = 2.0,
+        copy_piece_bytes: int = 0,
     ) -> None:
+        """`copy_piece_bytes`: psi is copied in pieces of at most this many bytes (0: whole)."""
         self.socket_path = socket_path
         self.accel = accel
         self.owner = owner
+        self.copy_piece_bytes = copy_piece_bytes
         self._on_change = on_change
         self._timeout = connect_timeout_s
         self._client: ExpanderClient | None = None
@@ -115,7 +118,7 @@ class HostTier:
         dest = arena[reservation.offset : reservation.offset + nbytes]
         self._use(+1)
         try:
-            await engine.copy(lambda: issue_to_host(psi, dest), work="demote")
+            await engine.copy(lambda: issue_to_host(psi, dest, self.copy_piece_bytes), work="demote")
             await client.commit(reservation.lease_id)
             return True
         except ExpanderUnavailable:
@@ -149,7 +152,9 @@ class HostTier:
         try:
             nbytes = acquired.nbytes
             return await engine.copy(
-                lambda: issue_from_host(src, meta, key, self.accel.device, engine.compute_stream),
+                lambda: issue_from_host(
+                    src, meta, key, self.accel.device, engine.compute_stream, self.copy_piece_bytes
+                ),
                 work="reload",
                 on_timed=None if on_copied is None else (lambda seconds: on_copied(nbytes, seconds)),
             )

@@ -322,7 +322,12 @@ class RankerService(pb_grpc.RankerServicer):
         if self.config.expander_socket:
             from services.ranker.host_tier import HostTier
 
-            self.host = HostTier(self.config.expander_socket, self.accel, on_change=self._host_changed)
+            self.host = HostTier(
+                self.config.expander_socket,
+                self.accel,
+                on_change=self._host_changed,
+                copy_piece_bytes=self.config.copy_piece_bytes,
+            )
             await self.host.start()
             self.relay.host = self.host
         self._expiry = self.lifecycle.spawn(self._expire_loop(), "expire")

@@ -3,6 +3,14 @@
 Host layout of one psi: [kv bytes | int64 timestamps], described by `host_meta` (stored by the
 expander beside the bytes and returned on reload). Copies are *issued* here; the engine runs them
 on its copy stream and resolves the caller once they completed.
+
+psi is copied in pieces (`piece_bytes`, the ranker's copy_piece_mb): a ranking batch copies its
+inputs in and its scores out on the ranking stream, over the same PCIe link and copy engines as
+psi's copies on the copy streams. Where a copy engine serves copies in order, one copy of a whole
+psi (128 MiB at 4096 tokens of the bench preset, 3-6 ms) can hold a batch's few-KiB copy for its
+whole length; in pieces, for one piece at most. On H100 runs with the DRAM tier busy (L4096,
+2026-11-28) batches against psi took 1.3-1.8 ms of device time at p50 and 2.8-3.9 ms at p90,
+where the kernels take ~0.85 ms; whether pieces remove that tail is still to be measured.
 """
 
 from __future__ import annotations
@@ -32,10 +40,25 @@ def host_nbytes(meta: dict[str, Any]) -> int:
     return int(meta["kv_bytes"]) + int(meta["ts_bytes"])
 
 
-def issue_to_host(psi: Psi, dest: torch.Tensor) -> None:
+def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, piece_bytes: int = 0) -> int:
+    """dst.copy_(src) for flat uint8 tensors of one length, as copies of at most `piece_bytes`
+    each (0: one copy); asynchronous where the host side is pinned. Returns the copies issued."""
+    n = src.numel()
+    if dst.numel() != n:
+        raise ValueError(f"copy of {n} bytes into {dst.numel()}")
+    if piece_bytes <= 0 or n <= piece_bytes:
+        dst.copy_(src, non_blocking=True)
+        return 1
+    for start in range(0, n, piece_bytes):
+        end = min(start + piece_bytes, n)
+        dst[start:end].copy_(src[start:end], non_blocking=True)
+    return -(-n // piece_bytes)
+
+
+def issue_to_host(psi: Psi, dest: torch.Tensor, piece_bytes: int = 0) -> None:
     """Copies psi into dest (uint8, host, host_nbytes long); asynchronous when dest is pinned."""
     kv_bytes = psi.kv.numel() * psi.kv.element_size()
-    dest[:kv_bytes].copy_(psi.kv.reshape(-1).view(torch.uint8), non_blocking=True)
+    copy_in_pieces(dest[:kv_bytes], psi.kv.reshape(-1).view(torch.uint8), piece_bytes)
     dest[kv_bytes : kv_bytes + psi.prefix_len * 8].copy_(psi.timestamps.view(torch.uint8), non_blocking=True)
 
 
@@ -45,8 +68,10 @@ def issue_from_host(
     key: PsiKey,
     device: torch.device,
     alloc_stream: torch.cuda.Stream | None = None,
+    piece_bytes: int = 0,
 ) -> Psi:
     """A new psi on `device` filled from src (uint8, host). Validates the metadata first.
+    `piece_bytes`: the kv bytes are copied in pieces of at most this many (0: one copy).
 
     `alloc_stream` (CUDA): the stream whose memory pool the block comes from, the compute
     stream's, where every other psi block lives. The copies run on the current stream (the copy
@@ -76,6 +101,6 @@ def issue_from_host(
     else:
         kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
         ts = torch.empty(plen, dtype=torch.int64, device=device)
-    kv.reshape(-1).view(torch.uint8).copy_(src[:kv_bytes], non_blocking=True)
+    copy_in_pieces(kv.reshape(-1).view(torch.uint8), src[:kv_bytes], piece_bytes)
     ts.view(torch.uint8).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
     return Psi(key, kv, ts)

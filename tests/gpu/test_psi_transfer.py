@@ -13,7 +13,8 @@ from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, is
 pytestmark = pytest.mark.gpu
 
 
-def test_a_reloaded_psi_is_exact_and_its_block_is_reused_by_compute_allocations():
+@pytest.mark.parametrize("piece_bytes", [0, 1 << 20])
+def test_a_reloaded_psi_is_exact_and_its_block_is_reused_by_compute_allocations(piece_bytes):
     device = torch.device("cuda")
     compute, copy = torch.cuda.Stream(device), torch.cuda.Stream(device)
     key = PsiKey(user_id=1, prefix_version=2, model_version="m", fingerprint=3)
@@ -21,11 +22,11 @@ def test_a_reloaded_psi_is_exact_and_its_block_is_reused_by_compute_allocations(
     psi = Psi(key, kv, torch.arange(1000, device=device))
     meta = host_meta(psi)
     host = torch.empty(host_nbytes(meta), dtype=torch.uint8).pin_memory()
-    issue_to_host(psi, host)
+    issue_to_host(psi, host, piece_bytes)
     torch.cuda.synchronize()
     copy.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(copy):
-        back = issue_from_host(host, meta, key, device, alloc_stream=compute)
+        back = issue_from_host(host, meta, key, device, alloc_stream=compute, piece_bytes=piece_bytes)
     copy.synchronize()
     assert torch.equal(back.kv, psi.kv)
     assert torch.equal(back.timestamps, psi.timestamps)

@@ -65,7 +65,8 @@ async def stack(tmp_path):
     sock = tmp_path / "run" / "expander.sock"
     expander = start_expander(sock)
     # Every consumed psi copied to DRAM at once: these tests are about reloads across rankers.
-    rankers = [Ranker(sock, "--demotion", "consumed") for _ in range(2)]
+    # In 10 KiB pieces, so that every exactness check here covers psi copied in many of them.
+    rankers = [Ranker(sock, "--demotion", "consumed", "--copy-piece-mb", "0.01") for _ in range(2)]
     holder = {"expander": expander}
     try:
         for r in rankers:
