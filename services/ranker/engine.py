@@ -381,12 +381,17 @@ class Engine:
         self._first_prior: CostPrior | None = None
         self.first_costs: CostFit | None = None
         self.rank_costs = CostFit(config.step_prior)
-        self.scheduler = IterationScheduler(config.scheduler(), self.step_costs, self.rank_costs)
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
             self.graphs = RankGraphs(model, limits, full_keeps_kv=config.full_keeps_psi)
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
+        self.scheduler = IterationScheduler(
+            config.scheduler(),
+            self.step_costs,
+            self.rank_costs,
+            full_replays=None if self.graphs is None else self.graphs.holds_full,
+        )
 
     @property
     def compute_stream(self) -> torch.cuda.Stream | None:

@@ -433,6 +433,15 @@ class RankGraphs:
         slot.close(self.model.device)
         return True
 
+    def holds_full(self, lengths: Sequence[int]) -> bool:
+        """Whether a batch of full rankings of these lengths (prefix plus suffix tokens each)
+        would replay a graph captured already (the scheduler batches full rankings only into
+        such shapes). Called on the device thread, where captures happen."""
+        if not lengths:
+            return False
+        key = bucket_for(len(lengths), sum(lengths), max(lengths), self.limits, FULL)
+        return key is not None and key in self._graphs
+
     def _graph_for(self, mode: str, tokens: HostTokens) -> tuple[BucketKey, _Graph] | None:
         """The captured graph of this batch's bucket; None (counted) when there is none: a bucket
         within the limits is remembered for capture."""

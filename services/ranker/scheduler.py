@@ -45,7 +45,7 @@ such a step costs its device work, an eager one ~4-5 ms of host time besides).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.ranker.call_cost import CostFit
@@ -177,16 +177,20 @@ class IterationScheduler:
         rank_costs: CostFit | None = None,
         first_costs: CostFit | None = None,
         graph_tokens: int = 0,
+        full_replays: Callable[[Sequence[int]], bool] | None = None,
     ) -> None:
         """`costs`: the fit of pre-inference steps (chunk sizes, join decisions); `rank_costs`:
         the fit of ranking batches (batch composition), `costs` when not given; `first_costs`:
         the fit of steps that build a prefix from its first token in one CUDA graph replay, for
-        chunks of at most `graph_tokens` (None: every step is costed by `costs`)."""
+        chunks of at most `graph_tokens` (None: every step is costed by `costs`);
+        `full_replays(tokens of each call)`: whether a batch of full rankings replays a captured
+        CUDA graph (None: no graphs, e.g. on the CPU)."""
         self.config = config
         self.costs = costs
         self.rank_costs = rank_costs if rank_costs is not None else costs
         self.first_costs = first_costs
         self.graph_tokens = graph_tokens
+        self.full_replays = full_replays
 
     # ------------------------------------------------------------------ costs
 
@@ -311,10 +315,19 @@ class IterationScheduler:
         coef = self.rank_costs.coefficients
         same = sorted((r for r in ranks if r.kind is first.kind), key=lambda r: (r.deadline, r.submitted))
         oldest = min(r.submitted for r in ranks)
+        # A full ranking that a captured CUDA graph holds replays it alone; batched with others
+        # into a shape no graph holds, the batch runs eagerly, dearer than the replays it
+        # replaces: on the length mix on an H100 (mx1, 2026-11-28) batches of two full rankings
+        # took 5.0-5.7 ms at p50 and up to 83 ms, full rankings alone 1.4-1.7 ms. Such a call
+        # is batched only into shapes a captured graph holds.
+        replays = self.full_replays
+        graph_bound = first.kind is RankKind.FULL and replays is not None and replays([first.tokens])
         # Wait for the batch to fill only if a call like the lead could join it (the rule below):
         # a call that would run alone anyway (a 4096-token full ranking on a GPU, 4.3 ms against
         # a per-batch cost under 1 ms) waited up to max_wait with the device idle.
         could_batch = coef.seconds(first.tokens, first.pairs) - coef.per_batch_s <= coef.per_batch_s
+        if graph_bound and replays is not None and not replays([first.tokens, first.tokens]):
+            could_batch = False  # not even a partner of its own size would replay with it
         if could_batch and len(same) < cfg.max_batch and now < oldest + cfg.max_wait_s:
             return Plan(wait_s=oldest + cfg.max_wait_s - now)
         batch: list[RankItem] = []
@@ -325,6 +338,13 @@ class IterationScheduler:
             if batch and tokens + r.tokens > cfg.max_batch_tokens:
                 continue
             if r is not first and coef.seconds(r.tokens, r.pairs) > cap_s:
+                continue
+            if (
+                graph_bound
+                and batch
+                and replays is not None
+                and not replays([*(b.tokens for b in batch), r.tokens])
+            ):
                 continue
             # A call joins only while batching it saves more than it costs: it delays each call
             # already in the batch by its own time and saves one per-batch cost. On a GPU that

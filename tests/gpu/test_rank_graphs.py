@@ -128,6 +128,12 @@ def test_full_graph_replays_match_eager_full(model):
         assert graphed is not None
         assert max_rel(eager, graphed) <= tol, shapes
     assert graphs.stats.replays_by_family["full"] == len(cases)
+    # What the scheduler asks before batching full rankings: only captured shapes replay.
+    one = [sum(p.length + s.length for p, s in zip(*batch(104, cases[4]), strict=True))]
+    assert graphs.holds_full(one)  # the last case's bucket was captured above
+    assert not graphs.holds_full([5000])  # over max_full_tokens
+    assert not graphs.holds_full([4000, 90])  # within the limits, never captured
+    assert not graphs.holds_full([])
     # A batch over the family's limits runs eagerly.
     prefixes, suffixes = batch(200, [Shape(1, 5000, 4, 4)])
     assert graphs.full(prefixes, suffixes) is None

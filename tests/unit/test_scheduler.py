@@ -295,3 +295,31 @@ def test_first_chunks_that_a_graph_holds_are_costed_by_the_graph_steps_fit():
     assert plain.relay(item, 0.0, 1.0) is Relay.TAKE_OVER
     # Started pre-inferences are costed by the eager fit.
     assert both.remaining_seconds(256, 4096) == pytest.approx(plain.remaining_seconds(256, 4096))
+
+
+def test_full_rankings_are_batched_only_into_shapes_a_captured_graph_holds():
+    # 20-token full rankings: eight would batch by cost alone (1 ms a batch, 2 us a token).
+    calls = [rank(i, 0.100 + i * MS, RankKind.FULL, tokens=20) for i in range(1, 9)]
+    no_graphs = scheduler(max_batch=8)
+    assert no_graphs.plan(0.0, calls, []).rank == tuple(range(1, 9))
+
+    def held(upto: int):
+        return lambda tokens: len(tokens) <= upto  # captured graphs: up to `upto` calls
+
+    alone = scheduler(max_batch=8)
+    alone.full_replays = held(1)
+    assert alone.plan(0.0, calls, []).rank == (1,)  # each replays its graph, none runs eagerly
+    # ... and it does not wait to fill a batch it would not form.
+    waiting = scheduler(max_batch=8, max_wait_s=5 * MS)
+    waiting.full_replays = held(1)
+    assert waiting.plan(0.0, calls[:1], []).rank == (1,)
+    pairs = scheduler(max_batch=8)
+    pairs.full_replays = held(2)
+    assert pairs.plan(0.0, calls, []).rank == (1, 2)
+    # A lead that no graph holds runs eagerly anyway: batched by cost as before.
+    eager = scheduler(max_batch=8)
+    eager.full_replays = lambda tokens: False
+    assert eager.plan(0.0, calls, []).rank == tuple(range(1, 9))
+    # Calls against psi are batched by cost whatever the full rankings' graphs.
+    hits = [rank(i, 0.100 + i * MS, RankKind.CACHED, tokens=20) for i in range(1, 9)]
+    assert alone.plan(0.0, hits, []).rank == tuple(range(1, 9))
