@@ -9,7 +9,8 @@ loop asks `plan()` before every step and runs what it returns:
     complete psi, in full, or partial: against psi built in part), up to `max_batch` calls and
     `max_batch_tokens` computed tokens, after waiting at most `max_wait_s` for it to fill. Short
     work (calls against complete psi, or calls far shorter than the earliest one) goes first
-    while the earliest call is still predicted to meet its deadline after it (`_lead`);
+    while the earliest call is still predicted to meet its deadline after it (`_lead`); on a GPU
+    full rankings are batched only into shapes a captured CUDA graph holds (`full_replays`);
   * when no ranking call is waiting, pre-inference CHUNKS, the psi needed soonest first (by its
     ranking call's deadline, which the retrieval event carries): a prefix is built `chunk_tokens` at a
     time at most (a multiple of the fingerprint's 256-token chunks, so a built part is always a
