@@ -1,0 +1,492 @@
+"""A discrete-event model of one ranker's device loop under the benchmarks' workload: the first
+part of the capacity model (issue "How many GPUs and how much DRAM"), checked against the GPU's
+goodput files.
+
+    python -m relaygr.sim bench/results/goodput-nvidia-h100-80gb-hbm3-ed2.json --config baseline
+    python -m relaygr.sim FILE --config relay-nospare --workload L4096 --json out.json
+
+What it models, per ranking call of `relaygr.workload.generate` (the generator bench.goodput
+replays, same seed, same lead-in, the measured window only counted):
+  * one device loop, non-preemptive, planned step by step by the ranker's own scheduler
+    (services/ranker/scheduler.py: earliest deadline first, calls of one kind per batch, the
+    batch limits and the wait to fill), its batch costs fitted the way the engine fits them;
+  * a batch's device time: the fit of the measured batches of its kind (full rankings, calls
+    against psi) times a ratio drawn from those batches' measured / fitted ratios, so that the
+    measured tail (eager launches, copy contention, noise) comes with it;
+  * a call's time outside the device loop (network, decoding, the reply) drawn from the measured
+    calls of its path: latency - queue - compute - cache;
+  * with `--psi`: rankings keep psi (prefixes of at least `keep_min_tokens`), HBM and host DRAM
+    as LRU caches by bytes; a call finds its psi in HBM (a call against psi), in DRAM (a reload:
+    its measured cache time, then a call against psi; the psi returns to HBM) or nowhere (a full
+    ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM.
+Not modelled yet: pre-inference (the trigger, chunks, joins, prefetch), the router and several
+rankers, the copy engine as a resource. So it predicts `baseline` and `relay-nospare` (rankings
+keep psi, no pre-inference) and is checked on them; `relay` itself is the next step.
+
+Calibration comes only from a goodput result file and the per-call records beside it
+(bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
+constants: the costs of a configuration on a workload are fitted on all its measured points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relaygr.workload import PlannedRequest, WorkloadConfig, generate
+from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.scheduler import IterationScheduler, RankItem, RankKind, SchedulerConfig
+
+PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
+_CACHED_PATHS = ("hbm_hit", "dram_reload", "inflight_join", "partial_prefix")
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+@dataclasses.dataclass(frozen=True)
+class KindCost:
+    """Device time of one kind of batch: seconds = per_batch + per_token x tokens + per_pair x
+    pairs, times a ratio drawn from `ratios` (measured / fitted, one per measured batch)."""
+
+    per_batch_s: float
+    per_token_s: float
+    per_pair_s: float
+    ratios: tuple[float, ...]
+
+    def fitted_s(self, tokens: int, pairs: int) -> float:
+        return self.per_batch_s + self.per_token_s * tokens + self.per_pair_s * pairs
+
+    def draw_s(self, tokens: int, pairs: int, rng: np.random.Generator) -> float:
+        return self.fitted_s(tokens, pairs) * float(self.ratios[rng.integers(len(self.ratios))])
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What the model takes from one configuration's measured run (module docstring)."""
+
+    full: KindCost
+    cached: KindCost | None  # None: no call was served from psi (the baseline)
+    overhead_ms: dict[str, tuple[float, ...]]  # per served path: time outside the device loop
+    reload_cache_ms: tuple[float, ...]  # a reload's wait for its copy
+    batches: int  # measured batches it was fitted on
+
+
+@dataclasses.dataclass
+class _Batch:
+    full: bool
+    tokens: int = 0
+    pairs: int = 0
+    compute_ms: float = 0.0
+
+
+def _fit(samples: Sequence[_Batch]) -> KindCost:
+    """Non-negative least squares on relative error (as services.ranker.call_cost fits)."""
+    if not samples:
+        raise ValueError("no measured batches to fit")
+    x = np.array([[1.0, b.tokens / 1e3, b.pairs / 1e6] for b in samples])
+    y = np.array([b.compute_ms / 1e3 for b in samples])
+    w = 1.0 / np.maximum(y, 1e-3)
+    active = [0, 1, 2]
+    coef = np.zeros(3)
+    for _ in range(3):  # drop a negative coefficient and refit (at most three times)
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active = [a for a, v in zip(active, sol, strict=True) if v >= 0] or [0]
+    else:
+        coef[:] = 0.0
+        coef[0] = float(np.median(y))
+    per_batch, per_token, per_pair = float(coef[0]), float(coef[1]) / 1e3, float(coef[2]) / 1e6
+    fitted = [per_batch + per_token * b.tokens + per_pair * b.pairs for b in samples]
+    ratios = tuple(float(v / f) for v, f in zip(y, fitted, strict=True) if f > 0)
+    return KindCost(per_batch, per_token, per_pair, ratios)
+
+
+def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
+    """The costs of the served calls' records (bench.goodput --calls-dir): batches grouped by
+    their `batch_seq`, pairs counted as the scheduler counts them (CallWork)."""
+    batches: dict[int, _Batch] = {}
+    overhead: dict[str, list[float]] = collections.defaultdict(list)
+    reloads: list[float] = []
+    for r in records:
+        if r.get("status") != "OK":
+            continue
+        path = str(r["served_by"])
+        full = path == "full_recompute"
+        prefix, suffix = int(r["prefix_len"]), int(r["suffix_len"])
+        b = batches.setdefault(int(r["batch_seq"]), _Batch(full, compute_ms=float(r["compute_ms"])))
+        b.tokens += prefix + suffix if full else suffix
+        b.pairs += prefix * (prefix + suffix) if full else 0
+        rest = float(r["latency_ms"]) - float(r["queue_ms"]) - float(r["compute_ms"]) - float(r["cache_ms"])
+        overhead[path].append(max(0.0, rest))
+        if path == "dram_reload":
+            reloads.append(float(r["cache_ms"]))
+    # A batch's size comes from its records; the measured window cuts a few batches short (their
+    # first calls were lead-in), which the fit tolerates.
+    full_batches = [b for b in batches.values() if b.full]
+    cached_batches = [b for b in batches.values() if not b.full]
+    return Calibration(
+        full=_fit(full_batches),
+        cached=_fit(cached_batches) if cached_batches else None,
+        overhead_ms={k: tuple(v) for k, v in overhead.items()},
+        reload_cache_ms=tuple(reloads),
+        batches=len(batches),
+    )
+
+
+def calls_files(result_file: Path, config: str, workload: str) -> list[Path]:
+    """The per-call records of one configuration and workload beside a goodput result file."""
+    stem = result_file.name.removesuffix(".json")
+    pattern = re.compile(re.escape(f"{stem}-{config}-{workload}-p") + r"\d+-[0-9.]+\.jsonl(\.gz)?$")
+    return sorted(
+        p for p in (result_file.parent / "calls").glob(f"{stem}-{config}-*") if pattern.match(p.name)
+    )
+
+
+def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in paths:
+        with gzip.open(p, "rt") if p.suffix == ".gz" else p.open() as f:
+            out.extend(json.loads(line) for line in f if line.strip())
+    return out
+
+
+# ---------------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The ranker being modelled (defaults: the ranker's and bench.goodput's)."""
+
+    slo_ms: float = 50.0
+    psi: bool = False  # rankings keep psi, HBM and DRAM tiers (relay-nospare)
+    hbm_budget_bytes: int = 60_000 * 2**20
+    dram_bytes: int = 24 * 2**30
+    keep_min_tokens: int = 512
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+
+class _Lru:
+    """Bytes-bounded LRU of psi keys."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._items: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._items
+
+    def touch(self, key: tuple[int, int]) -> None:
+        self._items.move_to_end(key)
+
+    def pop(self, key: tuple[int, int]) -> None:
+        self.used -= self._items.pop(key)
+
+    def put(self, key: tuple[int, int], nbytes: int) -> list[tuple[tuple[int, int], int]]:
+        """Inserts (most recent); returns what it evicted, oldest first."""
+        if key in self._items:
+            self.pop(key)
+        evicted = []
+        while self._items and self.used + nbytes > self.capacity:
+            old, size = self._items.popitem(last=False)
+            self.used -= size
+            evicted.append((old, size))
+        if nbytes <= self.capacity:
+            self._items[key] = nbytes
+            self.used += nbytes
+        return evicted
+
+
+@dataclasses.dataclass
+class Served:
+    request: PlannedRequest
+    path: str
+    latency_ms: float
+    device_ms: float  # its share of its batch's device time
+
+
+def simulate(
+    requests: Sequence[PlannedRequest], cal: Calibration, setup: Setup, seed: int = 0
+) -> list[Served]:
+    """Every call of `requests` through one modelled ranker (module docstring), in order of
+    arrival; the latencies of all of them (the caller drops the lead-in's)."""
+    rng = np.random.default_rng(seed)
+    fit = CostFit(CostPrior(per_batch_s=cal.full.per_batch_s, per_token_s=cal.full.per_token_s, batches=0.0))
+    for kind in (cal.full, cal.cached):
+        if kind is None:
+            continue
+        for tokens in (320, 1280, 4416, 8832):  # the scheduler judges batches by one fit, as the engine's
+            pairs = 0 if kind is cal.cached else tokens * tokens
+            fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
+    scheduler = IterationScheduler(setup.scheduler, fit, fit)
+    hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
+    by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
+    queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
+    out: list[Served] = []
+    now, i, ids = 0.0, 0, 0
+    reloads: list[tuple[float, int]] = []  # (ready time, id): calls waiting for their copy
+
+    def admit(r: PlannedRequest, t: float) -> None:
+        nonlocal ids
+        ids += 1
+        key = (r.user_id, r.prefix_version)
+        suffix = r.recent_len + r.candidates
+        path = "full_recompute"
+        if setup.psi and key in hbm:
+            hbm.touch(key)
+            path = "hbm_hit"
+        elif setup.psi and key in dram:
+            path = "dram_reload"
+        cached = path != "full_recompute"
+        tokens = suffix if cached else r.prefix_len + suffix
+        pairs = 0 if cached else r.prefix_len * (r.prefix_len + suffix)
+        kind = RankKind.CACHED if cached else RankKind.FULL
+        item = RankItem(ids, kind, t + setup.slo_ms / 1e3, t, tokens, pairs)
+        if path == "dram_reload":
+            wait = (
+                float(cal.reload_cache_ms[rng.integers(len(cal.reload_cache_ms))])
+                if cal.reload_cache_ms
+                else 0.0
+            )
+            reloads.append((t + wait / 1e3, ids))
+            queue[ids] = (item, r, path, t)
+            dram.pop(key)
+            _keep(key, r.prefix_len)  # back in HBM (a reload is admitted like any psi)
+            return
+        queue[ids] = (item, r, path, t)
+
+    def _keep(key: tuple[int, int], prefix_len: int) -> None:
+        for old, size in hbm.put(key, prefix_len * PSI_BYTES_PER_TOKEN):
+            dram.put(old, size)  # demoted before it goes (demotion under pressure)
+
+    while i < len(by_arrival) or queue:
+        while i < len(by_arrival) and by_arrival[i].t_rank_s <= now:
+            admit(by_arrival[i], by_arrival[i].t_rank_s)
+            i += 1
+        waiting = {rid for t, rid in reloads if t > now}
+        ready = [q[0] for rid, q in queue.items() if rid not in waiting]
+        plan = scheduler.plan(now, ready, []) if ready else None
+        if plan is None or plan.empty:
+            next_times = [t for t, rid in reloads if t > now]
+            if i < len(by_arrival):
+                next_times.append(by_arrival[i].t_rank_s)
+            if plan is not None and plan.wait_s > 0:
+                next_times.append(now + plan.wait_s)
+            if not next_times:
+                break
+            now = max(now, min(next_times))
+            continue
+        batch = [queue.pop(rid) for rid in plan.rank]
+        reloads = [(t, rid) for t, rid in reloads if rid in queue]
+        full = batch[0][0].kind is RankKind.FULL
+        cost = cal.full if full else (cal.cached or cal.full)
+        tokens = sum(b[0].tokens for b in batch)
+        pairs = sum(b[0].pairs for b in batch)
+        seconds = cost.draw_s(tokens, pairs, rng)
+        end = now + seconds
+        for _, r, path, arrived in batch:
+            samples = cal.overhead_ms.get(path) or cal.overhead_ms.get("full_recompute") or (0.0,)
+            extra = float(samples[rng.integers(len(samples))])
+            out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
+            if setup.psi and full and r.prefix_len >= setup.keep_min_tokens:
+                _keep((r.user_id, r.prefix_version), r.prefix_len)
+        now = end
+    return out
+
+
+# ---------------------------------------------------------------------- goodput
+
+
+def p99_at(
+    workload: WorkloadConfig, rate: float, cal: Calibration, setup: Setup, seed: int = 0
+) -> dict[str, Any]:
+    """One modelled point: the workload at `rate` (bench.goodput's point: 10 s and 400 calls at
+    least, after its lead-in), its measured window's P99 and path shares."""
+    cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(10.0, 400 / rate))
+    plan = generate(cfg)
+    served = [s for s in simulate(plan.requests, cal, setup, seed) if not s.request.lead_in]
+    lat = np.array([s.latency_ms for s in served])
+    paths = collections.Counter(s.path for s in served)
+    return {
+        "rate_rps": rate,
+        "calls": len(served),
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "meets_slo": bool(np.percentile(lat, 99) <= setup.slo_ms),
+        "busy": sum(s.device_ms for s in served) / 1e3 / cfg.duration_s,
+        **{k: v / len(served) for k, v in sorted(paths.items())},
+    }
+
+
+def goodput(
+    workload: WorkloadConfig,
+    cal: Calibration,
+    setup: Setup,
+    start_rps: float,
+    growth: float = 1.3,
+    precision: float = 0.05,
+    cap_rps: float = 4096.0,
+    seed: int = 0,
+) -> tuple[float, float, list[dict[str, Any]]]:
+    """bench.goodput's search on the model: up by `growth` from `start_rps` until a miss (down
+    until a rate meets, when the first misses), then bisection to `precision`. Returns the
+    highest rate met, the lowest missed, and every point."""
+    points: list[dict[str, Any]] = []
+
+    def meets(rate: float) -> bool:
+        points.append(p99_at(workload, rate, cal, setup, seed))
+        return bool(points[-1]["meets_slo"])
+
+    low, high = 0.0, math.inf
+    rate = start_rps
+    if meets(rate):
+        low = rate
+        while high == math.inf and rate < cap_rps:
+            rate = min(rate * growth, cap_rps)
+            if meets(rate):
+                low = rate
+            else:
+                high = rate
+        if high == math.inf:
+            return low, high, points
+    else:
+        high = rate
+        while low == 0.0 and rate > start_rps / 64:
+            rate /= growth
+            if meets(rate):
+                low = rate
+            else:
+                high = rate
+    while low > 0 and high / low > 1 + precision:
+        mid = math.sqrt(low * high)
+        if meets(mid):
+            low = mid
+        else:
+            high = mid
+    return low, high, points
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
+    c = result["config"]
+    match = re.fullmatch(r"(mix|L(\d+))", name)
+    if match is None:
+        raise SystemExit(f"relaygr.sim: workload {name!r}: L<prefix tokens> or mix")
+    return WorkloadConfig(
+        seed=int(c.get("seed", 0)),
+        users=int(c.get("users", 100_000)),
+        recent_tokens=int(c.get("recent", 64)),
+        candidates=int(c.get("candidates", 256)),
+        length_scale=float(c.get("length_scale", 16.0)),
+        max_prefix_len=int(c.get("max_prefix_len", 16_384)),
+        session_mean_requests=float(c.get("session_mean_requests", 3.0)),
+        think_scale=float(c.get("think_scale", 0.1)),
+        lead_in_s=float(c.get("lead_in_s", 10.0)),
+        fixed_prefix_len=int(match.group(2)) if match.group(2) else None,
+    )
+
+
+def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
+    """The highest rate met and the lowest missed among a file's points of one configuration."""
+    met, missed = 0.0, math.inf
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            if p["meets_slo"]:
+                met = max(met, float(p["rate_rps"]))
+            else:
+                missed = min(missed, float(p["rate_rps"]))
+    return met, missed
+
+
+def write_result(path: Path, machine: dict[str, Any], record: dict[str, Any]) -> None:
+    """Adds `record` to the result file at `path` (EVALUATION.md's layout: machine, config,
+    results), replacing one of the same configuration, workload and measured file."""
+    doc: dict[str, Any] = {"machine": machine, "config": {"model": "relaygr.sim"}, "results": []}
+    if path.exists():
+        doc = json.loads(path.read_text())
+    same = ("config", "workload", "measured_from")
+    doc["results"] = [r for r in doc["results"] if any(r.get(k) != record[k] for k in same)] + [record]
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m relaygr.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("result", type=Path, help="a bench.goodput result file, its calls/ directory beside it")
+    p.add_argument("--config", required=True, help="baseline or relay-nospare (what the model covers)")
+    p.add_argument("--workload", default=None, help="L<n> or mix (default: the file's only one)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None,
+                   help="add the comparison to this result file (bench/results/sim-<device>.json: "
+                   "created, or its record of the same config, workload and source replaced)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.config not in ("baseline", "relay-nospare"):
+        p.error("--config: the model covers baseline and relay-nospare (no pre-inference yet)")
+    try:
+        result = json.loads(args.result.read_text())
+    except (OSError, ValueError) as exc:
+        p.error(f"cannot read {args.result}: {exc}")
+    workloads = sorted({r["workload"] for r in result["results"] if r["config"] == args.config})
+    workload = args.workload or (workloads[0] if len(workloads) == 1 else None)
+    if workload is None or workload not in workloads:
+        p.error(f"--workload: one of {workloads} for {args.config}")
+    files = calls_files(args.result, args.config, workload)
+    if not files:
+        p.error(f"no per-call records of {args.config} / {workload} beside {args.result}")
+    cal = calibrate(read_records(files))
+    c = result["config"]
+    setup = Setup(
+        slo_ms=float(c["slo_ms"]),
+        psi=args.config != "baseline",
+        hbm_budget_bytes=int(float(c.get("hbm_budget_mb", 60_000)) * 2**20),
+        dram_bytes=int(float(c.get("arena_gb", 24)) * 2**30),
+    )
+    met, missed = measured_limit(result, args.config, workload)
+    start = met if met > 0 else missed / 2
+    low, high, points = goodput(_workload(result, workload), cal, setup, start, seed=args.seed)
+    summary = {
+        "config": args.config,
+        "workload": workload,
+        "measured_from": args.result.name,
+        # The file's points: the highest rate met and the lowest missed (a limit only where the
+        # file bisected between them; fixed-rate points bracket it more coarsely).
+        "measured_goodput_rps": met,
+        "measured_first_miss_rps": None if math.isinf(missed) else missed,
+        "predicted_goodput_rps": low,
+        "predicted_over_measured": low / met if met > 0 else None,
+        "predicted_first_miss_rps": None if math.isinf(high) else high,
+        "calibration_batches": cal.batches,
+        "points": points,
+    }
+    print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "
+          f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches")  # fmt: skip
+    for pt in points:
+        shares = " ".join(f"{k} {pt[k]:.2f}" for k in ("hbm_hit", "dram_reload", "full_recompute") if k in pt)
+        verdict = "meets " if pt["meets_slo"] else "misses"
+        print(
+            f"  {pt['rate_rps']:8.1f} req/s  p99 {pt['p99_ms']:7.1f} ms  {verdict}  busy {pt['busy']:.2f}  {shares}"
+        )
+    if args.json is not None:
+        write_result(args.json, result.get("machine", {}), summary)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""relaygr.sim, the capacity model's first part: its calibration recovers the costs it is given,
+its tiers evict by bytes, and the modelled ranker serves calls the way the ranker would."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from relaygr.sim import (
+    PSI_BYTES_PER_TOKEN,
+    Calibration,
+    KindCost,
+    Setup,
+    _Lru,
+    calibrate,
+    goodput,
+    main,
+    simulate,
+)
+from relaygr.workload import PlannedRequest, WorkloadConfig
+
+FULL = KindCost(per_batch_s=1e-3, per_token_s=0.5e-6, per_pair_s=0.1e-9, ratios=(1.0,))
+CACHED = KindCost(per_batch_s=0.8e-3, per_token_s=0.2e-6, per_pair_s=0.0, ratios=(1.0,))
+EXACT = Calibration(FULL, CACHED, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (2.0,), batches=0)
+
+
+def request(i: int, t: float, user: int, prefix_len: int = 4096, session_index: int = 0) -> PlannedRequest:
+    return PlannedRequest(
+        request_id=f"r{i}", t_retrieval_s=t - 0.05, t_rank_s=t, user_id=user, prefix_version=1,
+        prefix_len=prefix_len, recent_len=64, candidates=256, session_index=session_index,
+    )  # fmt: skip
+
+
+def record(seq: int, path: str, prefix: int, compute_ms: float, latency_ms: float, cache_ms: float = 0.0):
+    return {
+        "status": "OK", "served_by": path, "prefix_len": prefix, "suffix_len": 320, "batch_seq": seq,
+        "compute_ms": compute_ms, "queue_ms": 1.0, "cache_ms": cache_ms, "latency_ms": latency_ms,
+    }  # fmt: skip
+
+
+def test_the_lru_evicts_the_oldest_bytes_first():
+    lru = _Lru(100)
+    assert lru.put((1, 1), 40) == []
+    assert lru.put((2, 1), 40) == []
+    lru.touch((1, 1))  # now (2, 1) is the oldest
+    assert lru.put((3, 1), 40) == [((2, 1), 40)]
+    assert (1, 1) in lru
+    assert (3, 1) in lru
+    assert lru.used == 80
+    assert lru.put((4, 1), 500) == [((1, 1), 40), ((3, 1), 40)]  # larger than it holds: kept nowhere
+    assert lru.used == 0
+
+
+def test_calibration_recovers_the_costs_it_was_measured_at():
+    rng = np.random.default_rng(0)
+    records, seq = [], 0
+    for _ in range(200):
+        seq += 1
+        prefix = int(rng.integers(300, 8000))
+        tokens, pairs = prefix + 320, prefix * (prefix + 320)
+        records.append(record(seq, "full_recompute", prefix, FULL.fitted_s(tokens, pairs) * 1e3, 20.0))
+        seq += 1
+        n = int(rng.integers(1, 5))
+        ms = CACHED.fitted_s(320 * n, 0) * 1e3
+        records += [record(seq, "hbm_hit", 4096, ms, 10.0) for _ in range(n)]
+    reload_ms = CACHED.fitted_s(320, 0) * 1e3
+    records.append(record(seq + 1, "dram_reload", 4096, reload_ms, 30.0, cache_ms=12.0))
+    cal = calibrate(records)
+    assert cal.full.per_batch_s == pytest.approx(FULL.per_batch_s, rel=1e-3)
+    assert cal.full.per_token_s == pytest.approx(FULL.per_token_s, rel=1e-3)
+    assert cal.full.per_pair_s == pytest.approx(FULL.per_pair_s, rel=1e-3)
+    assert cal.cached is not None
+    assert cal.cached.per_token_s == pytest.approx(CACHED.per_token_s, rel=1e-3)
+    assert max(abs(r - 1) for r in cal.full.ratios) < 1e-6
+    assert cal.reload_cache_ms == (12.0,)
+    # Time outside the device loop: latency - queue - compute - cache, per path.
+    assert cal.overhead_ms["dram_reload"] == (pytest.approx(30.0 - 1.0 - reload_ms - 12.0),)
+
+
+def test_an_idle_ranker_serves_a_call_in_its_device_time_and_queues_the_next():
+    out = simulate([request(0, 1.0, 1), request(1, 1.0, 2)], EXACT, Setup())
+    one = FULL.fitted_s(4416, 4096 * 4416) * 1e3
+    # The two full rankings batch together (the scheduler's rule at these costs) or run in turn.
+    assert [s.path for s in out] == ["full_recompute"] * 2
+    assert min(s.latency_ms for s in out) >= one - 1e-6
+    assert max(s.latency_ms for s in out) <= 2 * one + 1e-6
+
+
+def test_rankings_keep_psi_so_a_returning_call_is_served_from_hbm_or_from_dram():
+    calls = [request(0, 1.0, 1), request(1, 2.0, 1, session_index=1)]
+    assert [s.path for s in simulate(calls, EXACT, Setup(psi=True))] == ["full_recompute", "hbm_hit"]
+    assert [s.path for s in simulate(calls, EXACT, Setup(psi=False))] == ["full_recompute"] * 2
+    # HBM holds one psi: the second user's pushes the first's to DRAM, whence it is reloaded.
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=4 * one)
+    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 2.0, 1, session_index=1)]
+    out = simulate(calls, EXACT, tiers)
+    assert [s.path for s in out] == ["full_recompute", "full_recompute", "dram_reload"]
+    assert out[2].latency_ms >= 2.0  # the reload's measured wait, then the call against psi
+    # Prefixes under keep_min_tokens keep nothing.
+    short = [request(0, 1.0, 1, prefix_len=300), request(1, 2.0, 1, prefix_len=300, session_index=1)]
+    assert [s.path for s in simulate(short, EXACT, Setup(psi=True))] == ["full_recompute"] * 2
+
+
+def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
+    workload = WorkloadConfig(fixed_prefix_len=4096, lead_in_s=2.0)
+    low, high, points = goodput(workload, EXACT, Setup(), start_rps=50.0, precision=0.1)
+    assert 0 < low < high <= 1.1 * low
+    met = [p for p in points if p["meets_slo"]]
+    assert max(p["rate_rps"] for p in met) == low
+    assert all(p["busy"] > 0 for p in points)
+
+
+def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_not_model(tmp_path, capsys):
+    (tmp_path / "calls").mkdir()
+    rng = np.random.default_rng(1)
+    rows = [record(i, "full_recompute", 4096, float(rng.uniform(3.3, 4.0)), 12.0) for i in range(300)]
+    with gzip.open(tmp_path / "calls" / "goodput-x-t-baseline-L4096-p1-150.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows))
+    result = {
+        "config": {"slo_ms": 50.0, "lead_in_s": 2.0, "hbm_budget_mb": 60000, "arena_gb": 24},
+        "results": [{"config": "baseline", "workload": "L4096", "points": [
+            {"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}],
+    }  # fmt: skip
+    path = tmp_path / "goodput-x-t.json"
+    path.write_text(json.dumps(result))
+    out_file = tmp_path / "sim.json"
+    assert main([str(path), "--config", "baseline", "--json", str(out_file)]) == 0
+    assert main([str(path), "--config", "baseline", "--json", str(out_file)]) == 0  # replaces, not adds
+    (out,) = json.loads(out_file.read_text())["results"]
+    assert out["measured_goodput_rps"] == 150.0
+    assert out["measured_first_miss_rps"] == 250.0
+    assert out["predicted_goodput_rps"] > 0
+    assert out["predicted_over_measured"] == out["predicted_goodput_rps"] / 150.0
+    assert out["measured_from"] == "goodput-x-t.json"
+    assert "modelled goodput" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay"])  # pre-inference is not modelled yet
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json"), "--config", "baseline"])
