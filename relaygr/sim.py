@@ -147,6 +147,18 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
     )
 
 
+def scaled(cal: Calibration, full: float = 1.0, cached: float = 1.0) -> Calibration:
+    """The calibration with full rankings' and calls against psi's device times scaled (what
+    if a kernel made them cheaper)."""
+
+    def scale(k: KindCost, f: float) -> KindCost:
+        return KindCost(k.per_batch_s * f, k.per_token_s * f, k.per_pair_s * f, k.ratios)
+
+    return dataclasses.replace(
+        cal, full=scale(cal.full, full), cached=None if cal.cached is None else scale(cal.cached, cached)
+    )
+
+
 def calls_files(result_file: Path, config: str, workload: str) -> list[Path]:
     """The per-call records of one configuration and workload beside a goodput result file."""
     stem = result_file.name.removesuffix(".json")
@@ -418,11 +430,11 @@ def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[
 
 def write_result(path: Path, machine: dict[str, Any], record: dict[str, Any]) -> None:
     """Adds `record` to the result file at `path` (EVALUATION.md's layout: machine, config,
-    results), replacing one of the same configuration, workload and measured file."""
+    results), replacing one of the same configuration, workload, measured file and what-if."""
     doc: dict[str, Any] = {"machine": machine, "config": {"model": "relaygr.sim"}, "results": []}
     if path.exists():
         doc = json.loads(path.read_text())
-    same = ("config", "workload", "measured_from")
+    same = ("config", "workload", "measured_from", "what_if")
     doc["results"] = [r for r in doc["results"] if any(r.get(k) != record[k] for k in same)] + [record]
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
@@ -433,6 +445,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="baseline or relay-nospare (what the model covers)")
     p.add_argument("--workload", default=None, help="L<n> or mix (default: the file's only one)")
     p.add_argument("--seed", type=int, default=0)
+    what_if = p.add_argument_group(
+        "what if (a prediction, not a check: the measured figures are not compared)"
+    )
+    what_if.add_argument("--hbm-budget-mb", type=float, default=None, help="instead of the file's")
+    what_if.add_argument("--lead-in-s", type=float, default=None, help="unmeasured lead-in per point")
+    what_if.add_argument(
+        "--arena-gb", type=float, default=None, help="host DRAM for psi, instead of the file's"
+    )
+    what_if.add_argument(
+        "--cached-scale", type=float, default=1.0, help="calls against psi cost this x measured"
+    )
+    what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
@@ -450,17 +474,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = calls_files(args.result, args.config, workload)
     if not files:
         p.error(f"no per-call records of {args.config} / {workload} beside {args.result}")
-    cal = calibrate(read_records(files))
+    if min(args.cached_scale, args.full_scale) <= 0 or any(
+        v is not None and v < 0 for v in (args.hbm_budget_mb, args.arena_gb, args.lead_in_s)
+    ):
+        p.error("what-if sizes must be >= 0 and cost scales > 0")
+    cal = scaled(calibrate(read_records(files)), args.full_scale, args.cached_scale)
+    changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
+               ("lead_in_s", args.lead_in_s),
+               ("cached_scale", args.cached_scale), ("full_scale", args.full_scale))
+               if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
         psi=args.config != "baseline",
-        hbm_budget_bytes=int(float(c.get("hbm_budget_mb", 60_000)) * 2**20),
-        dram_bytes=int(float(c.get("arena_gb", 24)) * 2**30),
+        hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
+        dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
     )
     met, missed = measured_limit(result, args.config, workload)
     start = met if met > 0 else missed / 2
-    low, high, points = goodput(_workload(result, workload), cal, setup, start, seed=args.seed)
+    modelled = _workload(result, workload)
+    if args.lead_in_s is not None:
+        modelled = dataclasses.replace(modelled, lead_in_s=args.lead_in_s)
+    low, high, points = goodput(modelled, cal, setup, start, seed=args.seed)
     summary = {
         "config": args.config,
         "workload": workload,
@@ -470,13 +505,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measured_goodput_rps": met,
         "measured_first_miss_rps": None if math.isinf(missed) else missed,
         "predicted_goodput_rps": low,
-        "predicted_over_measured": low / met if met > 0 else None,
+        "predicted_over_measured": low / met if met > 0 and not changes else None,
+        "what_if": changes,
         "predicted_first_miss_rps": None if math.isinf(high) else high,
         "calibration_batches": cal.batches,
         "points": points,
     }
     print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "
-          f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches")  # fmt: skip
+          f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches"
+          + (f"; what if {changes}" if changes else ""))  # fmt: skip
     for pt in points:
         shares = " ".join(f"{k} {pt[k]:.2f}" for k in ("hbm_hit", "dram_reload", "full_recompute") if k in pt)
         verdict = "meets " if pt["meets_slo"] else "misses"

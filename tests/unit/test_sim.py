@@ -18,6 +18,7 @@ from relaygr.sim import (
     calibrate,
     goodput,
     main,
+    scaled,
     simulate,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
@@ -141,3 +142,25 @@ def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_no
         main([str(path), "--config", "relay"])  # pre-inference is not modelled yet
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json"), "--config", "baseline"])
+
+
+def test_what_if_scales_the_costs_and_is_never_compared_with_the_measured(tmp_path):
+    half = scaled(EXACT, full=1.0, cached=0.5)
+    assert half.full == EXACT.full
+    assert half.cached is not None
+    assert half.cached.fitted_s(320, 0) == pytest.approx(EXACT.cached.fitted_s(320, 0) / 2)  # type: ignore[union-attr]
+    (tmp_path / "calls").mkdir()
+    rows = [record(i, "full_recompute", 4096, 3.5, 12.0) for i in range(100)]
+    with gzip.open(tmp_path / "calls" / "goodput-x-t-baseline-L4096-p1-150.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows))
+    result = {"config": {"slo_ms": 50.0, "lead_in_s": 1.0}, "results": [{"config": "baseline", "workload": "L4096",
+              "points": [{"rate_rps": 150.0, "meets_slo": True}]}]}  # fmt: skip
+    path = tmp_path / "goodput-x-t.json"
+    path.write_text(json.dumps(result))
+    out_file = tmp_path / "sim.json"
+    assert main([str(path), "--config", "baseline", "--full-scale", "0.5", "--json", str(out_file)]) == 0
+    (out,) = json.loads(out_file.read_text())["results"]
+    assert out["what_if"] == {"full_scale": 0.5}
+    assert out["predicted_over_measured"] is None
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "baseline", "--cached-scale", "0"])
