@@ -54,21 +54,33 @@ _CACHED_PATHS = ("hbm_hit", "dram_reload", "inflight_join", "partial_prefix")
 # ---------------------------------------------------------------------- calibration
 
 
+def shape_of(calls: int, tokens: int) -> tuple[int, int]:
+    """A batch's shape class: its calls (1, 2, 3-4, 5+) and its tokens' power of two. Batches
+    of one class run alike (on a GPU: a CUDA graph or eager, the same kernels' regime)."""
+    calls_class = calls if calls <= 2 else 4 if calls <= 4 else 5
+    return calls_class, max(0, int(tokens).bit_length() - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class KindCost:
     """Device time of one kind of batch: seconds = per_batch + per_token x tokens + per_pair x
-    pairs, times a ratio drawn from `ratios` (measured / fitted, one per measured batch)."""
+    pairs, times a ratio (measured / fitted) drawn from the measured batches of the same shape
+    class (`shape_of`), or from all of them where that class was never measured: a linear fit
+    over 300-16k tokens misses where long batches run eagerly, and one pool of ratios spread the
+    eager batches' tail over every batch."""
 
     per_batch_s: float
     per_token_s: float
     per_pair_s: float
     ratios: tuple[float, ...]
+    by_shape: dict[tuple[int, int], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def fitted_s(self, tokens: int, pairs: int) -> float:
         return self.per_batch_s + self.per_token_s * tokens + self.per_pair_s * pairs
 
-    def draw_s(self, tokens: int, pairs: int, rng: np.random.Generator) -> float:
-        return self.fitted_s(tokens, pairs) * float(self.ratios[rng.integers(len(self.ratios))])
+    def draw_s(self, tokens: int, pairs: int, rng: np.random.Generator, calls: int = 1) -> float:
+        pool = self.by_shape.get(shape_of(calls, tokens)) or self.ratios
+        return self.fitted_s(tokens, pairs) * float(pool[rng.integers(len(pool))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +100,7 @@ class _Batch:
     tokens: int = 0
     pairs: int = 0
     compute_ms: float = 0.0
+    calls: int = 0
 
 
 def _fit(samples: Sequence[_Batch]) -> KindCost:
@@ -111,8 +124,12 @@ def _fit(samples: Sequence[_Batch]) -> KindCost:
         coef[0] = float(np.median(y))
     per_batch, per_token, per_pair = float(coef[0]), float(coef[1]) / 1e3, float(coef[2]) / 1e6
     fitted = [per_batch + per_token * b.tokens + per_pair * b.pairs for b in samples]
-    ratios = tuple(float(v / f) for v, f in zip(y, fitted, strict=True) if f > 0)
-    return KindCost(per_batch, per_token, per_pair, ratios)
+    by_shape: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
+    for b, v, f in zip(samples, y, fitted, strict=True):
+        if f > 0:
+            by_shape[shape_of(b.calls, b.tokens)].append(float(v / f))
+    ratios = tuple(r for pool in by_shape.values() for r in pool)
+    return KindCost(per_batch, per_token, per_pair, ratios, {k: tuple(v) for k, v in by_shape.items()})
 
 
 def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
@@ -128,6 +145,7 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
         full = path == "full_recompute"
         prefix, suffix = int(r["prefix_len"]), int(r["suffix_len"])
         b = batches.setdefault(int(r["batch_seq"]), _Batch(full, compute_ms=float(r["compute_ms"])))
+        b.calls += 1
         b.tokens += prefix + suffix if full else suffix
         b.pairs += prefix * (prefix + suffix) if full else 0
         rest = float(r["latency_ms"]) - float(r["queue_ms"]) - float(r["compute_ms"]) - float(r["cache_ms"])
@@ -152,7 +170,7 @@ def scaled(cal: Calibration, full: float = 1.0, cached: float = 1.0) -> Calibrat
     if a kernel made them cheaper)."""
 
     def scale(k: KindCost, f: float) -> KindCost:
-        return KindCost(k.per_batch_s * f, k.per_token_s * f, k.per_pair_s * f, k.ratios)
+        return KindCost(k.per_batch_s * f, k.per_token_s * f, k.per_pair_s * f, k.ratios, k.by_shape)
 
     return dataclasses.replace(
         cal, full=scale(cal.full, full), cached=None if cal.cached is None else scale(cal.cached, cached)
@@ -308,7 +326,7 @@ def simulate(
         cost = cal.full if full else (cal.cached or cal.full)
         tokens = sum(b[0].tokens for b in batch)
         pairs = sum(b[0].pairs for b in batch)
-        seconds = cost.draw_s(tokens, pairs, rng)
+        seconds = cost.draw_s(tokens, pairs, rng, len(batch))
         end = now + seconds
         for _, r, path, arrived in batch:
             samples = cal.overhead_ms.get(path) or cal.overhead_ms.get("full_recompute") or (0.0,)
