@@ -19,6 +19,7 @@ from relaygr.sim import (
     goodput,
     main,
     scaled,
+    shape_of,
     simulate,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
@@ -164,3 +165,16 @@ def test_what_if_scales_the_costs_and_is_never_compared_with_the_measured(tmp_pa
     assert out["predicted_over_measured"] is None
     with pytest.raises(SystemExit):
         main([str(path), "--config", "baseline", "--cached-scale", "0"])
+
+
+def test_a_batch_draws_its_tail_from_measured_batches_of_its_own_shape():
+    rng = np.random.default_rng(0)
+    cost = KindCost(1e-3, 0.0, 0.0, ratios=(1.0,), by_shape={shape_of(2, 4096): (3.0,)})
+    assert cost.draw_s(4096, 0, rng, calls=2) == pytest.approx(3e-3)  # eager pairs: their own tail
+    assert cost.draw_s(4096, 0, rng, calls=1) == pytest.approx(1e-3)  # never measured: every batch's
+    assert shape_of(3, 5000) == shape_of(4, 4096) == (4, 12)
+    assert shape_of(9, 1) == (5, 0)
+    records = [record(1, "full_recompute", 4096, 4.0, 10.0), record(2, "full_recompute", 4096, 4.0, 10.0)]
+    records += [record(3, "full_recompute", 4096, 12.0, 20.0), record(3, "full_recompute", 4096, 12.0, 20.0)]
+    cal = calibrate(records)
+    assert set(cal.full.by_shape) == {shape_of(1, 4416), shape_of(2, 8832)}
