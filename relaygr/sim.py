@@ -206,6 +206,11 @@ class Setup:
     hbm_budget_bytes: int = 60_000 * 2**20
     dram_bytes: int = 24 * 2**30
     keep_min_tokens: int = 512
+    # Full rankings batched only into shapes a captured CUDA graph holds (the scheduler's
+    # full_replays, since 7f46ff9): here every single full ranking of at most this many tokens
+    # (the batch-1 graphs captured at start-up) and no batch of several; 0: not modelled, full
+    # rankings batched by cost alone (the ranker before 7f46ff9, and the CPU).
+    graph_full_tokens: int = 0
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
 
@@ -262,7 +267,13 @@ def simulate(
         for tokens in (320, 1280, 4416, 8832):  # the scheduler judges batches by one fit, as the engine's
             pairs = 0 if kind is cal.cached else tokens * tokens
             fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
-    scheduler = IterationScheduler(setup.scheduler, fit, fit)
+    limit = setup.graph_full_tokens
+    scheduler = IterationScheduler(
+        setup.scheduler,
+        fit,
+        fit,
+        full_replays=(lambda tokens: len(tokens) == 1 and tokens[0] <= limit) if limit > 0 else None,
+    )
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
     queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
@@ -474,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument(
         "--cached-scale", type=float, default=1.0, help="calls against psi cost this x measured"
     )
+    what_if.add_argument("--graph-full-tokens", type=int, default=None,
+                         help="full rankings batched only into captured graphs (batch-1 graphs up to this many "
+                         "tokens: 8192 on the GPU since 7f46ff9)")  # fmt: skip
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
@@ -498,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("what-if sizes must be >= 0 and cost scales > 0")
     cal = scaled(calibrate(read_records(files)), args.full_scale, args.cached_scale)
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
-               ("lead_in_s", args.lead_in_s),
+               ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     c = result["config"]
@@ -507,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         psi=args.config != "baseline",
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
+        graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
     )
     met, missed = measured_limit(result, args.config, workload)
     start = met if met > 0 else missed / 2

@@ -178,3 +178,11 @@ def test_a_batch_draws_its_tail_from_measured_batches_of_its_own_shape():
     records += [record(3, "full_recompute", 4096, 12.0, 20.0), record(3, "full_recompute", 4096, 12.0, 20.0)]
     cal = calibrate(records)
     assert set(cal.full.by_shape) == {shape_of(1, 4416), shape_of(2, 8832)}
+
+
+def test_full_rankings_stay_alone_where_only_single_graphs_are_modelled():
+    calls = [request(i, 1.0, user=i, prefix_len=300) for i in range(4)]  # four short fulls at once
+    batched = simulate(calls, EXACT, Setup())
+    alone = simulate(calls, EXACT, Setup(graph_full_tokens=8192))
+    assert len({s.latency_ms for s in batched}) < 4  # some shared a batch (one end time)
+    assert len({s.latency_ms for s in alone}) == 4  # each its own batch, one after another
