@@ -264,8 +264,10 @@ def simulate(
     for kind in (cal.full, cal.cached):
         if kind is None:
             continue
-        for tokens in (320, 1280, 4416, 8832):  # the scheduler judges batches by one fit, as the engine's
-            pairs = 0 if kind is cal.cached else tokens * tokens
+        # The scheduler judges batches by one fit of every ranking batch, as the engine's does:
+        # fed the calibrated costs at a spread of sizes (a full ranking's pairs as CallWork's).
+        for tokens in (320, 1280, 4416, 8832):
+            pairs = 0 if kind is cal.cached else max(tokens - 320, 0) * tokens
             fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
     limit = setup.graph_full_tokens
     scheduler = IterationScheduler(
