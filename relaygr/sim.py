@@ -45,7 +45,14 @@ import numpy as np
 
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
-from services.ranker.scheduler import IterationScheduler, RankItem, RankKind, SchedulerConfig
+from services.ranker.scheduler import (
+    IterationScheduler,
+    PreinferItem,
+    RankItem,
+    RankKind,
+    Relay,
+    SchedulerConfig,
+)
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
 _CACHED_PATHS = ("hbm_hit", "dram_reload", "inflight_join", "partial_prefix")
@@ -211,6 +218,9 @@ class Setup:
     # (the batch-1 graphs captured at start-up) and no batch of several; 0: not modelled, full
     # rankings batched by cost alone (the ranker before 7f46ff9, and the CPU).
     graph_full_tokens: int = 0
+    # Pre-inference of every request whose psi is held nowhere (the `preinfer-all` policy), its
+    # signal reaching the ranker this long after the retrieval event; None: no pre-inference.
+    preinfer_trip_ms: float | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
 
@@ -254,100 +264,190 @@ class Served:
     device_ms: float  # its share of its batch's device time
 
 
+@dataclasses.dataclass
+class _Production:
+    """A pre-inference under way in the model: the scheduler's view of it, and the calls that
+    joined it (each: its rank item, request, arrival)."""
+
+    item: PreinferItem
+    key: tuple[int, int]
+    waiters: list[tuple[RankItem, PlannedRequest, float]] = dataclasses.field(default_factory=list)
+
+
+def _fit_of(kinds: Iterable[KindCost | None], full_pairs: bool) -> CostFit:
+    """One CostFit fed the calibrated costs at a spread of sizes: what the scheduler judges by,
+    as the engine's fits (a full ranking's pairs as CallWork counts them)."""
+    present = [k for k in kinds if k is not None]
+    first = present[0]
+    fit = CostFit(CostPrior(per_batch_s=first.per_batch_s, per_token_s=first.per_token_s, batches=0.0))
+    for kind in present:
+        for tokens in (320, 1280, 4416, 8832):
+            pairs = max(tokens - 320, 0) * tokens if full_pairs and kind is first else 0
+            fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
+    return fit
+
+
 def simulate(
-    requests: Sequence[PlannedRequest], cal: Calibration, setup: Setup, seed: int = 0
+    requests: Sequence[PlannedRequest],
+    cal: Calibration,
+    setup: Setup,
+    seed: int = 0,
+    preinfer_steps: list[tuple[float, float]] | None = None,
 ) -> list[Served]:
     """Every call of `requests` through one modelled ranker (module docstring), in order of
-    arrival; the latencies of all of them (the caller drops the lead-in's)."""
+    service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
+    given, receives each pre-inference step's (start, seconds)."""
     rng = np.random.default_rng(seed)
-    fit = CostFit(CostPrior(per_batch_s=cal.full.per_batch_s, per_token_s=cal.full.per_token_s, batches=0.0))
-    for kind in (cal.full, cal.cached):
-        if kind is None:
-            continue
-        # The scheduler judges batches by one fit of every ranking batch, as the engine's does:
-        # fed the calibrated costs at a spread of sizes (a full ranking's pairs as CallWork's).
-        for tokens in (320, 1280, 4416, 8832):
-            pairs = 0 if kind is cal.cached else max(tokens - 320, 0) * tokens
-            fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
+    rank_fit = _fit_of((cal.full, cal.cached), full_pairs=True)
     limit = setup.graph_full_tokens
     scheduler = IterationScheduler(
         setup.scheduler,
-        fit,
-        fit,
+        rank_fit,  # pre-inference steps: a prefix's forward costs what a full ranking of it does
+        rank_fit,
         full_replays=(lambda tokens: len(tokens) == 1 and tokens[0] <= limit) if limit > 0 else None,
     )
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
+    trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
+    signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
     queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
+    producing: dict[tuple[int, int], _Production] = {}
+    productions: dict[int, _Production] = {}
     out: list[Served] = []
-    now, i, ids = 0.0, 0, 0
+    now, i, j, ids = 0.0, 0, 0, 0
     reloads: list[tuple[float, int]] = []  # (ready time, id): calls waiting for their copy
+    ready_at: dict[tuple[int, int], float] = {}  # psi produced ahead of its call: when it is complete
 
-    def admit(r: PlannedRequest, t: float) -> None:
+    def next_id() -> int:
         nonlocal ids
         ids += 1
+        return ids
+
+    def keep(key: tuple[int, int], prefix_len: int) -> None:
+        for old, size in hbm.put(key, prefix_len * PSI_BYTES_PER_TOKEN):
+            dram.put(old, size)  # demoted before it goes (demotion under pressure)
+
+    def draw_reload_ms() -> float:
+        pool = cal.reload_cache_ms
+        return float(pool[rng.integers(len(pool))]) if pool else 0.0
+
+    def signal(r: PlannedRequest, t: float) -> None:
+        """A pre-inference signal (every request: the `preinfer-all` policy): psi held is kept,
+        psi in DRAM comes back, a prefix held nowhere is pre-inferred."""
+        key = (r.user_id, r.prefix_version)
+        if key in producing or key in hbm:
+            return
+        if key in dram:
+            dram.pop(key)
+            keep(key, r.prefix_len)  # a prefetch: back in HBM before its call, off its path
+            ready_at[key] = t + draw_reload_ms() / 1e3
+            return
+        pid = next_id()
+        need_by = r.t_rank_s + setup.slo_ms / 1e3  # its call's deadline (the retrieval event's)
+        production = _Production(PreinferItem(pid, r.prefix_len, 0, t, need_by=need_by), key)
+        producing[key], productions[pid] = production, production
+        keep(key, r.prefix_len)  # its block is taken at admission
+
+    def arrive(r: PlannedRequest, t: float) -> None:
         key = (r.user_id, r.prefix_version)
         suffix = r.recent_len + r.candidates
+        deadline = t + setup.slo_ms / 1e3
+        production = producing.get(key)
+        if production is not None:
+            decision = scheduler.relay(production.item, t, deadline)
+            if decision is Relay.JOIN:
+                joined = production.item.joined_deadline
+                production.item = dataclasses.replace(
+                    production.item, joined_deadline=deadline if joined is None else min(joined, deadline)
+                )
+                production.waiters.append((RankItem(next_id(), RankKind.CACHED, deadline, t, suffix), r, t))
+                return
+            # Taken over: the call computes the rest of the prefix and its suffix in its own step.
+            del producing[key], productions[production.item.id]
+            rest = production.item.remaining
+            path = "partial_prefix" if production.item.done else "full_recompute"
+            item = RankItem(
+                next_id(), RankKind.FULL, deadline, t, rest + suffix, rest * (r.prefix_len + suffix)
+            )
+            queue[item.id] = (item, r, path, t)
+            return
         path = "full_recompute"
         if setup.psi and key in hbm:
             hbm.touch(key)
             path = "hbm_hit"
+            if ready_at.get(key, -math.inf) > t:  # produced ahead, not complete when the call came
+                path = "inflight_join"
+                item = RankItem(next_id(), RankKind.CACHED, deadline, t, suffix)
+                queue[item.id] = (item, r, path, t)
+                reloads.append((ready_at[key], item.id))
+                return
         elif setup.psi and key in dram:
             path = "dram_reload"
         cached = path != "full_recompute"
         tokens = suffix if cached else r.prefix_len + suffix
         pairs = 0 if cached else r.prefix_len * (r.prefix_len + suffix)
-        kind = RankKind.CACHED if cached else RankKind.FULL
-        item = RankItem(ids, kind, t + setup.slo_ms / 1e3, t, tokens, pairs)
+        item = RankItem(next_id(), RankKind.CACHED if cached else RankKind.FULL, deadline, t, tokens, pairs)
+        queue[item.id] = (item, r, path, t)
         if path == "dram_reload":
-            wait = (
-                float(cal.reload_cache_ms[rng.integers(len(cal.reload_cache_ms))])
-                if cal.reload_cache_ms
-                else 0.0
-            )
-            reloads.append((t + wait / 1e3, ids))
-            queue[ids] = (item, r, path, t)
+            reloads.append((t + draw_reload_ms() / 1e3, item.id))
             dram.pop(key)
-            _keep(key, r.prefix_len)  # back in HBM (a reload is admitted like any psi)
-            return
-        queue[ids] = (item, r, path, t)
+            keep(key, r.prefix_len)  # back in HBM (a reload is admitted like any psi)
 
-    def _keep(key: tuple[int, int], prefix_len: int) -> None:
-        for old, size in hbm.put(key, prefix_len * PSI_BYTES_PER_TOKEN):
-            dram.put(old, size)  # demoted before it goes (demotion under pressure)
+    def serve(batch: list[tuple[RankItem, PlannedRequest, str, float]], seconds: float, end: float) -> None:
+        for item, r, path, arrived in batch:
+            samples = cal.overhead_ms.get(path) or cal.overhead_ms.get("full_recompute") or (0.0,)
+            extra = float(samples[rng.integers(len(samples))])
+            out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
+            if setup.psi and item.kind is RankKind.FULL and r.prefix_len >= setup.keep_min_tokens:
+                keep((r.user_id, r.prefix_version), r.prefix_len)
 
-    while i < len(by_arrival) or queue:
+    while i < len(by_arrival) or j < len(signals) or queue or productions:
+        while j < len(signals) and signals[j].t_retrieval_s + trip_s <= now:
+            signal(signals[j], signals[j].t_retrieval_s + trip_s)
+            j += 1
         while i < len(by_arrival) and by_arrival[i].t_rank_s <= now:
-            admit(by_arrival[i], by_arrival[i].t_rank_s)
+            arrive(by_arrival[i], by_arrival[i].t_rank_s)
             i += 1
         waiting = {rid for t, rid in reloads if t > now}
         ready = [q[0] for rid, q in queue.items() if rid not in waiting]
-        plan = scheduler.plan(now, ready, []) if ready else None
+        pending = [p.item for p in productions.values()]
+        plan = scheduler.plan(now, ready, pending) if ready or pending else None
         if plan is None or plan.empty:
             next_times = [t for t, rid in reloads if t > now]
             if i < len(by_arrival):
                 next_times.append(by_arrival[i].t_rank_s)
+            if j < len(signals):
+                next_times.append(signals[j].t_retrieval_s + trip_s)
             if plan is not None and plan.wait_s > 0:
                 next_times.append(now + plan.wait_s)
             if not next_times:
                 break
             now = max(now, min(next_times))
             continue
+        if plan.chunks:
+            tokens = sum(c.end - c.start for c in plan.chunks)
+            pairs = sum((c.end - c.start) * c.end for c in plan.chunks)
+            seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
+            if preinfer_steps is not None:
+                preinfer_steps.append((now, seconds))
+            now += seconds
+            for c in plan.chunks:
+                production = productions[c.id]
+                production.item = dataclasses.replace(production.item, done=c.end)
+                if c.end >= production.item.length:  # psi complete: its joined calls rank against it
+                    del productions[c.id], producing[production.key]
+                    ready_at[production.key] = now
+                    for item, r, arrived in production.waiters:
+                        queue[item.id] = (item, r, "inflight_join", arrived)
+            continue
         batch = [queue.pop(rid) for rid in plan.rank]
         reloads = [(t, rid) for t, rid in reloads if rid in queue]
-        full = batch[0][0].kind is RankKind.FULL
-        cost = cal.full if full else (cal.cached or cal.full)
-        tokens = sum(b[0].tokens for b in batch)
-        pairs = sum(b[0].pairs for b in batch)
-        seconds = cost.draw_s(tokens, pairs, rng, len(batch))
-        end = now + seconds
-        for _, r, path, arrived in batch:
-            samples = cal.overhead_ms.get(path) or cal.overhead_ms.get("full_recompute") or (0.0,)
-            extra = float(samples[rng.integers(len(samples))])
-            out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
-            if setup.psi and full and r.prefix_len >= setup.keep_min_tokens:
-                _keep((r.user_id, r.prefix_version), r.prefix_len)
-        now = end
+        cost = cal.full if batch[0][0].kind is RankKind.FULL else (cal.cached or cal.full)
+        seconds = cost.draw_s(
+            sum(b[0].tokens for b in batch), sum(b[0].pairs for b in batch), rng, len(batch)
+        )
+        now += seconds
+        serve(batch, seconds, now)
     return out
 
 
@@ -361,7 +461,9 @@ def p99_at(
     least, after its lead-in), its measured window's P99 and path shares."""
     cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(10.0, 400 / rate))
     plan = generate(cfg)
-    served = [s for s in simulate(plan.requests, cal, setup, seed) if not s.request.lead_in]
+    steps: list[tuple[float, float]] = []
+    served = [s for s in simulate(plan.requests, cal, setup, seed, steps) if not s.request.lead_in]
+    preinfer_s = sum(seconds for start, seconds in steps if start >= cfg.lead_in_s)
     lat = np.array([s.latency_ms for s in served])
     paths = collections.Counter(s.path for s in served)
     return {
@@ -370,7 +472,7 @@ def p99_at(
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "meets_slo": bool(np.percentile(lat, 99) <= setup.slo_ms),
-        "busy": sum(s.device_ms for s in served) / 1e3 / cfg.duration_s,
+        "busy": (sum(s.device_ms for s in served) / 1e3 + preinfer_s) / cfg.duration_s,
         **{k: v / len(served) for k, v in sorted(paths.items())},
     }
 
@@ -445,6 +547,20 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
     )
 
 
+# The configurations the model covers: no psi; rankings keep psi; and pre-inference of every
+# request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
+MODELLED = ("baseline", "relay-nospare", "preinfer-all")
+
+
+def signal_trip_ms(result: dict[str, Any], config: str) -> float:
+    """The signal's trip to the ranker as the file measured it: the median over the
+    configuration's points of their P90 (the rankers report no other quantile); 0 without."""
+    trips = [float(p.get("signal_trip_p90_ms", 0.0)) for r in result["results"] if r["config"] == config
+             for p in r["points"]]  # fmt: skip
+    trips = [t for t in trips if t > 0]
+    return float(np.median(trips)) if trips else 0.0
+
+
 def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
     """The highest rate met and the lowest missed among a file's points of one configuration."""
     met, missed = 0.0, math.inf
@@ -473,7 +589,7 @@ def write_result(path: Path, machine: dict[str, Any], record: dict[str, Any]) ->
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m relaygr.sim", description=__doc__.split("\n\n")[0])
     p.add_argument("result", type=Path, help="a bench.goodput result file, its calls/ directory beside it")
-    p.add_argument("--config", required=True, help="baseline or relay-nospare (what the model covers)")
+    p.add_argument("--config", required=True, help=f"one of {', '.join(MODELLED)} (what the model covers)")
     p.add_argument("--workload", default=None, help="L<n> or mix (default: the file's only one)")
     p.add_argument("--seed", type=int, default=0)
     what_if = p.add_argument_group(
@@ -495,8 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.config not in ("baseline", "relay-nospare"):
-        p.error("--config: the model covers baseline and relay-nospare (no pre-inference yet)")
+    if args.config not in MODELLED:
+        p.error(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
     try:
         result = json.loads(args.result.read_text())
     except (OSError, ValueError) as exc:
@@ -521,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
         psi=args.config != "baseline",
+        preinfer_trip_ms=signal_trip_ms(result, args.config) if args.config == "preinfer-all" else None,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
@@ -550,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches"
           + (f"; what if {changes}" if changes else ""))  # fmt: skip
     for pt in points:
-        shares = " ".join(f"{k} {pt[k]:.2f}" for k in ("hbm_hit", "dram_reload", "full_recompute") if k in pt)
+        shares = " ".join(f"{k} {pt[k]:.2f}" for k in (*_CACHED_PATHS, "full_recompute") if k in pt)
         verdict = "meets " if pt["meets_slo"] else "misses"
         print(
             f"  {pt['rate_rps']:8.1f} req/s  p99 {pt['p99_ms']:7.1f} ms  {verdict}  busy {pt['busy']:.2f}  {shares}"

@@ -23,6 +23,7 @@ from relaygr.sim import (
     simulate,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
+from services.ranker.scheduler import SchedulerConfig
 
 FULL = KindCost(per_batch_s=1e-3, per_token_s=0.5e-6, per_pair_s=0.1e-9, ratios=(1.0,))
 CACHED = KindCost(per_batch_s=0.8e-3, per_token_s=0.2e-6, per_pair_s=0.0, ratios=(1.0,))
@@ -186,3 +187,25 @@ def test_full_rankings_stay_alone_where_only_single_graphs_are_modelled():
     alone = simulate(calls, EXACT, Setup(graph_full_tokens=8192))
     assert len({s.latency_ms for s in batched}) < 4  # some shared a batch (one end time)
     assert len({s.latency_ms for s in alone}) == 4  # each its own batch, one after another
+
+
+def test_pre_inference_serves_calls_from_psi_joins_a_late_one_and_never_computes_twice():
+    pre = Setup(psi=True, preinfer_trip_ms=10.0, scheduler=SchedulerConfig(max_wait_s=0.0))  # no wait to fill
+    one = FULL.fitted_s(4096, 4096 * 4096)  # a 4096-token pre-inference (costed as its forward)
+    early = PlannedRequest("a", 1.0, 1.1, 1, 1, 4096, 64, 256, 0)  # 100 ms of lead
+    (served,) = simulate([early], EXACT, pre)
+    assert served.path == "hbm_hit"
+    assert served.latency_ms == pytest.approx(CACHED.fitted_s(320, 0) * 1e3)
+    # Its call comes 2 ms after the signal: it joins the pre-inference under way, then ranks against psi.
+    late = PlannedRequest("b", 1.0, 1.012, 2, 1, 4096, 64, 256, 0)
+    steps: list[tuple[float, float]] = []
+    (served,) = simulate([late], EXACT, pre, preinfer_steps=steps)
+    assert served.path == "inflight_join"
+    assert steps == [(pytest.approx(1.010), pytest.approx(one))]  # built once, by the pre-inference
+    assert served.latency_ms == pytest.approx((1.010 + one - 1.012 + CACHED.fitted_s(320, 0)) * 1e3)
+    # A call before its signal ranks in full and keeps psi: the signal then finds it held.
+    before = PlannedRequest("c", 1.0, 1.005, 3, 1, 4096, 64, 256, 0)
+    steps.clear()
+    (served,) = simulate([before], EXACT, pre, preinfer_steps=steps)
+    assert served.path == "full_recompute"
+    assert steps == []
