@@ -4,6 +4,7 @@ goodput files.
 
     python -m relaygr.sim bench/results/goodput-nvidia-h100-80gb-hbm3-ed2.json --config baseline
     python -m relaygr.sim FILE --config relay-nospare --workload L4096 --json out.json
+    python -m relaygr.sim FILE --config relay-nospare --arena-gb 100 --cached-scale 0.5  # what if
 
 What it models, per ranking call of `relaygr.workload.generate` (the generator bench.goodput
 replays, same seed, same lead-in, the measured window only counted):
@@ -11,17 +12,21 @@ replays, same seed, same lead-in, the measured window only counted):
     (services/ranker/scheduler.py: earliest deadline first, calls of one kind per batch, the
     batch limits and the wait to fill), its batch costs fitted the way the engine fits them;
   * a batch's device time: the fit of the measured batches of its kind (full rankings, calls
-    against psi) times a ratio drawn from those batches' measured / fitted ratios, so that the
-    measured tail (eager launches, copy contention, noise) comes with it;
+    against psi) times a ratio drawn from the measured / fitted ratios of the measured batches of
+    its shape class, so that the measured tail (eager launches, copy contention, noise) comes
+    with it;
   * a call's time outside the device loop (network, decoding, the reply) drawn from the measured
     calls of its path: latency - queue - compute - cache;
-  * with `--psi`: rankings keep psi (prefixes of at least `keep_min_tokens`), HBM and host DRAM
-    as LRU caches by bytes; a call finds its psi in HBM (a call against psi), in DRAM (a reload:
-    its measured cache time, then a call against psi; the psi returns to HBM) or nowhere (a full
-    ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM.
-Not modelled yet: pre-inference (the trigger, chunks, joins, prefetch), the router and several
-rankers, the copy engine as a resource. So it predicts `baseline` and `relay-nospare` (rankings
-keep psi, no pre-inference) and is checked on them; `relay` itself is the next step.
+  * `relay-nospare`: rankings keep psi (prefixes of at least `keep_min_tokens`), HBM and host
+    DRAM as LRU caches by bytes; a call finds its psi in HBM (a call against psi), in DRAM (a
+    reload: its measured cache time, then a call against psi; the psi returns to HBM) or nowhere
+    (a full ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM;
+  * `preinfer-all`: besides, every request's signal reaches the ranker the file's P90 signal trip
+    after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
+    as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
+    complete joins it or takes it over, as the scheduler decides.
+Not modelled yet: the trigger's admission policy (`relay`), the router and several rankers, the
+copy engine as a resource, the signal path's tail.
 
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
