@@ -67,196 +67,14 @@ from bench import relay
 from bench.report import RESULTS_DIR, write_result
 from relaygr.harness import CONFIGS, drain, machine, markdown_table, run_point
 from relaygr.launcher import Stack
+from relaygr.search import RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
 from relaygr.workload import WorkloadConfig, generate
 
 HEADLINE = ("L4096", "mix")  # the workloads repeated by --repeats
 NEVER_WORSE = "mix"  # the workload of the never-worse table
 REFERENCE = "baseline"
 NEVER_WORSE_TOLERANCE = 1.1  # relay P99 / baseline P99 allowed at a rate where the baseline meets
-_RATE_TOL = 1e-6
 _SERVED = ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute")
-
-
-# ---------------------------------------------------------------------- the search (pure)
-
-
-@dataclasses.dataclass(frozen=True)
-class Point:
-    """One measured rate. `record` holds everything else the report keeps about it."""
-
-    rate_rps: float
-    p99_ms: float
-    meets_slo: bool
-    record: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchConfig:
-    grid: tuple[float, ...]  # ascending rates every configuration steps through
-    precision: float = 0.10  # bisect until first_miss <= goodput x (1 + precision)
-    growth: float = 2.0  # geometric step past the grid's top, and under its bottom
-    cap_rps: float = 10_000.0  # the grid is never extended past this
-    floor_rps: float = 0.0  # stepping down stops under this (0: grid[0] / 64)
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not self.grid or any(r <= 0 for r in self.grid) or list(self.grid) != sorted(set(self.grid)):
-            problems.append("grid must be distinct positive rates in ascending order")
-        if not 0 < self.precision < 1:
-            problems.append("precision must be in (0, 1)")
-        if self.growth <= 1:
-            problems.append("growth must be > 1")
-        if self.grid and self.cap_rps < self.grid[-1]:
-            problems.append("cap_rps must be >= the grid's top")
-        if self.floor_rps < 0 or (self.grid and self.floor_rps > self.grid[0]):
-            problems.append("floor_rps must be in [0, grid[0]]")
-        if problems:
-            raise ValueError("SearchConfig: " + "; ".join(problems))
-
-    @property
-    def floor(self) -> float:
-        return self.floor_rps or self.grid[0] / 64
-
-    def ladder(self) -> list[float]:
-        """The grid and its extension up to the cap (the cap itself last)."""
-        rates = list(self.grid)
-        while rates[-1] < self.cap_rps:
-            rates.append(min(self.cap_rps, rates[-1] * self.growth))
-        return rates
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchResult:
-    goodput_rps: float  # the highest rate that met below the first miss (0: none met)
-    first_miss_rps: float | None  # None only when censored
-    censored: bool  # the cap met: the limit is above it
-    points: list[tuple[str, Point]]  # (phase, point) in measurement order
-
-
-class LimitSearch:
-    """The rate search as a state machine over measurements (the caller measures):
-
-        search = LimitSearch(config, must_reach=..., compare=...)
-        while (rate := search.next_rate()) is not None:
-            search.observe(measure(rate))
-        result = search.result()
-
-    `must_reach`: the grid is stepped at least up to this rate even past the first miss (the
-    highest grid rate an earlier configuration met). `compare`: rates measured at the end if not
-    measured already (they never move the limit). Pure: no I/O, no clock."""
-
-    def __init__(self, config: SearchConfig, must_reach: float = 0.0, compare: Sequence[float] = ()) -> None:
-        self.config = config
-        self.must_reach = must_reach
-        self._compare = sorted(set(compare))
-        self._ladder = config.ladder()
-        self._points: list[tuple[str, Point]] = []
-        self._phase = "grid"
-        self._next: float | None = self._ladder[0]
-        self._censored = False
-        self._lo = 0.0
-        self._hi: float | None = None
-
-    def next_rate(self) -> float | None:
-        """The next rate to measure, or None when the search is over."""
-        return self._next
-
-    def observe(self, point: Point) -> None:
-        """Records the measurement of the rate next_rate() gave; decides the next one."""
-        if self._next is None or not math.isclose(point.rate_rps, self._next, rel_tol=_RATE_TOL):
-            raise ValueError(f"observed rate {point.rate_rps} but {self._next} was asked for")
-        self._points.append((self._phase, point))
-        self._next = self._advance(point)
-
-    def result(self) -> SearchResult:
-        if self._next is not None:
-            raise RuntimeError("the search is not over")
-        return SearchResult(self._lo, self._hi, self._censored, list(self._points))
-
-    def bounds(self) -> tuple[float, float | None]:
-        """What the points measured so far say of the limit, for a search cut short: (the highest
-        rate that met below the lowest miss, or 0; the lowest miss, or None)."""
-        misses = self._misses()
-        hi = min(misses) if misses else None
-        met = [p.rate_rps for _, p in self._points if p.meets_slo and (hi is None or p.rate_rps < hi)]
-        return max(met, default=0.0), hi
-
-    def points(self) -> list[tuple[str, Point]]:
-        """(phase, point) measured so far."""
-        return list(self._points)
-
-    # ------------------------------------------------------------------ transitions
-
-    def _measured(self, rate: float) -> bool:
-        return any(math.isclose(p.rate_rps, rate, rel_tol=_RATE_TOL) for _, p in self._points)
-
-    def _misses(self) -> list[float]:
-        return [p.rate_rps for phase, p in self._points if phase != "compare" and not p.meets_slo]
-
-    def _advance(self, point: Point) -> float | None:
-        if self._phase == "grid":
-            i = len([1 for phase, _ in self._points if phase == "grid"])
-            missed = bool(self._misses())
-            if i < len(self._ladder) and (not missed or self._ladder[i] <= self.must_reach * (1 + _RATE_TOL)):
-                return self._ladder[i]
-            if not missed:  # the cap met
-                self._censored = True
-                self._lo = point.rate_rps
-                return self._start_compare()
-            if self._points[0][1].meets_slo:
-                return self._start_bisect()
-            self._phase = "down"
-            return self._step_down(self._ladder[0])
-        if self._phase == "down":
-            if point.meets_slo:
-                return self._start_bisect()
-            return self._step_down(point.rate_rps)
-        if self._phase == "bisect":
-            if point.meets_slo:
-                self._lo = point.rate_rps
-            else:
-                self._hi = point.rate_rps
-            return self._bisect_next()
-        return self._compare_next()
-
-    def _step_down(self, rate: float) -> float | None:
-        lower = rate / self.config.growth
-        if lower < self.config.floor * (1 - _RATE_TOL):
-            return self._start_bisect()  # nothing met: goodput 0
-        return lower
-
-    def _start_bisect(self) -> float | None:
-        self._phase = "bisect"
-        self._hi = min(self._misses())
-        met = [p.rate_rps for _, p in self._points if p.meets_slo and p.rate_rps < self._hi]
-        self._lo = max(met, default=0.0)
-        return self._bisect_next()
-
-    def _bisect_next(self) -> float | None:
-        assert self._hi is not None
-        if self._lo <= 0 or self._hi <= self._lo * (1 + self.config.precision):
-            return self._start_compare()
-        return (self._lo + self._hi) / 2
-
-    def _start_compare(self) -> float | None:
-        self._phase = "compare"
-        return self._compare_next()
-
-    def _compare_next(self) -> float | None:
-        return next((r for r in self._compare if not self._measured(r)), None)
-
-
-def find_limit(
-    measure: Callable[[float], Point],
-    config: SearchConfig,
-    must_reach: float = 0.0,
-    compare: Sequence[float] = (),
-) -> SearchResult:
-    """Runs a LimitSearch with a synchronous `measure(rate) -> Point`."""
-    search = LimitSearch(config, must_reach, compare)
-    while (rate := search.next_rate()) is not None:
-        search.observe(measure(rate))
-    return search.result()
 
 
 # ---------------------------------------------------------------------- workloads
@@ -513,7 +331,7 @@ def never_worse_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for p in sorted((p for p in ref["points"] if p["meets_slo"]), key=lambda p: p["rate_rps"]):
             for other in others:
                 twin = next((q for q in other["points"]
-                             if math.isclose(q["rate_rps"], p["rate_rps"], rel_tol=_RATE_TOL)), None)  # fmt: skip
+                             if math.isclose(q["rate_rps"], p["rate_rps"], rel_tol=RATE_TOL)), None)  # fmt: skip
                 ratio = twin["p99_ms"] / p["p99_ms"] if twin is not None and p["p99_ms"] > 0 else float("nan")
                 rows.append({
                     "repeat": ref["repeat"],

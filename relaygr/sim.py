@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from relaygr.search import Point, SearchConfig, find_limit
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.scheduler import (
@@ -492,42 +493,20 @@ def goodput(
     cap_rps: float = 4096.0,
     seed: int = 0,
 ) -> tuple[float, float, list[dict[str, Any]]]:
-    """bench.goodput's search on the model: up by `growth` from `start_rps` until a miss (down
-    until a rate meets, when the first misses), then bisection to `precision`. Returns the
-    highest rate met, the lowest missed, and every point."""
-    points: list[dict[str, Any]] = []
+    """bench.goodput's search (relaygr.search) on the model, its grid the one rate `start_rps`:
+    up by `growth` until a miss (down, when that misses), then bisection to `precision`. Returns
+    the highest rate met (0: none), the lowest missed (inf: none up to `cap_rps`), every point."""
+    config = SearchConfig(
+        grid=(start_rps,), precision=precision, growth=growth, cap_rps=max(cap_rps, start_rps)
+    )
 
-    def meets(rate: float) -> bool:
-        points.append(p99_at(workload, rate, cal, setup, seed))
-        return bool(points[-1]["meets_slo"])
+    def measure(rate: float) -> Point:
+        point = p99_at(workload, rate, cal, setup, seed)
+        return Point(rate, point["p99_ms"], point["meets_slo"], point)
 
-    low, high = 0.0, math.inf
-    rate = start_rps
-    if meets(rate):
-        low = rate
-        while high == math.inf and rate < cap_rps:
-            rate = min(rate * growth, cap_rps)
-            if meets(rate):
-                low = rate
-            else:
-                high = rate
-        if high == math.inf:
-            return low, high, points
-    else:
-        high = rate
-        while low == 0.0 and rate > start_rps / 64:
-            rate /= growth
-            if meets(rate):
-                low = rate
-            else:
-                high = rate
-    while low > 0 and high / low > 1 + precision:
-        mid = math.sqrt(low * high)
-        if meets(mid):
-            low = mid
-        else:
-            high = mid
-    return low, high, points
+    result = find_limit(measure, config)
+    high = math.inf if result.first_miss_rps is None else result.first_miss_rps
+    return result.goodput_rps, high, [point.record for _, point in result.points]
 
 
 # ---------------------------------------------------------------------- the command

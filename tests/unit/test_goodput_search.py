@@ -10,16 +10,13 @@ import random
 import pytest
 
 from bench.goodput import (
-    LimitSearch,
-    Point,
-    SearchConfig,
-    find_limit,
     incomplete_record,
     never_worse_rows,
     point_config,
     summary_rows,
     workload_config,
 )
+from relaygr.search import LimitSearch, Point, SearchConfig, find_limit
 from relaygr.workload import WorkloadConfig, generate
 
 SLO = 50.0
