@@ -280,16 +280,16 @@ class _Production:
     waiters: list[tuple[RankItem, PlannedRequest, float]] = dataclasses.field(default_factory=list)
 
 
-def _fit_of(kinds: Iterable[KindCost | None], full_pairs: bool) -> CostFit:
-    """One CostFit fed the calibrated costs at a spread of sizes: what the scheduler judges by,
-    as the engine's fits (a full ranking's pairs as CallWork counts them)."""
-    present = [k for k in kinds if k is not None]
-    first = present[0]
-    fit = CostFit(CostPrior(per_batch_s=first.per_batch_s, per_token_s=first.per_token_s, batches=0.0))
-    for kind in present:
-        for tokens in (320, 1280, 4416, 8832):
-            pairs = max(tokens - 320, 0) * tokens if full_pairs and kind is first else 0
-            fit.observe(tokens, pairs, kind.fitted_s(tokens, pairs))
+def _scheduler_fit(cal: Calibration) -> CostFit:
+    """The one fit the scheduler judges every batch and step by (as the engine's own fits): fed
+    the calibrated costs of both kinds at a spread of sizes, a full ranking's pairs as CallWork
+    counts them."""
+    fit = CostFit(CostPrior(per_batch_s=cal.full.per_batch_s, per_token_s=cal.full.per_token_s, batches=0.0))
+    for tokens in (320, 1280, 4416, 8832):
+        pairs = max(tokens - 320, 0) * tokens
+        fit.observe(tokens, pairs, cal.full.fitted_s(tokens, pairs))
+        if cal.cached is not None:
+            fit.observe(tokens, 0, cal.cached.fitted_s(tokens, 0))
     return fit
 
 
@@ -304,7 +304,7 @@ def simulate(
     service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
     given, receives each pre-inference step's (start, seconds)."""
     rng = np.random.default_rng(seed)
-    rank_fit = _fit_of((cal.full, cal.cached), full_pairs=True)
+    rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
     scheduler = IterationScheduler(
         setup.scheduler,
