@@ -133,6 +133,30 @@ def _up(args: argparse.Namespace) -> int:
         fail(f"no Kafka broker answers at {config.kafka_bootstrap} (tried for 30 s)", EXIT_FAILED)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from relaygr.plan import plan, table
+
+    changes = {
+        k: v for k, v in (("arena_gb", args.arena_gb), ("hbm_budget_mb", args.hbm_budget_mb)) if v is not None
+    }
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not configs:
+        fail("--configs: name at least one configuration")
+    try:
+        rows = plan(
+            Path(args.source), configs, args.target_rps, args.workload, args.slo_ms, args.users, changes
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"plans": rows}, indent=1) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (subcommands `demo` and `up`); errors exit via `fail`."""
     parser = _Parser(
@@ -141,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Settings not listed here are read by each service from RELAYGR_* environment variables "
         "(`python -m services.<name> --help` lists them); they are checked before anything starts.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,up}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,up,plan}")
 
     demo = sub.add_parser(
         "demo",
@@ -190,6 +214,32 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--hbm-budget-mb", type=positive_float, default=512.0, metavar="MB",
                     help="psi bytes each ranker keeps in accelerator memory, MiB (default: %(default)s)")  # fmt: skip
     up.set_defaults(func=_up)
+
+    plan = sub.add_parser(
+        "plan",
+        help="GPUs needed for a target rate, per configuration, from the capacity model (CPU, seconds)",
+        description="Models one GPU's goodput under the SLO from a measured goodput run (relaygr.sim), "
+        "then the GPUs a target rate needs, each serving its own users.",
+    )
+    plan.add_argument("--from", dest="source", required=True, metavar="FILE",
+                      help="a bench.goodput result file with its calls/ directory beside it (the calibration)")  # fmt: skip
+    plan.add_argument("--target-rps", type=positive_float, required=True, metavar="RPS",
+                      help="ranking requests per second the fleet must serve under the SLO")  # fmt: skip
+    plan.add_argument("--configs", default="baseline,relay-nospare", metavar="A,B",
+                      help="configurations to plan, each modelled from the file's records of it "
+                      "(baseline, relay-nospare, preinfer-all) (default: %(default)s)")  # fmt: skip
+    plan.add_argument("--workload", default=None, metavar="L<n>|mix",
+                      help="the file's workload to plan (default: its only one)")  # fmt: skip
+    plan.add_argument("--slo-ms", type=positive_float, default=None, metavar="MS",
+                      help="ranking P99 SLO (default: the file's)")  # fmt: skip
+    plan.add_argument("--users", type=positive_int, default=None, metavar="N",
+                      help="user population, split over the GPUs (default: the file's workload's)")  # fmt: skip
+    plan.add_argument("--arena-gb", type=positive_float, default=None, metavar="GB",
+                      help="host DRAM for psi per GPU (default: the file's)")  # fmt: skip
+    plan.add_argument("--hbm-budget-mb", type=positive_float, default=None, metavar="MB",
+                      help="psi bytes in HBM per GPU (default: the file's)")  # fmt: skip
+    plan.add_argument("--json", default=None, metavar="FILE", help="also write the plans here")
+    plan.set_defaults(func=_plan)
     return parser
 
 

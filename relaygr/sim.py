@@ -516,7 +516,7 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
     c = result["config"]
     match = re.fullmatch(r"(mix|L(\d+))", name)
     if match is None:
-        raise SystemExit(f"relaygr.sim: workload {name!r}: L<prefix tokens> or mix")
+        raise ValueError(f"workload {name!r}: L<prefix tokens> or mix")
     return WorkloadConfig(
         seed=int(c.get("seed", 0)),
         users=int(c.get("users", 100_000)),
@@ -570,6 +570,60 @@ def write_result(path: Path, machine: dict[str, Any], record: dict[str, Any]) ->
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One configuration's model: its source file, workload, calibration, ranker and traffic."""
+
+    result: dict[str, Any]
+    config: str
+    workload: str
+    cal: Calibration
+    setup: Setup
+    traffic: WorkloadConfig
+
+
+def load_model(
+    result_path: Path, config: str, workload: str | None = None, changes: dict[str, float] | None = None
+) -> Model:
+    """The model of `config` calibrated on a goodput result file and its per-call records, with
+    the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
+    graph_full_tokens, cached_scale, full_scale). ValueError, one line, on bad input."""
+    changes = dict(changes or {})
+    if config not in MODELLED:
+        raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
+    try:
+        result = json.loads(result_path.read_text())
+        workloads = sorted({r["workload"] for r in result["results"] if r["config"] == config})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
+    chosen = workload or (workloads[0] if len(workloads) == 1 else None)
+    if chosen is None or chosen not in workloads:
+        raise ValueError(f"--workload: one of {workloads} for {config} in {result_path}")
+    files = calls_files(result_path, config, chosen)
+    if not files:
+        raise ValueError(f"no per-call records of {config} / {chosen} beside {result_path}")
+    if any(v < 0 for v in changes.values()) or any(
+        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale")
+    ):
+        raise ValueError("what-if sizes must be >= 0 and cost scales > 0")
+    cal = scaled(
+        calibrate(read_records(files)), changes.get("full_scale", 1.0), changes.get("cached_scale", 1.0)
+    )
+    c = result["config"]
+    setup = Setup(
+        slo_ms=float(c["slo_ms"]),
+        psi=config != "baseline",
+        preinfer_trip_ms=signal_trip_ms(result, config) if config == "preinfer-all" else None,
+        hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
+        dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
+        graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
+    )
+    traffic = _workload(result, chosen)
+    if "lead_in_s" in changes:
+        traffic = dataclasses.replace(traffic, lead_in_s=float(changes["lead_in_s"]))
+    return Model(result, config, chosen, cal, setup, traffic)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m relaygr.sim", description=__doc__.split("\n\n")[0])
     p.add_argument("result", type=Path, help="a bench.goodput result file, its calls/ directory beside it")
@@ -595,42 +649,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.config not in MODELLED:
-        p.error(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
-    try:
-        result = json.loads(args.result.read_text())
-    except (OSError, ValueError) as exc:
-        p.error(f"cannot read {args.result}: {exc}")
-    workloads = sorted({r["workload"] for r in result["results"] if r["config"] == args.config})
-    workload = args.workload or (workloads[0] if len(workloads) == 1 else None)
-    if workload is None or workload not in workloads:
-        p.error(f"--workload: one of {workloads} for {args.config}")
-    files = calls_files(args.result, args.config, workload)
-    if not files:
-        p.error(f"no per-call records of {args.config} / {workload} beside {args.result}")
-    if min(args.cached_scale, args.full_scale) <= 0 or any(
-        v is not None and v < 0 for v in (args.hbm_budget_mb, args.arena_gb, args.lead_in_s)
-    ):
-        p.error("what-if sizes must be >= 0 and cost scales > 0")
-    cal = scaled(calibrate(read_records(files)), args.full_scale, args.cached_scale)
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
-    c = result["config"]
-    setup = Setup(
-        slo_ms=float(c["slo_ms"]),
-        psi=args.config != "baseline",
-        preinfer_trip_ms=signal_trip_ms(result, args.config) if args.config == "preinfer-all" else None,
-        hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
-        dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
-        graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
+    try:
+        model = load_model(args.result, args.config, args.workload, changes)
+    except ValueError as exc:
+        p.error(str(exc))
+    result, workload, cal, setup, modelled = (
+        model.result,
+        model.workload,
+        model.cal,
+        model.setup,
+        model.traffic,
     )
     met, missed = measured_limit(result, args.config, workload)
     start = met if met > 0 else missed / 2
-    modelled = _workload(result, workload)
-    if args.lead_in_s is not None:
-        modelled = dataclasses.replace(modelled, lead_in_s=args.lead_in_s)
     low, high, points = goodput(modelled, cal, setup, start, seed=args.seed)
     summary = {
         "config": args.config,

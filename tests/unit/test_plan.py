@@ -1,0 +1,101 @@
+"""`relaygr plan`: GPUs from the capacity model. More GPUs for a higher target rate or a tighter
+SLO, never fewer; a 1024-GPU plan in seconds; bad inputs give one-line errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import numpy as np
+import pytest
+
+from relaygr.cli import main
+from relaygr.plan import plan, table
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A measured run of the baseline at 4096 tokens: full rankings of 3.3-4.0 ms."""
+    root = tmp_path_factory.mktemp("run")
+    (root / "calls").mkdir()
+    rng = np.random.default_rng(2)
+    rows = [
+        {"status": "OK", "served_by": "full_recompute", "prefix_len": 4096, "suffix_len": 320, "batch_seq": i,
+         "compute_ms": float(rng.uniform(3.3, 4.0)), "queue_ms": 1.0, "cache_ms": 0.0, "latency_ms": 8.0}
+        for i in range(400)
+    ]  # fmt: skip
+    with gzip.open(root / "calls" / "goodput-x-p-baseline-L4096-p1-150.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows))
+    result = {"config": {"slo_ms": 50.0, "lead_in_s": 2.0}, "results": [{"config": "baseline", "workload": "L4096",
+              "points": [{"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}]}  # fmt: skip
+    path = root / "goodput-x-p.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_more_traffic_or_a_tighter_slo_never_needs_fewer_gpus(source):
+    (small,) = plan(source, ["baseline"], 1_000)
+    (large,) = plan(source, ["baseline"], 10_000)
+    (tight,) = plan(source, ["baseline"], 10_000, slo_ms=25.0)
+    assert 1 <= small["gpus"] <= large["gpus"] <= tight["gpus"]
+    assert large["gpus"] == pytest.approx(10_000 / large["per_gpu_goodput_rps"], abs=1)
+    assert large["per_gpu_rps"] <= large["per_gpu_goodput_rps"]
+    assert large["p99_ms"] <= 50.0  # the per-GPU point the plan runs at meets the SLO
+    assert "| baseline | L4096 | 50 | 10000 |" in table([large])
+
+
+def test_a_thousand_gpu_plan_for_a_hundred_million_users_takes_seconds(source):
+    started = time.monotonic()
+    (row,) = plan(source, ["baseline"], 200_000, users=100_000_000)
+    assert row["gpus"] >= 1024 * 0.5
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target-rps", "0"], "--target-rps: must be a finite number > 0"),
+        (["--target-rps", "100", "--configs", "relay"], "the model covers"),
+        (["--target-rps", "100", "--workload", "mix"], "--workload: one of ['L4096']"),
+        (["--target-rps", "100", "--slo-ms", "-5"], "--slo-ms: must be a finite number > 0"),
+    ],
+)
+def test_bad_inputs_get_one_line_errors(source, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--from", str(source), *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert message in err
+
+
+def test_a_missing_file_is_one_line_too(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--from", str(tmp_path / "none.json"), "--target-rps", "100"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot read" in err
+
+
+def test_the_command_prints_the_table_and_writes_the_plans(source, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert (
+        main(
+            [
+                "plan",
+                "--from",
+                str(source),
+                "--target-rps",
+                "5000",
+                "--configs",
+                "baseline",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert "| baseline |" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["plans"]
+    assert row["gpus"] >= 1
