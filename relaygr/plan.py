@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from relaygr.sim import _CACHED_PATHS, Model, goodput, load_model, measured_limit, p99_at
+from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at
 
 
 def plan_one(model: Model, target_rps: float, users: int | None = None, seed: int = 0) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
         "per_gpu_rps": target_rps / gpus,
         "p99_ms": point["p99_ms"],
         "busy": point["busy"],
-        "served": {k: point[k] for k in (*_CACHED_PATHS, "full_recompute") if k in point},
+        "served": {k: point[k] for k in (*PSI_PATHS, "full_recompute") if k in point},
         "hbm_psi_gb_per_gpu": model.setup.hbm_budget_bytes / 2**30 if model.setup.psi else 0.0,
         "dram_gb_per_gpu": model.setup.dram_bytes / 2**30 if model.setup.psi else 0.0,
     }

@@ -61,7 +61,12 @@ from services.ranker.scheduler import (
 )
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
-_CACHED_PATHS = ("hbm_hit", "dram_reload", "inflight_join", "partial_prefix")
+PSI_PATHS = (  # how a call is served from psi (the per-call records' served_by)
+    "hbm_hit",
+    "dram_reload",
+    "inflight_join",
+    "partial_prefix",
+)
 
 
 # ---------------------------------------------------------------------- calibration
@@ -686,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches"
           + (f"; what if {changes}" if changes else ""))  # fmt: skip
     for pt in points:
-        shares = " ".join(f"{k} {pt[k]:.2f}" for k in (*_CACHED_PATHS, "full_recompute") if k in pt)
+        shares = " ".join(f"{k} {pt[k]:.2f}" for k in (*PSI_PATHS, "full_recompute") if k in pt)
         verdict = "meets " if pt["meets_slo"] else "misses"
         print(
             f"  {pt['rate_rps']:8.1f} req/s  p99 {pt['p99_ms']:7.1f} ms  {verdict}  busy {pt['busy']:.2f}  {shares}"
