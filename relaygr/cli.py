@@ -137,7 +137,7 @@ def _plan(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from relaygr.plan import plan, table
+    from relaygr.plan import plan, plot, sensitivity, sensitivity_table, table
 
     changes = {
         k: v for k, v in (("arena_gb", args.arena_gb), ("hbm_budget_mb", args.hbm_budget_mb)) if v is not None
@@ -145,20 +145,29 @@ def _plan(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs:
         fail("--configs: name at least one configuration")
+    source = Path(args.source)
     try:
-        rows = plan(
-            Path(args.source), configs, args.target_rps, args.workload, args.slo_ms, args.users, changes
+        rows = plan(source, configs, args.target_rps, args.workload, args.slo_ms, args.users, changes)
+        varied = (
+            sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes)
+            if args.sensitivity
+            else []
         )
+        if args.plot:
+            plot(rows, Path(args.plot))
     except ValueError as exc:
         fail(str(exc))
     print(table(rows))
+    if varied:
+        print()
+        print(sensitivity_table(varied))
     if args.json:
-        Path(args.json).write_text(json.dumps({"plans": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"plans": rows, "sensitivity": varied}, indent=1) + "\n")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line (subcommands `demo` and `up`); errors exit via `fail`."""
+    """The whole command line (subcommands `demo`, `up` and `plan`); errors exit via `fail`."""
     parser = _Parser(
         prog="relaygr",
         description="RelayGR: relay-race inference for generative-recommendation ranking.",
@@ -239,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--hbm-budget-mb", type=positive_float, default=None, metavar="MB",
                       help="psi bytes in HBM per GPU (default: the file's)")  # fmt: skip
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plans here")
+    plan.add_argument("--plot", default=None, metavar="PNG",
+                      help="P99 against the per-GPU rate, per configuration, with the SLO")  # fmt: skip
+    plan.add_argument("--sensitivity", action="store_true",
+                      help="also the GPUs with one input varied at a time (SLO, DRAM, costs): which matter most")  # fmt: skip
     plan.set_defaults(func=_plan)
     return parser
 

@@ -29,7 +29,7 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
         raise ValueError("--target-rps must be > 0")
     met, missed = measured_limit(model.result, model.config, model.workload)
     start = met if met > 0 else (missed / 2 if math.isfinite(missed) else 10.0)
-    per_gpu, _, _ = goodput(model.traffic, model.cal, model.setup, start, seed=seed)
+    per_gpu, _, points = goodput(model.traffic, model.cal, model.setup, start, seed=seed)
     if per_gpu <= 0:
         raise ValueError(f"{model.config}: no rate meets the {model.setup.slo_ms:g} ms SLO on one GPU")
     gpus = math.ceil(target_rps / per_gpu * (1 - 1e-9))
@@ -50,6 +50,7 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
         "served": {k: point[k] for k in (*PSI_PATHS, "full_recompute") if k in point},
         "hbm_psi_gb_per_gpu": model.setup.hbm_budget_bytes / 2**30 if model.setup.psi else 0.0,
         "dram_gb_per_gpu": model.setup.dram_bytes / 2**30 if model.setup.psi else 0.0,
+        "search": [{k: p[k] for k in ("rate_rps", "p99_ms", "meets_slo")} for p in points],
     }
 
 
@@ -88,3 +89,77 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['per_gpu_goodput_rps']:.1f} | {r['gpus']} | {r['p99_ms']:.1f} | {r['busy']:.2f} | {served} |"
         )
     return "\n".join(lines)
+
+
+# What the sensitivity table varies: (input, its what-if key or "slo_ms", factors).
+SENSITIVITY: tuple[tuple[str, str, tuple[float, ...]], ...] = (
+    ("SLO", "slo_ms", (0.8, 1.25)),
+    ("host DRAM per GPU", "arena_gb", (0.5, 2.0)),
+    ("a call against psi's cost", "cached_scale", (0.5,)),
+    ("a full ranking's cost", "full_scale", (0.8,)),
+)
+
+
+def sensitivity(
+    source: Path,
+    configs: list[str],
+    target_rps: float,
+    base: list[dict[str, Any]],
+    workload: str | None = None,
+    slo_ms: float | None = None,
+    changes: dict[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """GPUs with one input varied at a time (SENSITIVITY), beside the plan `base`: which inputs
+    matter most. Inputs a configuration does not use (DRAM and psi for the baseline) are left out."""
+    rows = []
+    for name, key, factors in SENSITIVITY:
+        for config, reference in zip(configs, base, strict=True):
+            if key in ("arena_gb", "cached_scale") and config == "baseline":
+                continue
+            for factor in factors:
+                varied = dict(changes or {})
+                slo = slo_ms
+                if key == "slo_ms":
+                    slo = reference["slo_ms"] * factor
+                elif key == "arena_gb":
+                    varied[key] = reference["dram_gb_per_gpu"] * factor
+                else:
+                    varied[key] = varied.get(key, 1.0) * factor
+                (row,) = plan(source, [config], target_rps, workload, slo, None, varied)
+                rows.append({"input": name, "factor": factor, "config": config, "gpus": row["gpus"],
+                             "base_gpus": reference["gpus"], "change": row["gpus"] / reference["gpus"] - 1})  # fmt: skip
+    return rows
+
+
+def sensitivity_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| input | x | config | GPUs | against the plan |", "|---|---:|---|---:|---:|"]
+    lines += [
+        f"| {r['input']} | {r['factor']:g} | {r['config']} | {r['gpus']} | {r['change']:+.0%} |" for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """P99 against the per-GPU rate, one line per configuration (its search's points), the SLO
+    as a horizontal line. Needs matplotlib (the dev extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'relaygr[dev]')") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        pts = sorted(r["search"], key=lambda p: p["rate_rps"])
+        ax.plot([p["rate_rps"] for p in pts], [p["p99_ms"] for p in pts], marker="o", label=r["config"])
+    slo = rows[0]["slo_ms"]
+    ax.axhline(slo, color="black", linestyle="--", linewidth=1, label=f"SLO {slo:g} ms")
+    ax.set_xlabel("ranking requests per second per GPU (modelled)")
+    ax.set_ylabel("P99 latency, ms")
+    ax.set_yscale("log")
+    ax.set_title(f"relaygr plan: {rows[0]['workload']}, per GPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -99,3 +99,21 @@ def test_the_command_prints_the_table_and_writes_the_plans(source, tmp_path, cap
     assert "| baseline |" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["plans"]
     assert row["gpus"] >= 1
+
+
+def test_the_sensitivity_table_varies_one_input_at_a_time_and_the_plot_is_drawn(source, tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    argv = ["plan", "--from", str(source), "--target-rps", "5000", "--configs", "baseline", "--sensitivity",
+            "--plot", str(png), "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "| SLO | 0.8 | baseline |" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    inputs = {(r["input"], r["factor"]) for r in doc["sensitivity"]}
+    assert ("SLO", 0.8) in inputs
+    assert ("a full ranking's cost", 0.8) in inputs
+    assert not any(r["input"] == "host DRAM per GPU" for r in doc["sensitivity"])  # the baseline keeps no psi
+    tighter = next(r for r in doc["sensitivity"] if r["input"] == "SLO" and r["factor"] == 0.8)
+    assert tighter["gpus"] >= doc["plans"][0]["gpus"]
+    cheaper = next(r for r in doc["sensitivity"] if r["input"] == "a full ranking's cost")
+    assert cheaper["gpus"] <= doc["plans"][0]["gpus"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
