@@ -179,6 +179,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},
+            # Our processes: cores used and their busiest thread's (relaygr.cpu_usage).
+            **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_"))},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.

@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from kernels.device import accelerator, resolve_backend, visible_devices
+from relaygr import cpu_usage
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
@@ -321,6 +322,21 @@ def _admissions(rankers: dict[str, Any]) -> str:
     return line
 
 
+def stack_pids(stack: Stack) -> dict[str, int]:
+    """Our processes by name (`client`: this one, which replays the load): rankers, router,
+    trigger, expander and the embedded broker, those the stack started."""
+    pids = {"client": os.getpid()}
+    for i, ranker in enumerate(stack.rankers):
+        pids[f"ranker_{i}"] = ranker.proc.pid
+    for name in ("router", "trigger", "expander"):
+        process = getattr(stack, name)
+        if process is not None:
+            pids[name] = process.proc.pid
+    if stack.broker is not None:
+        pids["broker"] = stack.broker.process.pid
+    return pids
+
+
 def host_cpu_times() -> dict[str, float]:
     """The host's CPU time so far, in clock ticks summed over its CPUs (Linux /proc/stat): total,
     idle (iowait included) and steal (time a virtual machine's CPUs were runnable but the
@@ -378,6 +394,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     stalls_before = await stall_counters(stack)
     device_before, started = await device_counters(stack), time.perf_counter()
     cpu_before = host_cpu_times()
+    pids = stack_pids(stack)
+    threads_before = cpu_usage.snapshot(pids)
     try:
         result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
                               materializer=materializer, slo_ms=slo_ms)  # fmt: skip
@@ -387,6 +405,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         await producer.stop()
     replay_s = time.perf_counter() - started
     host_cpu = host_cpu_fractions(cpu_before, host_cpu_times())
+    threads_after = cpu_usage.snapshot(pids)
+    process_cpu = cpu_usage.usage(threads_before, threads_after, replay_s)
+    busiest = cpu_usage.busiest_threads(threads_before, threads_after, replay_s, top=1)
     busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
     stalls = {k: v - stalls_before.get(k, 0.0) for k, v in (await stall_counters(stack)).items()}
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
@@ -456,6 +477,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: v - trigger_before.get(k, 0.0) for k, v in trigger.items()},
         # The host's CPUs over the replay (every process on it, not only ours; Linux only).
         **host_cpu,
+        # Each of our processes over the replay: cores used, and its busiest thread's (a Python
+        # service whose busiest thread nears 1.0 is the stack's bottleneck, idle CPUs or not).
+        **process_cpu,
         # Each service's stall watch woke > 20 ms late this many times (all at once: the host).
         **stalls,
     }
@@ -476,8 +500,14 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{'meets' if point.ok else 'MISSES'} SLO"
-          f"{_admissions(rankers)}{_compute_by_path(s)}", flush=True)  # fmt: skip
+          f"{_admissions(rankers)}{_compute_by_path(s)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
+
+
+def _busiest_threads(busiest: dict[str, list[tuple[str, float]]]) -> str:
+    """Each process's busiest thread (name/tid, cores) over the point, for the progress line."""
+    parts = [f"{name} {top[0][0]} {top[0][1]:.2f}" for name, top in busiest.items() if top]
+    return f"  busiest thread (cores): {', '.join(parts)}" if parts else ""
 
 
 _PATH_LABELS = {"hbm_hit": "hit", "inflight_join": "join", "partial_prefix": "partial",

@@ -13,6 +13,7 @@ from types import FrameType
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
+from shared.lifecycle import name_os_thread
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -143,6 +144,7 @@ class HostStalls:
             self.loop_lag.observe(max(0.0, time.perf_counter() - started - self._period_s))
 
     def _run(self) -> None:
+        name_os_thread("relaygr-stalls")
         while not self._stop.is_set():
             started = time.perf_counter()
             time.sleep(self._period_s)

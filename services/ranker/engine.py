@@ -101,6 +101,7 @@ from services.ranker.scheduler import (
 )
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from shared.fingerprint import CHUNK_TOKENS
+from shared.lifecycle import name_os_thread
 from shared.logging import get_logger
 
 log = get_logger("ranker.engine")
@@ -820,6 +821,7 @@ class Engine:
         )
 
     def _run(self) -> None:
+        name_os_thread("relaygr-engine")
         try:
             self._loop()
         except BaseException as exc:

@@ -53,6 +53,10 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                         "host_stalls_over_20ms_trigger", "loop_stalls_over_20ms_ranker",
                         "loop_stalls_over_20ms_router", "loop_stalls_over_20ms_trigger"):  # fmt: skip
                 assert point[key] >= 0
+            # Our processes' CPU over the point: the ranker computed, the client replayed the load.
+            for name in ("client", "ranker_0", "router", "trigger", "broker"):
+                assert 0.0 < point[f"cpu_cores_{name}"] < 64.0, name
+                assert 0.0 < point[f"cpu_top_thread_{name}"] <= point[f"cpu_cores_{name}"] + 1e-9, name
             # The next point started from a quiet stack: it drained well before its 60 s bound.
             assert 0.0 <= point["drain_s"] < 60.0
             assert 0.0 <= point["prefetch"] <= 1.0
