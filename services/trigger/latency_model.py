@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,11 @@ class LatencyModel:
     _coef: tuple[float, float, float] | None = None
     kept: int = 0  # samples the last fit used (the rest were judged outliers)
     prior_scale: float = 1.0  # measured / FLOPs prior, from the samples before calibration
+    # Once calibrated, refit at most this often (seconds; 0: on every new sample). A refit with
+    # its outlier passes is ~50 least-squares solves: run on every Stats poll it held the
+    # trigger's event loop 20-35 ms at a time on a GPU host, delaying the signals behind it.
+    refit_interval_s: float = 0.0
+    _fitted_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         self._samples = collections.deque(maxlen=self.window)
@@ -78,6 +84,10 @@ class LatencyModel:
                 ratios = sorted(s.compute_ms / self._flops_ms(s.tokens) for s in self._samples)
                 self.prior_scale = ratios[len(ratios) // 2]
             return
+        now = time.monotonic()
+        if self._coef is not None and now - self._fitted_at < self.refit_interval_s:
+            return  # kept in the window: the next refit counts them
+        self._fitted_at = now
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)
         y = np.array([s.compute_ms for s in self._samples], dtype=np.float64)
         # Gross outliers first, judged against a robust fit (least absolute deviations): a

@@ -85,6 +85,9 @@ _SIGNAL_TRIP_S = 0.05
 # A measured trip counts at least this much: the report's p90 lags a path that slows.
 _MIN_SIGNAL_TRIP_S = 0.005
 MIN_PREINFER_SAMPLES = 5  # measured pre-inferences before their fit prices admission
+# The latency models refit at most once a second (LatencyModel.refit_interval_s): costs move
+# on the scale of seconds, and a refit on every 0.2 s Stats poll stalled the event loop.
+REFIT_INTERVAL_S = 1.0
 # A signal record's framing and key (a user id) besides its value.
 _SIGNAL_RECORD_OVERHEAD_BYTES = 512
 
@@ -125,12 +128,12 @@ class TriggerService:
             config.slo_ms, config.risk_fraction, config.footprint_fraction, config.max_backlog
         )
         self.spec = preset(config.preset)
-        self.latency = LatencyModel(self.spec, config.assumed_tflops)
+        self.latency = LatencyModel(self.spec, config.assumed_tflops, refit_interval_s=REFIT_INTERVAL_S)
         # Device work per call, for admission by reuse (a batch's time shared by its calls:
         # batching makes a full ranking cheaper per call than its latency says), and the device
         # time of a whole pre-inference, from the rankers' measurements.
-        self.full_work = LatencyModel(self.spec, config.assumed_tflops)
-        self.preinfer_work = LatencyModel(self.spec, config.assumed_tflops)
+        self.full_work = LatencyModel(self.spec, config.assumed_tflops, refit_interval_s=REFIT_INTERVAL_S)
+        self.preinfer_work = LatencyModel(self.spec, config.assumed_tflops, refit_interval_s=REFIT_INTERVAL_S)
         self.limits = RequestLimits()
         self.ledgers: dict[str, InstanceLedger] = {t: InstanceLedger() for t in config.rankers}
         self.membership = (
