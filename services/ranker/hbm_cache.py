@@ -146,6 +146,10 @@ class HbmCache:
     _lru: collections.OrderedDict[Hashable, _Entry] = field(default_factory=collections.OrderedDict)
     _bytes_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
     _count_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
+    # Bytes of unleased entries that a call or a copy holds pinned: evictable bytes are the
+    # unleased bytes less these, kept as a sum because the ranker's Stats and every admission
+    # read them (a sum over ~1000 resident psis on the event loop otherwise).
+    _pinned_unleased_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
@@ -251,7 +255,7 @@ class HbmCache:
         if e.state is EntryState.RESIDENT:
             self._move(e, EntryState.CONSUMED)
             e.lease = None
-        e.pins += 1
+        self._pin(e, +1)
         e.last_used = self.clock()
         self._lru.move_to_end(key)  # unleased now (CONSUMED, or a hot copy hit again): the newest
         self.counters.hits += 1
@@ -261,14 +265,14 @@ class HbmCache:
         e = self._entries.get(key)
         if e is None or e.pins <= 0:
             raise InvalidTransition(f"unpin of {key!r} without a pin")
-        e.pins -= 1
+        self._pin(e, -1)
 
     def pin_for_copy(self, key: Hashable) -> Any:
         """Pins a CONSUMED entry for its demotion copy; returns its handle, or None if not demotable."""
         e = self._entries.get(key)
         if e is None or e.state is not EntryState.CONSUMED:
             return None
-        e.pins += 1
+        self._pin(e, +1)
         return e.handle
 
     def demotion_candidates(self, reserve_bytes: int, in_flight_bytes: int = 0) -> list[Hashable]:
@@ -348,7 +352,14 @@ class HbmCache:
                         yield e
 
     def _evictable_bytes(self) -> int:
-        return sum(e.nbytes for e in self._lru.values() if e.pins == 0)
+        unleased = self._bytes_by_state[EntryState.DEMOTED] + self._bytes_by_state[EntryState.CONSUMED]
+        return unleased - self._pinned_unleased_bytes
+
+    def _pin(self, e: _Entry, delta: int) -> None:
+        was_pinned = e.pins > 0
+        e.pins += delta
+        if e.state in _UNLEASED and was_pinned != (e.pins > 0):
+            self._pinned_unleased_bytes += e.nbytes if e.pins > 0 else -e.nbytes
 
     def _make_room(self, nbytes: int) -> bool:
         """Evicts what admitting nbytes needs, in eviction order; nothing when even all of the
@@ -378,6 +389,8 @@ class HbmCache:
             raise InvalidTransition(f"{e.key!r}: cannot leave the cache while pinned")
         self._bytes_by_state[e.state] -= e.nbytes
         self._count_by_state[e.state] -= 1
+        if e.pins and (e.state in _UNLEASED) != (to in _UNLEASED):
+            self._pinned_unleased_bytes += e.nbytes if to in _UNLEASED else -e.nbytes
         if e.state in _UNLEASED and to not in _UNLEASED:
             del self._lru[e.key]
         elif to in _UNLEASED and e.state not in _UNLEASED:
