@@ -271,39 +271,49 @@ class IterationScheduler:
     def _lead(self, now: float, ranks: Sequence[RankItem], first: RankItem) -> tuple[RankItem, float]:
         """The call that leads the next batch, and the longest predicted time a call may take to
         join it. Earliest deadline first, except that short work goes before the earliest call
-        while that call is still predicted to meet its deadline, and to start within its queue
-        budget, after it:
-          * calls against complete psi (a few ms) before a call that computes its prefix (tens
+        while every call it would delay is still predicted to meet its deadline after it, and
+        the earliest to start within its queue budget:
+          * calls against complete psi (a few ms) before calls that compute their prefix (tens
             of ms): EDF alone put hits behind full and partial batches of 20-30 ms (GPU runs at
             4096 tokens: the relay's slowest calls were hits that had waited 20-67 ms);
           * calls of the same kind predicted at most SHORT_FRACTION of the earliest one's time,
             as a batch of their own: batched with a long call, a short one waited for all of it
             (the baseline on the length mix: 136-477-token calls computing 30-44 ms).
-        Under load the earliest call's slack is gone and the order is EDF again."""
+        The calls delayed are all those of the kind passed over, each after the ones ahead of it
+        in deadline order: judged by the earliest alone, a queue of full rankings was passed over
+        again and again while only its head kept its deadline. Under load the slack is gone and
+        the order is EDF again."""
         coef = self.rank_costs.coefficients
         first_s = coef.seconds(first.tokens, first.pairs)
-
-        def fits_before_first(batch: Sequence[RankItem]) -> bool:
-            batch_s = coef.seconds(sum(r.tokens for r in batch), sum(r.pairs for r in batch))
-            return now + batch_s + first_s <= first.deadline and now + batch_s <= first.start_by
 
         def by_deadline(items: Iterable[RankItem]) -> list[RankItem]:
             return sorted(items, key=lambda r: (r.deadline, r.submitted))
 
+        def fits_ahead(batch: Sequence[RankItem], delayed: Sequence[RankItem]) -> bool:
+            done = now + coef.seconds(sum(r.tokens for r in batch), sum(r.pairs for r in batch))
+            if done > first.start_by:
+                return False
+            for r in delayed:  # deadline order: each after the ones ahead of it
+                done += coef.seconds(r.tokens, r.pairs)
+                if done > r.deadline:
+                    return False
+            return True
+
         max_batch = self.config.max_batch
         if first.kind is not RankKind.CACHED:
             cached = by_deadline(r for r in ranks if r.kind is RankKind.CACHED)
-            if cached and fits_before_first(cached[:max_batch]):
+            if cached and fits_ahead(
+                cached[:max_batch], by_deadline(r for r in ranks if r.kind is not RankKind.CACHED)
+            ):
                 return cached[0], float("inf")
         if first_s < LONG_CALL_BATCHES * coef.per_batch_s:
             return first, float("inf")  # nothing long enough to be worth a batch of its own
         cap = SHORT_FRACTION * first_s
-        short = by_deadline(
-            r
-            for r in ranks
-            if r.kind is first.kind and r is not first and coef.seconds(r.tokens, r.pairs) <= cap
-        )
-        if short and fits_before_first(short[:max_batch]):
+        short: list[RankItem] = []
+        long: list[RankItem] = []
+        for r in by_deadline(r for r in ranks if r.kind is first.kind):
+            (short if r is not first and coef.seconds(r.tokens, r.pairs) <= cap else long).append(r)
+        if short and fits_ahead(short[:max_batch], long):
             return short[0], cap
         return first, float("inf")
 

@@ -228,6 +228,7 @@ class RankerService(pb_grpc.RankerServicer):
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
                 launch_ahead=config.launch_ahead,
                 chunks_ahead=config.chunks_ahead,
+                latency_target_s=config.latency_target_ms / 1e3 if config.latency_target_ms else math.inf,
             ),
             on_fatal=self._engine_failed,
         )

@@ -320,6 +320,35 @@ async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
     assert order == [1, 2, 0]
 
 
+async def test_calls_are_scheduled_by_the_latency_target_not_a_far_grpc_deadline(model, monkeypatch):
+    """With a latency target, deadlines far beyond it (a client's 10 s gRPC timeout) no longer
+    order the calls: each is due at its arrival plus the target, so they run as they came."""
+    prefixes, suffixes = batch(13, [Shape(2, 40, 2, 2)] * 3)
+    psis = model.preinfer(prefixes)
+    long_prefixes, _ = batch(14, [Shape(2, 600, 0, 1)])
+    e = chunked(model, max_batch=1, latency_target_s=0.5)
+    order: list[int] = []
+    with PreinferGate(model, monkeypatch, pause_before=(0,), timeout_s=10.0) as gate:
+        e.start()
+        try:
+            pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
+            await gate.wait_reached(0)
+            now = time.monotonic()
+            calls = []
+            for i, deadline in zip((0, 1, 2), (now + 30, now + 10, now + 20), strict=True):
+                fut = asyncio.ensure_future(
+                    e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=deadline)
+                )
+                fut.add_done_callback(functools.partial(lambda i, _f: order.append(i), i))
+                calls.append(fut)
+                await eventually(lambda n=i + 1: e.rank_queue_depth == n, "queued")  # submitted in turn
+            gate.open(0)
+            await asyncio.wait_for(asyncio.gather(*calls, pre), 30)
+        finally:
+            e.stop()
+    assert order == [0, 1, 2]
+
+
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):
     prefixes, suffixes = batch(5, [Shape(2, 50, 4, 4)] * 2)
     psi = model.preinfer(prefixes[:1])[0]

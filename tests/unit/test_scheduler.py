@@ -142,6 +142,34 @@ def test_calls_against_psi_go_before_a_full_call_that_has_slack():
     assert s.plan(0.0, [hurried, *hits], []).rank == (5,)
 
 
+def test_hits_do_not_pass_a_queue_of_full_calls_that_would_miss_behind_them():
+    s = scheduler()
+    # Two full rankings of ~9.2 ms each and two hits of ~1.4 ms in one batch: the first full has
+    # slack for the hits (10.6 ms against 12), the second not once the first has run (19.8
+    # against 19; 18.4 without the hits): passing both over would put it past its deadline.
+    fulls = [rank(1, 0.012, RankKind.FULL, tokens=4096), rank(2, 0.019, RankKind.FULL, tokens=4096)]
+    hits = [rank(3, 0.060), rank(4, 0.070)]
+    assert s.plan(0.0, [*fulls, *hits], []).rank == (1,)
+    # With room for both after the hits, the hits go first.
+    roomy = [fulls[0], rank(2, 0.030, RankKind.FULL, tokens=4096)]
+    assert s.plan(0.0, [*roomy, *hits], []).rank == (3, 4)
+
+
+def test_short_calls_pass_a_long_one_only_while_every_long_call_keeps_its_deadline():
+    s = scheduler()
+    # Two long full rankings (~18.9 ms each) and a short one (~1.8 ms): the short one may not go
+    # first, since the second long one would then finish past its deadline (39.6 ms against 39;
+    # 37.8 in deadline order), though the first would not (20.7 against 21).
+    longs = [
+        RankItem(1, RankKind.FULL, 0.021, 0.0, 4416, 4096 * 4416),
+        RankItem(2, RankKind.FULL, 0.039, 0.0, 4416, 4096 * 4416),
+    ]
+    short = [RankItem(3, RankKind.FULL, 0.060, 0.0, 400, 80 * 400)]
+    assert s.plan(0.0, [*longs, *short], []).rank[0] == 1
+    roomy = [longs[0], RankItem(2, RankKind.FULL, 0.080, 0.0, 4416, 4096 * 4416)]
+    assert s.plan(0.0, [*roomy, *short], []).rank == (3,)
+
+
 def test_short_calls_of_one_kind_run_before_a_long_one_that_has_slack():
     s = scheduler()
     # A full ranking of a 4096-token prefix (~19 ms predicted) and two of 80 tokens (~1.8 ms):
