@@ -113,10 +113,7 @@ class Stack:
                 self.start_expander()
             for i in range(c.rankers):
                 args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
-                        "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb),
-                        # Calls are scheduled to finish within half the SLO (the ranker's default
-                        # for a 50 ms one): the rest is the network's, the router's and noise's.
-                        "--latency-target-ms", str(c.slo_ms / 2), *c.ranker_args]  # fmt: skip
+                        "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb), *c.ranker_args]  # fmt: skip
                 if c.expander:
                     args += ["--host-tier", "true", "--expander-socket-path", socket_path]
                 self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", env, *args))

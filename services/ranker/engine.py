@@ -162,7 +162,7 @@ class EngineConfig:
     # deadline, submitted + this). A gRPC deadline says when a caller gives up, not when it
     # needs its answer: with a client's 10 s deadline every hit "fitted" before a full ranking,
     # and full rankings waited 50-110 ms behind hits (relay-nospare, L4096, H200, h2a) while
-    # the device was 64% busy.
+    # the device was 64% busy. Off by default (config.py says why).
     latency_target_s: float = math.inf
 
     def scheduler(self) -> SchedulerConfig:
