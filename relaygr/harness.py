@@ -183,6 +183,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["copy"] += sum(samples.get(_DEVICE_SECONDS % w, 0.0) for w in ("copy", "reload", "demote"))
         totals["busy"] += samples.get("relaygr_ranker_device_busy_seconds_total", 0.0)
         totals["unused_psi"] += samples.get("relaygr_ranker_unused_psi_device_seconds_total", 0.0)
+        # Device idle between ranking batches, and the part of it with a call waiting (host-bound).
+        totals["gap"] += samples.get("relaygr_ranker_device_gap_seconds_total", 0.0)
+        totals["starved"] += samples.get("relaygr_ranker_device_starved_seconds_total", 0.0)
+        totals["starved_gaps"] += samples.get("relaygr_ranker_device_starved_gaps_over_1ms_total", 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
@@ -415,7 +419,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     threads_after = cpu_usage.snapshot(pids)
     process_cpu = cpu_usage.usage(threads_before, threads_after, replay_s)
     busiest = cpu_usage.busiest_threads(threads_before, threads_after, replay_s, top=1)
-    busy_s = (await device_counters(stack))["busy"] - device_before["busy"]
+    device_end = await device_counters(stack)
+    busy_s = device_end["busy"] - device_before["busy"]
+    starved_s = device_end["starved"] - device_before["starved"]
     stalls = {k: v - stalls_before.get(k, 0.0) for k, v in (await stall_counters(stack)).items()}
     await asyncio.sleep(1.0)  # let leases of the last requests end before reading the counters
     after = await ranker_stats(stack.ranker_targets)
@@ -467,7 +473,14 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
             a.preinfers_refused - b.preinfers_refused for a, b in zip(after, before, strict=True)
         ),
         "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
-        **{f"device_{k}_s": device[k] - device_before[k] for k in ("rank", "preinfer", "copy", "unused_psi")},
+        **{
+            f"device_{k}_s": device[k] - device_before[k]
+            for k in ("rank", "preinfer", "copy", "unused_psi", "gap", "starved")
+        },
+        # The share of the point's time the device sat idle between batches while a call waited
+        # (the host the slower side), and how many such gaps lasted over 1 ms.
+        "starved_fraction": starved_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
+        "starved_gaps_over_1ms": device["starved_gaps"] - device_before["starved_gaps"],
         # The caching allocator freed every cached block and retried: each a device-wide stall.
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
@@ -506,8 +519,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
-          f"{'meets' if point.ok else 'MISSES'} SLO"
-          f"{_admissions(rankers)}{_compute_by_path(s)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
+          f"{'meets' if point.ok else 'MISSES'} SLO  device busy {rankers['busy_fraction']:.2f}, idle with "
+          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
 
 

@@ -7,6 +7,9 @@ it as Prometheus counters, read at scrape time:
 
     relaygr_ranker_device_seconds_total{work="rank"|"preinfer"|"copy"|"reload"|"demote"}
     relaygr_ranker_device_busy_seconds_total
+    relaygr_ranker_device_gap_seconds_total
+    relaygr_ranker_device_starved_seconds_total
+    relaygr_ranker_device_starved_gaps_over_1ms_total
     relaygr_ranker_unused_psi_device_seconds_total
     relaygr_ranker_unused_psi_total
 
@@ -20,6 +23,13 @@ What the numbers mean (the engine measures them; services/ranker/engine.py):
             CPU); a caller may name them "reload" or "demote" instead;
   busy      wall time during which at least one ranking batch or pre-inference was outstanding
             on the device (copies excluded: they run on the copy engine, beside compute);
+  gap       device time between one ranking batch's end and the next one's start (CUDA events;
+            wall time between the steps on the CPU), summed over consecutive ranking batches (a
+            pre-inference step between two batches starts the count again);
+  starved   of each gap, the part during which a call of the next batch was already waiting:
+            the device idle while work was queued, i.e. the host was the slower side (issue 13:
+            at L4096 on an H200 the relay's queue P99 was 72.8 ms where a FIFO replay of its
+            calls' own device time gave 43). `starved_gaps_over_1ms` counts such gaps;
   unused psi  the pre-inference time of each psi whose lease expired before any ranking call
             consumed it. The cost of a psi is kept, by key, from its production until it is
             consumed (then it was useful) or reported expired (then it was wasted).
@@ -49,6 +59,15 @@ class DeviceTimeSnapshot:
     busy_s: float
     unused_psi_s: float
     unused_psi: int
+    gap_s: float = 0.0
+    starved_s: float = 0.0
+    starved_gaps_over_1ms: int = 0
+
+
+def starved_seconds(gap_s: float, launched_at: float, oldest_submitted: float) -> float:
+    """The part of a `gap_s` of device idleness that ended at `launched_at` during which a call
+    submitted at `oldest_submitted` (same clock) was already waiting for the next batch."""
+    return min(max(gap_s, 0.0), max(0.0, launched_at - oldest_submitted))
 
 
 class DeviceTime:
@@ -66,6 +85,9 @@ class DeviceTime:
         self._max_tracked = max_tracked
         self._unused_s = 0.0
         self._unused = 0
+        self._gap_s = 0.0
+        self._starved_s = 0.0
+        self._starved_gaps = 0
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
@@ -74,6 +96,14 @@ class DeviceTime:
             raise ValueError(f"unknown kind of device work {work!r} (one of {', '.join(WORKS)})")
         with self._lock:
             self._work_s[work] += max(0.0, seconds)
+
+    def idle_between(self, gap_s: float, starved_s: float) -> None:
+        """One gap between two consecutive ranking batches on the device, `starved_s` of it with
+        a call of the second already waiting (`starved_seconds`)."""
+        with self._lock:
+            self._gap_s += max(0.0, gap_s)
+            self._starved_s += max(0.0, starved_s)
+            self._starved_gaps += starved_s > 0.001
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -145,7 +175,10 @@ class DeviceTime:
     def snapshot(self) -> DeviceTimeSnapshot:
         with self._lock:
             busy = self._busy_s + (self._clock() - self._busy_since if self._active else 0.0)
-            return DeviceTimeSnapshot(dict(self._work_s), busy, self._unused_s, self._unused)
+            return DeviceTimeSnapshot(
+                dict(self._work_s), busy, self._unused_s, self._unused,
+                self._gap_s, self._starved_s, self._starved_gaps,
+            )  # fmt: skip
 
 
 class SectionTimer:
@@ -209,6 +242,21 @@ class DeviceTimeCollector(Collector):
             "relaygr_ranker_device_busy_seconds",
             "wall time with a ranking batch or a pre-inference outstanding on the device",
             value=snap.busy_s,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_device_gap_seconds",
+            "device time between consecutive ranking batches",
+            value=snap.gap_s,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_device_starved_seconds",
+            "device time between consecutive ranking batches while a call of the next one waited",
+            value=snap.starved_s,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_device_starved_gaps_over_1ms",
+            "gaps between ranking batches with over 1 ms of it spent while a call waited",
+            value=snap.starved_gaps_over_1ms,
         )
         yield CounterMetricFamily(
             "relaygr_ranker_unused_psi_device_seconds",

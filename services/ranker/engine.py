@@ -77,7 +77,7 @@ import torch
 
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
-from services.ranker.device_time import WORKS, DeviceTime, SectionTimer
+from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
 from services.ranker.graphs import (
     BucketKey,
     GraphLimits,
@@ -377,6 +377,10 @@ class Engine:
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
+        # The end of the last ranking batch on the device (its CUDA event; on the CPU the wall
+        # time it was collected), for the gap before the next (DeviceTime.idle_between); None
+        # after a pre-inference step.
+        self._last_batch_end: torch.cuda.Event | float | None = None
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
         self.device_time = DeviceTime()
@@ -1085,6 +1089,7 @@ class Engine:
             done = time.perf_counter()
             self.device_time.end()
         self.device_time.add("rank", seconds)
+        self._account_gap(flight, done)
         compute_ms = seconds * 1e3
         # Host time up to the launch's last call (before any wait for the scores): on a slow
         # batch, close to compute_ms means the host stalled while issuing; far below it, the
@@ -1120,6 +1125,23 @@ class Engine:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (began - j.submitted) * 1e3)
             j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq))
+
+    def _account_gap(self, flight: _InFlight, done: float) -> None:
+        """The device's idle time between the last ranking batch and this one, and how much of
+        it a call of this batch spent waiting (services/ranker/device_time.py: gap, starved)."""
+        last = self._last_batch_end
+        gap_s: float | None = None
+        if flight.events is not None:
+            if isinstance(last, torch.cuda.Event):
+                gap_s = last.elapsed_time(flight.events[0]) / 1e3
+            self._last_batch_end = flight.events[1]
+        else:
+            if isinstance(last, float):
+                gap_s = flight.started - last
+            self._last_batch_end = done
+        if gap_s is not None:
+            oldest = min(j.submitted for j in flight.batch)
+            self.device_time.idle_between(gap_s, starved_seconds(gap_s, flight.started_at, oldest))
 
     def _rank_partial(self, batch: list[_RankJob], built: list[int]) -> list[torch.Tensor]:
         """Partial batch: each call reads what its pre-inference built and completes psi."""
@@ -1159,6 +1181,7 @@ class Engine:
         again, and whatever reads their psi next (a later chunk, a take-over's partial batch)
         runs behind them on the same stream. None: nothing to run, or the step failed (its jobs
         have their error)."""
+        self._last_batch_end = None  # the gap to the next batch would include this step
         with self._cv:
             jobs = [self._preinfers.get(c.id) for c in plan.chunks]
         work = [(c, j) for c, j in zip(plan.chunks, jobs, strict=True) if j is not None and j.done == c.start]

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kernels.device import accelerator
 from relaygr.harness import parse_metrics
 from relaygr.synthetic import Shape, batch
-from services.ranker.device_time import DeviceTime, DeviceTimeCollector
+from services.ranker.device_time import DeviceTime, DeviceTimeCollector, starved_seconds
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
@@ -98,6 +98,49 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     assert samples["relaygr_ranker_unused_psi_device_seconds_total"] == pytest.approx(wasted)
     assert samples["relaygr_ranker_unused_psi_total"] == 1
     assert samples["relaygr_ranker_device_busy_seconds_total"] > 0
+
+
+def test_starved_time_is_the_part_of_a_gap_a_waiting_call_saw():
+    # A 5 ms gap that ended at t=10.000: a call waiting since 9.990 saw all of it, one since
+    # 9.998 the last 2 ms, one submitted at the launch none.
+    assert starved_seconds(0.005, 10.0, 9.990) == pytest.approx(0.005)
+    assert starved_seconds(0.005, 10.0, 9.998) == pytest.approx(0.002)
+    assert starved_seconds(0.005, 10.0, 10.0) == 0.0
+    assert starved_seconds(-0.001, 10.0, 9.0) == 0.0  # overlapping events: no gap
+    ledger = DeviceTime()
+    ledger.idle_between(0.005, 0.002)
+    ledger.idle_between(0.003, 0.0005)
+    snap = ledger.snapshot()
+    assert snap.gap_s == pytest.approx(0.008)
+    assert snap.starved_s == pytest.approx(0.0025)
+    assert snap.starved_gaps_over_1ms == 1
+    registry = CollectorRegistry()
+    registry.register(DeviceTimeCollector(ledger))
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert samples["relaygr_ranker_device_gap_seconds_total"] == pytest.approx(0.008)
+    assert samples["relaygr_ranker_device_starved_seconds_total"] == pytest.approx(0.0025)
+    assert samples["relaygr_ranker_device_starved_gaps_over_1ms_total"] == 1
+
+
+async def test_the_engine_books_the_gap_between_batches_and_a_waiting_calls_share_of_it():
+    """On the CPU the engine waits up to max_wait for a batch to fill: the device is idle then
+    while the call waits (starved); the idle time before the call came is a gap, not starved."""
+    model = HSTURanker.from_seed(preset("tiny"), seed=0)
+    engine = Engine(model, accelerator("cpu"), EngineConfig(max_wait_s=0.05))
+    engine.start()
+    try:
+        prefixes, suffixes = batch(3, [Shape(2, 64, 4, 8)] * 2)
+        psis = model.preinfer(prefixes)
+        await engine.rank_cached(suffixes[0], psis[0], psis[0].key)
+        assert engine.device_time.snapshot().gap_s == 0.0  # one batch: no gap yet
+        await asyncio.sleep(0.1)  # idle, nobody waiting
+        await engine.rank_cached(suffixes[1], psis[1], psis[1].key)
+        snap = engine.device_time.snapshot()
+    finally:
+        engine.stop()
+    assert snap.gap_s >= 0.1 + 0.04
+    assert 0.04 <= snap.starved_s < 0.1  # the batch's fill wait, not the idle time before the call
+    assert snap.starved_gaps_over_1ms == 1
 
 
 def test_recent_busy_fraction_is_the_busy_share_of_a_sliding_window():
