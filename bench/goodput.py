@@ -171,7 +171,7 @@ class Runner:
             "by_served": s["by_served"],  # latency, queue and compute per path (hit, full, ...)
             **{k: s.get(k, 0.0) for k in _SERVED},
             **{k: p.rankers[k] for k in ("busy_fraction", "starved_fraction", "starved_gaps_over_1ms",
-                                         "device_gap_s", "device_starved_s",
+                                         "device_gap_s", "device_starved_s", "device_fill_wait_s",
                                          "device_rank_s", "device_preinfer_s", "device_copy_s",
                                          "device_unused_psi_s", "psi_produced", "psi_from_rankings", "wasted_preinfer_rate", "reloads",
                                          "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released", "resident_bytes_max",

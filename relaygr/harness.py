@@ -187,6 +187,7 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["gap"] += samples.get("relaygr_ranker_device_gap_seconds_total", 0.0)
         totals["starved"] += samples.get("relaygr_ranker_device_starved_seconds_total", 0.0)
         totals["starved_gaps"] += samples.get("relaygr_ranker_device_starved_gaps_over_1ms_total", 0.0)
+        totals["fill_wait"] += samples.get("relaygr_ranker_device_fill_wait_seconds_total", 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
@@ -475,7 +476,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "busy_fraction": busy_s / (replay_s * len(stack.ranker_metrics_ports)) if replay_s > 0 else 0.0,
         **{
             f"device_{k}_s": device[k] - device_before[k]
-            for k in ("rank", "preinfer", "copy", "unused_psi", "gap", "starved")
+            for k in ("rank", "preinfer", "copy", "unused_psi", "gap", "starved", "fill_wait")
         },
         # The share of the point's time the device sat idle between batches while a call waited
         # (the host the slower side), and how many such gaps lasted over 1 ms.

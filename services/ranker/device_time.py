@@ -10,6 +10,7 @@ it as Prometheus counters, read at scrape time:
     relaygr_ranker_device_gap_seconds_total
     relaygr_ranker_device_starved_seconds_total
     relaygr_ranker_device_starved_gaps_over_1ms_total
+    relaygr_ranker_device_fill_wait_seconds_total
     relaygr_ranker_unused_psi_device_seconds_total
     relaygr_ranker_unused_psi_total
 
@@ -30,6 +31,8 @@ What the numbers mean (the engine measures them; services/ranker/engine.py):
             the device idle while work was queued, i.e. the host was the slower side (issue 13:
             at L4096 on an H200 the relay's queue P99 was 72.8 ms where a FIFO replay of its
             calls' own device time gave 43). `starved_gaps_over_1ms` counts such gaps;
+  fill wait the time the device loop waited, nothing in flight, for a ranking batch to fill
+            (`max_wait`): the starved time spent so by design; the rest is the host's own;
   unused psi  the pre-inference time of each psi whose lease expired before any ranking call
             consumed it. The cost of a psi is kept, by key, from its production until it is
             consumed (then it was useful) or reported expired (then it was wasted).
@@ -62,6 +65,7 @@ class DeviceTimeSnapshot:
     gap_s: float = 0.0
     starved_s: float = 0.0
     starved_gaps_over_1ms: int = 0
+    fill_wait_s: float = 0.0
 
 
 def starved_seconds(gap_s: float, launched_at: float, oldest_submitted: float) -> float:
@@ -88,6 +92,7 @@ class DeviceTime:
         self._gap_s = 0.0
         self._starved_s = 0.0
         self._starved_gaps = 0
+        self._fill_wait_s = 0.0
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
@@ -104,6 +109,11 @@ class DeviceTime:
             self._gap_s += max(0.0, gap_s)
             self._starved_s += max(0.0, starved_s)
             self._starved_gaps += starved_s > 0.001
+
+    def fill_wait(self, seconds: float) -> None:
+        """The device loop waited this long, nothing in flight, for a ranking batch to fill."""
+        with self._lock:
+            self._fill_wait_s += max(0.0, seconds)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -177,7 +187,7 @@ class DeviceTime:
             busy = self._busy_s + (self._clock() - self._busy_since if self._active else 0.0)
             return DeviceTimeSnapshot(
                 dict(self._work_s), busy, self._unused_s, self._unused,
-                self._gap_s, self._starved_s, self._starved_gaps,
+                self._gap_s, self._starved_s, self._starved_gaps, self._fill_wait_s,
             )  # fmt: skip
 
 
@@ -257,6 +267,11 @@ class DeviceTimeCollector(Collector):
             "relaygr_ranker_device_starved_gaps_over_1ms",
             "gaps between ranking batches with over 1 ms of it spent while a call waited",
             value=snap.starved_gaps_over_1ms,
+        )
+        yield CounterMetricFamily(
+            "relaygr_ranker_device_fill_wait_seconds",
+            "time the device loop waited, nothing in flight, for a ranking batch to fill",
+            value=snap.fill_wait_s,
         )
         yield CounterMetricFamily(
             "relaygr_ranker_unused_psi_device_seconds",

@@ -906,8 +906,11 @@ class Engine:
             elif plan.chunks:
                 self._run_chunks(plan)
             elif plan.wait_s > 0:
+                waited_from = time.perf_counter()
                 with self._cv:
                     self._cv.wait(plan.wait_s)  # a ranking batch is filling
+                # Nothing is on the device meanwhile: part of the starved time, by design.
+                self.device_time.fill_wait(time.perf_counter() - waited_from)
             elif self.graphs is not None and self.graphs.has_pending():
                 # Only when nothing else is planned: a capture takes tens to hundreds of ms, and
                 # one run ahead of a waited-for chunk or a filling batch delayed both.

@@ -44,6 +44,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert 0.0 <= point["starved_fraction"] <= 1.0  # idle between batches with calls waiting
             assert point["device_gap_s"] >= point["device_starved_s"] >= 0.0
             assert point["starved_gaps_over_1ms"] >= 0
+            assert point["device_fill_wait_s"] >= 0.0
             assert point["device_rank_s"] > 0  # the ranker's counters were scraped
             for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
                 assert 0.0 <= point[key] <= 1.0

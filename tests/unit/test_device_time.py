@@ -120,6 +120,8 @@ def test_starved_time_is_the_part_of_a_gap_a_waiting_call_saw():
     assert samples["relaygr_ranker_device_gap_seconds_total"] == pytest.approx(0.008)
     assert samples["relaygr_ranker_device_starved_seconds_total"] == pytest.approx(0.0025)
     assert samples["relaygr_ranker_device_starved_gaps_over_1ms_total"] == 1
+    ledger.fill_wait(0.001)
+    assert ledger.snapshot().fill_wait_s == pytest.approx(0.001)
 
 
 async def test_the_engine_books_the_gap_between_batches_and_a_waiting_calls_share_of_it():
@@ -141,6 +143,8 @@ async def test_the_engine_books_the_gap_between_batches_and_a_waiting_calls_shar
     assert snap.gap_s >= 0.1 + 0.04
     assert 0.04 <= snap.starved_s < 0.1  # the batch's fill wait, not the idle time before the call
     assert snap.starved_gaps_over_1ms == 1
+    # Both batches waited to fill (max_wait) with nothing in flight; the fill waits are counted.
+    assert 0.08 <= snap.fill_wait_s <= snap.gap_s + 0.06
 
 
 def test_recent_busy_fraction_is_the_busy_share_of_a_sliding_window():
