@@ -34,6 +34,13 @@ class Sample:
     compute_ms: float
 
 
+# A fit on fewer samples than this is redone on every new one whatever refit_interval_s says:
+# it is cheap then, and it is what new samples change most (a trigger that had just calibrated on
+# a ranker's warm-up and waited a second to refit judged a 20-token request by that first fit,
+# under CI load: the integration test of risk admission failed on it).
+REFIT_EVERY_SAMPLE_BELOW = 32
+
+
 @dataclass
 class LatencyModel:
     spec: ModelSpec
@@ -85,7 +92,11 @@ class LatencyModel:
                 self.prior_scale = ratios[len(ratios) // 2]
             return
         now = time.monotonic()
-        if self._coef is not None and now - self._fitted_at < self.refit_interval_s:
+        if (
+            self._coef is not None
+            and len(self._samples) >= REFIT_EVERY_SAMPLE_BELOW
+            and now - self._fitted_at < self.refit_interval_s
+        ):
             return  # kept in the window: the next refit counts them
         self._fitted_at = now
         n = np.array([s.tokens for s in self._samples], dtype=np.float64)

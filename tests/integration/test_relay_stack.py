@@ -114,7 +114,9 @@ async def test_long_requests_are_relayed_short_ones_ranked_in_full(stack):
     assert all(r.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN, pb.PARTIAL_PREFIX) for r in long_replies), [
         pb.ServedBy.Name(r.served_by) for r in long_replies
     ]
-    assert all(r.served_by == pb.FULL_RECOMPUTE for r in short_replies)
+    assert all(r.served_by == pb.FULL_RECOMPUTE for r in short_replies), [
+        pb.ServedBy.Name(r.served_by) for r in short_replies
+    ]
     # Both rankers took part (users spread), and each long user was served where its psi was.
     assert len({r.instance_id for r in long_replies + short_replies}) == 2
 
