@@ -185,6 +185,8 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_"))},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
+            # The ranker's device loop by section (services/ranker/loop_time.py): wall, thread CPU.
+            **{k: v for k, v in p.rankers.items() if k.startswith("loop_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
             **{k: v for k, v in p.rankers.items() if k.startswith(("host_lookup_", "reload_decision_"))},
             # The ranker's garbage-collector pauses over the point: seconds, and pauses over 20 ms.

@@ -30,6 +30,7 @@ from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
+from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -188,6 +189,11 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["starved"] += samples.get("relaygr_ranker_device_starved_seconds_total", 0.0)
         totals["starved_gaps"] += samples.get("relaygr_ranker_device_starved_gaps_over_1ms_total", 0.0)
         totals["fill_wait"] += samples.get("relaygr_ranker_device_fill_wait_seconds_total", 0.0)
+        # The device loop's own time by section, wall and thread CPU (services/ranker/loop_time.py).
+        for section in LOOP_SECTIONS:
+            for clock in ("wall", "cpu"):
+                name = f'relaygr_ranker_engine_loop_seconds_total{{clock="{clock}",section="{section}"}}'
+                totals[f"loop_{section}_{clock}_s"] += samples.get(name, 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
@@ -486,6 +492,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
+        # The device loop's own time over the point, by section: wall and thread-CPU seconds.
+        **{k: device[k] - device_before[k] for k in device if k.startswith("loop_")},
         # HBM misses asked of the host tier, and how the reload-or-recompute choice went.
         **{
             k: device[k] - device_before[k]

@@ -87,6 +87,7 @@ from services.ranker.graphs import (
     bucket_for,
     warm_full_keys,
 )
+from services.ranker.loop_time import LoopTime
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.scheduler import (
@@ -381,6 +382,7 @@ class Engine:
         # time it was collected), for the gap before the next (DeviceTime.idle_between); None
         # after a pre-inference step.
         self._last_batch_end: torch.cuda.Event | float | None = None
+        self.loop_time = LoopTime()
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
         self.device_time = DeviceTime()
@@ -855,8 +857,9 @@ class Engine:
         # host's work between batches (collecting, answering, planning, packing, staging)
         # overlaps the device's instead of leaving the device idle.
         flight: _InFlight | _ChunksInFlight | None = None
+        section = self.loop_time.section  # where the loop's own time goes (loop_time.py)
         while True:
-            with self._cv:
+            with section("idle"), self._cv:
                 while flight is None and not self._has_work() and not self._stopping:
                     self._cv.wait()
                 stopping = self._stopping
@@ -867,21 +870,23 @@ class Engine:
                     self._fail_all()
                 return
             # Copies first: on CUDA issuing them is cheap and they run beside the step's compute.
-            self._poll_copies()
-            self._issue_copies()
+            with section("copies"):
+                self._poll_copies()
+                self._issue_copies()
             if flight is not None and self._ready(flight):
                 # Done on the device: settle it before planning (its calls are answered now,
                 # not after the next step's launch; what it settles may change the plan).
                 self._complete(flight)
                 flight = None
-            with self._cv:
+            with section("plan"), self._cv:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
             launched: _InFlight | _ChunksInFlight | None = None
-            if batch:
-                launched = self._launch_rank_batch(batch)
-            elif plan.chunks and self.config.chunks_ahead and not self._calls:
-                launched = self._launch_chunks(plan)
+            with section("launch"):
+                if batch:
+                    launched = self._launch_rank_batch(batch)
+                elif plan.chunks and self.config.chunks_ahead and not self._calls:
+                    launched = self._launch_chunks(plan)
             if batch or launched is not None:
                 if flight is not None:
                     self._complete(flight)
@@ -901,25 +906,29 @@ class Engine:
                 self._complete(flight)
                 flight = None
                 continue
-            if self._run_call():
+            with section("other"):
+                ran_call = self._run_call()
+            if ran_call:
                 continue
             elif plan.chunks:
-                self._run_chunks(plan)
+                with section("other"):
+                    self._run_chunks(plan)
             elif plan.wait_s > 0:
                 waited_from = time.perf_counter()
-                with self._cv:
+                with section("fill_wait"), self._cv:
                     self._cv.wait(plan.wait_s)  # a ranking batch is filling
                 # Nothing is on the device meanwhile: part of the starved time, by design.
                 self.device_time.fill_wait(time.perf_counter() - waited_from)
             elif self.graphs is not None and self.graphs.has_pending():
                 # Only when nothing else is planned: a capture takes tens to hundreds of ms, and
                 # one run ahead of a waited-for chunk or a filling batch delayed both.
-                self._capture_one()
+                with section("other"):
+                    self._capture_one()
             elif self._copies_in_flight:
                 # Copies still running on the copy engine: look again shortly, or at once when
                 # work is submitted (notify). A 50 us sleep here spun the loop (and took the GIL
                 # from the event loop) ~20 times a millisecond through every 2-3 ms demotion.
-                with self._cv:
+                with section("idle"), self._cv:
                     self._cv.wait(_COPY_POLL_S)
 
     @staticmethod
@@ -933,7 +942,8 @@ class Engine:
         if isinstance(flight, _InFlight):
             self._complete_rank_batch(flight)
         else:
-            self._complete_chunks(flight)
+            with self.loop_time.section("settle"):
+                self._complete_chunks(flight)
 
     def _plan(self) -> Plan:
         """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
@@ -1076,13 +1086,14 @@ class Engine:
         launch is); elsewhere its launch's wall time (the CPU computes it in the launch). That
         is what the cost fits learn and the calls' compute_ms report; the rest of their time
         on the device loop is in queue_ms."""
-        batch, kind = flight.batch, flight.batch[0].kind
+        batch = flight.batch
         try:
-            host = flight.pending.wait()
-            seconds = flight.issued - flight.started
-            if flight.events is not None:
-                flight.events[1].synchronize()
-                seconds = flight.events[0].elapsed_time(flight.events[1]) / 1e3
+            with self.loop_time.section("settle_wait"):
+                host = flight.pending.wait()
+                seconds = flight.issued - flight.started
+                if flight.events is not None:
+                    flight.events[1].synchronize()
+                    seconds = flight.events[0].elapsed_time(flight.events[1]) / 1e3
         except Exception as exc:
             for j in batch:
                 j.resolve(error=exc)
@@ -1091,6 +1102,14 @@ class Engine:
             # The scores are on the host (or the batch failed): its device work is over.
             done = time.perf_counter()
             self.device_time.end()
+        with self.loop_time.section("settle"):
+            self._settle_rank_batch(flight, host, seconds, done)
+
+    def _settle_rank_batch(
+        self, flight: _InFlight, host: list[torch.Tensor], seconds: float, done: float
+    ) -> None:
+        """Books a completed batch's time and answers its calls (_complete_rank_batch)."""
+        batch, kind = flight.batch, flight.batch[0].kind
         self.device_time.add("rank", seconds)
         self._account_gap(flight, done)
         compute_ms = seconds * 1e3

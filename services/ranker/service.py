@@ -55,6 +55,7 @@ from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
+from services.ranker.loop_time import LoopTimeCollector
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
@@ -242,6 +243,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
         self.registry.register(DeviceTimeCollector(self.engine.device_time))
+        self.registry.register(LoopTimeCollector(self.engine.loop_time))
         self.relay = RelayCache(
             self.cache,
             self.engine,

@@ -45,6 +45,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["device_gap_s"] >= point["device_starved_s"] >= 0.0
             assert point["starved_gaps_over_1ms"] >= 0
             assert point["device_fill_wait_s"] >= 0.0
+            assert point["loop_launch_wall_s"] > 0
+            assert point["loop_launch_cpu_s"] > 0
             assert point["device_rank_s"] > 0  # the ranker's counters were scraped
             for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
                 assert 0.0 <= point[key] <= 1.0
