@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from services.ranker import call_cost
 from services.ranker.call_cost import CallWork, CostFit, CostPrior
 
 # What the fit should recover: roughly this machine's tiny preset on the CPU.
@@ -139,3 +140,18 @@ def test_call_work_counts_what_each_path_computes():
     assert CallWork.of(1000, 48, against_psi=False).describe() == "1048 tokens in full"
     with pytest.raises(ValueError, match="token counts"):
         CallWork.of(-1, 48, against_psi=False)
+
+
+def test_the_fit_is_solved_on_each_early_batch_then_every_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    fit = CostFit(CostPrior())
+    solves = []
+    real_solve = fit._solve
+    monkeypatch.setattr(fit, "_solve", lambda: solves.append(fit.measured) or real_solve())
+    for i in range(call_cost._SOLVE_EACH_FIRST + 4 * call_cost._SOLVE_EVERY):
+        tokens = 100 + 10 * i
+        fit.observe(tokens, 0, true_seconds(tokens, 0))
+    early = list(range(1, call_cost._SOLVE_EACH_FIRST + 1))
+    later = [call_cost._SOLVE_EACH_FIRST + k * call_cost._SOLVE_EVERY for k in range(1, 5)]
+    assert solves == early + later
+    # The last batch observed was solved with: the coefficients are those of every batch seen.
+    assert fit.coefficients.seconds(1000, 0) == pytest.approx(true_seconds(1000, 0), rel=0.05)
