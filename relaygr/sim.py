@@ -25,8 +25,16 @@ replays, same seed, same lead-in, the measured window only counted):
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
     complete joins it or takes it over, as the scheduler decides.
+  * the host's launch of each ranking batch (packing, staging, issuing: the records'
+    `launch_ms`, drawn by shape class like the device time) with the engine's launch-ahead: the
+    next batch is planned and launched while the one before it runs, and it starts on the device
+    once both that one is done and its own launch is; a launch longer than the batch ahead of it
+    leaves the device idle with calls waiting (measured: 11.6% of the time for relay-nospare at
+    225 req/s on an H200, whose hit batches run 1.2-1.5 ms). `--launch-scale` scales it, 0
+    turns it off (the device-only model of earlier checks).
 Not modelled yet: the trigger's admission policy (`relay`), the router and several rankers, the
-copy engine as a resource, the signal path's tail.
+copy engine as a resource, the signal path's tail, the host's settling of a batch (not in the
+records; the ranker's loop_* sections measure it per point).
 
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
@@ -92,6 +100,10 @@ class KindCost:
     per_pair_s: float
     ratios: tuple[float, ...]
     by_shape: dict[tuple[int, int], tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    # The host's launch of a batch (seconds), measured, by shape class and all together; empty
+    # where the records carry no launch time (files before it was recorded).
+    launches: tuple[float, ...] = ()
+    launches_by_shape: dict[tuple[int, int], tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     def fitted_s(self, tokens: int, pairs: int) -> float:
         return self.per_batch_s + self.per_token_s * tokens + self.per_pair_s * pairs
@@ -99,6 +111,12 @@ class KindCost:
     def draw_s(self, tokens: int, pairs: int, rng: np.random.Generator, calls: int = 1) -> float:
         pool = self.by_shape.get(shape_of(calls, tokens)) or self.ratios
         return self.fitted_s(tokens, pairs) * float(pool[rng.integers(len(pool))])
+
+    def draw_launch_s(self, tokens: int, rng: np.random.Generator, calls: int = 1) -> float:
+        """A measured launch of a batch of this shape class (of any, where the class was never
+        measured); 0 without launch records."""
+        pool = self.launches_by_shape.get(shape_of(calls, tokens)) or self.launches
+        return float(pool[rng.integers(len(pool))]) if pool else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +137,7 @@ class _Batch:
     pairs: int = 0
     compute_ms: float = 0.0
     calls: int = 0
+    launch_ms: float | None = None  # the host's launch (None: not recorded)
 
 
 def _fit(samples: Sequence[_Batch]) -> KindCost:
@@ -147,7 +166,14 @@ def _fit(samples: Sequence[_Batch]) -> KindCost:
         if f > 0:
             by_shape[shape_of(b.calls, b.tokens)].append(float(v / f))
     ratios = tuple(r for pool in by_shape.values() for r in pool)
-    return KindCost(per_batch, per_token, per_pair, ratios, {k: tuple(v) for k, v in by_shape.items()})
+    launches: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
+    for b in samples:
+        if b.launch_ms is not None:
+            launches[shape_of(b.calls, b.tokens)].append(b.launch_ms / 1e3)
+    return KindCost(
+        per_batch, per_token, per_pair, ratios, {k: tuple(v) for k, v in by_shape.items()},
+        tuple(x for pool in launches.values() for x in pool), {k: tuple(v) for k, v in launches.items()},
+    )  # fmt: skip
 
 
 def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
@@ -162,7 +188,13 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
         path = str(r["served_by"])
         full = path == "full_recompute"
         prefix, suffix = int(r["prefix_len"]), int(r["suffix_len"])
-        b = batches.setdefault(int(r["batch_seq"]), _Batch(full, compute_ms=float(r["compute_ms"])))
+        launch = r.get("launch_ms")
+        b = batches.setdefault(
+            int(r["batch_seq"]),
+            _Batch(
+                full, compute_ms=float(r["compute_ms"]), launch_ms=None if launch is None else float(launch)
+            ),
+        )
         b.calls += 1
         b.tokens += prefix + suffix if full else suffix
         b.pairs += prefix * (prefix + suffix) if full else 0
@@ -188,7 +220,8 @@ def scaled(cal: Calibration, full: float = 1.0, cached: float = 1.0) -> Calibrat
     if a kernel made them cheaper)."""
 
     def scale(k: KindCost, f: float) -> KindCost:
-        return KindCost(k.per_batch_s * f, k.per_token_s * f, k.per_pair_s * f, k.ratios, k.by_shape)
+        return dataclasses.replace(k, per_batch_s=k.per_batch_s * f, per_token_s=k.per_token_s * f,
+                                   per_pair_s=k.per_pair_s * f)  # fmt: skip
 
     return dataclasses.replace(
         cal, full=scale(cal.full, full), cached=None if cal.cached is None else scale(cal.cached, cached)
@@ -233,6 +266,13 @@ class Setup:
     # signal reaching the ranker this long after the retrieval event; None: no pre-inference.
     preinfer_trip_ms: float | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    # The host's launch of each ranking batch, as measured times this (module docstring); 0:
+    # not modelled, every batch starts when the device is free.
+    launch_scale: float = 1.0
+    # The deadline a ranking call reaches the ranker with, which its scheduler orders calls by
+    # and lets short work pass over long by: the benchmarks' gRPC timeout (relaygr.replay's
+    # rank_timeout_s), not the SLO (the ranker's latency target is off by default).
+    call_deadline_s: float = 10.0
 
 
 class _Lru:
@@ -325,7 +365,8 @@ def simulate(
     producing: dict[tuple[int, int], _Production] = {}
     productions: dict[int, _Production] = {}
     out: list[Served] = []
-    now, i, j, ids = 0.0, 0, 0, 0
+    now, i, j, ids = 0.0, 0, 0, 0  # now: the host's clock (it plans); device_free: the device's
+    device_free = 0.0
     reloads: list[tuple[float, int]] = []  # (ready time, id): calls waiting for their copy
     ready_at: dict[tuple[int, int], float] = {}  # psi produced ahead of its call: when it is complete
 
@@ -362,7 +403,7 @@ def simulate(
     def arrive(r: PlannedRequest, t: float) -> None:
         key = (r.user_id, r.prefix_version)
         suffix = r.recent_len + r.candidates
-        deadline = t + setup.slo_ms / 1e3
+        deadline = t + setup.call_deadline_s  # what the ranker's scheduler orders by
         production = producing.get(key)
         if production is not None:
             decision = scheduler.relay(production.item, t, deadline)
@@ -424,6 +465,11 @@ def simulate(
         pending = [p.item for p in productions.values()]
         plan = scheduler.plan(now, ready, pending) if ready or pending else None
         if plan is None or plan.empty:
+            if device_free > now:
+                # Nothing to launch ahead: the engine collects the batch in flight first, and a
+                # call that comes meanwhile is launched after it (its launch then on the path).
+                now = device_free
+                continue
             next_times = [t for t, rid in reloads if t > now]
             if i < len(by_arrival):
                 next_times.append(by_arrival[i].t_rank_s)
@@ -439,9 +485,11 @@ def simulate(
             tokens = sum(c.end - c.start for c in plan.chunks)
             pairs = sum((c.end - c.start) * c.end for c in plan.chunks)
             seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
+            now = max(now, device_free)  # run in place: after the batch in flight
             if preinfer_steps is not None:
                 preinfer_steps.append((now, seconds))
             now += seconds
+            device_free = now
             for c in plan.chunks:
                 production = productions[c.id]
                 production.item = dataclasses.replace(production.item, done=c.end)
@@ -454,11 +502,20 @@ def simulate(
         batch = [queue.pop(rid) for rid in plan.rank]
         reloads = [(t, rid) for t, rid in reloads if rid in queue]
         cost = cal.full if batch[0][0].kind is RankKind.FULL else (cal.cached or cal.full)
-        seconds = cost.draw_s(
-            sum(b[0].tokens for b in batch), sum(b[0].pairs for b in batch), rng, len(batch)
-        )
-        now += seconds
-        serve(batch, seconds, now)
+        tokens = sum(b[0].tokens for b in batch)
+        seconds = cost.draw_s(tokens, sum(b[0].pairs for b in batch), rng, len(batch))
+        launch_s = setup.launch_scale * cost.draw_launch_s(tokens, rng, len(batch))
+        if launch_s <= 0.0:
+            now = max(now, device_free) + seconds  # the device-only model: back to back
+            device_free = now
+            serve(batch, seconds, now)
+            continue
+        # Launch-ahead: this batch was planned now and is launched while the one before it runs;
+        # it starts once both are done. The host then collects that one and plans the next.
+        ahead_ends = device_free
+        device_free = max(device_free, now + launch_s) + seconds
+        serve(batch, seconds, device_free)
+        now = max(now + launch_s, ahead_ends)
     return out
 
 
@@ -592,7 +649,7 @@ def load_model(
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
-    graph_full_tokens, cached_scale, full_scale). ValueError, one line, on bad input."""
+    graph_full_tokens, cached_scale, full_scale, launch_scale). ValueError, one line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
         raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
@@ -622,6 +679,7 @@ def load_model(
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
+        launch_scale=float(changes.get("launch_scale", 1.0)),
     )
     traffic = _workload(result, chosen)
     if "lead_in_s" in changes:
@@ -650,13 +708,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="full rankings batched only into captured graphs (batch-1 graphs up to this many "
                          "tokens: 8192 on the GPU since 7f46ff9)")  # fmt: skip
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
+    what_if.add_argument("--launch-scale", type=float, default=1.0,
+                         help="the host's launch of a batch takes this x measured (0: not modelled)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
     args = p.parse_args(argv)
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
-               ("cached_scale", args.cached_scale), ("full_scale", args.full_scale))
+               ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
+               ("launch_scale", args.launch_scale))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     try:
         model = load_model(args.result, args.config, args.workload, changes)
@@ -685,6 +746,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "what_if": changes,
         "predicted_first_miss_rps": None if math.isinf(high) else high,
         "calibration_batches": cal.batches,
+        # The model's host launch (0: device only, as the checks before it) and the deadline its
+        # scheduler orders calls by.
+        "launch_scale": setup.launch_scale
+        if (cal.full.launches or (cal.cached and cal.cached.launches))
+        else 0.0,
+        "call_deadline_s": setup.call_deadline_s,
         "points": points,
     }
     print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "

@@ -3,6 +3,7 @@ its tiers evict by bytes, and the modelled ranker serves calls the way the ranke
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -209,3 +210,30 @@ def test_pre_inference_serves_calls_from_psi_joins_a_late_one_and_never_computes
     (served,) = simulate([before], EXACT, pre, preinfer_steps=steps)
     assert served.path == "full_recompute"
     assert steps == []
+
+
+def test_launches_are_calibrated_by_shape_and_a_long_one_leaves_the_device_idle():
+    # Records that carry the host's launch time: calibrated per shape class, like device time.
+    records = [dict(record(s, "full_recompute", 4096, 3.0, 10.0), launch_ms=0.5) for s in range(1, 30)]
+    records += [dict(record(100 + s, "hbm_hit", 4096, 1.0, 5.0), launch_ms=2.0) for s in range(30)]
+    cal = calibrate(records)
+    assert cal.full.launches == pytest.approx([0.5e-3] * 29)
+    assert cal.cached is not None
+    assert cal.cached.launches == pytest.approx([2.0e-3] * 30)
+    assert calibrate([record(1, "full_recompute", 4096, 3.0, 10.0)]).full.launches == ()  # not recorded
+
+    # Back-to-back calls against psi of 1 ms each whose launches take 2 ms: launched ahead of the
+    # batch before them, each still starts 2 ms after the host planned it, so the calls queue up
+    # behind the host, not the device. Modelled device-only (launch_scale 0), they do not.
+    slow_launch = dataclasses.replace(CACHED, launches=(2e-3,))
+    cal = Calibration(FULL, slow_launch, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
+    users = range(1, 41)
+    calls = [request(u, 1.0, u) for u in users]  # first calls keep psi ...
+    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
+    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
+    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    device_only = hits(simulate(calls, cal, dataclasses.replace(single, launch_scale=0.0)))
+    host_paced = hits(simulate(calls, cal, single))
+    assert len(device_only) == len(host_paced) == 40
+    assert max(device_only) < 3.0  # ~1.1 ms apart, 1 ms each: no queue to speak of
+    assert max(host_paced) > 10.0  # 2 ms launches for 1.1 ms arrivals: a growing queue
