@@ -30,11 +30,13 @@ replays, same seed, same lead-in, the measured window only counted):
     next batch is planned and launched while the one before it runs, and it starts on the device
     once both that one is done and its own launch is; a launch longer than the batch ahead of it
     leaves the device idle with calls waiting (measured: 11.6% of the time for relay-nospare at
-    225 req/s on an H200, whose hit batches run 1.2-1.5 ms). `--launch-scale` scales it, 0
-    turns it off (the device-only model of earlier checks).
+    225 req/s on an H200, whose hit batches run 1.2-1.5 ms). Between launches the host settles
+    the batch before, issues copies and plans: their mean time per batch from the file's loop_*
+    sections where it has them (`host_step_s`). `--launch-scale` scales both, 0 turns them off
+    (the device-only model of earlier checks).
 Not modelled yet: the trigger's admission policy (`relay`), the router and several rankers, the
-copy engine as a resource, the signal path's tail, the host's settling of a batch (not in the
-records; the ranker's loop_* sections measure it per point).
+copy engine as a resource, the signal path's tail, the interpreter lock shared with the event
+loop (it is inside the measured host times, not modelled as a resource).
 
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
@@ -269,6 +271,9 @@ class Setup:
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
     launch_scale: float = 1.0
+    # The host's time per batch between launches (settling the batch before, copies, planning:
+    # `host_step_s`), also times launch_scale; 0: not modelled.
+    host_step_s: float = 0.0
     # The deadline a ranking call reaches the ranker with, which its scheduler orders calls by
     # and lets short work pass over long by: the benchmarks' gRPC timeout (relaygr.replay's
     # rank_timeout_s), not the SLO (the ranker's latency target is off by default).
@@ -515,7 +520,7 @@ def simulate(
         ahead_ends = device_free
         device_free = max(device_free, now + launch_s) + seconds
         serve(batch, seconds, device_free)
-        now = max(now + launch_s, ahead_ends)
+        now = max(now + launch_s, ahead_ends) + setup.launch_scale * setup.host_step_s
     return out
 
 
@@ -607,6 +612,30 @@ def signal_trip_ms(result: dict[str, Any], config: str) -> float:
     return float(np.median(trips)) if trips else 0.0
 
 
+# The device loop's sections (services/ranker/loop_time.py) that run between one batch's launch
+# and the next's, on the host: settling the batch before, issuing copies, planning.
+_HOST_STEP_SECTIONS = ("settle", "copies", "plan")
+_RANK_FAMILIES = ("cached", "full")
+
+
+def host_step_s(result: dict[str, Any], config: str, workload: str) -> float:
+    """The host's time per ranking batch between launches (settle, copies, plan), as the file's
+    points measured it (loop_* wall seconds over the batches replayed or run eagerly in the same
+    span), weighted by batches; 0 where the file has no loop sections (runs before 598c4dc)."""
+    seconds = batches = 0.0
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            n = sum(float(p.get(f"graph_{what}_{family}", 0.0))
+                    for what in ("replays", "eager_batches") for family in _RANK_FAMILIES)  # fmt: skip
+            spent = [p.get(f"loop_{section}_wall_s") for section in _HOST_STEP_SECTIONS]
+            if n > 0 and all(v is not None for v in spent):
+                seconds += sum(float(v) for v in spent if v is not None)
+                batches += n
+    return seconds / batches if batches else 0.0
+
+
 def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
     """The highest rate met and the lowest missed among a file's points of one configuration."""
     met, missed = 0.0, math.inf
@@ -680,6 +709,7 @@ def load_model(
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
         launch_scale=float(changes.get("launch_scale", 1.0)),
+        host_step_s=host_step_s(result, config, chosen),
     )
     traffic = _workload(result, chosen)
     if "lead_in_s" in changes:
@@ -752,6 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (cal.full.launches or (cal.cached and cal.cached.launches))
         else 0.0,
         "call_deadline_s": setup.call_deadline_s,
+        "host_step_ms": setup.host_step_s * 1e3,
         "points": points,
     }
     print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "

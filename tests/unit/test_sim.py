@@ -18,6 +18,7 @@ from relaygr.sim import (
     _Lru,
     calibrate,
     goodput,
+    host_step_s,
     main,
     scaled,
     shape_of,
@@ -237,3 +238,27 @@ def test_launches_are_calibrated_by_shape_and_a_long_one_leaves_the_device_idle(
     assert len(device_only) == len(host_paced) == 40
     assert max(device_only) < 3.0  # ~1.1 ms apart, 1 ms each: no queue to speak of
     assert max(host_paced) > 10.0  # 2 ms launches for 1.1 ms arrivals: a growing queue
+
+
+def test_the_hosts_time_between_launches_comes_from_the_loop_sections_and_slows_the_loop():
+    point = {"graph_replays_full": 300.0, "graph_eager_batches_full": 0.0, "graph_replays_cached": 100.0,
+             "loop_settle_wall_s": 0.2, "loop_copies_wall_s": 0.1, "loop_plan_wall_s": 0.1}  # fmt: skip
+    result = {"results": [{"config": "relay-nospare", "workload": "L4096", "points": [point, point]}]}
+    assert host_step_s(result, "relay-nospare", "L4096") == pytest.approx(0.4 / 400)
+    assert host_step_s(result, "baseline", "L4096") == 0.0  # not in the file
+    older = {
+        "results": [{"config": "relay-nospare", "workload": "L4096", "points": [{"graph_replays_full": 9.0}]}]
+    }
+    assert host_step_s(older, "relay-nospare", "L4096") == 0.0  # no loop sections recorded
+
+    # Calls against psi of 1 ms, 1.1 ms apart, launched in 0.2 ms: the device keeps up until the
+    # host also spends 2 ms a batch between launches (2.2 ms a batch: +1.1 ms of queue a call).
+    quick = dataclasses.replace(CACHED, launches=(0.2e-3,))
+    cal = Calibration(FULL, quick, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
+    users = range(1, 41)
+    calls = [request(u, 1.0, u) for u in users]
+    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
+    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
+    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    assert max(hits(simulate(calls, cal, single))) < 3.0
+    assert max(hits(simulate(calls, cal, dataclasses.replace(single, host_step_s=2e-3)))) > 10.0
