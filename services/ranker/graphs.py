@@ -203,8 +203,9 @@ class PendingScores:
             if self._event is not None:
                 self._event.synchronize()
             assert self._host is not None
-            # Copies: the page-locked buffer is reused by a later launch.
-            self._scores = [t.clone() for t in self._host[: sum(self._counts)].split(self._counts)]
+            # One copy (the page-locked buffer is reused by a later launch), then a view per user:
+            # a copy per user cost the device loop ~0.1 ms a batch on an H200 (py-spy).
+            self._scores = list(self._host[: sum(self._counts)].clone().split(self._counts))
             self._host = None
         return self._scores
 
