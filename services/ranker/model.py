@@ -377,15 +377,20 @@ class HSTURanker(nn.Module):
         kv = torch.empty(
             spec.num_layers, 2, n, spec.hidden, dtype=self.item_emb.weight.dtype, device=self.device
         )
-        ts = torch.cat([torch.zeros(prefix.profile.numel(), dtype=torch.int64), prefix.long_term.timestamps])
         key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
-        if self.device.type == "cuda":
-            # From pageable memory a copy returns only once the stream has run it, behind any
-            # replay queued before: a full ranking keeping psi waited for its own pass (and
-            # for the batch launched ahead of it) before it could return. From page-locked
-            # memory (cached by torch's host allocator) it is queued and returns at once.
-            return Psi(key, kv, ts.pin_memory().to(self.device, non_blocking=True))
-        return Psi(key, kv, ts.to(self.device))
+        # Profile tokens have timestamp 0, then the long-term behaviours'. Written straight into
+        # one host buffer, page-locked on CUDA: from pageable memory a copy returns only once the
+        # stream has run it, behind any replay queued before (a full ranking keeping psi waited
+        # for its own pass and the batch launched ahead of it); from page-locked memory (torch's
+        # cached host allocator) it is queued and returns at once. (A concatenation, then a copy
+        # into page-locked memory, cost ~0.2 ms of the device loop per full ranking on an H200.)
+        cuda = self.device.type == "cuda"
+        profile = prefix.profile.numel()
+        ts = torch.empty(profile + prefix.long_term.timestamps.numel(), dtype=torch.int64, pin_memory=cuda)
+        host = ts.numpy()
+        host[:profile] = 0
+        host[profile:] = prefix.long_term.timestamps.numpy()
+        return Psi(key, kv, ts.to(self.device, non_blocking=True) if cuda else ts)
 
     @torch.inference_mode()
     def preinfer_chunks(self, chunks: Sequence[PrefixChunk]) -> None:
