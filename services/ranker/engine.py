@@ -1111,7 +1111,6 @@ class Engine:
         """Books a completed batch's time and answers its calls (_complete_rank_batch)."""
         batch, kind = flight.batch, flight.batch[0].kind
         self.device_time.add("rank", seconds)
-        self._account_gap(flight, done)
         compute_ms = seconds * 1e3
         # Host time up to the launch's last call (before any wait for the scores): on a slow
         # batch, close to compute_ms means the host stalled while issuing; far below it, the
@@ -1147,6 +1146,7 @@ class Engine:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (began - j.submitted) * 1e3)
             j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq))
+        self._account_gap(flight, done)  # bookkeeping, after the calls have their answers
 
     def _account_gap(self, flight: _InFlight, done: float) -> None:
         """The device's idle time between the last ranking batch and this one, and how much of
@@ -1155,7 +1155,10 @@ class Engine:
         gap_s: float | None = None
         if flight.events is not None:
             if isinstance(last, torch.cuda.Event):
-                gap_s = last.elapsed_time(flight.events[0]) / 1e3
+                try:
+                    gap_s = last.elapsed_time(flight.events[0]) / 1e3
+                except RuntimeError as exc:  # a bookkeeping failure must not fail the loop
+                    log.warning("device_gap_not_measured", error=repr(exc))
             self._last_batch_end = flight.events[1]
         else:
             if isinstance(last, float):

@@ -293,11 +293,12 @@ async def test_an_abandoned_half_built_psi_counts_as_unused_device_time(model, m
     assert snap.unused_psi_s == pytest.approx(snap.work_s["preinfer"])
 
 
-async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
-    prefixes, suffixes = batch(13, [Shape(2, 40, 2, 2)] * 3)
+async def order_served(model, monkeypatch, e: Engine, deadlines_in_s: tuple[float, ...]) -> list[int]:
+    """The order in which calls against psi, queued one after another behind a pre-inference
+    step that holds the device, with these deadlines (seconds from now), are served."""
+    prefixes, suffixes = batch(13, [Shape(2, 40, 2, 2)] * len(deadlines_in_s))
     psis = model.preinfer(prefixes)
     long_prefixes, _ = batch(14, [Shape(2, 600, 0, 1)])
-    e = chunked(model, max_batch=1)
     order: list[int] = []
     with PreinferGate(model, monkeypatch, pause_before=(0,), timeout_s=10.0) as gate:
         e.start()
@@ -306,38 +307,9 @@ async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
             await gate.wait_reached(0)  # the device is busy: the calls queue up behind chunk 0
             now = time.monotonic()
             calls = []
-            for i, deadline in zip((0, 1, 2), (now + 30, now + 10, now + 20), strict=True):
+            for i, deadline_in_s in enumerate(deadlines_in_s):
                 fut = asyncio.ensure_future(
-                    e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=deadline)
-                )
-                fut.add_done_callback(functools.partial(lambda i, _f: order.append(i), i))
-                calls.append(fut)
-            await eventually(lambda: e.rank_queue_depth == 3, "three calls queued")
-            gate.open(0)
-            await asyncio.wait_for(asyncio.gather(*calls, pre), 30)
-        finally:
-            e.stop()
-    assert order == [1, 2, 0]
-
-
-async def test_calls_are_scheduled_by_the_latency_target_not_a_far_grpc_deadline(model, monkeypatch):
-    """With a latency target, deadlines far beyond it (a client's 10 s gRPC timeout) no longer
-    order the calls: each is due at its arrival plus the target, so they run as they came."""
-    prefixes, suffixes = batch(13, [Shape(2, 40, 2, 2)] * 3)
-    psis = model.preinfer(prefixes)
-    long_prefixes, _ = batch(14, [Shape(2, 600, 0, 1)])
-    e = chunked(model, max_batch=1, latency_target_s=0.5)
-    order: list[int] = []
-    with PreinferGate(model, monkeypatch, pause_before=(0,), timeout_s=10.0) as gate:
-        e.start()
-        try:
-            pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
-            await gate.wait_reached(0)
-            now = time.monotonic()
-            calls = []
-            for i, deadline in zip((0, 1, 2), (now + 30, now + 10, now + 20), strict=True):
-                fut = asyncio.ensure_future(
-                    e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=deadline)
+                    e.rank_cached(suffixes[i], psis[i], psis[i].key, deadline=now + deadline_in_s)
                 )
                 fut.add_done_callback(functools.partial(lambda i, _f: order.append(i), i))
                 calls.append(fut)
@@ -346,7 +318,18 @@ async def test_calls_are_scheduled_by_the_latency_target_not_a_far_grpc_deadline
             await asyncio.wait_for(asyncio.gather(*calls, pre), 30)
         finally:
             e.stop()
-    assert order == [0, 1, 2]
+    return order
+
+
+async def test_ranking_calls_run_earliest_deadline_first(model, monkeypatch):
+    assert await order_served(model, monkeypatch, chunked(model, max_batch=1), (30, 10, 20)) == [1, 2, 0]
+
+
+async def test_calls_are_scheduled_by_the_latency_target_not_a_far_grpc_deadline(model, monkeypatch):
+    """With a latency target, deadlines far beyond it (a client's 10 s gRPC timeout) no longer
+    order the calls: each is due at its arrival plus the target, so they run as they came."""
+    e = chunked(model, max_batch=1, latency_target_s=0.5)
+    assert await order_served(model, monkeypatch, e, (30, 10, 20)) == [0, 1, 2]
 
 
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):
