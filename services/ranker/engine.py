@@ -857,11 +857,14 @@ class Engine:
         # host's work between batches (collecting, answering, planning, packing, staging)
         # overlaps the device's instead of leaving the device idle.
         flight: _InFlight | _ChunksInFlight | None = None
-        section = self.loop_time.section  # where the loop's own time goes (loop_time.py)
+        # Where the loop's own time goes (loop_time.py): a section is timed only when it has
+        # something to do (two clock reads of each kind per section, on every pass of the loop).
+        section = self.loop_time.section
         while True:
-            with section("idle"), self._cv:
+            with self._cv:
                 while flight is None and not self._has_work() and not self._stopping:
-                    self._cv.wait()
+                    with section("idle"):
+                        self._cv.wait()
                 stopping = self._stopping
             if stopping:
                 if flight is not None:
@@ -870,9 +873,10 @@ class Engine:
                     self._fail_all()
                 return
             # Copies first: on CUDA issuing them is cheap and they run beside the step's compute.
-            with section("copies"):
-                self._poll_copies()
-                self._issue_copies()
+            if self._copies or self._copies_in_flight:  # one added meanwhile: the next pass
+                with section("copies"):
+                    self._poll_copies()
+                    self._issue_copies()
             if flight is not None and self._ready(flight):
                 # Done on the device: settle it before planning (its calls are answered now,
                 # not after the next step's launch; what it settles may change the plan).
@@ -882,10 +886,11 @@ class Engine:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
             launched: _InFlight | _ChunksInFlight | None = None
-            with section("launch"):
-                if batch:
+            if batch:
+                with section("launch"):
                     launched = self._launch_rank_batch(batch)
-                elif plan.chunks and self.config.chunks_ahead and not self._calls:
+            elif plan.chunks and self.config.chunks_ahead and not self._calls:
+                with section("launch"):
                     launched = self._launch_chunks(plan)
             if batch or launched is not None:
                 if flight is not None:
@@ -906,8 +911,10 @@ class Engine:
                 self._complete(flight)
                 flight = None
                 continue
-            with section("other"):
-                ran_call = self._run_call()
+            ran_call = False
+            if self._calls:
+                with section("other"):
+                    ran_call = self._run_call()
             if ran_call:
                 continue
             elif plan.chunks:
