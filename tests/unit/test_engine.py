@@ -421,6 +421,44 @@ async def test_a_copy_reports_its_own_duration_not_the_wait_for_the_device_loop(
     assert torch.equal(dst, src)
 
 
+async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(model, monkeypatch):
+    # Issuing a psi's demotion costs the device loop ~1 ms (H200): issued ahead of the next launch
+    # it left the device idle with calls waiting. Reloads go first (a call waits for each); with
+    # calls queued, demotions go after a launch, a few at a time; with none queued, all at once.
+    from services.ranker import engine as engine_module
+
+    e = Engine(model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0))
+    order: list[str] = []
+    launch = e._launch_rank_batch
+
+    def logged_launch(batch):
+        order.append("launch")
+        return launch(batch)
+
+    monkeypatch.setattr(e, "_launch_rank_batch", logged_launch)
+    prefixes, suffixes = batch(11, [Shape(2, 40, 4, 4)] * 4)
+    e.start()
+    try:
+        busy = asyncio.ensure_future(e.call(lambda: time.sleep(0.3)))  # holds the device loop
+        await asyncio.sleep(0.02)
+        copies = [
+            asyncio.ensure_future(e.copy(functools.partial(order.append, name), work=work))
+            for name, work in [("d0", "demote"), ("d1", "demote"), ("r0", "reload"), ("d2", "demote"),
+                               ("d3", "demote"), ("d4", "demote")]
+        ]  # fmt: skip
+        ranks = [asyncio.ensure_future(e.rank_full(p, s)) for p, s in zip(prefixes, suffixes, strict=True)]
+        await asyncio.sleep(0.02)
+        await busy
+        await asyncio.gather(*copies, *ranks)
+    finally:
+        e.stop()
+    per_launch = engine_module._DEMOTIONS_PER_LAUNCH
+    assert per_launch == 2
+    # r0 before any launch; two demotions after each launch while calls wait; the last launch
+    # leaves none waiting, so what is left goes with it.
+    assert order == ["r0", "launch", "d0", "d1", "launch", "d2", "d3", "launch", "d4", "launch"]
+
+
 async def test_a_preinference_not_started_within_its_lease_is_dropped_unrun(engine):
     # Built after its lease, psi comes after its call and delays every pre-inference behind it.
     from services.ranker.engine import PreinferExpired
