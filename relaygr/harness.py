@@ -83,15 +83,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},
-    # psi moved to and from host DRAM in one copy each (RELAYGR_RANKER_COPY_PIECE_MB 0), not in
-    # pieces: beside `relay`, whether a ranking batch's copies wait behind whole psi copies.
-    "relay-copy-whole": {"ranker_args": ("--copy-piece-mb", "0")},
-    # relay-nospare with psi's copies in one piece each: a demotion then costs the device loop
-    # one copy call instead of 16 (8 MiB pieces), weighed against the batches' score copies
-    # waiting behind a whole 128 MiB copy on a copy engine.
-    "relay-nospare-whole": {
+    # psi moved to and from host DRAM in pieces of 8 MiB (RELAYGR_RANKER_COPY_PIECE_MB; one copy
+    # each by default): beside relay-nospare, whether a ranking batch's copies wait behind whole
+    # psi copies. On an H200 (L4096, h2d) the pieces doubled the device loop's time issuing
+    # copies and did not shorten the batches against psi.
+    "relay-nospare-pieces": {
         "trigger_args": ("--spare-busy-max", "0"),
-        "ranker_args": ("--copy-piece-mb", "0"),
+        "ranker_args": ("--copy-piece-mb", "8"),
     },
     # Calls scheduled to finish within 25 ms of arrival (RELAYGR_RANKER_LATENCY_TARGET_MS, off by
     # default) rather than by the client's 10 s deadline, with which every hit passes over every

@@ -215,11 +215,13 @@ class RankerConfig(TlsSettings):
                               help="keep psi evicted from HBM in host DRAM, through the expander at "
                               "RELAYGR_EXPANDER_SOCKET_PATH (which must be running)")  # fmt: skip
     expander_socket_path: str = settings.expander_socket_path()
-    copy_piece_mb: float = setting(8.0, env="RELAYGR_RANKER_COPY_PIECE_MB",
+    copy_piece_mb: float = setting(0.0, env="RELAYGR_RANKER_COPY_PIECE_MB",
                                    help="psi moves between HBM and host DRAM in copies of at most this many "
-                                   "MiB (0: one copy each), so that a ranking batch's own small copies (its "
-                                   "inputs, its scores) wait behind one piece at most, not a whole psi "
-                                   "(128 MiB at 4096 tokens: ~3-6 ms on PCIe)", check=non_negative)  # fmt: skip
+                                   "MiB (0: one copy each). Pieces bound how long a ranking batch's own small "
+                                   "copies can wait behind a psi's on a copy engine, but each costs the device "
+                                   "loop a copy call: on an H200 (L4096, h2d) 8 MiB pieces doubled the loop's "
+                                   "time issuing copies and did not shorten the batches against psi",
+                                   check=non_negative)  # fmt: skip
     gil_switch_ms: float = setting(0.5, env="RELAYGR_RANKER_GIL_SWITCH_MS",
                                    renamed_from="RELAYGR_GIL_SWITCH_MS",
                                    help="Python thread switch interval: how long the event loop may wait "

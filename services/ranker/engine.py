@@ -917,9 +917,17 @@ class Engine:
                     else:
                         self._complete(launched)
                 continue
+            if flight is not None and plan.wait_s > 0 and not self._calls and not self._ready(flight):
+                # A ranking batch is filling while the device still computes the one in flight:
+                # it fills now and is launched behind that one (settling it first left the
+                # device idle for the rest of the fill wait and the next launch). Short waits,
+                # so that the flight is settled soon after it is done.
+                with section("fill_wait"), self._cv:
+                    self._cv.wait(min(plan.wait_s, _COPY_POLL_S))
+                continue
             if flight is not None:
                 # Anything else waits for the step in flight: calls on the device thread and
-                # captures run between steps, and a filling batch fills while it completes.
+                # captures run between steps.
                 self._complete(flight)
                 flight = None
                 continue

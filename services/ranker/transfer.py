@@ -4,13 +4,13 @@ Host layout of one psi: [kv bytes | int64 timestamps], described by `host_meta` 
 expander beside the bytes and returned on reload). Copies are *issued* here; the engine runs them
 on its copy stream and resolves the caller once they completed.
 
-psi is copied in pieces (`piece_bytes`, the ranker's copy_piece_mb): a ranking batch copies its
-inputs in and its scores out on the ranking stream, over the same PCIe link and copy engines as
-psi's copies on the copy streams. Where a copy engine serves copies in order, one copy of a whole
-psi (128 MiB at 4096 tokens of the bench preset, 3-6 ms) can hold a batch's few-KiB copy for its
-whole length; in pieces, for one piece at most. On H100 runs with the DRAM tier busy (L4096,
-2026-11-28) batches against psi took 1.3-1.8 ms of device time at p50 and 2.8-3.9 ms at p90,
-where the kernels take ~0.85 ms; whether pieces remove that tail is still to be measured.
+psi may be copied in pieces (`piece_bytes`, the ranker's copy_piece_mb; 0 by default: one copy).
+A ranking batch copies its inputs in and its scores out on the ranking stream, over the same PCIe
+link as psi's copies on the copy streams; where a copy engine serves copies in order, a whole
+psi's copy (128 MiB at 4096 tokens of the bench preset, 3-6 ms) could hold a batch's few-KiB copy
+for its whole length, pieces for one piece at most. Measured on an H200 (L4096, one sitting, h2d):
+batches against psi took 1.5 ms at p50 with whole copies and 1.6-1.7 ms with 8 MiB pieces, and
+the pieces doubled the device loop's time issuing copies (2.3 s against 1.15 s over a 20 s point).
 """
 
 from __future__ import annotations
