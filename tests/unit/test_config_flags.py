@@ -23,6 +23,6 @@ def test_the_whole_flag_is_taken() -> None:
 def test_the_copy_piece_size_is_read_in_mib_and_a_negative_one_refused() -> None:
     config = load_config(RankerConfig, ["--device", "cpu", "--copy-piece-mb", "0.5"], env={})
     assert config.copy_piece_bytes == 512 * 1024
-    assert load_config(RankerConfig, ["--device", "cpu"], env={}).copy_piece_bytes == 8 << 20
+    assert load_config(RankerConfig, ["--device", "cpu"], env={}).copy_piece_bytes == 0  # whole copies
     with pytest.raises(ConfigError, match=r"copy_piece_mb .* must be >= 0"):
         load_config(RankerConfig, ["--device", "cpu", "--copy-piece-mb", "-1"], env={})
