@@ -65,7 +65,7 @@ from typing import Any
 
 from bench import relay
 from bench.report import RESULTS_DIR, write_result
-from relaygr.harness import CONFIGS, drain, machine, markdown_table, run_point
+from relaygr.harness import CONFIGS, drain, machine, markdown_table, ranker_latency_target_ms, run_point
 from relaygr.launcher import Stack
 from relaygr.search import RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
 from relaygr.workload import WorkloadConfig, generate
@@ -237,6 +237,7 @@ def incomplete_record(
         "workload": workload,
         "repeat": repeat,
         "slo_ms": slo_ms,
+        "ranker_latency_target_ms": ranker_latency_target_ms(config, slo_ms),
         "goodput_rps": None,
         "first_miss_rps": None,
         "censored": False,
@@ -253,6 +254,7 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
         "workload": workload,
         "repeat": repeat,
         "slo_ms": slo_ms,
+        "ranker_latency_target_ms": ranker_latency_target_ms(config, slo_ms),
         "goodput_rps": result.goodput_rps,
         "first_miss_rps": result.first_miss_rps,
         "censored": result.censored,

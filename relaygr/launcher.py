@@ -112,8 +112,11 @@ class Stack:
             if c.expander:
                 self.start_expander()
             for i in range(c.rankers):
+                # Calls scheduled to finish within half the stack's SLO (a configuration's own
+                # ranker_args come after, and win).
                 args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
-                        "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb), *c.ranker_args]  # fmt: skip
+                        "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb),
+                        "--latency-target-ms", f"{c.slo_ms / 2:g}", *c.ranker_args]  # fmt: skip
                 if c.expander:
                     args += ["--host-tier", "true", "--expander-socket-path", socket_path]
                 self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", env, *args))

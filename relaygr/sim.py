@@ -274,9 +274,9 @@ class Setup:
     # The host's time per batch between launches (settling the batch before, copies, planning:
     # `host_step_s`), also times launch_scale; 0: not modelled.
     host_step_s: float = 0.0
-    # The deadline a ranking call reaches the ranker with, which its scheduler orders calls by
-    # and lets short work pass over long by: the benchmarks' gRPC timeout (relaygr.replay's
-    # rank_timeout_s), not the SLO (the ranker's latency target is off by default).
+    # The deadline the ranker's scheduler orders calls by and lets short work pass over long
+    # by: the benchmarks' gRPC timeout (relaygr.replay's rank_timeout_s), or the rankers'
+    # latency target where the file's run set one (call_deadline_s()).
     call_deadline_s: float = 10.0
 
 
@@ -600,7 +600,8 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 
 # The configurations the model covers: no psi; rankings keep psi; and pre-inference of every
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
-MODELLED = ("baseline", "relay-nospare", "preinfer-all")
+MODELLED = ("baseline", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25")
+# relay-nospare with another latency target: the same model, calls due as its rankers had them.
 
 
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
@@ -616,6 +617,19 @@ def signal_trip_ms(result: dict[str, Any], config: str) -> float:
 # and the next's, on the host: settling the batch before, issuing copies, planning.
 _HOST_STEP_SECTIONS = ("settle", "copies", "plan")
 _RANK_FAMILIES = ("cached", "full")
+
+
+def call_deadline_s(result: dict[str, Any], config: str, workload: str) -> float:
+    """The deadline the file's rankers scheduled calls by, from their arrival: the client's
+    10 s gRPC timeout, or sooner the rankers' latency target where it was set (recorded per
+    search since 16bd40c's successor; before it, only the configuration relay-nospare-target25
+    set one, 25 ms)."""
+    grpc_s = Setup.call_deadline_s
+    for r in result.get("results", []):
+        if r.get("config") == config and r.get("workload") == workload and "ranker_latency_target_ms" in r:
+            target_ms = float(r["ranker_latency_target_ms"])
+            return min(grpc_s, target_ms / 1e3) if target_ms > 0 else grpc_s
+    return 0.025 if config == "relay-nospare-target25" else grpc_s
 
 
 def host_step_s(result: dict[str, Any], config: str, workload: str) -> float:
@@ -678,7 +692,8 @@ def load_model(
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
-    graph_full_tokens, cached_scale, full_scale, launch_scale). ValueError, one line, on bad input."""
+    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s). ValueError, one
+    line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
         raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
@@ -694,9 +709,9 @@ def load_model(
     if not files:
         raise ValueError(f"no per-call records of {config} / {chosen} beside {result_path}")
     if any(v < 0 for v in changes.values()) or any(
-        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale")
+        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale", "call_deadline_s")
     ):
-        raise ValueError("what-if sizes must be >= 0 and cost scales > 0")
+        raise ValueError("what-if sizes must be >= 0, cost scales and the call deadline > 0")
     cal = scaled(
         calibrate(read_records(files)), changes.get("full_scale", 1.0), changes.get("cached_scale", 1.0)
     )
@@ -711,6 +726,8 @@ def load_model(
         launch_scale=float(changes.get("launch_scale", 1.0)),
         host_step_s=host_step_s(result, config, chosen),
     )
+    deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
+    setup = dataclasses.replace(setup, call_deadline_s=float(deadline_s))
     traffic = _workload(result, chosen)
     if "lead_in_s" in changes:
         traffic = dataclasses.replace(traffic, lead_in_s=float(changes["lead_in_s"]))
@@ -740,6 +757,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     what_if.add_argument("--launch-scale", type=float, default=1.0,
                          help="the host's launch of a batch takes this x measured (0: not modelled)")  # fmt: skip
+    what_if.add_argument("--call-deadline-s", type=float, default=None,
+                         help="the deadline the ranker's scheduler orders calls by, from their arrival "
+                         "(default: the benchmarks' 10 s gRPC timeout): how much its passing full "
+                         "rankings over with calls against psi costs or gains")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
@@ -747,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
-               ("launch_scale", args.launch_scale))
+               ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     try:
         model = load_model(args.result, args.config, args.workload, changes)

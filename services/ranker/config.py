@@ -107,14 +107,16 @@ class RankerConfig(TlsSettings):
                                        help="pre-inference chunks are sized (from the measured step costs) so "
                                        "that a step lasts at most its fixed cost plus this long: about the "
                                        "longest a ranking call waits behind pre-inference", check=positive)  # fmt: skip
-    latency_target_ms: float = setting(0.0, env="RELAYGR_RANKER_LATENCY_TARGET_MS",
+    latency_target_ms: float = setting(25.0, env="RELAYGR_RANKER_LATENCY_TARGET_MS",
                                        help="the latency a ranking call is scheduled to finish within on "
-                                       "this instance: calls are ordered, and short ones let ahead of long "
-                                       "ones, by the earlier of the call's own deadline and its arrival plus "
-                                       "this; 0: by the calls' own (gRPC) deadlines alone. Off by default: "
-                                       "at 25 ms (half a 50 ms SLO) relay-nospare met 187.5 req/s against "
-                                       "212.5 without, at L4096 on an H200 (h2b vs h2a, the baseline 250 in "
-                                       "both)", check=non_negative)  # fmt: skip
+                                       "this instance (about half the ranking SLO; 25: half of 50 ms): calls "
+                                       "are ordered, and short ones let ahead of long ones, by the earlier of "
+                                       "the call's own deadline and its arrival plus this; 0: by the calls' "
+                                       "own (gRPC) deadlines alone, with which every call against psi passed "
+                                       "over every full ranking (a client's far deadline always holds). On an "
+                                       "H200 at L4096 relay-nospare with 25 met 250 req/s (P99 42.4 ms, h2f) "
+                                       "where without it missed 225 (54.1 ms, h2e, same commit)",
+                                       check=non_negative)  # fmt: skip
     launch_ahead: bool = setting(True, env="RELAYGR_RANKER_LAUNCH_AHEAD",
                                  help="launch the next ranking batch before collecting the scores of the one "
                                  "on the device, so that the host's work between batches overlaps the "

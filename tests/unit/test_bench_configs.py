@@ -7,7 +7,7 @@ import pytest
 
 from bench import goodput, relay
 from relaygr import demo
-from relaygr.harness import CONFIGS
+from relaygr.harness import CONFIGS, ranker_latency_target_ms
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -27,3 +27,13 @@ def test_a_configuration_that_fixes_its_arena_overrides_the_runs():
     args = goodput.parse_args(["--configs", "relay,relay-arena24", "--arena-gb", "80"])
     assert relay.stack_config("relay", args).arena_bytes == 80 * 2**30
     assert relay.stack_config("relay-arena24", args).arena_bytes == 24 * 2**30
+
+
+def test_rankers_schedule_by_half_the_slo_unless_a_configuration_says_otherwise():
+    # What the launcher passes (--latency-target-ms SLO/2) and the goodput records carry, so that
+    # the capacity model orders calls as the rankers did.
+    assert ranker_latency_target_ms("relay-nospare", 50.0) == 25.0
+    assert ranker_latency_target_ms("baseline", 300.0) == 150.0
+    assert ranker_latency_target_ms("relay-nospare-far", 50.0) == 0.0
+    assert ranker_latency_target_ms("relay-nospare-target25", 300.0) == 25.0
+    assert ranker_latency_target_ms("not-a-configuration", 40.0) == 20.0

@@ -17,6 +17,7 @@ from relaygr.sim import (
     Setup,
     _Lru,
     calibrate,
+    call_deadline_s,
     goodput,
     host_step_s,
     main,
@@ -262,3 +263,14 @@ def test_the_hosts_time_between_launches_comes_from_the_loop_sections_and_slows_
     hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
     assert max(hits(simulate(calls, cal, single))) < 3.0
     assert max(hits(simulate(calls, cal, dataclasses.replace(single, host_step_s=2e-3)))) > 10.0
+
+
+def test_calls_are_due_by_the_rankers_latency_target_where_the_file_records_one():
+    def file(**record):
+        return {"results": [{"config": "relay-nospare", "workload": "L4096", **record}]}
+
+    assert call_deadline_s(file(ranker_latency_target_ms=25.0), "relay-nospare", "L4096") == 0.025
+    assert call_deadline_s(file(ranker_latency_target_ms=0.0), "relay-nospare", "L4096") == 10.0  # off
+    assert call_deadline_s(file(), "relay-nospare", "L4096") == 10.0  # older files: the gRPC timeout
+    assert call_deadline_s(file(), "relay-nospare-target25", "L4096") == 0.025
+    assert call_deadline_s(file(ranker_latency_target_ms=25.0), "relay-nospare", "mix") == 10.0
