@@ -224,7 +224,7 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
         totals["preinfers_expired"] += samples.get("relaygr_ranker_preinfers_expired_total", 0.0)
         totals["late_signals"] += samples.get("relaygr_ranker_late_signals_total", 0.0)
-        for result in ("found", "absent", "no_hbm_room"):  # HBM misses asked of the host tier
+        for result in ("found", "absent", "absent_local", "no_hbm_room"):  # HBM misses asked of the host tier
             totals[f"host_lookup_{result}"] += samples.get(
                 f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
             )

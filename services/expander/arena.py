@@ -20,6 +20,7 @@ import secrets
 import socket
 
 from shared.expander.mapping import arena_header
+from shared.expander.presence import DEFAULT_SLOTS, PresenceIndex
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -51,14 +52,22 @@ class Arena:
     per GiB with fallocate, ~0.8 s where it falls back to touching each page; a 2-core VM). `close()` unmaps and closes the fd; mappings clients already hold stay valid
     until they unmap them."""
 
-    def __init__(self, nbytes: int, *, prefault: bool = True, name: str = "relaygr-expander") -> None:
+    def __init__(
+        self, nbytes: int, *, prefault: bool = True, name: str = "relaygr-expander",
+        presence_slots: int = DEFAULT_SLOTS,
+    ) -> None:  # fmt: skip
         if nbytes <= 0 or nbytes % PAGE_SIZE:
             raise ValueError(f"arena size must be a positive multiple of {PAGE_SIZE}, got {nbytes}")
         self.nbytes = nbytes
         self.generation = secrets.token_hex(8)  # new per daemon start: clients detect restarts
         self._mm: mmap.mmap | None = None
+        # Which keys the store holds READY, for clients to read before asking (0 slots: none).
+        self.presence: PresenceIndex | None = None
+        self._presence_fd = -1
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            if presence_slots:
+                self.presence, self._presence_fd = PresenceIndex.create(presence_slots)
             os.ftruncate(self.fd, nbytes)
             # Clients receive this fd: seal the size so none can shrink it under the other mappings
             # (a shrunk memfd turns every access past the new end into SIGBUS, daemon included).
@@ -74,20 +83,27 @@ class Arena:
             raise
 
     def header(self) -> bytes:
-        """What the fd socket sends along with the fd."""
-        return arena_header(self.nbytes, self.generation)
+        """What the fd socket sends along with the fd(s)."""
+        return arena_header(self.nbytes, self.generation, self.presence.slots if self.presence else 0)
 
     def send_to(self, conn: socket.socket) -> None:
-        """Sends the memfd and the header over a connected unix socket (blocking, SCM_RIGHTS)."""
+        """Sends the memfd (and the presence index's) and the header over a connected unix socket
+        (blocking, SCM_RIGHTS)."""
         if self.fd < 0:
             raise ValueError("arena is closed")
-        socket.send_fds(conn, [self.header()], [self.fd])
+        fds = [self.fd] if self._presence_fd < 0 else [self.fd, self._presence_fd]
+        socket.send_fds(conn, [self.header()], fds)
 
     def close(self) -> None:
-        """Unmaps the daemon's mapping and closes the memfd; idempotent."""
+        """Unmaps the daemon's mappings and closes the memfds; idempotent."""
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        if self.presence is not None:
+            self.presence.close()
+        if self._presence_fd >= 0:
+            os.close(self._presence_fd)
+            self._presence_fd = -1
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

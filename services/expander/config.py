@@ -13,6 +13,7 @@ from typing import Any
 
 from shared import settings
 from shared.config import ConfigError, port_number, positive, setting
+from shared.expander.presence import DEFAULT_SLOTS
 from shared.settings import LogLevel, socket_path_problem
 
 PAGE = 4096
@@ -25,6 +26,12 @@ MIN_HOST_HEADROOM_BYTES = 4 << 30
 def _arena_bytes(value: int) -> str | None:
     if value < 0 or value % PAGE:
         return f"must be 0 (a fraction of the host's memory) or a positive multiple of {PAGE}"
+    return None
+
+
+def _presence_slots(value: int) -> str | None:
+    if not 0 <= value <= 1 << 28:
+        return "must be in [0, 2^28]"
     return None
 
 
@@ -81,6 +88,11 @@ class ExpanderConfig:
         600.0, env="RELAYGR_EXPANDER_TTL_S", help="idle lifetime of an unpinned psi entry", check=positive
     )
     max_lease_ms: float = settings.max_lease_ms(renamed_from="RELAYGR_EXPANDER_MAX_LEASE_S")
+    presence_slots: int = setting(
+        DEFAULT_SLOTS, env="RELAYGR_EXPANDER_PRESENCE_SLOTS",
+        help="slots of the index of held keys that rankers read before asking for a psi (2 bytes each; "
+        "0: no index, every lookup is a round trip)", check=_presence_slots,
+    )  # fmt: skip
     metrics_port: int = setting(
         0, env="RELAYGR_EXPANDER_METRICS_PORT", help="Prometheus /metrics port on 127.0.0.1 (0 picks one)",
         check=port_number,
@@ -96,6 +108,7 @@ class ExpanderConfig:
             (socket_path_problem, self.socket_path, "socket_path"),
             (_arena_bytes, self.arena_bytes, "arena_bytes"),
             (_arena_fraction, self.arena_fraction, "arena_fraction"),
+            (_presence_slots, self.presence_slots, "presence_slots"),
             (positive, self.ttl_s, "ttl_s"),
             (positive, self.max_lease_ms, "max_lease_ms"),
             (port_number, self.metrics_port, "metrics_port"),

@@ -224,9 +224,11 @@ class ExpanderDaemon:
                        source="configured" if cfg.arena_bytes else "fraction", fraction=cfg.arena_fraction,
                        host_available_bytes=available)  # fmt: skip
         # Prefaulting a large arena takes a while: keep the loop (and signals) responsive.
-        self._arena = await asyncio.to_thread(Arena, self.arena_bytes)
+        self._arena = await asyncio.to_thread(Arena, self.arena_bytes, presence_slots=cfg.presence_slots)
         self.generation = self._arena.generation
-        self._store = Store(self.arena_bytes, ttl_s=cfg.ttl_s, max_lease_s=cfg.max_lease_s)
+        self._store = Store(
+            self.arena_bytes, ttl_s=cfg.ttl_s, max_lease_s=cfg.max_lease_s, presence=self._arena.presence
+        )
         self._fd_sock = self._bind(cfg.fd_socket_path)
         self._fd_thread = threading.Thread(
             target=self._serve_fds, args=(self._fd_sock, self._arena), name="expander-fd", daemon=True

@@ -43,6 +43,7 @@ from shared.expander.entries import (
     Reservation,
     StoreStats,
 )
+from shared.expander.presence import COUNTER_MAX, PresenceIndex, slot_of
 
 _REMOVED: Final = frozenset({EntryState.EVICTED, EntryState.EXPIRED, EntryState.ABORTED})
 _TRANSITIONS: Final = frozenset(
@@ -123,9 +124,14 @@ class Store:
     raises ValueError for nbytes <= 0 (the protocol layer validates before calling).
     """
 
-    def __init__(self, capacity: int, *, ttl_s: float, max_lease_s: float, check: bool = False) -> None:
+    def __init__(
+        self, capacity: int, *, ttl_s: float, max_lease_s: float, check: bool = False,
+        presence: PresenceIndex | None = None,
+    ) -> None:  # fmt: skip
         if ttl_s <= 0 or max_lease_s <= 0:
             raise ValueError("ttl_s and max_lease_s must be > 0")
+        # The clients' index of the READY keys (shared/expander/presence.py), kept in _transition.
+        self._presence = presence
         self._alloc = Allocator(capacity, check=check)
         self._ttl_s = ttl_s
         self._max_lease_s = max_lease_s
@@ -338,6 +344,8 @@ class Store:
             problems.append(f"{self._alloc.block_count} blocks for {len(self._entries)} entries")
         if self._stored_bytes != sum(e.nbytes for e in self._entries.values()):
             problems.append("stored_bytes out of sync")
+        if self._presence is not None:
+            problems += self._presence_problems(ready)
         for key, e in self._entries.items():
             if e.key != key or e.state in _REMOVED:
                 problems.append(f"{key}: bad record (state {e.state})")
@@ -366,6 +374,18 @@ class Store:
 
     # ----- internals -----
 
+    def _presence_problems(self, ready: set[EntryKey]) -> list[str]:
+        """The presence index counts exactly the READY keys of each slot (a saturated counter
+        excepted); every slot is checked where there are few (tests), the READY keys' otherwise."""
+        presence = self._presence
+        assert presence is not None
+        want: dict[int, int] = {}
+        for k in ready:
+            want[slot_of(k, presence.slots)] = want.get(slot_of(k, presence.slots), 0) + 1
+        slots = range(presence.slots) if presence.slots <= 4096 else want.keys()
+        wrong = [i for i in slots if presence.counter(i) not in (want.get(i, 0), COUNTER_MAX)]
+        return [f"presence counters of slots {wrong[:5]} disagree with the READY keys"] if wrong else []
+
     def _transition(self, entry: _Entry, new: EntryState) -> None:
         """The only place an entry changes state. Removal states free the block and forget the entry
         (and its leases); the counters record the outcome."""
@@ -379,6 +399,8 @@ class Store:
             self._lru[entry.key] = None
             self._lru.move_to_end(entry.key)
             self._counts["commits"] += 1
+            if self._presence is not None:
+                self._presence.add(entry.key)
             return
         # A removal outcome.
         for lid in entry.pins:
@@ -386,6 +408,8 @@ class Store:
         entry.pins.clear()
         if old is EntryState.READY:
             del self._lru[entry.key]
+            if self._presence is not None:
+                self._presence.remove(entry.key)
         del self._entries[entry.key]
         self._alloc.free(entry.offset)
         self._stored_bytes -= entry.nbytes

@@ -87,6 +87,12 @@ class HostTier:
 
     # ------------------------------------------------------------------ operations
 
+    def may_hold(self, key: PsiKey) -> bool:
+        """False when the daemon's presence index says it holds no readable psi under key: a
+        lookup would find none (answered here, no round trip). True: ask with lookup()."""
+        client = self._client
+        return client is not None and client.may_hold(key)
+
     async def lookup(self, key: PsiKey) -> int | None:
         """Bytes of the psi held in host DRAM, or None. No side effects on the tier."""
         client = self._client

@@ -551,6 +551,11 @@ class RelayCache:
         of 331 psis found in DRAM at L4096 on an H100 was recomputed."""
         if self.host is None or not self.host.connected:
             return None
+        if not self.host.may_hold(key):
+            # The daemon's index says no: a first call's psi is nowhere, and asking cost the call
+            # a round trip to the daemon (0.6 ms at p50, 6.9 at p99 in a loaded ranker, H200).
+            self._on_event("host_lookup", "absent_local")
+            return None
         nbytes = await self.host.lookup(key)
         self._on_event("host_lookup", "absent" if nbytes is None else "found")
         if nbytes is None:

@@ -134,7 +134,8 @@ class _Metrics:
                                          "pre-inferences dropped unstarted at the end of their lease",
                                          registry=registry)  # fmt: skip
         self.host_lookups = Counter("relaygr_ranker_host_lookups_total",
-                                    "HBM misses asked of the host tier: found, absent, or found with no HBM room",
+                                    "HBM misses asked of the host tier: found, absent, absent_local (its "
+                                    "presence index said so, no round trip), or found with no HBM room",
                                     ["result"], registry=registry)  # fmt: skip
         self.reloads = Counter("relaygr_ranker_reloads_total", "psi reloads from host DRAM", ["result"],
                                registry=registry)  # fmt: skip

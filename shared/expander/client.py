@@ -209,6 +209,13 @@ class ExpanderClient:
             self._break("daemon generation changed")
             raise ExpanderUnavailable("daemon restarted (generation changed)")
 
+    def may_hold(self, key: EntryKey) -> bool:
+        """False only if the daemon's presence index says it holds no readable psi under key (no
+        round trip; shared/expander/presence.py). True: it may, ask with lookup() (also when the
+        daemon keeps no index)."""
+        presence = self._arena.presence
+        return presence is None or presence.may_hold(key)
+
     async def lookup(self, key: EntryKey) -> EntryInfo | None:
         """The live entry under key (WRITING or READY), or None. Changes nothing in the daemon."""
         reply = await self._call(p.Lookup(key))

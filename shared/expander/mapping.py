@@ -6,6 +6,9 @@ daemon's fd socket, receives that memfd with SCM_RIGHTS plus a small JSON header
 `ArenaMapping` gives memoryviews and zero-copy uint8 tensors over byte ranges; the caller copies
 psi bytes in and out itself (tensors never cross the control socket). torch is imported only by
 `ArenaMapping.tensor`, so processes that copy bytes (and the daemon) never load it.
+
+A daemon that keeps a presence index (shared/expander/presence.py) sends its memfd second, its
+slot count in the header: the mapping then carries it read-only (`ArenaMapping.presence`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import socket
 from typing import TYPE_CHECKING
 
 import orjson
+
+from shared.expander.presence import PresenceIndex
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +35,13 @@ class ArenaHandshakeError(ConnectionError):
     """The fd socket did not deliver a usable arena (no fd, bad header, size mismatch)."""
 
 
-def arena_header(nbytes: int, generation: str) -> bytes:
-    """What the daemon's fd socket sends along with the memfd (`receive_arena` parses it)."""
-    return orjson.dumps({"arena_bytes": nbytes, "generation": generation})
+def arena_header(nbytes: int, generation: str, presence_slots: int = 0) -> bytes:
+    """What the daemon's fd socket sends along with the memfd (`receive_arena` parses it);
+    `presence_slots` > 0: a presence index of that many slots comes as a second fd."""
+    header: dict[str, object] = {"arena_bytes": nbytes, "generation": generation}
+    if presence_slots:
+        header["presence_slots"] = presence_slots
+    return orjson.dumps(header)
 
 
 class ArenaMapping:
@@ -42,10 +51,14 @@ class ArenaMapping:
     written from any thread (the daemon's leases say who may touch which range).
     """
 
-    def __init__(self, mm: mmap.mmap, nbytes: int, generation: str) -> None:
+    def __init__(
+        self, mm: mmap.mmap, nbytes: int, generation: str, presence: PresenceIndex | None = None
+    ) -> None:
         self._mm: mmap.mmap | None = mm
         self._nbytes = nbytes
         self._generation = generation
+        # The daemon's index of the keys it may hold (read-only), or None: a daemon without one.
+        self.presence = presence
         # The ctypes object exports mm's buffer (which would block mm.close()): take the address and
         # drop it at once. The address stays valid for as long as the mapping exists.
         anchor = ctypes.c_char.from_buffer(mm)
@@ -105,6 +118,8 @@ class ArenaMapping:
         mm, self._mm = self._mm, None
         if mm is None:
             return True
+        if self.presence is not None:
+            self.presence.close()
         try:
             mm.close()
         except BufferError:
@@ -135,18 +150,27 @@ def receive_arena(fd_socket_path: str, timeout_s: float) -> ArenaMapping:
     try:
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             raise ArenaHandshakeError("fd handshake message truncated")
-        if len(fds) != 1:
-            raise ArenaHandshakeError(f"expected exactly one fd from the daemon, got {len(fds)}")
         try:
             header = orjson.loads(data)
             nbytes, generation = header["arena_bytes"], header["generation"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            slots = header.get("presence_slots", 0)
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ArenaHandshakeError(f"bad fd handshake header: {exc}") from None
         if not isinstance(nbytes, int) or nbytes <= 0 or not isinstance(generation, str):
             raise ArenaHandshakeError(f"bad fd handshake header: {header!r}")
+        if not isinstance(slots, int) or slots < 0:
+            raise ArenaHandshakeError(f"bad presence index size in the fd handshake: {slots!r}")
+        if len(fds) != (2 if slots else 1):
+            raise ArenaHandshakeError(f"expected {2 if slots else 1} fd(s) from the daemon, got {len(fds)}")
         if os.fstat(fds[0]).st_size != nbytes:
             raise ArenaHandshakeError("received fd's size differs from the announced arena size")
-        return ArenaMapping.from_fd(fds[0], nbytes, generation)
+        presence = None
+        if slots:
+            try:
+                presence = PresenceIndex.from_fd(fds[1], slots)
+            except ValueError as exc:
+                raise ArenaHandshakeError(str(exc)) from None
+        return ArenaMapping(mmap.mmap(fds[0], nbytes, mmap.MAP_SHARED), nbytes, generation, presence)
     finally:
         for fd in fds:
             os.close(fd)  # the mapping keeps its own reference to the memory

@@ -176,7 +176,11 @@ async def test_client_operations_and_zero_copy_tensors(shared_daemon: Daemon) ->
         with pytest.raises(ExpanderRefused) as refused:
             await client.reserve(key, 10)
         assert refused.value.reason == "exists"
+        assert not client.may_hold(key)  # WRITING: nothing a reader could acquire yet
         await client.commit(r.lease_id)
+        # The daemon's presence index, read from this process's mapping without a round trip.
+        assert client.may_hold(key)
+        assert not client.may_hold(EntryKey(399, 1, "m1", 0))
         with pytest.raises(ExpanderRefused) as refused:
             await client.commit(r.lease_id)
         assert refused.value.reason == "unknown_lease"

@@ -132,6 +132,22 @@ async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
     assert (await a.stats()).demotion_lag_p99_ms > 0  # A's consumed psi went to DRAM after its reply
 
 
+async def test_a_miss_nobody_demoted_is_answered_without_asking_the_daemon(stack, reference):
+    # A first call's psi is nowhere: the expander's presence index says so in the ranker's own
+    # mapping, and the call goes straight to its full ranking (no lookup round trip).
+    _, (a, _b), _ = stack
+    prefixes, suffixes = batch(12, [Shape(2, 700, 4, 12)])
+    ranked = await a.stub.Rank(rank_request(prefixes[0], suffixes[0], "first-r"), timeout=30)
+    assert ranked.served_by == pb.FULL_RECOMPUTE
+    assert close(ranked.scores, full_scores(reference, prefixes[0], suffixes[0]))
+
+    def lookups(result: str) -> float:
+        return a.proc.metric(a.metrics_port, f'relaygr_ranker_host_lookups_total{{result="{result}"}}')
+
+    assert lookups("absent_local") == 1
+    assert lookups("absent") == 0
+
+
 def named_prefetch(prefix, request_id: str) -> pb.PreInferRequest:
     """A prefetch-only PreInfer naming its prefix instead of carrying it."""
     ref = pb.PrefixRef(length=prefix.fingerprint.length, fingerprint=prefix.fingerprint.digest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from services.expander.allocator import InvariantError
 from services.expander.store import _TRANSITIONS, LeaseError, Refusal, Store
 from shared.expander.entries import Acquired, EntryKey, EntryState, Reservation
+from shared.expander.presence import PresenceIndex
 
 PAGE = 4096
 TTL = 10.0
@@ -24,8 +26,16 @@ def key(user: int, version: int = 1, model: str = "m1", fingerprint: int = 0) ->
     return EntryKey(user, version, model, fingerprint)
 
 
+def presence_index(slots: int = 8) -> PresenceIndex:
+    """A small index (keys share slots), its fd closed: the mapping keeps the memory."""
+    index, fd = PresenceIndex.create(slots)
+    os.close(fd)
+    return index
+
+
 def make(pages: int = 16) -> Store:
-    return Store(pages * PAGE, ttl_s=TTL, max_lease_s=MAX_LEASE, check=True)
+    # Every operation is followed by the invariant check, the presence counters' included.
+    return Store(pages * PAGE, ttl_s=TTL, max_lease_s=MAX_LEASE, check=True, presence=presence_index())
 
 
 def reserve(s: Store, k: EntryKey, nbytes: int = PAGE, now: float = 0.0, lease_s: float = 2.0) -> Reservation:
@@ -349,7 +359,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = Store(8 * PAGE, ttl_s=TTL, max_lease_s=MAX_LEASE, check=True)
+        self.store = Store(8 * PAGE, ttl_s=TTL, max_lease_s=MAX_LEASE, check=True, presence=presence_index(4))
         self.now = 0.0
         self.writes: dict[int, tuple[EntryKey, float]] = {}  # lease -> key, deadline
         self.reads: dict[int, tuple[EntryKey, float]] = {}
