@@ -94,9 +94,10 @@ class HostTier:
         return client is not None and client.may_hold(key)
 
     async def lookup(self, key: PsiKey) -> int | None:
-        """Bytes of the psi held in host DRAM, or None. No side effects on the tier."""
+        """Bytes of the psi held in host DRAM, or None. No side effects on the tier. Asks the
+        daemon only where its presence index says it may hold the key."""
         client = self._client
-        if client is None:
+        if client is None or not client.may_hold(key):
             return None
         try:
             info = await client.lookup(key)
