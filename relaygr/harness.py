@@ -51,6 +51,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-nospare": {"trigger_args": ("--spare-busy-max", "0")},
     # Prefetch-only signals for returning users (RELAYGR_TRIGGER_PREFETCH, off by default).
     "relay-prefetch": {"trigger_args": ("--prefetch", "true")},
+    # relay-nospare with prefetch-only signals: a returning user's psi held in DRAM is reloaded at
+    # the retrieval event, 20-200 ms before the call, instead of by the call (which waited 12-15 ms
+    # for it at p50 on an H200, h2e), and psi in HBM re-leased.
+    "relay-nospare-prefetch": {"trigger_args": ("--spare-busy-max", "0", "--prefetch", "true")},
     # psi only from pre-inference (full rankings keep none): what the rankings' psi adds.
     "relay-preinfer-only": {"ranker_args": ("--ranking-psi-min-tokens", "0")},
     # Pre-inference in chunks of 512 tokens at most (the ranker's default is 4096).
