@@ -116,6 +116,8 @@ _COPY_POLL_S = 0.00025
 # Demotions issued after a ranking batch's launch while more calls wait: each costs the loop
 # ~0.6 ms of CPU (H200); the rest wait for the next launch or for a pass with no call queued.
 _DEMOTIONS_PER_LAUNCH = 2
+# Queued copies past which every demotion is issued at once, calls waiting or not.
+_DEMOTION_BACKLOG = 16
 
 
 class EngineStopped(RuntimeError):
@@ -902,9 +904,14 @@ class Engine:
             if batch or launched is not None:
                 if self._copies and launched is not None:
                     # The device has this step queued (and maybe the one in flight): issuing
-                    # copies now overlaps it. A few demotions a step while calls still wait.
+                    # copies now overlaps it. While calls still wait, as many demotions as the
+                    # batch had calls (each call may leave a psi to demote), at least a few, and
+                    # all of them once a backlog builds (HBM frees only what DRAM holds).
+                    calls_wait = self._ranks and len(self._copies) <= _DEMOTION_BACKLOG
                     with section("copies"):
-                        self._issue_copies(demotions=_DEMOTIONS_PER_LAUNCH if self._ranks else None)
+                        self._issue_copies(
+                            demotions=max(_DEMOTIONS_PER_LAUNCH, len(batch)) if calls_wait else None
+                        )
                 if flight is not None:
                     self._complete(flight)
                     flight = None

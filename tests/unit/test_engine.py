@@ -459,6 +459,37 @@ async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(
     assert order == ["r0", "launch", "d0", "d1", "launch", "d2", "d3", "launch", "d4", "launch"]
 
 
+async def test_a_backlog_of_demotions_is_issued_at_once_whatever_waits(model):
+    from services.ranker import engine as engine_module
+
+    e = Engine(model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0))
+    order: list[str] = []
+    launch = e._launch_rank_batch
+
+    def logged_launch(batch):
+        order.append("launch")
+        return launch(batch)
+
+    e._launch_rank_batch = logged_launch  # type: ignore[method-assign]
+    n = engine_module._DEMOTION_BACKLOG + 1
+    prefixes, suffixes = batch(12, [Shape(2, 40, 4, 4)] * 3)
+    e.start()
+    try:
+        busy = asyncio.ensure_future(e.call(lambda: time.sleep(0.3)))
+        await asyncio.sleep(0.02)
+        copies = [asyncio.ensure_future(e.copy(functools.partial(order.append, f"d{i}"), work="demote"))
+                  for i in range(n)]  # fmt: skip
+        ranks = [asyncio.ensure_future(e.rank_full(p, s)) for p, s in zip(prefixes, suffixes, strict=True)]
+        await asyncio.sleep(0.02)
+        await busy
+        await asyncio.gather(*copies, *ranks)
+    finally:
+        e.stop()
+    assert order[0] == "launch"
+    assert order[1 : n + 1] == [f"d{i}" for i in range(n)]  # all after the first launch
+    assert order[n + 1 :] == ["launch", "launch"]
+
+
 async def test_a_preinference_not_started_within_its_lease_is_dropped_unrun(engine):
     # Built after its lease, psi comes after its call and delays every pre-inference behind it.
     from services.ranker.engine import PreinferExpired
