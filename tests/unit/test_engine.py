@@ -421,12 +421,10 @@ async def test_a_copy_reports_its_own_duration_not_the_wait_for_the_device_loop(
     assert torch.equal(dst, src)
 
 
-async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(model, monkeypatch):
-    # Issuing a psi's demotion costs the device loop ~1 ms (H200): issued ahead of the next launch
-    # it left the device idle with calls waiting. Reloads go first (a call waits for each); with
-    # calls queued, demotions go after a launch, a few at a time; with none queued, all at once.
-    from services.ranker import engine as engine_module
-
+async def copies_and_launches(model, copies: list[tuple[str, str]], calls: int) -> list[str]:
+    """Queues `copies` ((name, work) in order) and `calls` full rankings while the device loop is
+    held, then lets it go: the order in which it issued the copies and launched the batches (one
+    call a batch)."""
     e = Engine(model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0))
     order: list[str] = []
     launch = e._launch_rank_batch
@@ -435,23 +433,32 @@ async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(
         order.append("launch")
         return launch(batch)
 
-    monkeypatch.setattr(e, "_launch_rank_batch", logged_launch)
-    prefixes, suffixes = batch(11, [Shape(2, 40, 4, 4)] * 4)
+    e._launch_rank_batch = logged_launch  # type: ignore[method-assign]
+    prefixes, suffixes = batch(11, [Shape(2, 40, 4, 4)] * calls)
     e.start()
     try:
         busy = asyncio.ensure_future(e.call(lambda: time.sleep(0.3)))  # holds the device loop
         await asyncio.sleep(0.02)
-        copies = [
-            asyncio.ensure_future(e.copy(functools.partial(order.append, name), work=work))
-            for name, work in [("d0", "demote"), ("d1", "demote"), ("r0", "reload"), ("d2", "demote"),
-                               ("d3", "demote"), ("d4", "demote")]
-        ]  # fmt: skip
+        issued = [asyncio.ensure_future(e.copy(functools.partial(order.append, name), work=work))
+                  for name, work in copies]  # fmt: skip
         ranks = [asyncio.ensure_future(e.rank_full(p, s)) for p, s in zip(prefixes, suffixes, strict=True)]
         await asyncio.sleep(0.02)
         await busy
-        await asyncio.gather(*copies, *ranks)
+        await asyncio.gather(*issued, *ranks)
     finally:
         e.stop()
+    return order
+
+
+async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(model):
+    # Issuing a psi's demotion costs the device loop ~1 ms (H200): issued ahead of the next launch
+    # it left the device idle with calls waiting. Reloads go first (a call waits for each); with
+    # calls queued, demotions go after a launch, a few at a time; with none queued, all at once.
+    from services.ranker import engine as engine_module
+
+    copies = [("d0", "demote"), ("d1", "demote"), ("r0", "reload"), ("d2", "demote"), ("d3", "demote"),
+              ("d4", "demote")]  # fmt: skip
+    order = await copies_and_launches(model, copies, calls=4)
     per_launch = engine_module._DEMOTIONS_PER_LAUNCH
     assert per_launch == 2
     # r0 before any launch; two demotions after each launch while calls wait; the last launch
@@ -462,29 +469,8 @@ async def test_demotions_wait_for_a_launch_while_calls_queue_and_reloads_do_not(
 async def test_a_backlog_of_demotions_is_issued_at_once_whatever_waits(model):
     from services.ranker import engine as engine_module
 
-    e = Engine(model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0))
-    order: list[str] = []
-    launch = e._launch_rank_batch
-
-    def logged_launch(batch):
-        order.append("launch")
-        return launch(batch)
-
-    e._launch_rank_batch = logged_launch  # type: ignore[method-assign]
     n = engine_module._DEMOTION_BACKLOG + 1
-    prefixes, suffixes = batch(12, [Shape(2, 40, 4, 4)] * 3)
-    e.start()
-    try:
-        busy = asyncio.ensure_future(e.call(lambda: time.sleep(0.3)))
-        await asyncio.sleep(0.02)
-        copies = [asyncio.ensure_future(e.copy(functools.partial(order.append, f"d{i}"), work="demote"))
-                  for i in range(n)]  # fmt: skip
-        ranks = [asyncio.ensure_future(e.rank_full(p, s)) for p, s in zip(prefixes, suffixes, strict=True)]
-        await asyncio.sleep(0.02)
-        await busy
-        await asyncio.gather(*copies, *ranks)
-    finally:
-        e.stop()
+    order = await copies_and_launches(model, [(f"d{i}", "demote") for i in range(n)], calls=3)
     assert order[0] == "launch"
     assert order[1 : n + 1] == [f"d{i}" for i in range(n)]  # all after the first launch
     assert order[n + 1 :] == ["launch", "launch"]

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def test_a_wrong_sized_index_fd_is_refused():
         daemon.close()
 
 
-def serve_once(arena: Arena, path: str) -> threading.Thread:
+def serve_once(path: str, send: Callable[[socket.socket], None]) -> None:
+    """An fd socket at `path` that answers one connection with `send`."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
@@ -92,11 +94,9 @@ def serve_once(arena: Arena, path: str) -> threading.Thread:
         with listener:
             conn, _ = listener.accept()
             with conn:
-                arena.send_to(conn)
+                send(conn)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=serve, daemon=True).start()
 
 
 @pytest.mark.parametrize("slots", [0, 128])
@@ -104,7 +104,7 @@ def test_the_index_comes_with_the_arena_when_the_daemon_keeps_one(tmp_path, slot
     arena = Arena(64 * PAGE_SIZE, prefault=False, presence_slots=slots)
     try:
         path = str(tmp_path / "fd.sock")
-        serve_once(arena, path)
+        serve_once(path, arena.send_to)
         mapping = receive_arena(path, timeout_s=5)
         try:
             if not slots:
@@ -126,18 +126,8 @@ def test_the_index_comes_with_the_arena_when_the_daemon_keeps_one(tmp_path, slot
 def test_a_header_announcing_an_index_without_its_fd_is_refused(tmp_path):
     arena = Arena(64 * PAGE_SIZE, prefault=False, presence_slots=0)
     path = str(tmp_path / "fd.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(1)
-
-    def serve() -> None:
-        with listener:
-            conn, _ = listener.accept()
-            with conn:
-                header = b'{"arena_bytes": %d, "generation": "g", "presence_slots": 16}' % arena.nbytes
-                socket.send_fds(conn, [header], [arena.fd])
-
-    threading.Thread(target=serve, daemon=True).start()
+    header = b'{"arena_bytes": %d, "generation": "g", "presence_slots": 16}' % arena.nbytes
+    serve_once(path, lambda conn: socket.send_fds(conn, [header], [arena.fd]))
     try:
         with pytest.raises(ArenaHandshakeError, match="expected 2 fd"):
             receive_arena(path, timeout_s=5)
