@@ -130,6 +130,9 @@ class Calibration:
     overhead_ms: dict[str, tuple[float, ...]]  # per served path: time outside the device loop
     reload_cache_ms: tuple[float, ...]  # a reload's wait for its copy
     batches: int  # measured batches it was fitted on
+    # A full ranking's wait before it reaches the engine: its psi looked for in the host tier
+    # (an RPC to the expander before the presence index answered absent keys locally).
+    miss_cache_ms: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass
@@ -184,6 +187,7 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
     batches: dict[int, _Batch] = {}
     overhead: dict[str, list[float]] = collections.defaultdict(list)
     reloads: list[float] = []
+    misses: list[float] = []
     for r in records:
         if r.get("status") != "OK":
             continue
@@ -204,6 +208,8 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
         overhead[path].append(max(0.0, rest))
         if path == "dram_reload":
             reloads.append(float(r["cache_ms"]))
+        elif full:
+            misses.append(float(r["cache_ms"]))
     # A batch's size comes from its records; the measured window cuts a few batches short (their
     # first calls were lead-in), which the fit tolerates.
     full_batches = [b for b in batches.values() if b.full]
@@ -214,6 +220,7 @@ def calibrate(records: Iterable[dict[str, Any]]) -> Calibration:
         overhead_ms={k: tuple(v) for k, v in overhead.items()},
         reload_cache_ms=tuple(reloads),
         batches=len(batches),
+        miss_cache_ms=tuple(misses),
     )
 
 
@@ -454,6 +461,8 @@ def simulate(
         for item, r, path, arrived in batch:
             samples = cal.overhead_ms.get(path) or cal.overhead_ms.get("full_recompute") or (0.0,)
             extra = float(samples[rng.integers(len(samples))])
+            if path == "full_recompute" and cal.miss_cache_ms:
+                extra += float(cal.miss_cache_ms[rng.integers(len(cal.miss_cache_ms))])
             out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
             if setup.psi and item.kind is RankKind.FULL and r.prefix_len >= setup.keep_min_tokens:
                 keep((r.user_id, r.prefix_version), r.prefix_len)

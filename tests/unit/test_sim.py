@@ -82,6 +82,7 @@ def test_calibration_recovers_the_costs_it_was_measured_at():
     assert cal.cached.per_token_s == pytest.approx(CACHED.per_token_s, rel=1e-3)
     assert max(abs(r - 1) for r in cal.full.ratios) < 1e-6
     assert cal.reload_cache_ms == (12.0,)
+    assert set(cal.miss_cache_ms) == {0.0}  # the full rankings' lookups in the host tier
     # Time outside the device loop: latency - queue - compute - cache, per path.
     assert cal.overhead_ms["dram_reload"] == (pytest.approx(30.0 - 1.0 - reload_ms - 12.0),)
 
@@ -93,6 +94,14 @@ def test_an_idle_ranker_serves_a_call_in_its_device_time_and_queues_the_next():
     assert [s.path for s in out] == ["full_recompute"] * 2
     assert min(s.latency_ms for s in out) >= one - 1e-6
     assert max(s.latency_ms for s in out) <= 2 * one + 1e-6
+
+
+def test_a_full_rankings_lookup_in_the_host_tier_adds_to_its_latency():
+    # Before the expander's presence index, a call whose psi was nowhere asked the daemon first.
+    calls = [request(0, 1.0, 1)]
+    quick = simulate(calls, EXACT, Setup())[0].latency_ms
+    looked = simulate(calls, dataclasses.replace(EXACT, miss_cache_ms=(7.0,)), Setup())[0].latency_ms
+    assert looked == pytest.approx(quick + 7.0)
 
 
 def test_rankings_keep_psi_so_a_returning_call_is_served_from_hbm_or_from_dram():
