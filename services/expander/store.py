@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import enum
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -379,9 +379,7 @@ class Store:
         excepted); every slot is checked where there are few (tests), the READY keys' otherwise."""
         presence = self._presence
         assert presence is not None
-        want: dict[int, int] = {}
-        for k in ready:
-            want[slot_of(k, presence.slots)] = want.get(slot_of(k, presence.slots), 0) + 1
+        want = Counter(slot_of(k, presence.slots) for k in ready)
         slots = range(presence.slots) if presence.slots <= 4096 else want.keys()
         wrong = [i for i in slots if presence.counter(i) not in (want.get(i, 0), COUNTER_MAX)]
         return [f"presence counters of slots {wrong[:5]} disagree with the READY keys"] if wrong else []

@@ -55,9 +55,17 @@ class Gate:
             engine._ready = lambda flight: False  # type: ignore[method-assign]
 
 
-async def rank_four(model: HSTURanker, launch_ahead: bool, device_busy: bool = True):
+async def rank_four(
+    model: HSTURanker,
+    launch_ahead: bool,
+    device_busy: bool = True,
+    max_batch: int = 1,
+    max_wait_s: float = 0.0,
+):
     engine = Engine(
-        model, accelerator("cpu"), EngineConfig(max_batch=1, max_wait_s=0.0, launch_ahead=launch_ahead)
+        model,
+        accelerator("cpu"),
+        EngineConfig(max_batch=max_batch, max_wait_s=max_wait_s, launch_ahead=launch_ahead),
     )
     gate = Gate(engine, device_busy)
     engine.start()
@@ -121,25 +129,11 @@ async def test_a_batch_fills_while_the_one_in_flight_computes(model):
     # The calls queued behind the first make a batch that is not full: it waits to fill (up to
     # max_wait) while the first is still on the device, and is launched behind it before that
     # one is collected. Settling the first before filling left the device idle meanwhile.
-    engine = Engine(model, accelerator("cpu"), EngineConfig(max_batch=4, max_wait_s=0.05, launch_ahead=True))
-    gate = Gate(engine)
-    engine.start()
-    try:
-        prefixes, suffixes = batch(4, [Shape(2, 120, 4, 8)] * 4)
-        psis = model.preinfer(prefixes)
-        first = asyncio.ensure_future(engine.rank_cached(suffixes[0], psis[0], psis[0].key))
-        await asyncio.get_running_loop().run_in_executor(None, gate.entered.wait, 5)
-        rest = [asyncio.ensure_future(engine.rank_cached(s, p, p.key))
-                for s, p in zip(suffixes[1:], psis[1:], strict=True)]  # fmt: skip
-        await asyncio.sleep(0.02)
-        gate.release.set()
-        results = await asyncio.gather(first, *rest)
-    finally:
-        engine.stop()
-    assert [k for k, _ in gate.order] == ["launch", "launch", "collect", "collect"]
-    assert [len(ids) for _, ids in gate.order] == [1, 3, 1, 3]
+    # The fill wait (0.2 s from the first queued call) outlasts rank_four's 0.05 s of queueing.
+    _, order, results, want = await rank_four(model, launch_ahead=True, max_batch=4, max_wait_s=0.2)
+    assert [k for k, _ in order] == ["launch", "launch", "collect", "collect"]
+    assert [len(ids) for _, ids in order] == [1, 3, 1, 3]
     assert [r.batch_size for r in results] == [1, 3, 3, 3]
-    want = model.full(prefixes, suffixes)
     for r, w in zip(results, want, strict=True):
         assert torch.allclose(r.scores, w, atol=1e-5, rtol=0)
 
