@@ -66,9 +66,11 @@ class ArenaMapping:
         del anchor
 
     @classmethod
-    def from_fd(cls, fd: int, nbytes: int, generation: str) -> ArenaMapping:
+    def from_fd(
+        cls, fd: int, nbytes: int, generation: str, presence: PresenceIndex | None = None
+    ) -> ArenaMapping:
         """Maps nbytes of fd shared and read-write. The caller still owns (and may close) fd."""
-        return cls(mmap.mmap(fd, nbytes, mmap.MAP_SHARED), nbytes, generation)
+        return cls(mmap.mmap(fd, nbytes, mmap.MAP_SHARED), nbytes, generation, presence)
 
     @property
     def nbytes(self) -> int:
@@ -170,7 +172,7 @@ def receive_arena(fd_socket_path: str, timeout_s: float) -> ArenaMapping:
                 presence = PresenceIndex.from_fd(fds[1], slots)
             except ValueError as exc:
                 raise ArenaHandshakeError(str(exc)) from None
-        return ArenaMapping(mmap.mmap(fds[0], nbytes, mmap.MAP_SHARED), nbytes, generation, presence)
+        return ArenaMapping.from_fd(fds[0], nbytes, generation, presence)
     finally:
         for fd in fds:
             os.close(fd)  # the mapping keeps its own reference to the memory
