@@ -1,0 +1,233 @@
+"""Host cost of issuing the ranker's device work: what the device loop spends per operation.
+
+    python -m bench.host_costs --device cuda                       # bench preset, 4096 tokens
+    python -m bench.host_costs --device cpu --preset tiny --prefix-len 256 --reps 5   # smoke run
+
+In service the relay's device loop spent ~1.7 ms issuing a ranking batch against ~1.0 ms for the
+baseline's, and ~0.65 ms issuing each psi demotion (H200, L4096, h3a loop sections), while the
+device sat idle with calls waiting 20% of the time (the baseline 5%). This times each operation the
+loop issues, alone, with the device kept busy (a sleep kernel queued on the compute stream first,
+so an asynchronous issue never waits for the device) and reports its wall and CPU time on the
+issuing thread, median and p90 over --reps. Operations, as the engine issues them:
+
+  demote        a psi's copy into the pinned arena on the copy stream, with the engine's
+                ordering (wait_stream) and timing events around it (Engine._issue_copy)
+  demote_copy   the copy alone (transfer.issue_to_host)
+  demote_kv_copy  its K/V bytes' copy_ alone
+  reload        a psi's copy out of the arena into a new block (transfer.issue_from_host)
+  new_psi       a psi block for a full ranking that keeps its prefix's K/V (HSTURanker.new_psi)
+  launch_full / launch_full_keep / launch_rank
+                a replayed ranking graph's launch (RankGraphs; CUDA only)
+  event         one timing event recorded
+
+The arena is a memfd mapping registered as page-locked, as the ranker maps the expander's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import mmap
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.report import RESULTS_DIR, write_result
+from kernels.device import Accelerator, accelerator
+from relaygr.synthetic import Shape, batch
+from services.ranker.device_time import SectionTimer
+from services.ranker.model import HSTURanker
+from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from shared.modelspec import preset
+
+BUSY_MS = 20.0  # the sleep queued ahead of each timed issue: longer than any issue
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Timer:
+    """Wall and thread-CPU time of a callable over repetitions, each behind a busy device."""
+
+    def __init__(self, acc: Accelerator, reps: int) -> None:
+        self.acc, self.reps = acc, reps
+        self.cuda = acc.backend == "cuda"
+        self.rows: list[dict[str, Any]] = []
+
+    def _busy(self) -> None:
+        if self.cuda:
+            # ~BUSY_MS of device time at the clock rate; the issue that follows queues behind it.
+            torch.cuda._sleep(int(BUSY_MS * 1e-3 * 1.5e9))
+
+    def measure(self, name: str, op: Callable[[], Any], after: Callable[[Any], None] | None = None) -> None:
+        wall: list[float] = []
+        cpu: list[float] = []
+        for rep in range(self.reps + 2):  # two warm-up repetitions
+            self.acc.synchronize()
+            self._busy()
+            w0, c0 = time.perf_counter(), time.thread_time()
+            value = op()
+            w1, c1 = time.perf_counter(), time.thread_time()
+            if after is not None:
+                after(value)
+            self.acc.synchronize()
+            if rep >= 2:
+                wall.append((w1 - w0) * 1e6)
+                cpu.append((c1 - c0) * 1e6)
+        row = {
+            "op": name,
+            "wall_us_p50": statistics.median(wall),
+            "wall_us_p90": _quantile(wall, 0.9),
+            "cpu_us_p50": statistics.median(cpu),
+            "cpu_us_p90": _quantile(cpu, 0.9),
+            "reps": self.reps,
+        }
+        self.rows.append(row)
+        print(
+            f"{name:18s} wall p50 {row['wall_us_p50']:8.1f} us  p90 {row['wall_us_p90']:8.1f}  "
+            f"cpu p50 {row['cpu_us_p50']:8.1f} us  p90 {row['cpu_us_p90']:8.1f}",
+            flush=True,
+        )
+
+
+@contextlib.contextmanager
+def pinned_arena(acc: Accelerator, nbytes: int) -> Iterator[torch.Tensor]:
+    """A memfd mapping of nbytes as a uint8 tensor, page-locked on CUDA (as HostTier maps the
+    expander's arena)."""
+    fd = os.memfd_create("relaygr-host-costs")
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    arena = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+    anchor = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(anchor)
+    del anchor
+    pinned = acc.pin_host_range(address, nbytes)
+    try:
+        yield arena
+    finally:
+        if pinned:
+            acc.unpin_host_range(address)
+        del arena
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    acc = accelerator(args.device)
+    spec = preset(args.preset)
+    model = HSTURanker.from_seed(spec, seed=0, device=acc.device)
+    timer = Timer(acc, args.reps)
+    shape = Shape(16, args.prefix_len - 16, args.recent, args.candidates)
+    prefixes, suffixes = batch(7, [shape])
+    prefix, keys = (
+        prefixes[0],
+        [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes],
+    )
+    psis = model.preinfer(prefixes)
+    psi = psis[0]
+    meta = host_meta(psi)
+    nbytes = host_nbytes(meta)
+    copy_stream = torch.cuda.Stream(acc.device) if timer.cuda else None
+    compute = torch.cuda.current_stream(acc.device) if timer.cuda else None
+    with pinned_arena(acc, max(args.arena_mb << 20, nbytes)) as arena:
+        dest = arena[:nbytes]
+
+        def demote() -> None:
+            section = SectionTimer(cuda=timer.cuda)
+            if copy_stream is None:
+                with section.section():
+                    issue_to_host(psi, dest)
+                return
+            copy_stream.wait_stream(compute)  # type: ignore[arg-type]
+            with torch.cuda.stream(copy_stream):
+                with section.section():
+                    issue_to_host(psi, dest)
+                torch.cuda.Event().record(copy_stream)
+
+        def demote_copy() -> None:
+            if copy_stream is None:
+                issue_to_host(psi, dest)
+                return
+            with torch.cuda.stream(copy_stream):
+                issue_to_host(psi, dest)
+
+        def reload() -> Any:
+            if copy_stream is None:
+                return issue_from_host(dest, meta, psi.key, acc.device)
+            with torch.cuda.stream(copy_stream):
+                return issue_from_host(dest, meta, psi.key, acc.device, compute)
+
+        timer.measure("demote", demote)
+        timer.measure("demote_copy", demote_copy)
+        kv_bytes = int(meta["kv_bytes"])
+
+        def kv_copy() -> None:  # the K/V bytes' copy alone, on the current stream
+            dest[:kv_bytes].copy_(psi.kv.reshape(-1).view(torch.uint8), non_blocking=True)
+
+        timer.measure("demote_kv_copy", kv_copy)
+        timer.measure("reload", reload)
+        timer.measure("new_psi", lambda: model.new_psi(prefix))
+        if timer.cuda:
+            timer.measure("event", lambda: torch.cuda.Event(enable_timing=True).record())
+            from services.ranker.graphs import GraphLimits, RankGraphs
+
+            tokens = args.prefix_len + args.recent + args.candidates
+            limits = GraphLimits(max_batch=1, max_tokens=max(64, args.recent + args.candidates),
+                                 max_prefix_tokens=args.prefix_len, max_full_tokens=tokens, max_full_batch=1)  # fmt: skip
+            graphs = RankGraphs(model, limits, full_keeps_kv=True)
+            for attempt in range(2):  # the first call of each shape only asks for its capture
+                got = [graphs.launch_full(prefixes, suffixes), graphs.launch_rank(suffixes, psis, keys)]
+                for pending in got:
+                    if pending is not None:
+                        pending.wait()
+                if all(p is not None for p in got):
+                    break
+                graphs.capture_pending(limit=4)
+
+            def wait(pending: Any) -> None:
+                if pending is None:
+                    raise RuntimeError(f"a graph launch fell back to the eager pass: {graphs.stats}")
+                pending.wait()
+
+            timer.measure("launch_full", lambda: graphs.launch_full(prefixes, suffixes), wait)
+            timer.measure(
+                "launch_full_keep",
+                lambda: graphs.launch_full(prefixes, suffixes, lambda: [model.new_psi(p) for p in prefixes]),
+                wait,
+            )
+            timer.measure("launch_rank", lambda: graphs.launch_rank(suffixes, psis, keys), wait)
+    return [dict(row, device=acc.name, prefix_len=args.prefix_len, psi_bytes=nbytes) for row in timer.rows]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--prefix-len", type=int, default=4096)
+    p.add_argument("--recent", type=int, default=64)
+    p.add_argument("--candidates", type=int, default=256)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--arena-mb", type=int, default=1024, help="the pinned arena's size (at least one psi)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.reps < 1 or args.prefix_len < 32:
+        p.error("--reps must be >= 1 and --prefix-len >= 32")
+    rows = run(args)
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    columns = ["op", "wall_us_p50", "wall_us_p90", "cpu_us_p50", "cpu_us_p90", "reps"]
+    for path in write_result("host-costs", config, rows, columns, out_dir=args.out_dir, tag=args.tag):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
