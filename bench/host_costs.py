@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             limits = GraphLimits(max_batch=1, max_tokens=max(64, args.recent + args.candidates),
                                  max_prefix_tokens=args.prefix_len, max_full_tokens=tokens, max_full_batch=1)  # fmt: skip
             graphs = RankGraphs(model, limits, full_keeps_kv=True)
-            for attempt in range(2):  # the first call of each shape only asks for its capture
+            for _attempt in range(2):  # the first call of each shape only asks for its capture
                 got = [graphs.launch_full(prefixes, suffixes), graphs.launch_rank(suffixes, psis, keys)]
                 for pending in got:
                     if pending is not None:
