@@ -31,6 +31,8 @@ import ctypes
 import mmap
 import os
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,6 +63,7 @@ class Timer:
         self.acc, self.reps = acc, reps
         self.cuda = acc.backend == "cuda"
         self.rows: list[dict[str, Any]] = []
+        self.condition = "alone"
 
     def _busy(self) -> None:
         if self.cuda:
@@ -84,6 +87,7 @@ class Timer:
                 cpu.append((c1 - c0) * 1e6)
         row = {
             "op": name,
+            "condition": self.condition,
             "wall_us_p50": statistics.median(wall),
             "wall_us_p90": _quantile(wall, 0.9),
             "cpu_us_p50": statistics.median(cpu),
@@ -92,7 +96,7 @@ class Timer:
         }
         self.rows.append(row)
         print(
-            f"{name:18s} wall p50 {row['wall_us_p50']:8.1f} us  p90 {row['wall_us_p90']:8.1f}  "
+            f"{self.condition:13s} {name:18s} wall p50 {row['wall_us_p50']:8.1f} us  p90 {row['wall_us_p90']:8.1f}  "
             f"cpu p50 {row['cpu_us_p50']:8.1f} us  p90 {row['cpu_us_p90']:8.1f}",
             flush=True,
         )
@@ -119,6 +123,98 @@ def pinned_arena(acc: Accelerator, nbytes: int) -> Iterator[torch.Tensor]:
         if pinned:
             acc.unpin_host_range(address)
         del arena
+
+
+@contextlib.contextmanager
+def gil_contention(on: bool, switch_ms: float) -> Iterator[None]:
+    """While on: a second thread runs Python without pause (as the ranker's event loop does under
+    load), so every call that releases the GIL waits to take it back; the switch interval as the
+    ranker sets it."""
+    if not on:
+        yield
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch_ms / 1e3)
+    thread = threading.Thread(target=spin, name="gil-contender", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(before)
+
+
+def primitive_ops(
+    acc: Accelerator, copy_stream: torch.cuda.Stream
+) -> list[tuple[str, Callable[[], Any], Callable[[Any], None] | None]]:
+    """The driver calls the loop's operations are made of, one at a time."""
+    device = acc.device
+    recorded = torch.cuda.Event(enable_timing=True)
+    recorded.record()
+    small_host = torch.zeros(8192, dtype=torch.int64).pin_memory()  # 64 KiB, as a batch's staging
+    small_dev = torch.zeros(8192, dtype=torch.int64, device=device)
+    scores_host = torch.zeros(1024, dtype=torch.float32).pin_memory()
+    scores_dev = torch.zeros(1024, dtype=torch.float32, device=device)
+    return [
+        ("event_new_timed", lambda: torch.cuda.Event(enable_timing=True).record(), None),
+        ("event_new_untimed", lambda: torch.cuda.Event().record(), None),
+        ("event_rerecord", lambda: recorded.record(), None),
+        ("event_query", lambda: recorded.query(), None),
+        ("stream_wait_event", lambda: copy_stream.wait_event(recorded), None),
+        ("stream_wait_stream", lambda: copy_stream.wait_stream(torch.cuda.current_stream(device)), None),
+        ("h2d_64k_pinned", lambda: small_dev.copy_(small_host, non_blocking=True), None),
+        ("d2h_4k_pinned", lambda: scores_host.copy_(scores_dev, non_blocking=True), None),
+        ("d2d_64k", lambda: small_dev.copy_(small_dev.flip(0)), None),
+        ("empty_128mib", lambda: torch.empty(128 << 20, dtype=torch.uint8, device=device), None),
+        ("pinned_empty_32k", lambda: torch.empty(4096, dtype=torch.int64, pin_memory=True), None),
+    ]
+
+
+def graph_ops(
+    args: argparse.Namespace,
+    model: HSTURanker,
+    prefixes: list[Any],
+    suffixes: list[Any],
+    psis: list[Any],
+    keys: list[Any],
+) -> list[tuple[str, Callable[[], Any], Callable[[Any], None] | None]]:
+    """Replayed ranking graphs' launches, captured first, as the engine issues them."""
+    from services.ranker.graphs import GraphLimits, RankGraphs
+
+    tokens = args.prefix_len + args.recent + args.candidates
+    limits = GraphLimits(max_batch=1, max_tokens=max(64, args.recent + args.candidates),
+                         max_prefix_tokens=args.prefix_len, max_full_tokens=tokens, max_full_batch=1)  # fmt: skip
+    graphs = RankGraphs(model, limits, full_keeps_kv=True)
+    for _attempt in range(2):  # the first call of each shape only asks for its capture
+        got = [graphs.launch_full(prefixes, suffixes), graphs.launch_rank(suffixes, psis, keys)]
+        for pending in got:
+            if pending is not None:
+                pending.wait()
+        if all(p is not None for p in got):
+            break
+        graphs.capture_pending(limit=4)
+
+    def wait(pending: Any) -> None:
+        if pending is None:
+            raise RuntimeError(f"a graph launch fell back to the eager pass: {graphs.stats}")
+        pending.wait()
+
+    def keep() -> Any:
+        return graphs.launch_full(prefixes, suffixes, lambda: [model.new_psi(p) for p in prefixes])
+
+    return [
+        ("launch_full", lambda: graphs.launch_full(prefixes, suffixes), wait),
+        ("launch_full_keep", keep, wait),
+        ("launch_rank", lambda: graphs.launch_rank(suffixes, psis, keys), wait),
+    ]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -166,45 +262,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             with torch.cuda.stream(copy_stream):
                 return issue_from_host(dest, meta, psi.key, acc.device, compute)
 
-        timer.measure("demote", demote)
-        timer.measure("demote_copy", demote_copy)
         kv_bytes = int(meta["kv_bytes"])
 
         def kv_copy() -> None:  # the K/V bytes' copy alone, on the current stream
             dest[:kv_bytes].copy_(psi.kv.reshape(-1).view(torch.uint8), non_blocking=True)
 
-        timer.measure("demote_kv_copy", kv_copy)
-        timer.measure("reload", reload)
-        timer.measure("new_psi", lambda: model.new_psi(prefix))
+        ops: list[tuple[str, Callable[[], Any], Callable[[Any], None] | None]] = [
+            ("demote", demote, None),
+            ("demote_copy", demote_copy, None),
+            ("demote_kv_copy", kv_copy, None),
+            ("reload", reload, None),
+            ("new_psi", lambda: model.new_psi(prefix), None),
+        ]
         if timer.cuda:
-            timer.measure("event", lambda: torch.cuda.Event(enable_timing=True).record())
-            from services.ranker.graphs import GraphLimits, RankGraphs
-
-            tokens = args.prefix_len + args.recent + args.candidates
-            limits = GraphLimits(max_batch=1, max_tokens=max(64, args.recent + args.candidates),
-                                 max_prefix_tokens=args.prefix_len, max_full_tokens=tokens, max_full_batch=1)  # fmt: skip
-            graphs = RankGraphs(model, limits, full_keeps_kv=True)
-            for _attempt in range(2):  # the first call of each shape only asks for its capture
-                got = [graphs.launch_full(prefixes, suffixes), graphs.launch_rank(suffixes, psis, keys)]
-                for pending in got:
-                    if pending is not None:
-                        pending.wait()
-                if all(p is not None for p in got):
-                    break
-                graphs.capture_pending(limit=4)
-
-            def wait(pending: Any) -> None:
-                if pending is None:
-                    raise RuntimeError(f"a graph launch fell back to the eager pass: {graphs.stats}")
-                pending.wait()
-
-            timer.measure("launch_full", lambda: graphs.launch_full(prefixes, suffixes), wait)
-            timer.measure(
-                "launch_full_keep",
-                lambda: graphs.launch_full(prefixes, suffixes, lambda: [model.new_psi(p) for p in prefixes]),
-                wait,
-            )
-            timer.measure("launch_rank", lambda: graphs.launch_rank(suffixes, psis, keys), wait)
+            ops += primitive_ops(acc, copy_stream)  # type: ignore[arg-type]
+            ops += graph_ops(args, model, prefixes, suffixes, psis, keys)
+        for condition in ("alone", "gil_contended"):
+            timer.condition = condition
+            with gil_contention(condition == "gil_contended", args.gil_switch_ms):
+                for name, op, after in ops:
+                    timer.measure(name, op, after)
     return [dict(row, device=acc.name, prefix_len=args.prefix_len, psi_bytes=nbytes) for row in timer.rows]
 
 
@@ -219,12 +296,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arena-mb", type=int, default=1024, help="the pinned arena's size (at least one psi)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default="")
+    p.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=0.5,
+        help="the interpreter's switch interval while contended (the ranker's default)",
+    )
     args = p.parse_args(argv)
     if args.reps < 1 or args.prefix_len < 32:
         p.error("--reps must be >= 1 and --prefix-len >= 32")
     rows = run(args)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
-    columns = ["op", "wall_us_p50", "wall_us_p90", "cpu_us_p50", "cpu_us_p90", "reps"]
+    columns = ["op", "condition", "wall_us_p50", "wall_us_p90", "cpu_us_p50", "cpu_us_p90", "reps"]
     for path in write_result("host-costs", config, rows, columns, out_dir=args.out_dir, tag=args.tag):
         print(f"wrote {path}")
 
