@@ -109,6 +109,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "ranker_args": ("--latency-target-ms", "25"),
     },
 }
+# The rankers' GIL switch interval at 0.05 ms (default 0.5), baseline and relay-nospare: every
+# torch call of the device thread releases the interpreter and must take it back from the event
+# loop. With a second thread running Python, issuing one timing event cost 1.3 ms of wall time
+# at 0.5 ms and 0.49 ms at 0.1 (0.15 alone), a full ranking's graph launch 12.1 and 3.6 ms
+# (0.5 alone): bench.host_costs on an H200 (host-costs-nvidia-h200*.json).
+for _name in ("baseline", "relay-nospare"):
+    CONFIGS[f"{_name}-gil005"] = {
+        **CONFIGS[_name],
+        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--gil-switch-ms", "0.05"),
+    }
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],
