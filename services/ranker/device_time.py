@@ -51,6 +51,8 @@ import torch
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from services.ranker.events import EventPool
+
 WORKS = ("rank", "preinfer", "copy", "reload", "demote")
 
 
@@ -195,17 +197,23 @@ class SectionTimer:
     """The device time of one piece of work issued in host sections (e.g. one pre-inference's
     layer steps). On CUDA each section is bracketed by timing events on the current stream and
     `total_s()` must be called once the work has completed (after a synchronise); elsewhere the
-    work is synchronous and sections are timed by the wall clock."""
+    work is synchronous and sections are timed by the wall clock. With a `pool`
+    (services/ranker/events.py) the events come from it, and `release()` gives them back once
+    read."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, pool: EventPool[torch.cuda.Event] | None = None) -> None:
         self._cuda = cuda
+        self._pool = pool
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wall_s = 0.0
+
+    def _event(self) -> torch.cuda.Event:
+        return self._pool.take() if self._pool is not None else torch.cuda.Event(enable_timing=True)
 
     @contextlib.contextmanager
     def section(self) -> Iterator[None]:
         if self._cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = self._event(), self._event()
             start.record()
             try:
                 yield
@@ -219,6 +227,12 @@ class SectionTimer:
             finally:
                 self._wall_s += time.perf_counter() - started
 
+    @property
+    def last_event(self) -> torch.cuda.Event | None:
+        """The event after the last section's work (None off CUDA, or before any section): its
+        completion is the work's."""
+        return self._events[-1][1] if self._events else None
+
     def done(self) -> bool:
         """Whether the sections' device work has completed (always, off CUDA)."""
         return not self._events or bool(self._events[-1][1].query())
@@ -228,6 +242,14 @@ class SectionTimer:
         stream: work queued after the sections may still run."""
         if self._events:
             self._events[-1][1].synchronize()
+
+    def release(self) -> None:
+        """Gives the events back to the pool (after total_s(): nothing reads them again)."""
+        events, self._events = self._events, []
+        if self._pool is not None:
+            for start, end in events:
+                self._pool.give(start)
+                self._pool.give(end)
 
     def total_s(self) -> float:
         """Seconds over all sections. Blocks on CUDA until the last section has completed."""

@@ -78,6 +78,7 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
+from services.ranker.events import EventPool, timing_event_pool
 from services.ranker.graphs import (
     BucketKey,
     GraphLimits,
@@ -381,6 +382,10 @@ class Engine:
         # demotions (device -> host), which another copy engine runs, and waited for them.
         self._reload_stream = torch.cuda.Stream(accel.device) if cuda else None
         self._stream = torch.cuda.Stream(accel.device) if cuda else None
+        # Timing events reused (services/ranker/events.py): a batch's start and end, a copy's
+        # start and end; and one event re-recorded to order the copy streams after compute.
+        self._events = timing_event_pool() if cuda else None
+        self._order_event = torch.cuda.Event() if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
         # The end of the last ranking batch on the device (its CUDA event; on the CPU the wall
@@ -411,6 +416,11 @@ class Engine:
             self.rank_costs,
             full_replays=None if self.graphs is None else self.graphs.holds_full,
         )
+
+    @property
+    def event_pool(self) -> EventPool[torch.cuda.Event] | None:
+        """The timing events the loop reuses (CUDA; None elsewhere)."""
+        return self._events
 
     @property
     def compute_stream(self) -> torch.cuda.Stream | None:
@@ -1058,8 +1068,8 @@ class Engine:
         # start runs when the device reaches it): a wall clock read when the batch is collected
         # cannot tell its time from the time of the batch ahead of it.
         start_event: torch.cuda.Event | None = None
-        if self._stream is not None:
-            start_event = torch.cuda.Event(enable_timing=True)
+        if self._events is not None:
+            start_event = self._events.take()
             start_event.record()
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         built = [0] * len(batch)
@@ -1098,12 +1108,10 @@ class Engine:
             if pending is None:
                 # One copy for the batch; it waits for the device: the batch is done.
                 pending = PendingScores.done(list(torch.cat(scores).cpu().split([s.numel() for s in scores])))
-            if start_event is not None:
-                # A replay's scores copy ends with a timing event already: its end.
-                end_event = pending.event
-                if end_event is None:
-                    end_event = torch.cuda.Event(enable_timing=True)
-                    end_event.record()
+            if start_event is not None and self._events is not None:
+                # After the scores' copy (a replay's is queued behind it): the batch's end.
+                end_event = self._events.take()
+                end_event.record()
                 events = (start_event, end_event)
         except Exception as exc:  # a bad batch fails its jobs, never the engine
             self.device_time.end()
@@ -1197,6 +1205,11 @@ class Engine:
                 except RuntimeError as exc:  # a bookkeeping failure must not fail the loop
                     log.warning("device_gap_not_measured", error=repr(exc))
             self._last_batch_end = flight.events[1]
+            # Read for the last time: the start now, the end before (it was the last batch's).
+            if self._events is not None:
+                self._events.give(flight.events[0])
+                if isinstance(last, torch.cuda.Event):
+                    self._events.give(last)
         else:
             if isinstance(last, float):
                 gap_s = flight.started - last
@@ -1243,7 +1256,9 @@ class Engine:
         again, and whatever reads their psi next (a later chunk, a take-over's partial batch)
         runs behind them on the same stream. None: nothing to run, or the step failed (its jobs
         have their error)."""
-        self._last_batch_end = None  # the gap to the next batch would include this step
+        last, self._last_batch_end = self._last_batch_end, None  # the gap would include this step
+        if self._events is not None and isinstance(last, torch.cuda.Event):
+            self._events.give(last)
         with self._cv:
             jobs = [self._preinfers.get(c.id) for c in plan.chunks]
         work = [(c, j) for c, j in zip(plan.chunks, jobs, strict=True) if j is not None and j.done == c.start]
@@ -1346,16 +1361,16 @@ class Engine:
 
     def _issue_copy(self, job: _CopyJob) -> None:
         try:
-            job.timer = SectionTimer(cuda=self._copy_stream is not None)
+            job.timer = SectionTimer(cuda=self._copy_stream is not None, pool=self._events)
             stream = self._reload_stream if job.work == "reload" else self._copy_stream
-            if stream is not None:
-                # Copies read psi that compute just produced: order after it, on the copy stream.
-                stream.wait_stream(torch.cuda.current_stream(self.accel.device))
-                with torch.cuda.stream(stream):
-                    with job.timer.section():
-                        job.value = job.issue()
-                    job.event = torch.cuda.Event()
-                    job.event.record(stream)
+            if stream is not None and self._order_event is not None:
+                # Copies read psi that compute just produced: order after it, on the copy stream
+                # (the wait is for the record made before it: the event may be recorded again).
+                self._order_event.record(torch.cuda.current_stream(self.accel.device))
+                stream.wait_event(self._order_event)
+                with torch.cuda.stream(stream), job.timer.section():
+                    job.value = job.issue()
+                job.event = job.timer.last_event  # after the copy: its completion
                 self._copies_in_flight.append(job)
             else:
                 with job.timer.section():
@@ -1379,6 +1394,7 @@ class Engine:
         if job.timer is None:
             return
         seconds = job.timer.total_s()
+        job.timer.release()  # its events are read: back to the pool
         self.device_time.add(job.work, seconds)
         if job.on_timed is not None:
             try:

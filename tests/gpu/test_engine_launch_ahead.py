@@ -65,6 +65,12 @@ async def test_queued_calls_match_eager_with_graphs(launch_ahead):
         stats = engine.graph_stats()
         assert stats is not None
         assert stats.replays > 0
+        # Every batch timed by events from the pool: a few made, then reused.
+        pool = engine.event_pool
+        assert pool is not None
+        assert pool.created <= 8
+        assert pool.reused > pool.created
+        assert engine.device_time.snapshot().work_s["rank"] > 0
     finally:
         engine.stop()
 
@@ -100,5 +106,39 @@ async def test_chunks_launched_ahead_with_rankings_between_them():
             assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * max(
                 float(ref.kv.float().abs().max()), 1e-3
             )
+    finally:
+        engine.stop()
+
+
+async def test_copies_to_and_from_the_host_reuse_their_timing_events():
+    """psi demoted to page-locked host memory and reloaded through the engine's copy streams,
+    over and over: the bytes come back equal, each copy is timed, and the copies' events come
+    from the pool (a handful made, the rest reused)."""
+    from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+
+    model = HSTURanker.from_seed(SPEC, seed=7, device="cuda")
+    engine = Engine(model, accelerator("cuda"), EngineConfig(max_batch=2, max_wait_s=0.0))
+    engine.start()
+    try:
+        prefixes, _ = batch(12, [Shape(3, 500, 16, 48)])
+        psi = model.preinfer(prefixes)[0]
+        meta = host_meta(psi)
+        host = torch.empty(host_nbytes(meta), dtype=torch.uint8).pin_memory()
+        timed: list[float] = []
+        for _ in range(6):
+            host.zero_()
+            await engine.copy(lambda: issue_to_host(psi, host), work="demote", on_timed=timed.append)
+            back = await engine.copy(
+                lambda: issue_from_host(host, meta, psi.key, psi.kv.device, engine.compute_stream),
+                work="reload",
+                on_timed=timed.append,
+            )
+            assert torch.equal(back.kv, psi.kv)
+            assert torch.equal(back.timestamps, psi.timestamps)
+        assert len(timed) == 12
+        assert all(t > 0 for t in timed)
+        pool = engine.event_pool
+        assert pool is not None
+        assert pool.created <= 4  # 24 without reuse: two a copy
     finally:
         engine.stop()
