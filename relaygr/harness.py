@@ -69,7 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The host-tier arena at 24 GiB whatever --arena-gb says: beside `relay` in one run, whether
     # pinning most of the host's memory (80 of 128 GiB on the H100 machines) stalls the host.
     "relay-arena24": {"arena_gb": 24.0},
-    # The ranker's GIL switch interval at 0.1 ms (default 0.5): how long the device thread waits
+    # The ranker's GIL switch interval at 0.1 ms (default 0.05): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
     "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
     # Pre-inference for risk admitted while it adds up to 50% device work over the full ranking it
@@ -109,16 +109,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "ranker_args": ("--latency-target-ms", "25"),
     },
 }
-# The rankers' GIL switch interval at 0.05 ms (default 0.5), baseline and relay-nospare: every
-# torch call of the device thread releases the interpreter and must take it back from the event
-# loop. With a second thread running Python, issuing one timing event cost 1.3 ms of wall time
-# at 0.5 ms and 0.49 ms at 0.1 (0.15 alone), a full ranking's graph launch 12.1 and 3.6 ms
-# (0.5 alone): bench.host_costs on an H200 (host-costs-nvidia-h200*.json).
+# The rankers' GIL switch interval at 0.05 ms, baseline and relay-nospare (the files of h3b;
+# now the default) and at 0.5, the default before: every torch call of the device thread
+# releases the interpreter and must take it back from the event loop. With a second thread
+# running Python, issuing one timing event cost 1.3 ms of wall time at 0.5 ms and 0.49 ms at 0.1
+# (0.15 alone), a full ranking's graph launch 12.1 and 3.6 ms (0.5 alone): bench.host_costs on
+# an H200 (host-costs-nvidia-h200*.json). In service (h3b) 0.05 left the baseline's limit as it
+# was (237.5 req/s, launch 1.1 ms a batch both); relay-nospare's launch took 1.37 ms a batch at
+# 0.05 against 1.67 at 0.5 (h3a, another lease).
 for _name in ("baseline", "relay-nospare"):
-    CONFIGS[f"{_name}-gil005"] = {
-        **CONFIGS[_name],
-        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--gil-switch-ms", "0.05"),
-    }
+    for _suffix, _ms in (("gil005", "0.05"), ("gil05", "0.5")):
+        CONFIGS[f"{_name}-{_suffix}"] = {
+            **CONFIGS[_name],
+            "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--gil-switch-ms", _ms),
+        }
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],

@@ -297,8 +297,9 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def start(self) -> None:
         """Warms the model up, starts the engine, binds gRPC, connects the host tier (optional)."""
-        # The engine thread dispatches kernels in Python; a short switch interval keeps the event
-        # loop (requests in, replies out) from waiting the default 5 ms for the interpreter.
+        # The engine thread dispatches kernels in Python and gives the interpreter up in every
+        # torch call; a short switch interval keeps it from waiting long to take it back from the
+        # event loop, and the event loop (requests in, replies out) from waiting the default 5 ms.
         sys.setswitchinterval(self.config.gil_switch_ms / 1e3)
         self._event_loop = asyncio.get_running_loop()
         self.engine.start()
