@@ -609,8 +609,11 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 
 # The configurations the model covers: no psi; rankings keep psi; and pre-inference of every
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
-MODELLED = ("baseline", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25")
+MODELLED = ("baseline", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
+            "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05")  # fmt: skip
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
+# The -gil variants (the rankers' interpreter switch interval): the same models, the host's time
+# per batch as their files measured it.
 
 
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
@@ -727,7 +730,7 @@ def load_model(
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
-        psi=config != "baseline",
+        psi=not config.startswith("baseline"),
         preinfer_trip_ms=signal_trip_ms(result, config) if config == "preinfer-all" else None,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
