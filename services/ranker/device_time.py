@@ -51,7 +51,7 @@ import torch
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from services.ranker.events import EventPool
+from services.ranker.events import EventPool, wait_until_done
 
 WORKS = ("rank", "preinfer", "copy", "reload", "demote")
 
@@ -241,7 +241,7 @@ class SectionTimer:
         """Waits for the last section's device work (on CUDA; nothing elsewhere). Not the
         stream: work queued after the sections may still run."""
         if self._events:
-            self._events[-1][1].synchronize()
+            wait_until_done(self._events[-1][1])
 
     def release(self) -> None:
         """Gives the events back to the pool (after total_s(): nothing reads them again)."""

@@ -78,7 +78,7 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
-from services.ranker.events import EventPool, timing_event_pool
+from services.ranker.events import EventPool, timing_event_pool, wait_until_done
 from services.ranker.graphs import (
     BucketKey,
     GraphLimits,
@@ -1137,7 +1137,7 @@ class Engine:
                 host = flight.pending.wait()
                 seconds = flight.issued - flight.started
                 if flight.events is not None:
-                    flight.events[1].synchronize()
+                    wait_until_done(flight.events[1])
                     seconds = flight.events[0].elapsed_time(flight.events[1]) / 1e3
         except Exception as exc:
             for j in batch:

@@ -43,6 +43,7 @@ import torch
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from services.ranker.events import wait_until_done
 from services.ranker.model import HostTokens, HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import InvalidSequenceError, RankingSuffix, UserPrefix
@@ -202,7 +203,7 @@ class PendingScores:
     def wait(self) -> list[torch.Tensor]:
         if self._scores is None:
             if self._event is not None:
-                self._event.synchronize()
+                wait_until_done(self._event)
             assert self._host is not None
             # One copy (the page-locked buffer is reused by a later launch), then a view per user:
             # a copy per user cost the device loop ~0.1 ms a batch on an H200 (py-spy).
@@ -239,7 +240,7 @@ class _Slot:
             self.pending.wait()  # copies them out of `scores`
             self.pending = None
         if self.event is not None:
-            self.event.synchronize()
+            wait_until_done(self.event)
             self.event = None
 
 

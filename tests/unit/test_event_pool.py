@@ -106,3 +106,28 @@ def test_a_section_timer_off_cuda_times_by_the_wall_clock_and_releases_nothing()
     assert timer.total_s() >= 0.0
     timer.release()
     assert (pool.created, pool.idle) == (0, 0)
+
+
+class CountingEvent(FakeEvent):
+    def __init__(self, done: bool) -> None:
+        super().__init__()
+        self.done = done
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def test_waiting_for_a_done_event_never_synchronizes():
+    from services.ranker.events import wait_until_done
+
+    done, running = CountingEvent(done=True), CountingEvent(done=False)
+    wait_until_done(done)
+    wait_until_done(running)
+    assert done.synchronized == 0  # a synchronize gives the interpreter up: only when needed
+    assert running.synchronized == 1
+    assert running.query()
