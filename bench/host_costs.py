@@ -46,6 +46,7 @@ from relaygr.synthetic import Shape, batch
 from services.ranker.device_time import SectionTimer
 from services.ranker.model import HSTURanker
 from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from shared.lifecycle import set_timer_slack
 from shared.modelspec import preset
 
 BUSY_MS = 20.0  # the sleep queued ahead of each timed issue: longer than any issue
@@ -297,14 +298,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default="")
     p.add_argument(
+        "--timer-slack-us",
+        type=float,
+        default=None,
+        help="this process's timer slack (Linux; default: the kernel's, 50 us; the ranker's is 1)",
+    )
+    p.add_argument(
         "--gil-switch-ms",
         type=float,
         default=0.5,
-        help="the interpreter's switch interval while contended (the ranker's default)",
+        help="the interpreter's switch interval while contended (0.5: the ranker's default before 0.05)",
     )
     args = p.parse_args(argv)
     if args.reps < 1 or args.prefix_len < 32:
         p.error("--reps must be >= 1 and --prefix-len >= 32")
+    if args.timer_slack_us is not None:
+        if args.timer_slack_us < 0:
+            p.error("--timer-slack-us must be >= 0")
+        # The measuring thread's (and the contender's, started after): how late a timed wait for
+        # the interpreter may end (services/ranker/config.py timer_slack_us).
+        set_timer_slack(round(args.timer_slack_us * 1e3))
     rows = run(args)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     columns = ["op", "condition", "wall_us_p50", "wall_us_p90", "cpu_us_p50", "cpu_us_p90", "reps"]

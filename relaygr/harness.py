@@ -123,6 +123,12 @@ for _name in ("baseline", "relay-nospare"):
             **CONFIGS[_name],
             "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--gil-switch-ms", _ms),
         }
+# relay-nospare with the kernel's timer slack (50 us) instead of the rankers' 1 us: how late a
+# thread's timed wait for the interpreter may end, on top of the switch interval.
+CONFIGS["relay-nospare-slack50"] = {
+    **CONFIGS["relay-nospare"],
+    "ranker_args": ("--timer-slack-us", "0"),
+}
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],

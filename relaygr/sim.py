@@ -610,9 +610,10 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 # The configurations the model covers: no psi; rankings keep psi; and pre-inference of every
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
 MODELLED = ("baseline", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
-            "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05")  # fmt: skip
+            "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
+            "relay-nospare-slack50")  # fmt: skip
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
-# The -gil variants (the rankers' interpreter switch interval): the same models, the host's time
+# The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
 # per batch as their files measured it.
 
 

@@ -231,6 +231,11 @@ class RankerConfig(TlsSettings):
                                    "thread gives it up; on an H200 host with the event loop busy a graph "
                                    "launch took 12.1 ms at 0.5, 3.6 at 0.1, 0.5 alone: bench.host_costs)",
                                    check=positive)  # fmt: skip
+    timer_slack_us: float = setting(1.0, env="RELAYGR_RANKER_TIMER_SLACK_US",
+                                    help="the ranker's threads' timer slack (Linux): how late the kernel may "
+                                    "end the timed wait of a thread that wants the interpreter, on top of the "
+                                    "switch interval (the kernel's default is 50 us; 0 keeps it)",
+                                    check=non_negative)  # fmt: skip
     metrics_port: int = setting(0, env="RELAYGR_RANKER_METRICS_PORT", help="Prometheus port (0: pick)",
                                 check=port_number)  # fmt: skip
     log_level: LogLevel = settings.log_level("ranker")

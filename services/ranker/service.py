@@ -61,7 +61,7 @@ from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
-from shared.lifecycle import Lifecycle, pin_process, settle_heap
+from shared.lifecycle import Lifecycle, pin_process, set_timer_slack, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, HostStalls, serve_metrics
 from shared.modelspec import preset
@@ -301,6 +301,8 @@ class RankerService(pb_grpc.RankerServicer):
         # torch call; a short switch interval keeps it from waiting long to take it back from the
         # event loop, and the event loop (requests in, replies out) from waiting the default 5 ms.
         sys.setswitchinterval(self.config.gil_switch_ms / 1e3)
+        if self.config.timer_slack_us > 0:  # before the engine's thread starts: it inherits it
+            set_timer_slack(max(1, round(self.config.timer_slack_us * 1e3)))
         self._event_loop = asyncio.get_running_loop()
         self.engine.start()
         await self._warm_up()

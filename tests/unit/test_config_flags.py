@@ -26,3 +26,15 @@ def test_the_copy_piece_size_is_read_in_mib_and_a_negative_one_refused() -> None
     assert load_config(RankerConfig, ["--device", "cpu"], env={}).copy_piece_bytes == 0  # whole copies
     with pytest.raises(ConfigError, match=r"copy_piece_mb .* must be >= 0"):
         load_config(RankerConfig, ["--device", "cpu", "--copy-piece-mb", "-1"], env={})
+
+
+def test_the_interpreter_settings_default_short_and_refuse_bad_values() -> None:
+    config = load_config(RankerConfig, ["--device", "cpu"], env={})
+    assert config.gil_switch_ms == 0.05
+    assert config.timer_slack_us == 1.0
+    env = load_config(RankerConfig, ["--device", "cpu"], env={"RELAYGR_RANKER_TIMER_SLACK_US": "0"})
+    assert env.timer_slack_us == 0.0  # the kernel's default kept
+    with pytest.raises(ConfigError, match=r"timer_slack_us .* must be >= 0"):
+        load_config(RankerConfig, ["--device", "cpu", "--timer-slack-us", "-5"], env={})
+    with pytest.raises(ConfigError, match="gil_switch_ms"):
+        load_config(RankerConfig, ["--device", "cpu", "--gil-switch-ms", "0"], env={})
