@@ -8,17 +8,22 @@ baseline's, and ~0.65 ms issuing each psi demotion (H200, L4096, h3a loop sectio
 device sat idle with calls waiting 20% of the time (the baseline 5%). This times each operation the
 loop issues, alone, with the device kept busy (a sleep kernel queued on the compute stream first,
 so an asynchronous issue never waits for the device) and reports its wall and CPU time on the
-issuing thread, median and p90 over --reps. Operations, as the engine issues them:
+issuing thread, median and p90 over --reps; then the same with a second thread running Python
+(`gil_contended`: every call that gives the interpreter up waits to take it back, at
+--gil-switch-ms and, with --timer-slack-us, that timer slack). Operations:
 
-  demote        a psi's copy into the pinned arena on the copy stream, with the engine's
-                ordering (wait_stream) and timing events around it (Engine._issue_copy)
+  demote        a psi's copy into the pinned arena on the copy stream, ordered after compute and
+                timed by pooled events as Engine._issue_copy issues it
+  demote_unpooled  the same as it was issued before de0e1d4 (wait_stream, new events)
   demote_copy   the copy alone (transfer.issue_to_host)
   demote_kv_copy  its K/V bytes' copy_ alone
   reload        a psi's copy out of the arena into a new block (transfer.issue_from_host)
   new_psi       a psi block for a full ranking that keeps its prefix's K/V (HSTURanker.new_psi)
   launch_full / launch_full_keep / launch_rank
                 a replayed ranking graph's launch (RankGraphs; CUDA only)
-  event         one timing event recorded
+  event_*, stream_*, h2d/d2h/d2d copies, empty_*
+                the driver calls those are made of (CUDA only)
+  gil_retake    the interpreter given up and taken back (time.sleep(0)), nothing else
 
 The arena is a memfd mapping registered as page-locked, as the ranker maps the expander's.
 """
@@ -44,6 +49,7 @@ from bench.report import RESULTS_DIR, write_result
 from kernels.device import Accelerator, accelerator
 from relaygr.synthetic import Shape, batch
 from services.ranker.device_time import SectionTimer
+from services.ranker.events import timing_event_pool
 from services.ranker.model import HSTURanker
 from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
 from shared.lifecycle import set_timer_slack
@@ -238,7 +244,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with pinned_arena(acc, max(args.arena_mb << 20, nbytes)) as arena:
         dest = arena[:nbytes]
 
-        def demote() -> None:
+        def demote_unpooled() -> None:  # as the engine issued a demotion before de0e1d4
             section = SectionTimer(cuda=timer.cuda)
             if copy_stream is None:
                 with section.section():
@@ -249,6 +255,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with section.section():
                     issue_to_host(psi, dest)
                 torch.cuda.Event().record(copy_stream)
+
+        pool = timing_event_pool() if timer.cuda else None
+        order = torch.cuda.Event() if timer.cuda else None
+
+        def demote() -> SectionTimer:  # as Engine._issue_copy issues one now
+            section = SectionTimer(cuda=timer.cuda, pool=pool)
+            if copy_stream is None or order is None:
+                with section.section():
+                    issue_to_host(psi, dest)
+                return section
+            order.record(compute)
+            copy_stream.wait_event(order)
+            with torch.cuda.stream(copy_stream), section.section():
+                issue_to_host(psi, dest)
+            return section
+
+        def release(section: SectionTimer) -> None:  # once done, as Engine._copied does
+            section.synchronize()
+            section.total_s()
+            section.release()
 
         def demote_copy() -> None:
             if copy_stream is None:
@@ -269,7 +295,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             dest[:kv_bytes].copy_(psi.kv.reshape(-1).view(torch.uint8), non_blocking=True)
 
         ops: list[tuple[str, Callable[[], Any], Callable[[Any], None] | None]] = [
-            ("demote", demote, None),
+            # The interpreter given up and taken back, nothing else: what each such torch call
+            # pays on top of its own work when another thread runs Python.
+            ("gil_retake", lambda: time.sleep(0), None),
+            ("demote", demote, release),
+            ("demote_unpooled", demote_unpooled, None),
             ("demote_copy", demote_copy, None),
             ("demote_kv_copy", kv_copy, None),
             ("reload", reload, None),

@@ -8,7 +8,7 @@ def test_host_costs_times_every_loop_operation_alone_and_under_gil_contention(tm
                      "--out-dir", str(tmp_path), "--tag", "t"])  # fmt: skip
     written = json.loads((tmp_path / "host-costs-cpu-t.json").read_text())
     rows = written["results"]
-    ops = {"demote", "demote_copy", "demote_kv_copy", "reload", "new_psi"}
+    ops = {"gil_retake", "demote", "demote_unpooled", "demote_copy", "demote_kv_copy", "reload", "new_psi"}
     assert {(r["op"], r["condition"]) for r in rows} == {
         (o, c) for o in ops for c in ("alone", "gil_contended")
     }
