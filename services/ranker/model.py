@@ -53,7 +53,7 @@ from kernels.hstu_attention import (
     hstu_attention,
     prepare_attention,
 )
-from services.ranker.psi import Psi, PsiKey
+from services.ranker.psi import Psi, PsiKey, psi_memory
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.modelspec import ModelSpec
 
@@ -374,23 +374,24 @@ class HSTURanker(nn.Module):
         """psi's block for the whole prefix, on the model's device, with nothing built yet: chunks
         (`preinfer_chunks`) or a ranking call (`rank_partial`) fill it in place."""
         n, spec = prefix.length, self.spec
-        kv = torch.empty(
-            spec.num_layers, 2, n, spec.hidden, dtype=self.item_emb.weight.dtype, device=self.device
-        )
+        kv, ts, block = psi_memory(spec.num_layers, n, spec.hidden, self.item_emb.weight.dtype, self.device)
         key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
-        # Profile tokens have timestamp 0, then the long-term behaviours'. Written straight into
-        # one host buffer, page-locked on CUDA: from pageable memory a copy returns only once the
-        # stream has run it, behind any replay queued before (a full ranking keeping psi waited
-        # for its own pass and the batch launched ahead of it); from page-locked memory (torch's
-        # cached host allocator) it is queued and returns at once. (A concatenation, then a copy
-        # into page-locked memory, cost ~0.2 ms of the device loop per full ranking on an H200.)
+        # Profile tokens have timestamp 0, then the long-term behaviours'. On CUDA written into
+        # one host buffer, page-locked, then copied: from pageable memory a copy returns only once
+        # the stream has run it, behind any replay queued before (a full ranking keeping psi
+        # waited for its own pass and the batch launched ahead of it); from page-locked memory
+        # (torch's cached host allocator) it is queued and returns at once. (A concatenation, then
+        # a copy into page-locked memory, cost ~0.2 ms of the device loop per full ranking on an
+        # H200.) On the CPU written in place.
         cuda = self.device.type == "cuda"
         profile = prefix.profile.numel()
-        ts = torch.empty(profile + prefix.long_term.timestamps.numel(), dtype=torch.int64, pin_memory=cuda)
-        host = ts.numpy()
+        host_ts = torch.empty(n, dtype=torch.int64, pin_memory=True) if cuda else ts
+        host = host_ts.numpy()
         host[:profile] = 0
         host[profile:] = prefix.long_term.timestamps.numpy()
-        return Psi(key, kv, ts.to(self.device, non_blocking=True) if cuda else ts)
+        if cuda:
+            ts.copy_(host_ts, non_blocking=True)
+        return Psi(key, kv, ts, block)
 
     @torch.inference_mode()
     def preinfer_chunks(self, chunks: Sequence[PrefixChunk]) -> None:

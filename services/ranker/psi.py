@@ -3,7 +3,10 @@
 Layout: `kv` is one contiguous tensor [L, 2, P, H*D] (per layer: K then V of every prefix token,
 heads interleaved in the feature dimension), plus the prefix tokens' int64 timestamps [P] (the
 suffix's time bias needs them). A cache owns and moves it as one block; a layer's K or V is a
-contiguous [P, H*D] slab, so reloads can proceed layer by layer.
+contiguous [P, H*D] slab, so reloads can proceed layer by layer. psi the ranker allocates
+(`psi_memory`) lives in one allocation, [K/V bytes | timestamps], the host tier's layout too
+(services/ranker/transfer.py): it moves between the tiers in one copy, where two copies and two
+allocations each gave up the Python interpreter (bench.host_costs).
 
 Every psi is stamped with its PsiKey (user, prefix version, model version, content fingerprint:
 shared/psi_key.py). Using psi for any other key would silently produce wrong scores, so
@@ -12,13 +15,13 @@ shared/psi_key.py). Using psi for any other key would silently produce wrong sco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.psi_key import PsiKey
 
-__all__ = ["Psi", "PsiKey", "PsiMismatchError"]
+__all__ = ["Psi", "PsiKey", "PsiMismatchError", "psi_memory"]
 
 
 class PsiMismatchError(ValueError):
@@ -26,17 +29,46 @@ class PsiMismatchError(ValueError):
     computed for."""
 
 
+def psi_memory(
+    layers: int, prefix_len: int, hidden: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Uninitialised memory for one psi: (kv [L, 2, P, H], timestamps [P] int64, block), kv and
+    timestamps views of one uint8 block [K/V bytes | timestamps] (psi's host layout). block is None,
+    and the two are allocated apart, where the K/V bytes are not a multiple of 8 (the timestamps'
+    int64 view needs that alignment)."""
+    kv_bytes = layers * 2 * prefix_len * hidden * dtype.itemsize
+    if kv_bytes % 8:
+        kv = torch.empty(layers, 2, prefix_len, hidden, dtype=dtype, device=device)
+        return kv, torch.empty(prefix_len, dtype=torch.int64, device=device), None
+    block = torch.empty(kv_bytes + prefix_len * 8, dtype=torch.uint8, device=device)
+    kv = block[:kv_bytes].view(dtype).view(layers, 2, prefix_len, hidden)
+    return kv, block[kv_bytes:].view(torch.int64), block
+
+
 @dataclass(frozen=True)
 class Psi:
     key: PsiKey
     kv: torch.Tensor  # [L, 2, P, H*D]
     timestamps: torch.Tensor  # [P] int64
+    # Both of them as one uint8 block [K/V bytes | timestamps] (psi_memory), or None where they
+    # were allocated apart: copied to and from the host tier in one copy when there is one.
+    block: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 4 or self.kv.shape[1] != 2:
             raise ValueError(f"psi kv must be [L, 2, P, H*D], got {tuple(self.kv.shape)}")
         if self.timestamps.numel() != self.kv.shape[2]:
             raise ValueError("psi needs one timestamp per prefix token")
+        block = self.block
+        if block is not None:
+            kv_bytes = self.kv.numel() * self.kv.element_size()
+            if (
+                block.dtype != torch.uint8
+                or block.numel() != self.nbytes
+                or self.kv.data_ptr() != block.data_ptr()
+                or self.timestamps.data_ptr() != block.data_ptr() + kv_bytes
+            ):
+                raise ValueError("psi block must hold its kv then its timestamps, nothing else")
 
     @property
     def prefix_len(self) -> int:

@@ -1,7 +1,8 @@
 """psi between accelerator memory and a host byte range (the expander's shared-memory arena).
 
 Host layout of one psi: [kv bytes | int64 timestamps], described by `host_meta` (stored by the
-expander beside the bytes and returned on reload). Copies are *issued* here; the engine runs them
+expander beside the bytes and returned on reload); the layout of the ranker's own psi blocks in
+accelerator memory too (Psi.block), so that each way is one copy. Copies are *issued* here; the engine runs them
 on its copy stream and resolves the caller once they completed.
 
 psi may be copied in pieces (`piece_bytes`, the ranker's copy_piece_mb; 0 by default: one copy).
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from services.ranker.psi import Psi, PsiKey
+from services.ranker.psi import Psi, PsiKey, psi_memory
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,7 +57,11 @@ def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, piece_bytes: int = 0) -
 
 
 def issue_to_host(psi: Psi, dest: torch.Tensor, piece_bytes: int = 0) -> None:
-    """Copies psi into dest (uint8, host, host_nbytes long); asynchronous when dest is pinned."""
+    """Copies psi into dest (uint8, host, host_nbytes long); asynchronous when dest is pinned.
+    One copy where psi is one block (Psi.block: the host layout already), else two."""
+    if psi.block is not None:
+        copy_in_pieces(dest[: psi.nbytes], psi.block, piece_bytes)
+        return
     kv_bytes = psi.kv.numel() * psi.kv.element_size()
     copy_in_pieces(dest[:kv_bytes], psi.kv.reshape(-1).view(torch.uint8), piece_bytes)
     dest[kv_bytes : kv_bytes + psi.prefix_len * 8].copy_(psi.timestamps.view(torch.uint8), non_blocking=True)
@@ -71,7 +76,7 @@ def issue_from_host(
     piece_bytes: int = 0,
 ) -> Psi:
     """A new psi on `device` filled from src (uint8, host). Validates the metadata first.
-    `piece_bytes`: the kv bytes are copied in pieces of at most this many (0: one copy).
+    `piece_bytes`: psi's bytes are copied in pieces of at most this many (0: one copy).
 
     `alloc_stream` (CUDA): the stream whose memory pool the block comes from, the compute
     stream's, where every other psi block lives. The copies run on the current stream (the copy
@@ -85,22 +90,23 @@ def issue_from_host(
         kv_bytes = int(meta["kv_bytes"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"bad psi metadata from the host tier: {exc}") from None
-    if kv_bytes != layers * 2 * plen * hidden * torch.tensor([], dtype=dtype).element_size():
+    if kv_bytes != layers * 2 * plen * hidden * dtype.itemsize:
         raise ValueError("psi metadata sizes disagree")
     if src.numel() < kv_bytes + plen * 8:
         raise ValueError("host range shorter than the psi it should hold")
     if alloc_stream is not None:
         copy_stream = torch.cuda.current_stream(device)
         with torch.cuda.stream(alloc_stream):
-            kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
-            ts = torch.empty(plen, dtype=torch.int64, device=device)
-        # Freed before the copy completes (it never is: the caller waits for it), the blocks
+            kv, ts, block = psi_memory(layers, plen, hidden, dtype, device)
+        # Freed before the copy completes (it never is: the caller waits for it), the memory
         # would wait for the copy stream before reuse.
-        kv.record_stream(copy_stream)
-        ts.record_stream(copy_stream)
+        for t in (block,) if block is not None else (kv, ts):
+            t.record_stream(copy_stream)
     else:
-        kv = torch.empty(layers, 2, plen, hidden, dtype=dtype, device=device)
-        ts = torch.empty(plen, dtype=torch.int64, device=device)
-    copy_in_pieces(kv.reshape(-1).view(torch.uint8), src[:kv_bytes], piece_bytes)
-    ts.view(torch.uint8).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
-    return Psi(key, kv, ts)
+        kv, ts, block = psi_memory(layers, plen, hidden, dtype, device)
+    if block is not None:  # one copy: the block is the host layout
+        copy_in_pieces(block, src[: block.numel()], piece_bytes)
+    else:
+        copy_in_pieces(kv.reshape(-1).view(torch.uint8), src[:kv_bytes], piece_bytes)
+        ts.view(torch.uint8).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
+    return Psi(key, kv, ts, block)

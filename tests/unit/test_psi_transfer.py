@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.ranker.psi import Psi, PsiKey
+from services.ranker import transfer
+from services.ranker.psi import Psi, PsiKey, psi_memory
 from services.ranker.transfer import copy_in_pieces, host_meta, host_nbytes, issue_from_host, issue_to_host
 
 KEY = PsiKey(user_id=1, prefix_version=2, model_version="m", fingerprint=3)
@@ -33,3 +34,69 @@ def test_pieces_cover_the_range_once_and_the_last_one_is_short():
     assert copy_in_pieces(torch.zeros_like(src), src, 80_000) == 1
     with pytest.raises(ValueError, match="copy of 80000 bytes into 79999"):
         copy_in_pieces(dst[:-1], src)
+
+
+def test_psi_memory_is_one_block_in_the_host_layout():
+    kv, ts, block = psi_memory(3, 77, 32, torch.bfloat16, "cpu")
+    assert block is not None
+    assert kv.shape == (3, 2, 77, 32)
+    assert kv.is_contiguous()
+    assert ts.shape == (77,)
+    assert ts.dtype == torch.int64
+    kv.copy_(torch.randn(3, 2, 77, 32).to(torch.bfloat16))
+    ts.copy_(torch.arange(77) * 7)
+    psi = Psi(KEY, kv, ts, block)
+    assert block.numel() == psi.nbytes
+    kv_bytes = kv.numel() * 2
+    assert torch.equal(block[:kv_bytes], kv.reshape(-1).view(torch.uint8))  # the views share it
+    assert torch.equal(block[kv_bytes:].view(torch.int64), ts)
+
+
+def test_a_psi_block_round_trips_in_one_copy_each_way(monkeypatch):
+    kv, ts, block = psi_memory(3, 77, 32, torch.bfloat16, "cpu")
+    kv.copy_(torch.randn(3, 2, 77, 32).to(torch.bfloat16))
+    ts.copy_(torch.arange(77) * 1000)
+    psi = Psi(KEY, kv, ts, block)
+    meta = host_meta(psi)
+    host = torch.zeros(host_nbytes(meta), dtype=torch.uint8)
+    copies: list[int] = []
+    real = transfer.copy_in_pieces
+
+    def counted(dst, src, piece_bytes=0):
+        copies.append(src.numel())
+        return real(dst, src, piece_bytes)
+
+    monkeypatch.setattr(transfer, "copy_in_pieces", counted)
+    issue_to_host(psi, host)
+    back = issue_from_host(host, meta, KEY, torch.device("cpu"))
+    assert copies == [psi.nbytes, psi.nbytes]  # one copy out, one back: no separate timestamps
+    assert back.block is not None
+    assert torch.equal(back.kv, psi.kv)
+    assert torch.equal(back.timestamps, psi.timestamps)
+    # The block from the host is the same bytes as a psi built apart would have left there.
+    apart = Psi(KEY, psi.kv.clone(), psi.timestamps.clone())
+    host_apart = torch.zeros_like(host)
+    issue_to_host(apart, host_apart)
+    assert torch.equal(host_apart, host)
+
+
+def test_sizes_whose_timestamps_would_be_misaligned_get_memory_apart():
+    kv, ts, block = psi_memory(1, 3, 3, torch.float16, "cpu")  # 36 bytes of K/V
+    assert block is None
+    assert kv.shape == (1, 2, 3, 3)
+    assert ts.numel() == 3
+    psi = Psi(KEY, kv.zero_(), ts.zero_())
+    host = torch.zeros(host_nbytes(host_meta(psi)), dtype=torch.uint8)
+    issue_to_host(psi, host)
+    back = issue_from_host(host, host_meta(psi), KEY, torch.device("cpu"))
+    assert back.block is None
+    assert torch.equal(back.kv, psi.kv)
+
+
+def test_a_block_that_is_not_the_psi_s_own_is_refused():
+    kv, ts, block = psi_memory(2, 16, 8, torch.bfloat16, "cpu")
+    assert block is not None
+    with pytest.raises(ValueError, match="block"):
+        Psi(KEY, kv, ts, torch.zeros_like(block))
+    with pytest.raises(ValueError, match="block"):
+        Psi(KEY, kv, ts, block[:-8])
