@@ -14,9 +14,10 @@ issuing thread, median and p90 over --reps; then the same with a second thread r
 
   demote        a psi's copy into the pinned arena on the copy stream, ordered after compute and
                 timed by pooled events as Engine._issue_copy issues it
-  demote_unpooled  the same as it was issued before de0e1d4 (wait_stream, new events)
-  demote_copy   the copy alone (transfer.issue_to_host)
-  demote_kv_copy  its K/V bytes' copy_ alone
+  demote_unpooled  the same as it was issued before de0e1d4 and 1ffcb09 (wait_stream, new events,
+                K/V and timestamps copied apart)
+  demote_copy   the copy alone (transfer.issue_to_host: one copy of psi's block)
+  demote_kv_copy  the K/V bytes' copy_ alone of a psi held apart
   reload        a psi's copy out of the arena into a new block (transfer.issue_from_host)
   new_psi       a psi block for a full ranking that keeps its prefix's K/V (HSTURanker.new_psi)
   launch_full / launch_full_keep / launch_rank
@@ -235,8 +236,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         prefixes[0],
         [model.psi_key(p.user_id, p.prefix_version, p.fingerprint.digest) for p in prefixes],
     )
-    psis = model.preinfer(prefixes)
-    psi = psis[0]
+    # psi as the ranker holds it (one block, HSTURanker.new_psi), and as it was held before 1ffcb09
+    # (K/V and timestamps apart, as model.preinfer still returns it).
+    apart = model.preinfer(prefixes)[0]
+    psi = model.new_psi(prefix)
+    with torch.inference_mode():  # psi blocks are inference tensors
+        psi.kv.copy_(apart.kv)
+        psi.timestamps.copy_(apart.timestamps)
+    psis = [psi]
     meta = host_meta(psi)
     nbytes = host_nbytes(meta)
     copy_stream = torch.cuda.Stream(acc.device) if timer.cuda else None
@@ -248,12 +255,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             section = SectionTimer(cuda=timer.cuda)
             if copy_stream is None:
                 with section.section():
-                    issue_to_host(psi, dest)
+                    issue_to_host(apart, dest)
                 return
             copy_stream.wait_stream(compute)  # type: ignore[arg-type]
             with torch.cuda.stream(copy_stream):
                 with section.section():
-                    issue_to_host(psi, dest)
+                    issue_to_host(apart, dest)
                 torch.cuda.Event().record(copy_stream)
 
         pool = timing_event_pool() if timer.cuda else None
@@ -292,7 +299,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         kv_bytes = int(meta["kv_bytes"])
 
         def kv_copy() -> None:  # the K/V bytes' copy alone, on the current stream
-            dest[:kv_bytes].copy_(psi.kv.reshape(-1).view(torch.uint8), non_blocking=True)
+            dest[:kv_bytes].copy_(apart.kv.reshape(-1).view(torch.uint8), non_blocking=True)
 
         ops: list[tuple[str, Callable[[], Any], Callable[[Any], None] | None]] = [
             # The interpreter given up and taken back, nothing else: what each such torch call
