@@ -30,6 +30,7 @@ from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
+from services.ranker.copy_stages import STAGES as COPY_STAGES
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2 as pb
@@ -218,6 +219,23 @@ _DEVICE_SECONDS = 'relaygr_ranker_device_seconds_total{work="%s"}'
 GRAPH_FAMILIES = ("cached", "full", "preinfer")
 
 
+COPY_WORKS = ("reload", "demote")
+
+
+def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """`<work>_<stage>_ms_mean` over an interval, from two device_counters readings: the mean ms
+    a psi copy of that kind spent in that stage (services/ranker/copy_stages.py); 0 where no copy
+    of the kind was timed."""
+    out: dict[str, float] = {}
+    for work in COPY_WORKS:
+        n = after.get(f"copies_timed_{work}", 0.0) - before.get(f"copies_timed_{work}", 0.0)
+        for stage in COPY_STAGES:
+            key = f"copy_{work}_{stage}_s"
+            seconds = after.get(key, 0.0) - before.get(key, 0.0)
+            out[f"{work}_{stage}_ms_mean"] = seconds / n * 1e3 if n > 0 else 0.0
+    return out
+
+
 async def device_counters(stack: Stack) -> dict[str, float]:
     """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
     totals: dict[str, float] = collections.defaultdict(float)
@@ -238,6 +256,14 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             for clock in ("wall", "cpu"):
                 name = f'relaygr_ranker_engine_loop_seconds_total{{clock="{clock}",section="{section}"}}'
                 totals[f"loop_{section}_{clock}_s"] += samples.get(name, 0.0)
+        # psi copies' time by stage, and how many were timed (services/ranker/copy_stages.py).
+        for work in COPY_WORKS:
+            totals[f"copies_timed_{work}"] += samples.get(
+                f'relaygr_ranker_copies_timed_total{{work="{work}"}}', 0.0
+            )
+            for stage in COPY_STAGES:
+                name = f'relaygr_ranker_copy_stage_seconds_total{{stage="{stage}",work="{work}"}}'
+                totals[f"copy_{work}_{stage}_s"] += samples.get(name, 0.0)
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
@@ -538,6 +564,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # The device loop's own time over the point, by section: wall and thread-CPU seconds.
         **{k: device[k] - device_before[k] for k in device if k.startswith("loop_")},
+        # Where a psi copy's time went over the point: mean ms per copy by stage.
+        **copy_stage_means(device, device_before),
         # HBM misses asked of the host tier, and how the reload-or-recompute choice went.
         **{
             k: device[k] - device_before[k]
@@ -573,8 +601,15 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{'meets' if point.ok else 'MISSES'} SLO  device busy {rankers['busy_fraction']:.2f}, idle with "
-          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
+          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}"
+          f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
+
+
+def _reload_stages(rankers: dict[str, Any]) -> str:
+    """A reload's mean time by stage (ms), for the progress line, where reloads were timed."""
+    parts = [f"{stage} {rankers.get(f'reload_{stage}_ms_mean', 0.0):.1f}" for stage in COPY_STAGES]
+    return f"  reload ms: {', '.join(parts)}" if rankers.get("reload_copy_ms_mean") else ""
 
 
 def _busiest_threads(busiest: dict[str, list[tuple[str, float]]]) -> str:

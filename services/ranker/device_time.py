@@ -228,6 +228,11 @@ class SectionTimer:
                 self._wall_s += time.perf_counter() - started
 
     @property
+    def first_event(self) -> torch.cuda.Event | None:
+        """The event before the first section's work (None off CUDA, or before any section)."""
+        return self._events[0][0] if self._events else None
+
+    @property
     def last_event(self) -> torch.cuda.Event | None:
         """The event after the last section's work (None off CUDA, or before any section): its
         completion is the work's."""

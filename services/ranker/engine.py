@@ -77,6 +77,7 @@ import torch
 
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.copy_stages import CopyStages
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
 from services.ranker.events import EventPool, timing_event_pool, wait_until_done
 from services.ranker.graphs import (
@@ -324,6 +325,8 @@ class _CopyJob(_Job):
     value: Any = None
     timer: SectionTimer | None = None
     on_timed: Callable[[float], None] | None = None  # called with the copy's device seconds
+    issued_at: float = 0.0  # time.monotonic() when the loop issued it
+    waited_from: Any = None  # a reload's event before its stream's wait for compute (CUDA)
 
 
 @dataclass
@@ -393,6 +396,7 @@ class Engine:
         # after a pre-inference step.
         self._last_batch_end: torch.cuda.Event | float | None = None
         self.loop_time = LoopTime()
+        self.copy_stages = CopyStages()  # where each psi copy's time goes (copy_stages.py)
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
         self.device_time = DeviceTime()
@@ -1363,7 +1367,11 @@ class Engine:
         try:
             job.timer = SectionTimer(cuda=self._copy_stream is not None, pool=self._events)
             stream = self._reload_stream if job.work == "reload" else self._copy_stream
-            if stream is not None and self._order_event is not None:
+            job.issued_at = time.monotonic()
+            if stream is not None and self._order_event is not None and self._events is not None:
+                if job.work == "reload":  # how long its stream waits for compute (copy_stages.py)
+                    job.waited_from = self._events.take()
+                    job.waited_from.record(stream)
                 # Copies read psi that compute just produced: order after it, on the copy stream
                 # (the wait is for the record made before it: the event may be recorded again).
                 self._order_event.record(torch.cuda.current_stream(self.accel.device))
@@ -1394,7 +1402,18 @@ class Engine:
         if job.timer is None:
             return
         seconds = job.timer.total_s()
+        waited_s = 0.0
+        started = job.timer.first_event
+        if job.waited_from is not None and started is not None:
+            waited_s = job.waited_from.elapsed_time(started) / 1e3
+            if self._events is not None:
+                self._events.give(job.waited_from)
+            job.waited_from = None
         job.timer.release()  # its events are read: back to the pool
+        done_s = time.monotonic() - job.issued_at
+        self.copy_stages.add(
+            job.work, job.issued_at - job.submitted, waited_s, seconds, done_s - waited_s - seconds
+        )
         self.device_time.add(job.work, seconds)
         if job.on_timed is not None:
             try:

@@ -50,6 +50,7 @@ from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.call_cost import CallWork
 from services.ranker.config import Demotion, RankerConfig
+from services.ranker.copy_stages import CopyStagesCollector
 from services.ranker.cost_model import CostModel
 from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
@@ -245,6 +246,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.metrics = _Metrics(self.registry)
         self.registry.register(DeviceTimeCollector(self.engine.device_time))
         self.registry.register(LoopTimeCollector(self.engine.loop_time))
+        self.registry.register(CopyStagesCollector(self.engine.copy_stages))
         self.relay = RelayCache(
             self.cache,
             self.engine,
