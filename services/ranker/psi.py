@@ -6,7 +6,9 @@ suffix's time bias needs them). A cache owns and moves it as one block; a layer'
 contiguous [P, H*D] slab, so reloads can proceed layer by layer. psi the ranker allocates
 (`psi_memory`) lives in one allocation, [K/V bytes | timestamps], the host tier's layout too
 (services/ranker/transfer.py): it moves between the tiers in one copy, where two copies and two
-allocations each gave up the Python interpreter (bench.host_costs).
+allocations each gave up the Python interpreter (bench.host_costs). On CUDA the caching allocator
+rounds a large block up to 2 MiB: 4096 tokens of the bench preset ask 128 MiB + 32 KiB, and the
+~2 MiB left over is split off for other large allocations.
 
 Every psi is stamped with its PsiKey (user, prefix version, model version, content fingerprint:
 shared/psi_key.py). Using psi for any other key would silently produce wrong scores, so
