@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import mmap
 import os
-import statistics
 import sys
 import threading
 import time
@@ -53,15 +50,12 @@ from services.ranker.device_time import SectionTimer
 from services.ranker.events import timing_event_pool
 from services.ranker.model import HSTURanker
 from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from shared.expander.mapping import ArenaMapping
 from shared.lifecycle import set_timer_slack
 from shared.modelspec import preset
+from shared.stats import median, percentile
 
 BUSY_MS = 20.0  # the sleep queued ahead of each timed issue: longer than any issue
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Timer:
@@ -96,10 +90,10 @@ class Timer:
         row = {
             "op": name,
             "condition": self.condition,
-            "wall_us_p50": statistics.median(wall),
-            "wall_us_p90": _quantile(wall, 0.9),
-            "cpu_us_p50": statistics.median(cpu),
-            "cpu_us_p90": _quantile(cpu, 0.9),
+            "wall_us_p50": median(wall),
+            "wall_us_p90": percentile(wall, 90),
+            "cpu_us_p50": median(cpu),
+            "cpu_us_p90": percentile(cpu, 90),
             "reps": self.reps,
         }
         self.rows.append(row)
@@ -113,24 +107,20 @@ class Timer:
 @contextlib.contextmanager
 def pinned_arena(acc: Accelerator, nbytes: int) -> Iterator[torch.Tensor]:
     """A memfd mapping of nbytes as a uint8 tensor, page-locked on CUDA (as HostTier maps the
-    expander's arena)."""
+    expander's arena: ArenaMapping, then pin_host_range over its base address)."""
     fd = os.memfd_create("relaygr-host-costs")
     try:
         os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+        mapping = ArenaMapping.from_fd(fd, nbytes, "host-costs")
     finally:
         os.close(fd)
-    arena = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
-    anchor = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(anchor)
-    del anchor
-    pinned = acc.pin_host_range(address, nbytes)
+    pinned = acc.pin_host_range(mapping.base_address, nbytes)
     try:
-        yield arena
+        yield mapping.tensor(0, nbytes)
     finally:
         if pinned:
-            acc.unpin_host_range(address)
-        del arena
+            acc.unpin_host_range(mapping.base_address)
+        mapping.close()
 
 
 @contextlib.contextmanager
