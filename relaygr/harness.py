@@ -222,6 +222,18 @@ GRAPH_FAMILIES = ("cached", "full", "preinfer")
 COPY_WORKS = ("reload", "demote")
 
 
+def copy_stage_counters(samples: dict[str, float]) -> dict[str, float]:
+    """psi copies' seconds by stage (`copy_<work>_<stage>_s`) and copies timed
+    (`copies_timed_<work>`) in one ranker's scraped samples (services/ranker/copy_stages.py)."""
+    out: dict[str, float] = {}
+    for work in COPY_WORKS:
+        out[f"copies_timed_{work}"] = samples.get(f'relaygr_ranker_copies_timed_total{{work="{work}"}}', 0.0)
+        for stage in COPY_STAGES:
+            name = f'relaygr_ranker_copy_stage_seconds_total{{stage="{stage}",work="{work}"}}'
+            out[f"copy_{work}_{stage}_s"] = samples.get(name, 0.0)
+    return out
+
+
 def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     """`<work>_<stage>_ms_mean` over an interval, from two device_counters readings: the mean ms
     a psi copy of that kind spent in that stage (services/ranker/copy_stages.py); 0 where no copy
@@ -257,13 +269,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
                 name = f'relaygr_ranker_engine_loop_seconds_total{{clock="{clock}",section="{section}"}}'
                 totals[f"loop_{section}_{clock}_s"] += samples.get(name, 0.0)
         # psi copies' time by stage, and how many were timed (services/ranker/copy_stages.py).
-        for work in COPY_WORKS:
-            totals[f"copies_timed_{work}"] += samples.get(
-                f'relaygr_ranker_copies_timed_total{{work="{work}"}}', 0.0
-            )
-            for stage in COPY_STAGES:
-                name = f'relaygr_ranker_copy_stage_seconds_total{{stage="{stage}",work="{work}"}}'
-                totals[f"copy_{work}_{stage}_s"] += samples.get(name, 0.0)
+        for key, value in copy_stage_counters(samples).items():
+            totals[key] += value
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):

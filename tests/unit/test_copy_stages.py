@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.device import accelerator
-from relaygr.harness import COPY_WORKS, copy_stage_means, parse_metrics
-from services.ranker.copy_stages import STAGES, CopyStages, CopyStagesCollector
+from relaygr.harness import copy_stage_counters, copy_stage_means, parse_metrics
+from services.ranker.copy_stages import CopyStages, CopyStagesCollector
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
@@ -33,18 +33,8 @@ def test_the_benchmarks_read_the_collector_s_samples_and_take_means_over_an_inte
     registry = CollectorRegistry()
     registry.register(CopyStagesCollector(stages))
 
-    def reading() -> dict[str, float]:
-        # As relaygr.harness.device_counters reads a ranker's scrape.
-        samples = parse_metrics(generate_latest(registry).decode())
-        out: dict[str, float] = {}
-        for work in COPY_WORKS:
-            out[f"copies_timed_{work}"] = samples.get(
-                f'relaygr_ranker_copies_timed_total{{work="{work}"}}', 0.0
-            )
-            for stage in STAGES:
-                name = f'relaygr_ranker_copy_stage_seconds_total{{stage="{stage}",work="{work}"}}'
-                out[f"copy_{work}_{stage}_s"] = samples.get(name, 0.0)
-        return out
+    def reading() -> dict[str, float]:  # as relaygr.harness.device_counters reads a ranker's scrape
+        return copy_stage_counters(parse_metrics(generate_latest(registry).decode()))
 
     stages.add("reload", 1.0, 1.0, 1.0, 1.0)  # before the interval: not in its means
     before = reading()
