@@ -30,6 +30,7 @@ from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
+from services.ranker.copy_stages import RELOAD_PATH_STAGES
 from services.ranker.copy_stages import STAGES as COPY_STAGES
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from shared.kafka import KafkaSettings, make_producer
@@ -221,30 +222,54 @@ GRAPH_FAMILIES = ("cached", "full", "preinfer")
 
 COPY_WORKS = ("reload", "demote")
 
+# The stage ledgers a ranker exports (services/ranker/copy_stages.py): (name in the results, the
+# ledger's seconds and timed-count metrics, its work label, its stages).
+_STAGE_LEDGERS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+    *(
+        (
+            work,
+            "relaygr_ranker_copy_stage_seconds_total",
+            "relaygr_ranker_copies_timed_total",
+            work,
+            COPY_STAGES,
+        )
+        for work in COPY_WORKS
+    ),
+    (
+        "reload_path",
+        "relaygr_ranker_reload_path_seconds_total",
+        "relaygr_ranker_reload_paths_timed_total",
+        "call",
+        RELOAD_PATH_STAGES,
+    ),
+)
+
 
 def copy_stage_counters(samples: dict[str, float]) -> dict[str, float]:
     """psi copies' seconds by stage (`copy_<work>_<stage>_s`) and copies timed
-    (`copies_timed_<work>`) in one ranker's scraped samples (services/ranker/copy_stages.py)."""
+    (`copies_timed_<work>`) in one ranker's scraped samples (services/ranker/copy_stages.py);
+    a ranking call's reload path likewise, as work "reload_path"."""
     out: dict[str, float] = {}
-    for work in COPY_WORKS:
-        out[f"copies_timed_{work}"] = samples.get(f'relaygr_ranker_copies_timed_total{{work="{work}"}}', 0.0)
-        for stage in COPY_STAGES:
-            name = f'relaygr_ranker_copy_stage_seconds_total{{stage="{stage}",work="{work}"}}'
-            out[f"copy_{work}_{stage}_s"] = samples.get(name, 0.0)
+    for name, seconds_metric, timed_metric, work, stages in _STAGE_LEDGERS:
+        out[f"copies_timed_{name}"] = samples.get(f'{timed_metric}{{work="{work}"}}', 0.0)
+        for stage in stages:
+            out[f"copy_{name}_{stage}_s"] = samples.get(
+                f'{seconds_metric}{{stage="{stage}",work="{work}"}}', 0.0
+            )
     return out
 
 
 def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     """`<work>_<stage>_ms_mean` over an interval, from two device_counters readings: the mean ms
-    a psi copy of that kind spent in that stage (services/ranker/copy_stages.py); 0 where no copy
-    of the kind was timed."""
+    a psi copy of that kind spent in that stage (services/ranker/copy_stages.py), and
+    `reload_path_<stage>_ms_mean` for a ranking call's reload; 0 where none was timed."""
     out: dict[str, float] = {}
-    for work in COPY_WORKS:
-        n = after.get(f"copies_timed_{work}", 0.0) - before.get(f"copies_timed_{work}", 0.0)
-        for stage in COPY_STAGES:
-            key = f"copy_{work}_{stage}_s"
+    for name, _seconds, _timed, _work, stages in _STAGE_LEDGERS:
+        n = after.get(f"copies_timed_{name}", 0.0) - before.get(f"copies_timed_{name}", 0.0)
+        for stage in stages:
+            key = f"copy_{name}_{stage}_s"
             seconds = after.get(key, 0.0) - before.get(key, 0.0)
-            out[f"{work}_{stage}_ms_mean"] = seconds / n * 1e3 if n > 0 else 0.0
+            out[f"{name}_{stage}_ms_mean"] = seconds / n * 1e3 if n > 0 else 0.0
     return out
 
 
@@ -616,7 +641,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
 def _reload_stages(rankers: dict[str, Any]) -> str:
     """A reload's mean time by stage (ms), for the progress line, where reloads were timed."""
     parts = [f"{stage} {rankers.get(f'reload_{stage}_ms_mean', 0.0):.1f}" for stage in COPY_STAGES]
-    return f"  reload ms: {', '.join(parts)}" if rankers.get("reload_copy_ms_mean") else ""
+    line = f"  reload ms: {', '.join(parts)}" if rankers.get("reload_copy_ms_mean") else ""
+    path = [f"{stage} {rankers.get(f'reload_path_{stage}_ms_mean', 0.0):.1f}" for stage in RELOAD_PATH_STAGES]
+    return line + (f"; call's path {', '.join(path)}" if rankers.get("reload_path_copy_ms_mean") else "")
 
 
 def _busiest_threads(busiest: dict[str, list[tuple[str, float]]]) -> str:

@@ -28,20 +28,33 @@ from prometheus_client.registry import Collector
 
 STAGES = ("issue", "device_wait", "copy", "settle")
 
+# A ranking call's reload from host DRAM, from its miss to the call resuming with psi
+# (services/ranker/relay_cache.py), by stage:
+#   spawn    the reload decided until its task ran on the event loop;
+#   acquire  the expander's acquire round trip (the arena lease on the psi's bytes);
+#   copy     the copy, as the engine ran it (split further by the copy stages above);
+#   store    the copy done until psi was in the cache and its waiters told;
+#   wake     told until the waiting call ran again.
+RELOAD_PATH_STAGES = ("spawn", "acquire", "copy", "store", "wake")
+
 
 class CopyStages:
     """Cumulative seconds by (work, stage) and copies timed by work. Written by the device loop,
-    read by the metrics thread."""
+    read by the metrics thread. `stages`: the stage names, in the order add() takes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
+        self.stages = stages
         self._lock = threading.Lock()
         self._seconds: dict[tuple[str, str], float] = {}
         self._copies: dict[str, int] = {}
 
-    def add(self, work: str, issue_s: float, device_wait_s: float, copy_s: float, settle_s: float) -> None:
-        """One copy's stages (negative readings, from clocks read in another order, count as 0)."""
+    def add(self, work: str, *seconds_by_stage: float) -> None:
+        """One copy's seconds in each stage, in `stages` order (negative readings, from clocks
+        read in another order, count as 0)."""
+        if len(seconds_by_stage) != len(self.stages):
+            raise ValueError(f"{len(self.stages)} stages, {len(seconds_by_stage)} readings")
         with self._lock:
-            for stage, seconds in zip(STAGES, (issue_s, device_wait_s, copy_s, settle_s), strict=True):
+            for stage, seconds in zip(self.stages, seconds_by_stage, strict=True):
                 self._seconds[work, stage] = self._seconds.get((work, stage), 0.0) + max(0.0, seconds)
             self._copies[work] = self._copies.get(work, 0) + 1
 
@@ -53,29 +66,36 @@ class CopyStages:
         """Per stage, the mean over the copies of `work` so far (ms; {} before any)."""
         seconds, copies = self.snapshot()
         n = copies.get(work, 0)
-        return {stage: seconds.get((work, stage), 0.0) / n * 1e3 for stage in STAGES} if n else {}
+        return {stage: seconds.get((work, stage), 0.0) / n * 1e3 for stage in self.stages} if n else {}
 
 
 class CopyStagesCollector(Collector):
-    """Prometheus view of a CopyStages, read at scrape time."""
+    """Prometheus view of a CopyStages, read at scrape time: `<seconds_name>_total{work,stage}`
+    and `<timed_name>_total{work}` (by default the copy stages' names)."""
 
-    def __init__(self, stages: CopyStages) -> None:
+    def __init__(
+        self,
+        stages: CopyStages,
+        seconds_name: str = "relaygr_ranker_copy_stage_seconds",
+        timed_name: str = "relaygr_ranker_copies_timed",
+        what: str = "psi copies",
+    ) -> None:
         self._stages = stages
+        self._seconds_name = seconds_name
+        self._timed_name = timed_name
+        self._what = what
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         seconds, copies = self._stages.snapshot()
         by_stage = CounterMetricFamily(
-            "relaygr_ranker_copy_stage_seconds",
-            "psi copies: seconds by kind of copy and stage (queued, waiting on the device, copying, "
-            "until the caller was told)",
+            self._seconds_name,
+            f"{self._what}: seconds by kind and stage ({', '.join(self._stages.stages)})",
             labels=["work", "stage"],
         )
         for (work, stage), value in sorted(seconds.items()):
             by_stage.add_metric([work, stage], value)
         yield by_stage
-        timed = CounterMetricFamily(
-            "relaygr_ranker_copies_timed", "psi copies timed by stage", labels=["work"]
-        )
+        timed = CounterMetricFamily(self._timed_name, f"{self._what} timed by stage", labels=["work"])
         for work, n in sorted(copies.items()):
             timed.add_metric([work], n)
         yield timed

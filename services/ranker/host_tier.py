@@ -56,6 +56,7 @@ class HostTier:
         self._retiring: asyncio.Future[None] | None = None
         self._watch: asyncio.Future[None] | None = None
         self._closing = False
+        self._releases: set[asyncio.Future[None]] = set()  # arena leases being given back
 
     @property
     def connected(self) -> bool:
@@ -83,9 +84,18 @@ class HostTier:
             self._reconnect.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reconnect
+        if self._releases:  # before the connection goes (it would end the leases anyway)
+            await asyncio.gather(*self._releases, return_exceptions=True)
         await self._drop()
 
     # ------------------------------------------------------------------ operations
+
+    @property
+    def indexed(self) -> bool:
+        """The daemon keeps a presence index: may_hold() is an answer, not only a filter (it can
+        still say True for a key it lost meanwhile, or that shares an index slot)."""
+        client = self._client
+        return client is not None and client.arena.presence is not None
 
     def may_hold(self, key: PsiKey) -> bool:
         """False when the daemon's presence index says it holds no readable psi under key: a
@@ -139,10 +149,16 @@ class HostTier:
             self._use(-1)
 
     async def reload(
-        self, key: PsiKey, engine: Engine, on_copied: Callable[[int, float], None] | None = None
+        self,
+        key: PsiKey,
+        engine: Engine,
+        on_copied: Callable[[int, float], None] | None = None,
+        on_acquired: Callable[[], None] | None = None,
     ) -> Psi | None:
         """psi back from the arena (acquire -> copy -> release), or None when not there.
-        `on_copied(nbytes, device_seconds)`: the copy's own duration, once it completed."""
+        `on_copied(nbytes, device_seconds)`: the copy's own duration, once it completed;
+        `on_acquired()`: the arena's lease on the bytes is held (the copy comes next). The
+        release does not hold up the caller: psi is in HBM once the copy is done."""
         client, arena = self._client, self._arena
         if client is None or arena is None:
             return None
@@ -153,6 +169,8 @@ class HostTier:
             return None
         if acquired is None:
             return None
+        if on_acquired is not None:
+            on_acquired()
         src = arena[acquired.offset : acquired.offset + acquired.nbytes]
         meta: dict[str, Any] = dict(acquired.meta)
         self._use(+1)
@@ -167,8 +185,16 @@ class HostTier:
             )
         finally:
             self._use(-1)
+            self._release_later(client, acquired.lease_id)
+
+    def _release_later(self, client: ExpanderClient, lease_id: int) -> None:
+        async def release() -> None:
             with contextlib.suppress(ExpanderUnavailable, ExpanderRefused):
-                await client.release(acquired.lease_id)
+                await client.release(lease_id)
+
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self._releases.discard)
 
     # ------------------------------------------------------------------ connection management
 

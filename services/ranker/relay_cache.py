@@ -54,12 +54,14 @@ import asyncio
 import collections
 import contextlib
 import enum
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from services.ranker.copy_stages import RELOAD_PATH_STAGES, CopyStages
 from services.ranker.cost_model import CostModel
 from services.ranker.engine import Engine, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
@@ -132,6 +134,9 @@ class _Production:
     expires_at: float = math.inf
     # When its ranking call is due (time.monotonic()): pre-inferences are built in this order.
     need_by: float = math.inf
+    # A call's reload: time.perf_counter() at each step, for the reload path's stages
+    # (RELOAD_PATH_STAGES): decided, started, acquired, copied, done.
+    stamps: dict[str, float] | None = None
 
 
 class RecentIds:
@@ -210,6 +215,8 @@ class RelayCache:
         # decided -> copied to host DRAM (ms), recent window: at consumption (eager demotion),
         # or when HBM needs the room (under pressure)
         self.demotion_lag_ms: collections.deque[float] = collections.deque(maxlen=512)
+        # A ranking call's reload, miss to resumed, by stage (work "call"; copy_stages.py).
+        self.reload_path = CopyStages(RELOAD_PATH_STAGES)
 
     @property
     def host_usable(self) -> bool:
@@ -278,10 +285,12 @@ class RelayCache:
         compute_fallback: bool = True,
         expires_at: float = math.inf,
         need_by: float = math.inf,
+        stamps: dict[str, float] | None = None,
     ) -> None:
         production = _Production(
-            asyncio.Event(), reload, compute_fallback=compute_fallback, expires_at=expires_at, need_by=need_by
-        )
+            asyncio.Event(), reload, compute_fallback=compute_fallback, expires_at=expires_at, need_by=need_by,
+            stamps=stamps,
+        )  # fmt: skip
         self._productions[key] = production
         name = f"{'reload' if reload else 'produce'}-{key.user_id}"
         production.task = self._spawn(self._produce(key, prefix, production), name)
@@ -289,6 +298,9 @@ class RelayCache:
     async def _produce(self, key: PsiKey, prefix: FallbackPrefix, production: _Production) -> None:
         psi: Psi | None = None
         try:
+            stamps = production.stamps
+            if stamps is not None:
+                stamps["started"] = time.perf_counter()
             if production.reload and self.host is not None:
                 # The rate is learnt from the copy's device time. Its wall time also holds the
                 # expander's round trips and the wait for the engine's loop (up to a ranking
@@ -296,7 +308,16 @@ class RelayCache:
                 # judged dearer than a recompute, and with no reload left to measure it never
                 # came back (H100, L4096: 2.8 -> 5.2 ms for 128 MiB within a second, then 0 of
                 # 700 psis found in DRAM reloaded).
-                psi = await self.host.reload(key, self.engine, on_copied=self._observe_reload)
+                psi = await self.host.reload(
+                    key,
+                    self.engine,
+                    on_copied=self._observe_reload,
+                    on_acquired=None
+                    if stamps is None
+                    else (lambda: stamps.__setitem__("acquired", time.perf_counter())),
+                )
+                if stamps is not None:
+                    stamps["copied"] = time.perf_counter()
                 self._on_event("reload", "ok" if psi is not None else "failed")
                 self.reloads += psi is not None
                 if psi is None:
@@ -328,6 +349,8 @@ class RelayCache:
             self.cache.production_failed(key)
             self._settle_prefetch(key, "failed")
         finally:
+            if production.stamps is not None and psi is not None:
+                production.stamps["done"] = time.perf_counter()
             production.done.set()
             if self._productions.get(key) is production:
                 del self._productions[key]
@@ -390,7 +413,10 @@ class RelayCache:
             if started is not None:
                 # Another call may have started the same reload meanwhile: then this one joined it.
                 served = Served.DRAM_RELOAD if started else Served.INFLIGHT_JOIN
+                production = self._productions.get(key)
                 claim = await self._join(key, deadline, prefix.length)
+                if started and production is not None and production.stamps is not None:
+                    self._time_reload_path(production.stamps)
         cache_ms = (time.perf_counter() - t0) * 1e3
         if claim.outcome is Claim.HIT and claim.handle.prefix_len != prefix.length:
             # (user, prefix version) must name one prefix; a caller that broke that gets full inference.
@@ -556,7 +582,13 @@ class RelayCache:
             # a round trip to the daemon (0.6 ms at p50, 6.9 at p99 in a loaded ranker, H200).
             self._on_event("host_lookup", "absent_local")
             return None
-        nbytes = await self.host.lookup(key)
+        if self.host.indexed:
+            # The index says yes: the reload's acquire asks anyway, so a lookup first would only
+            # add a round trip to the call's path. A key the index holds by mistake (lost
+            # meanwhile, or sharing a slot) costs a failed acquire, and the call ranks in full.
+            nbytes: int | None = self._psi_bytes(prefix.length)
+        else:
+            nbytes = await self.host.lookup(key)
         self._on_event("host_lookup", "absent" if nbytes is None else "found")
         if nbytes is None:
             return None
@@ -582,8 +614,19 @@ class RelayCache:
             return None
         if admitted.outcome is not Admission.ADMITTED:
             return False  # produced or being produced meanwhile: join it
-        self._start(key, prefix, reload=True)
+        # No compute fallback: should the reload fail, the call is better off ranking in full
+        # than waiting for a pre-inference and then ranking against it.
+        self._start(key, prefix, reload=True, compute_fallback=False, stamps={"decided": time.perf_counter()})
         return True
+
+    def _time_reload_path(self, stamps: dict[str, float]) -> None:
+        """A call's reload, from its decision to the call running again, by stage (only one that
+        completed: a failed reload has no copy to time)."""
+        steps = ("decided", "started", "acquired", "copied", "done")
+        if any(step not in stamps for step in steps):
+            return
+        at = [stamps[step] for step in steps] + [time.perf_counter()]
+        self.reload_path.add("call", *(later - earlier for earlier, later in itertools.pairwise(at)))
 
     # ------------------------------------------------------------------ convert, demote, expire
 

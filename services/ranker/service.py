@@ -260,6 +260,14 @@ class RankerService(pb_grpc.RankerServicer):
             demote_under_pressure=config.demotion is Demotion.PRESSURE,
             demotion_reserve_bytes=int(config.demotion_reserve_fraction * self.cache.budget_bytes),
         )
+        self.registry.register(
+            CopyStagesCollector(
+                self.relay.reload_path,
+                seconds_name="relaygr_ranker_reload_path_seconds",
+                timed_name="relaygr_ranker_reload_paths_timed",
+                what="ranking calls' reloads from host DRAM",
+            )
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)

@@ -126,6 +126,12 @@ async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
     assert ranked.served_by == pb.DRAM_RELOAD
     assert close(ranked.scores, want[1])
     assert b.proc.metric(b.metrics_port, "relaygr_ranker_reloads_total") == 2
+    # The call's reload path, timed by stage (the prefetch had no call waiting on it).
+    assert b.proc.metric(b.metrics_port, 'relaygr_ranker_reload_paths_timed_total{work="call"}') == 1
+    copy_s = b.proc.metric(
+        b.metrics_port, 'relaygr_ranker_reload_path_seconds_total{stage="copy",work="call"}'
+    )
+    assert copy_s > 0
     stats = await b.stats()
     assert stats.reloads == 2
     assert (stats.prefetches_issued, stats.prefetches_used) == (1, 1)

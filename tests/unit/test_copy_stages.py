@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.device import accelerator
 from relaygr.harness import copy_stage_counters, copy_stage_means, parse_metrics
-from services.ranker.copy_stages import CopyStages, CopyStagesCollector
+from services.ranker.copy_stages import RELOAD_PATH_STAGES, CopyStages, CopyStagesCollector
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
@@ -63,3 +63,30 @@ async def test_the_engine_times_each_copy_by_stage():
     assert reload["issue"] >= 0.0
     assert reload["settle"] >= 0.0
     assert engine.copy_stages.snapshot()[1] == {"reload": 1, "demote": 1}
+
+
+def test_a_call_s_reload_path_is_read_as_its_own_ledger():
+    path = CopyStages(RELOAD_PATH_STAGES)
+    registry = CollectorRegistry()
+    registry.register(
+        CopyStagesCollector(
+            path,
+            seconds_name="relaygr_ranker_reload_path_seconds",
+            timed_name="relaygr_ranker_reload_paths_timed",
+        )
+    )
+
+    def reading() -> dict[str, float]:
+        return copy_stage_counters(parse_metrics(generate_latest(registry).decode()))
+
+    before = reading()
+    path.add("call", 0.001, 0.002, 0.003, 0.004, 0.005)
+    path.add("call", 0.003, 0.002, 0.001, 0.000, 0.001)
+    means = copy_stage_means(reading(), before)
+    assert [means[f"reload_path_{stage}_ms_mean"] for stage in RELOAD_PATH_STAGES] == pytest.approx(
+        [2.0, 2.0, 2.0, 2.0, 3.0]
+    )
+    assert means["reload_copy_ms_mean"] == 0.0  # the copy stages' own ledger is apart
+    with pytest.raises(ValueError, match="5 stages, 1 readings"):
+        path.add("call", 0.001)  # one reading per stage, or none taken
+    assert path.snapshot()[1] == {"call": 2}
