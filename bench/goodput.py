@@ -189,6 +189,9 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("loop_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
             **{k: v for k, v in p.rankers.items() if k.startswith(("host_lookup_", "reload_decision_"))},
+            # psi copies by stage (reload_*, demote_*), a call's reload path (reload_path_*): mean
+            # ms per copy over the point (services/ranker/copy_stages.py).
+            **{k: v for k, v in p.rankers.items() if k.endswith("_ms_mean")},
             # The ranker's garbage-collector pauses over the point: seconds, and pauses over 20 ms.
             **{k: v for k, v in p.rankers.items() if k.startswith("gc_pause")},
             # Pre-inferences dropped unstarted at the end of their lease (their calls ranked without).

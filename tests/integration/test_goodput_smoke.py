@@ -65,6 +65,12 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                 assert 0.0 < point[f"cpu_top_thread_{name}"] <= point[f"cpu_cores_{name}"] + 1e-9, name
             # The next point started from a quiet stack: it drained well before its 60 s bound.
             assert 0.0 <= point["drain_s"] < 60.0
+            # psi copies and a call's reload path by stage, in the record (0 where none was timed).
+            for stage in ("issue", "device_wait", "copy", "settle"):
+                assert point[f"reload_{stage}_ms_mean"] >= 0.0
+                assert point[f"demote_{stage}_ms_mean"] >= 0.0
+            for stage in ("spawn", "acquire", "copy", "store", "wake"):
+                assert point[f"reload_path_{stage}_ms_mean"] >= 0.0
             assert 0.0 <= point["prefetch"] <= 1.0
             assert point["prefetches_used"] + point["prefetches_wasted"] <= point["prefetches_issued"]
             # The trigger's decisions over the point: every event decided, admissions by ground.
