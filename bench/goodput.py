@@ -579,9 +579,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
         done_here.append(record)
 
     for name in configs:
-        print(f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device})", flush=True)
+        stack_config = relay.stack_config(name, args)
+        per_device = (
+            f", {stack_config.rankers_per_device} processes each"
+            if stack_config.rankers_per_device > 1
+            else ""
+        )
+        print(
+            f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device}{per_device})", flush=True
+        )
         done_here: list[dict[str, Any]] = []
-        with Stack(relay.stack_config(name, args)) as stack:  # from the main thread: children live as long
+        with Stack(stack_config) as stack:  # from the main thread: children live as long
             try:
                 records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far))
             finally:  # a run cut short keeps its services' logs too

@@ -198,8 +198,11 @@ def stack_config(name: str, args: argparse.Namespace) -> StackConfig:
     """The stack of configuration `name` (CONFIGS) with the run's settings: rankers, device,
     preset, slo_ms, hbm_budget_mb, arena_gb, recent, candidates, risk_fraction."""
     overrides, trigger_extra = stack_overrides(name, args.arena_gb)
-    return StackConfig(rankers=args.rankers, device=args.device, preset=args.preset, slo_ms=args.slo_ms,
-                       hbm_budget_mb=args.hbm_budget_mb,
+    # `rankers` counts devices; a configuration with k ranker processes per device splits each
+    # device's HBM budget among them.
+    per_device = int(overrides.get("rankers_per_device", 1))
+    return StackConfig(rankers=args.rankers * per_device, device=args.device, preset=args.preset,
+                       slo_ms=args.slo_ms, hbm_budget_mb=args.hbm_budget_mb / per_device,
                        # the trigger's estimate of the tokens a ranking call adds to the prefix
                        trigger_args=("--suffix-tokens-estimate", str(args.recent + args.candidates),
                                      "--risk-fraction", str(args.risk_fraction), *trigger_extra),

@@ -1,7 +1,7 @@
 """`relaygr up`: the whole relay on one machine, every service a separate process.
 
 Order: the Kafka broker (the embedded Tansu unless a bootstrap is given) and its topics, the
-expander, N rankers (CPU processes, or one per GPU), the router, the trigger; each is awaited on
+expander, N rankers (CPU processes, or `rankers_per_device` per GPU), the router, the trigger; each is awaited on
 its ready log line (which follows its own health checks: the ranker's and router's gRPC health
 report SERVING by then). Stopping goes in reverse: SIGTERM, a grace period, then SIGKILL. Every
 child asks the kernel to be terminated if the launcher dies (shared/lifecycle.py), and the
@@ -45,7 +45,13 @@ DLQ_TOPIC = DEFAULT_DLQ_TOPIC
 @dataclass(frozen=True)
 class StackConfig:
     rankers: int = 1
-    device: str = "cpu"  # cpu: ranker processes on the CPU; cuda: ranker i on GPU i
+    device: str = "cpu"  # cpu: ranker processes on the CPU; cuda: ranker i on GPU i // rankers_per_device
+    # Ranker processes sharing one GPU, each with its own interpreter, event loop and HBM budget
+    # (hbm_budget_mb is each one's): the host's Python work of one GPU's calls split over as many
+    # GILs. One process answering ~240 calls/s on an H200 spent the time between its device's
+    # batches waiting for its own interpreter (goodput-nvidia-h200-h4b: calls waited up to 59 ms
+    # outside the server's handler at 237.5 req/s).
+    rankers_per_device: int = 1
     preset: str = "tiny"
     kafka_bootstrap: str = ""  # "" starts the embedded broker
     partitions: int = 4
@@ -61,9 +67,15 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)
 
+    def device_index(self, ranker: int) -> int:
+        """The GPU of ranker process `ranker` (0 on the CPU)."""
+        return ranker // self.rankers_per_device if self.device == "cuda" else 0
+
     def validate(self) -> None:
         if self.rankers < 1:
             raise ValueError("at least one ranker is needed")
+        if self.rankers_per_device < 1:
+            raise ValueError(f"rankers_per_device must be >= 1, not {self.rankers_per_device}")
         if self.placement not in choices(Placement):
             raise ValueError(f"unknown placement {self.placement!r} (one of {', '.join(choices(Placement))})")
         if self.placement == Placement.ROUND_ROBIN and self.rankers < 2:
@@ -114,7 +126,7 @@ class Stack:
             for i in range(c.rankers):
                 # Calls scheduled to finish within half the stack's SLO (a configuration's own
                 # ranker_args come after, and win).
-                args = ["--device", c.device, "--device-index", str(i if c.device == "cuda" else 0),
+                args = ["--device", c.device, "--device-index", str(c.device_index(i)),
                         "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb),
                         "--latency-target-ms", f"{c.slo_ms / 2:g}", *c.ranker_args]  # fmt: skip
                 if c.expander:

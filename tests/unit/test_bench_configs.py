@@ -8,6 +8,7 @@ import pytest
 from bench import goodput, relay
 from relaygr import demo
 from relaygr.harness import CONFIGS, ranker_latency_target_ms
+from relaygr.launcher import StackConfig
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -37,3 +38,20 @@ def test_rankers_schedule_by_half_the_slo_unless_a_configuration_says_otherwise(
     assert ranker_latency_target_ms("relay-nospare-far", 50.0) == 0.0
     assert ranker_latency_target_ms("relay-nospare-target25", 300.0) == 25.0
     assert ranker_latency_target_ms("not-a-configuration", 40.0) == 20.0
+
+
+def test_two_processes_per_gpu_split_each_gpu_s_hbm_budget():
+    args = goodput.parse_args(["--configs", "relay-nospare-2p", "--rankers", "2", "--device", "cuda",
+                               "--hbm-budget-mb", "60000"])  # fmt: skip
+    stack = relay.stack_config("relay-nospare-2p", args)
+    assert (stack.rankers, stack.rankers_per_device, stack.hbm_budget_mb) == (4, 2, 30000.0)
+    assert [stack.device_index(i) for i in range(stack.rankers)] == [0, 0, 1, 1]
+    assert stack.trigger_args[-2:] == ("--spare-busy-max", "0")  # relay-nospare's own, kept
+    single = relay.stack_config("relay-nospare", args)
+    assert (single.rankers, single.rankers_per_device, single.hbm_budget_mb) == (2, 1, 60000.0)
+    assert [single.device_index(i) for i in range(single.rankers)] == [0, 1]
+
+
+def test_a_stack_refuses_fewer_than_one_ranker_per_device():
+    with pytest.raises(ValueError, match="rankers_per_device must be >= 1"):
+        StackConfig(rankers_per_device=0).validate()
