@@ -56,7 +56,9 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import re
+import signal
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -205,18 +207,24 @@ class Runner:
             # (its log names what the loop was running: event_loop_stall).
             **{k: v for k, v in p.rankers.items() if k.startswith(("host_stalls_", "loop_stalls_"))},
             "slowest": p.slowest,
+            "drain_s": None,  # until settle() has drained the stack after it
         }  # fmt: skip
-        await asyncio.sleep(a.settle_s)
-        # The next point starts from a quiet stack, whatever this one left queued (an overload's
-        # backlog on the signal path, pre-inferences, ranking calls): the seconds it took.
-        record["drain_s"] = await drain(self.stack, timeout_s=a.drain_timeout_s)
         return Point(rate, s["p99_ms"], p.ok, record)
+
+    async def settle(self, point: Point) -> None:
+        """The next point starts from a quiet stack, whatever this one left queued (an overload's
+        backlog on the signal path, pre-inferences, ranking calls): the seconds that took go in
+        the point's record."""
+        await asyncio.sleep(self.args.settle_s)
+        point.record["drain_s"] = await drain(self.stack, timeout_s=self.args.drain_timeout_s)
 
     async def search(self, workload: WorkloadConfig, config: SearchConfig, must_reach: float,
                      compare: Sequence[float]) -> SearchResult:  # fmt: skip
         self.current = LimitSearch(config, must_reach, compare)
         while (rate := self.current.next_rate()) is not None:
-            self.current.observe(await self.measure(workload, rate))
+            point = await self.measure(workload, rate)
+            self.current.observe(point)  # kept, should the run be cut short while it settles
+            await self.settle(point)
         return self.current.result()
 
 
@@ -558,6 +566,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
             raise SystemExit(f"bench.goodput --merge: {exc}") from None
         as_args = argparse.Namespace(**(merged_settings | {"tag": args.tag, "out_dir": args.out_dir}))
         return write_report(merged, merged_settings, as_args, merged_settings["configs"], info=info)
+    # A time limit's SIGTERM (`timeout`'s default) ends the run as Ctrl-C does: the search under
+    # way keeps its points. SIGINT is what asyncio.run turns into cancelling the run.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: os.kill(os.getpid(), signal.SIGINT))
     # The reference runs first: later configurations step at least through the rates it met.
     configs = sorted(args.configs, key=lambda c: c != REFERENCE)
     if args.arena_gb * 2**30 < args.rankers * args.hbm_budget_mb * 2**20:

@@ -67,3 +67,32 @@ def test_bad_plans_are_refused_before_anything_starts(tmp_path, capsys):
             sitting.main([*argv, "--out-dir", str(tmp_path)])
         assert message in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_goodput_run_ended_by_sigterm_keeps_the_points_of_its_search(tmp_path):
+    # `timeout`'s default signal is SIGTERM: the run must end as it does on Ctrl-C.
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.goodput", "--configs", "baseline", "--workloads", "L128",
+         "--slo-ms", "100000", "--grid", "2", "4", "--min-duration-s", "2", "--min-calls", "4",
+         "--tag", "term", "--out-dir", str(tmp_path), *TINY],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # the first point done: then end the run
+        if line.lstrip().startswith("rate") or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(120) != 0
+    run = json.loads(next(tmp_path.glob("goodput-*-term.json")).read_text())
+    [record] = run["results"]
+    assert record["incomplete"] is True
+    assert record["points"]
