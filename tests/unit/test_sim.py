@@ -20,6 +20,7 @@ from relaygr.sim import (
     call_deadline_s,
     goodput,
     host_step_s,
+    load_model,
     main,
     scaled,
     shape_of,
@@ -283,3 +284,34 @@ def test_calls_are_due_by_the_rankers_latency_target_where_the_file_records_one(
     assert call_deadline_s(file(), "relay-nospare", "L4096") == 10.0  # older files: the gRPC timeout
     assert call_deadline_s(file(), "relay-nospare-target25", "L4096") == 0.025
     assert call_deadline_s(file(ranker_latency_target_ms=25.0), "relay-nospare", "mix") == 10.0
+
+
+def test_waits_outside_the_device_loop_come_from_the_points_that_met_the_slo(tmp_path):
+    # A point past the limit waits 60 ms for each reload and 40 ms outside the server: drawn into
+    # every simulated rate, those queues would make the model miss at any rate.
+    met = [record(i, "full_recompute", 4096, 3.5, 12.0) for i in range(200)]
+    met += [record(1000 + i, "dram_reload", 4096, 1.5, 20.0, cache_ms=8.0) for i in range(20)]
+    missed = [record(2000 + i, "full_recompute", 4096, 3.6, 60.0) for i in range(200)]
+    missed += [record(3000 + i, "dram_reload", 4096, 1.6, 90.0, cache_ms=60.0) for i in range(20)]
+    cal = calibrate(met + missed, wait_records=met)
+    assert set(cal.reload_cache_ms) == {8.0}
+    assert max(cal.overhead_ms["full_recompute"]) == pytest.approx(12.0 - 1.0 - 3.5)
+    assert cal.batches == 440  # the device's costs still from every point
+    every = calibrate(met + missed)
+    assert set(every.reload_cache_ms) == {8.0, 60.0}
+
+    # Through the command: the files of met points are told from the others by their rate.
+    (tmp_path / "calls").mkdir()
+    for rows, name in ((met, "p1-150"), (missed, "p2-250")):
+        with gzip.open(tmp_path / "calls" / f"goodput-x-w-relay-nospare-L4096-{name}.jsonl.gz", "wt") as f:
+            f.write("\n".join(json.dumps(r) for r in rows))
+    result = {
+        "config": {"slo_ms": 50.0, "lead_in_s": 2.0, "hbm_budget_mb": 60000, "arena_gb": 24},
+        "results": [{"config": "relay-nospare", "workload": "L4096", "points": [
+            {"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}],
+    }  # fmt: skip
+    path = tmp_path / "goodput-x-w.json"
+    path.write_text(json.dumps(result))
+    model = load_model(path, "relay-nospare")
+    assert set(model.cal.reload_cache_ms) == {8.0}
+    assert model.cal.batches == 440
