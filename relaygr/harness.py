@@ -137,6 +137,9 @@ CONFIGS["relay-nospare-slack50"] = {
 # before its handler ran them (h4b). The two processes' kernels share the GPU by time slices.
 for _name in ("baseline", "relay-nospare"):
     CONFIGS[f"{_name}-2p"] = {**CONFIGS[_name], "rankers_per_device": 2}
+    # The same under an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the two processes'
+    # kernels may run side by side. CUDA only.
+    CONFIGS[f"{_name}-2p-mps"] = {**CONFIGS[_name], "rankers_per_device": 2, "mps": True}
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from relaygr.mps import MpsDaemon
 from relaygr.processes import ServiceProcess
 from services.router.config import Placement
 from services.trigger.admission import Policy
@@ -52,6 +53,9 @@ class StackConfig:
     # batches waiting for its own interpreter (goodput-nvidia-h200-h4b: calls waited up to 59 ms
     # outside the server's handler at 237.5 req/s).
     rankers_per_device: int = 1
+    # The rankers as clients of an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the
+    # kernels of processes sharing a GPU may then run side by side instead of by time slices.
+    mps: bool = False
     preset: str = "tiny"
     kafka_bootstrap: str = ""  # "" starts the embedded broker
     partitions: int = 4
@@ -76,6 +80,8 @@ class StackConfig:
             raise ValueError("at least one ranker is needed")
         if self.rankers_per_device < 1:
             raise ValueError(f"rankers_per_device must be >= 1, not {self.rankers_per_device}")
+        if self.mps and self.device != "cuda":
+            raise ValueError("mps is for rankers on CUDA devices (--device cuda)")
         if self.placement not in choices(Placement):
             raise ValueError(f"unknown placement {self.placement!r} (one of {', '.join(choices(Placement))})")
         if self.placement == Placement.ROUND_ROBIN and self.rankers < 2:
@@ -108,6 +114,8 @@ class Stack:
         self.trigger: ServiceProcess | None = None
         self.expander: ServiceProcess | None = None
         self._run_dir = tempfile.mkdtemp(prefix="relaygr-")
+        self.mps: MpsDaemon | None = None
+        self.mps_active: bool | None = None  # an MPS server came up for the rankers (None: no MPS)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,6 +131,11 @@ class Stack:
             socket_path = self.expander_socket
             if c.expander:
                 self.start_expander()
+            ranker_env = env
+            if c.mps:
+                self.mps = MpsDaemon(self._run_dir)
+                self.mps.start()
+                ranker_env = {**env, **self.mps.env}
             for i in range(c.rankers):
                 # Calls scheduled to finish within half the stack's SLO (a configuration's own
                 # ranker_args come after, and win).
@@ -131,11 +144,16 @@ class Stack:
                         "--latency-target-ms", f"{c.slo_ms / 2:g}", *c.ranker_args]  # fmt: skip
                 if c.expander:
                     args += ["--host-tier", "true", "--expander-socket-path", socket_path]
-                self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", env, *args))
+                self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", ranker_env, *args))
             for ranker in self.rankers:  # they start in parallel
                 ready = ranker.wait_event("ranker_ready", c.startup_timeout_s)
                 self.ranker_targets.append(f"127.0.0.1:{ready['port']}")
                 self.ranker_metrics_ports.append(int(ready["metrics_port"]))
+            if self.mps is not None:
+                self.mps_active = self.mps.server_running()
+                if not self.mps_active:  # CUDA falls back to plain contexts without a word
+                    print("relaygr: the MPS daemon started but no MPS server came up: the rankers run "
+                          "without MPS", file=sys.stderr, flush=True)  # fmt: skip
             common = ["--bootstrap", self.bootstrap, "--rankers", ",".join(self.ranker_targets),
                       "--signal-topic", SIGNAL_TOPIC, "--dlq-topic", DLQ_TOPIC,
                       "--topic-partitions", str(c.partitions)]  # fmt: skip
@@ -179,6 +197,9 @@ class Stack:
         for process in reversed(self.processes):
             process.stop(grace_s)
         self.processes.clear()
+        if self.mps is not None:  # after its clients, the rankers, are gone
+            self.mps.stop()
+            self.mps = None
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
