@@ -15,5 +15,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """percentile(values, q) for each q, sorting once (NaN each for no values)."""
+    if not values:
+        return [float("nan")] * len(qs)
+    ordered = sorted(values)
+    n = len(ordered)
+    return [ordered[max(1, min(n, round(q / 100.0 * n + 0.5))) - 1] for q in qs]
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")

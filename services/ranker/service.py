@@ -68,7 +68,7 @@ from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, HostStalls, serve_metri
 from shared.modelspec import preset
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
-from shared.stats import percentile
+from shared.stats import percentile, percentiles
 from shared.wire import WireError
 
 if TYPE_CHECKING:
@@ -715,6 +715,7 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         window = list(self._rank_ms)
+        rank_p50, rank_p99 = percentiles(window, (50, 99)) if window else (0.0, 0.0)  # one sort, polled often
         samples = [
             pb.LatencySample(
                 prefix_len=s.prefix_len,
@@ -735,8 +736,8 @@ class RankerService(pb_grpc.RankerServicer):
             preinfer_backlog=self.engine.preinfer_backlog + self.cache.producing,
             rank_queue_depth=self.engine.rank_queue_depth,
             preinfers_refused=self.cache.counters.refused + self._preinfers_shed,
-            rank_p50_ms=percentile(window, 50) if window else 0.0,
-            rank_p99_ms=percentile(window, 99) if window else 0.0,
+            rank_p50_ms=rank_p50,
+            rank_p99_ms=rank_p99,
             recent_batches=samples,
             recent_preinfers=[
                 pb.PreinferSample(prefix_len=s.prefix_len, device_ms=s.device_ms, seq=s.seq)
