@@ -48,6 +48,22 @@ def record(seq: int, path: str, prefix: int, compute_ms: float, latency_ms: floa
     }  # fmt: skip
 
 
+def goodput_file(tmp_path, stem: str, config: str, calls: dict[float, list[dict]], met: set[float]):
+    """A bench.goodput result file at L4096 with each point's calls beside it (calls/)."""
+    (tmp_path / "calls").mkdir(exist_ok=True)
+    for i, (rate, rows) in enumerate(sorted(calls.items()), 1):
+        with gzip.open(tmp_path / "calls" / f"{stem}-{config}-L4096-p{i}-{rate:g}.jsonl.gz", "wt") as f:
+            f.write("\n".join(json.dumps(r) for r in rows))
+    points = [{"rate_rps": rate, "meets_slo": rate in met} for rate in sorted(calls)]
+    result = {
+        "config": {"slo_ms": 50.0, "lead_in_s": 2.0, "hbm_budget_mb": 60000, "arena_gb": 24},
+        "results": [{"config": config, "workload": "L4096", "points": points}],
+    }
+    path = tmp_path / f"{stem}.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
 def test_the_lru_evicts_the_oldest_bytes_first():
     lru = _Lru(100)
     assert lru.put((1, 1), 40) == []
@@ -131,18 +147,9 @@ def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
 
 
 def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_not_model(tmp_path, capsys):
-    (tmp_path / "calls").mkdir()
     rng = np.random.default_rng(1)
     rows = [record(i, "full_recompute", 4096, float(rng.uniform(3.3, 4.0)), 12.0) for i in range(300)]
-    with gzip.open(tmp_path / "calls" / "goodput-x-t-baseline-L4096-p1-150.jsonl.gz", "wt") as f:
-        f.write("\n".join(json.dumps(r) for r in rows))
-    result = {
-        "config": {"slo_ms": 50.0, "lead_in_s": 2.0, "hbm_budget_mb": 60000, "arena_gb": 24},
-        "results": [{"config": "baseline", "workload": "L4096", "points": [
-            {"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}],
-    }  # fmt: skip
-    path = tmp_path / "goodput-x-t.json"
-    path.write_text(json.dumps(result))
+    path = goodput_file(tmp_path, "goodput-x-t", "baseline", {150.0: rows, 250.0: []}, met={150.0})
     out_file = tmp_path / "sim.json"
     assert main([str(path), "--config", "baseline", "--json", str(out_file)]) == 0
     assert main([str(path), "--config", "baseline", "--json", str(out_file)]) == 0  # replaces, not adds
@@ -301,17 +308,7 @@ def test_waits_outside_the_device_loop_come_from_the_points_that_met_the_slo(tmp
     assert set(every.reload_cache_ms) == {8.0, 60.0}
 
     # Through the command: the files of met points are told from the others by their rate.
-    (tmp_path / "calls").mkdir()
-    for rows, name in ((met, "p1-150"), (missed, "p2-250")):
-        with gzip.open(tmp_path / "calls" / f"goodput-x-w-relay-nospare-L4096-{name}.jsonl.gz", "wt") as f:
-            f.write("\n".join(json.dumps(r) for r in rows))
-    result = {
-        "config": {"slo_ms": 50.0, "lead_in_s": 2.0, "hbm_budget_mb": 60000, "arena_gb": 24},
-        "results": [{"config": "relay-nospare", "workload": "L4096", "points": [
-            {"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}],
-    }  # fmt: skip
-    path = tmp_path / "goodput-x-w.json"
-    path.write_text(json.dumps(result))
+    path = goodput_file(tmp_path, "goodput-x-w", "relay-nospare", {150.0: met, 250.0: missed}, met={150.0})
     model = load_model(path, "relay-nospare")
     assert set(model.cal.reload_cache_ms) == {8.0}
     assert model.cal.batches == 440
