@@ -8,15 +8,11 @@ from collections.abc import Sequence
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+    return percentiles(values, (q,))[0]
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
-    """percentile(values, q) for each q, sorting once (NaN each for no values)."""
+    """Nearest-rank percentile for each q, sorting once (NaN each for no values)."""
     if not values:
         return [float("nan")] * len(qs)
     ordered = sorted(values)
