@@ -19,6 +19,11 @@ Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-
      first_miss_rps the latter.
   4. compare (the length mix only): every rate at which the baseline met that this
      configuration has not measured yet, for the never-worse table. These do not move the limit.
+A point at which the load generator fell behind its schedule (send lag P99 over
+`--client-lag-bound-ms`) measured the client, not the stack: it is `client_bound`, is no miss,
+and ends the search censored at the highest rate met below it (`client_bound_rps`), unless a
+real miss below it already bounds the limit. `--client-processes N` replays each point from N
+processes (relaygr/load.py: users sharded across them) so that the client is not the limit.
 Each point measures max(`--min-duration-s`, `--min-calls` / rate) seconds (10 s and 400 calls by
 default) and records how many calls it sent, after `--lead-in-s` (10 s) of the same workload
 replayed unmeasured: without it the window starts cold and, users coming back seconds to
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -61,7 +67,7 @@ import re
 import signal
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +75,8 @@ from bench import relay
 from bench.report import RESULTS_DIR, write_result
 from relaygr.harness import CONFIGS, drain, machine, markdown_table, ranker_latency_target_ms, run_point
 from relaygr.launcher import Stack
-from relaygr.search import RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
+from relaygr.load import LoadGenerator
+from relaygr.search import CLIENT_LAG_BOUND_MS, RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
 from relaygr.workload import WorkloadConfig, generate
 
 HEADLINE = ("L4096", "mix")  # the workloads repeated by --repeats
@@ -129,9 +136,11 @@ def write_calls(path: Path, calls: list[dict[str, Any]]) -> None:
 class Runner:
     """Measures points through one running stack; every point gets fresh prefix versions."""
 
-    def __init__(self, stack: Stack, args: argparse.Namespace, label: str = "") -> None:
+    def __init__(self, stack: Stack, args: argparse.Namespace, label: str = "",
+                 load: LoadGenerator | None = None) -> None:  # fmt: skip
         self.stack = stack
         self.args = args
+        self.load = load  # the load generator's processes (None: this one)
         self.label = label  # names the per-call files (--calls-dir)
         self._points = 0
         self.current: LimitSearch | None = None  # the search under way (its points, if cut short)
@@ -143,7 +152,8 @@ class Runner:
         # earlier one left in the tiers: each point has its own version range.
         cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
                            a.min_duration_s, a.min_calls)  # fmt: skip
-        p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0)
+        p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0, load=self.load,
+                            client_lag_bound_ms=a.client_lag_bound_ms)  # fmt: skip
         if getattr(a, "calls_dir", None):
             write_calls(Path(a.calls_dir) / f"{self.label}-{workload_name(workload)}-p{self._points}-{rate:g}.jsonl",
                         p.calls)  # fmt: skip
@@ -160,6 +170,9 @@ class Runner:
             "duration_s": cfg.duration_s,
             "offered_rps": s["offered_rps"],
             "lag_ms_p99": s["lag_ms_p99"],
+            # The load generator fell behind (lag_ms_p99 over --client-lag-bound-ms): not the stack's point.
+            "client_bound": s["client_bound"],
+            "client_processes": s["client_processes"],
             "client_loop_lag_ms_p99": s["client_loop_lag_ms_p99"],
             "client_loop_lag_ms_max": s["client_loop_lag_ms_max"],
             # The load generator's own collector pauses (a cause of its loop lag, or not).
@@ -209,7 +222,7 @@ class Runner:
             "slowest": p.slowest,
             "drain_s": None,  # until settle() has drained the stack after it
         }  # fmt: skip
-        return Point(rate, s["p99_ms"], p.ok, record)
+        return Point(rate, s["p99_ms"], p.ok, record, client_bound=s["client_bound"])
 
     async def settle(self, point: Point) -> None:
         """The next point starts from a quiet stack, whatever this one left queued (an overload's
@@ -226,6 +239,12 @@ class Runner:
             self.current.observe(point)  # kept, should the run be cut short while it settles
             await self.settle(point)
         return self.current.result()
+
+
+def censored_note(result: SearchResult) -> str:
+    if result.client_bound_rps is not None and result.censored:
+        return f" (CENSORED: the load generator fell behind at {result.client_bound_rps:g} req/s)"
+    return " (CENSORED at the cap)" if result.censored else ""
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
@@ -252,6 +271,7 @@ def incomplete_record(
         "goodput_rps": None,
         "first_miss_rps": None,
         "censored": False,
+        "client_bound_rps": min((p.rate_rps for _, p in search.points() if p.client_bound), default=None),
         "incomplete": True,
         "met_rps_max": met,
         "missed_rps_min": missed,
@@ -269,29 +289,32 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
         "goodput_rps": result.goodput_rps,
         "first_miss_rps": result.first_miss_rps,
         "censored": result.censored,
+        "client_bound_rps": result.client_bound_rps,  # the load generator fell behind here (censored)
         "points": [p.record | {"phase": phase} for phase, p in result.points],
     }
 
 
 async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: SearchConfig,
                      earlier: list[dict[str, Any]],
-                     on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                     on_record: Callable[[dict[str, Any]], None] | None = None,
+                     load: LoadGenerator | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Every (workload, repeat) of the plan through one configuration's stack; `on_record` is
     called with each search's record as soon as it is done."""
     base = WorkloadConfig(seed=args.seed, users=args.users, recent_tokens=args.recent, candidates=args.candidates,
                           length_scale=args.length_scale, max_prefix_len=args.max_prefix_len,
                           session_mean_requests=args.session_mean_requests, lead_in_s=args.lead_in_s)  # fmt: skip
-    runner = Runner(stack, args, label=name)
+    runner = Runner(stack, args, label=name, load=load)
     # A short replay first, thrown away: the first calls of a fresh stack pay one-off costs
     # (allocator growth, lazy initialisation) that belong to no configuration.
     warm = dataclasses.replace(workload_config(args.workloads[0], base), duration_s=args.warmup_s,
                                rate_rps=search.grid[0], version_base=999_000_000)  # fmt: skip
-    await run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0)
+    await run_point(stack, warm, args.slo_ms, "warmup", search.grid[0], eps_sample=0, load=load)
     records = []
     for workload, repeat in plan(args):
         same = [r for r in earlier if r["workload"] == workload and r["repeat"] == repeat]
         must_reach = max((p["rate_rps"] for r in same for p in r["points"]
-                          if p["meets_slo"] and p["phase"] == "grid"), default=0.0)  # fmt: skip
+                          if p["meets_slo"] and p["phase"] == "grid" and not p.get("client_bound")),
+                         default=0.0)  # fmt: skip
         compare = []
         if workload == NEVER_WORSE:
             compare = [
@@ -307,7 +330,7 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
             raise
         record = record_of(name, workload, repeat, result, args.slo_ms)
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
-              f"{result.first_miss_rps}{' (CENSORED at the cap)' if result.censored else ''}", flush=True)  # fmt: skip
+              f"{result.first_miss_rps}{censored_note(result)}", flush=True)  # fmt: skip
         records.append(record)
         if on_record is not None:
             on_record(record)
@@ -418,7 +441,7 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
         footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
     json_path, md_path = write_result("goodput", run_config, records,
                                       ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored",
-                                       "incomplete"],
+                                       "client_bound_rps", "incomplete"],
                                       out_dir=out_dir, header=header, tag=args.tag, footer=footer,
                                       info=info)  # fmt: skip
     stem = json_path.with_suffix("")
@@ -528,6 +551,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logs-dir", default=None, help="write every service's log records here (JSON lines)")
     p.add_argument("--calls-dir", default=None,
                    help="write every measured call of every point here (JSON lines: when sent, by whom, where its time went)")  # fmt: skip
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="replay each point from this many processes, users sharded across them (relaygr/load.py): "
+                        "one Python client falls behind near 500 calls/s")  # fmt: skip
+    p.add_argument("--client-lag-bound-ms", type=float, default=CLIENT_LAG_BOUND_MS,
+                   help="a point whose calls were sent later than this behind schedule (P99) measured the "
+                        "load generator: client_bound, no miss, the search ends there censored")  # fmt: skip
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="measure nothing: combine result files of one sitting (one host, GPUs side by side) "
                         "into one report, repeats renumbered; written under --tag")  # fmt: skip
@@ -551,9 +580,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--lead-in-s must be >= 0")
     if not (args.settle_s >= 0 and args.drain_timeout_s >= 0):
         p.error("--settle-s and --drain-timeout-s must be >= 0")
+    if not 1 <= args.client_processes <= 64:
+        p.error("--client-processes must be in [1, 64]")
+    if not args.client_lag_bound_ms > 0:
+        p.error("--client-lag-bound-ms must be > 0")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.tag):
         p.error("--tag: letters, digits, '.', '_' and '-' only")
     return args
+
+
+@contextlib.contextmanager
+def load_generator(processes: int) -> Iterator[LoadGenerator | None]:
+    """The load generator's worker processes for one stack's run (None: replay in this process)."""
+    if processes == 1:
+        yield None
+        return
+    with LoadGenerator(processes) as load:
+        yield load
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -600,9 +643,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
             f"[{name}] starting the stack ({args.rankers} ranker(s) on {args.device}{per_device})", flush=True
         )
         done_here: list[dict[str, Any]] = []
-        with Stack(stack_config) as stack:  # from the main thread: children live as long
+        with (
+            Stack(stack_config) as stack,
+            load_generator(args.client_processes) as load,
+        ):  # from the main thread
             try:
-                records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far))
+                records += asyncio.run(run_config(stack, name, args, args.search, records, save_so_far, load))
             finally:  # a run cut short keeps its services' logs too
                 if args.logs_dir:
                     relay.save_logs(stack, Path(args.logs_dir), name)

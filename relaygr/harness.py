@@ -27,6 +27,7 @@ import torch
 from kernels.device import accelerator, resolve_backend, visible_devices
 from relaygr import cpu_usage
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
+from relaygr.load import LoadGenerator
 from relaygr.processes import ServiceProcess
 from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
@@ -491,11 +492,16 @@ def host_cpu_fractions(before: dict[str, float], after: dict[str, float]) -> dic
 
 
 async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float, sweep: str, value: float,
-                    eps_sample: int) -> Point:  # fmt: skip
+                    eps_sample: int, load: LoadGenerator | None = None,
+                    client_lag_bound_ms: float | None = None) -> Point:  # fmt: skip
     """Replays one workload through the running stack. Besides the replay's summary, records the
     rankers' counters over the point: psi produced / wasted, reloads, resident bytes, and device
     time (busy_fraction: busy seconds per ranker over the replay; device_*_s: seconds of ranking,
-    pre-inference, copies, and pre-inference of psi that expired unused, until 1 s after it)."""
+    pre-inference, copies, and pre-inference of psi that expired unused, until 1 s after it).
+
+    `load`: replay from its worker processes (relaygr/load.py) instead of this one.
+    `client_lag_bound_ms`: the summary's `client_bound` is true when the load generator sent
+    its calls later than this behind schedule at P99 (the point measured the client)."""
     workload = generate(workload_config)
     materializer = Materializer.for_workload(workload)
     before = await ranker_stats(stack.ranker_targets)
@@ -523,11 +529,17 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     stalls_before = await stall_counters(stack)
     device_before, started = await device_counters(stack), time.perf_counter()
     cpu_before = host_cpu_times()
-    pids = stack_pids(stack)
+    if load is not None:
+        load.start()
+    pids = stack_pids(stack) | (load.pids if load is not None else {})
     threads_before = cpu_usage.snapshot(pids)
     try:
-        result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
-                              materializer=materializer, slo_ms=slo_ms)  # fmt: skip
+        if load is not None:
+            result = await load.replay(workload, bootstrap=stack.bootstrap, router_target=f"127.0.0.1:{stack.router_port}",
+                                       retrieval_topic=RETRIEVAL_TOPIC, slo_ms=slo_ms)  # fmt: skip
+        else:
+            result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
+                                  materializer=materializer, slo_ms=slo_ms)  # fmt: skip
     finally:
         stop.set()
         await sampler
@@ -636,6 +648,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     # default session model: ~0.32 without a lead-in, ~0.53 with 10 s of lead-in).
     measured = workload.measured
     summary["returning_share"] = sum(1 for r in measured if r.returning) / max(1, len(measured))
+    summary["client_processes"] = load.processes if load is not None else 1
+    summary["client_bound"] = bool(
+        client_lag_bound_ms is not None and summary["lag_ms_p99"] > client_lag_bound_ms
+    )
     calls = sorted(
         (r.breakdown() for r in result.measured),
         key=lambda c: c["at_s"] if c["at_s"] == c["at_s"] else math.inf,
@@ -645,10 +661,17 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
-          f"{'meets' if point.ok else 'MISSES'} SLO  device busy {rankers['busy_fraction']:.2f}, idle with "
+          f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}, idle with "
           f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}"
           f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
+
+
+def _verdict(point: Point) -> str:
+    s = point.summary
+    if s.get("client_bound"):
+        return f"CLIENT-BOUND (the load generator sent late: lag p99 {s['lag_ms_p99']:.1f} ms)"
+    return "meets SLO" if point.ok else "MISSES SLO"
 
 
 def _reload_stages(rankers: dict[str, Any]) -> str:

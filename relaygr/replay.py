@@ -18,7 +18,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -282,6 +282,8 @@ async def replay(
     start_delay_s: float = 0.2,
     score_sample_every: int = 50,
     freeze_gc: bool = True,
+    start_at: float | None = None,
+    indices: Sequence[int] | None = None,
 ) -> ReplayResult:
     """Replays `workload` open loop and returns what happened to every request.
 
@@ -296,12 +298,19 @@ async def replay(
     of every `score_sample_every`-th request (by workload index, 0 included) are kept. Returns
     after the last reply (at most rank_timeout_s after the last send).
 
+    `start_at` (a time.monotonic() value, host-wide) sets time zero instead of start_delay_s, so
+    that several processes replaying shards of one workload share it (relaygr/load.py); `indices`
+    gives each request its index in that whole workload (records and score sampling use it).
+
     With `freeze_gc` the objects that exist at the start are moved to the collector's permanent
     generation for the run (`gc.freeze()`, undone at the end; process-wide), so that garbage
     collections during the replay do not stall the sends.
     """
     requests = workload.requests
-    records = [RequestRecord(i, r) for i, r in enumerate(requests)]
+    if indices is not None and len(indices) != len(requests):
+        raise ValueError(f"{len(indices)} indices for {len(requests)} requests")
+    index_of = list(indices) if indices is not None else list(range(len(requests)))
+    records = [RequestRecord(index_of[i], r) for i, r in enumerate(requests)]
     state = _State()
     if freeze_gc:
         # A full collection traversing the plan and the records stalled the loop ~170 ms at 30k
@@ -318,8 +327,9 @@ async def replay(
             gc_pause_ms.append((time.perf_counter() - gc_started[0]) * 1e3)
 
     gc.callbacks.append(on_gc)
-    t0 = _now() + start_delay_s
-    wall0 = time.time() + start_delay_s  # the wall time of the replay's time zero
+    delay_s = start_delay_s if start_at is None else start_at - _now()
+    t0 = _now() + delay_s
+    wall0 = time.time() + delay_s  # the wall time of the replay's time zero
 
     async def sleep_until(t: float) -> None:
         delay = t0 + t - _now()
@@ -367,7 +377,7 @@ async def replay(
             )  # fmt: skip
             rec.launch_ms, rec.batch, rec.batch_tokens = t.launch_ms, t.batch, t.batch_tokens
             rec.batch_seq = t.batch_seq
-            if score_sample_every > 0 and i % score_sample_every == 0:
+            if score_sample_every > 0 and rec.index % score_sample_every == 0:
                 rec.scores = list(reply.scores)
             state.recent_ok_ms.append(rec.latency_ms)
         state.completed += 1

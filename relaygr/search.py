@@ -12,7 +12,16 @@ from typing import Any
 
 RATE_TOL = 1e-6  # two rates this close (relative) are one
 
-__all__ = ["RATE_TOL", "LimitSearch", "Point", "SearchConfig", "SearchResult", "find_limit"]
+__all__ = [
+    "RATE_TOL",
+    "LimitSearch",
+    "Point",
+    "SearchConfig",
+    "SearchResult",
+    "find_limit",
+    "recorded_client_bound",
+]
+CLIENT_LAG_BOUND_MS = 10.0  # bench.goodput's default --client-lag-bound-ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +32,17 @@ class Point:
     p99_ms: float
     meets_slo: bool
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The load generator fell behind its schedule: the point measured the client, not the system,
+    # and says nothing of the system's limit at this rate (a miss here is not the system's).
+    client_bound: bool = False
+
+
+def recorded_client_bound(record: dict[str, Any], bound_ms: float = CLIENT_LAG_BOUND_MS) -> bool:
+    """Whether a goodput file's point measured the load generator: its `client_bound`, or, in
+    files written before that field, its send lag P99 over `bound_ms`."""
+    if "client_bound" in record:
+        return bool(record["client_bound"])
+    return float(record.get("lag_ms_p99", 0.0)) > bound_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +84,11 @@ class SearchConfig:
 class SearchResult:
     goodput_rps: float  # the highest rate that met below the first miss (0: none met)
     first_miss_rps: float | None  # None only when censored
-    censored: bool  # the cap met: the limit is above it
+    censored: bool  # the limit is above goodput_rps: the cap met, or the load generator fell behind
     points: list[tuple[str, Point]]  # (phase, point) in measurement order
+    # The lowest rate the load generator could not offer on time (censored then: the search
+    # stopped there, and the system's limit lies somewhere above goodput_rps).
+    client_bound_rps: float | None = None
 
 
 class LimitSearch:
@@ -78,7 +101,10 @@ class LimitSearch:
 
     `must_reach`: the grid is stepped at least up to this rate even past the first miss (the
     highest grid rate an earlier configuration met). `compare`: rates measured at the end if not
-    measured already (they never move the limit). Pure: no I/O, no clock."""
+    measured already (they never move the limit). A client-bound point (Point.client_bound) is a
+    ceiling on what can be measured: outside the compare phase it ends the search, censored at
+    the highest rate that met below it, unless a real miss below it already bounds the limit.
+    Pure: no I/O, no clock."""
 
     def __init__(self, config: SearchConfig, must_reach: float = 0.0, compare: Sequence[float] = ()) -> None:
         self.config = config
@@ -91,6 +117,7 @@ class LimitSearch:
         self._censored = False
         self._lo = 0.0
         self._hi: float | None = None
+        self._client_bound: float | None = None
 
     def next_rate(self) -> float | None:
         """The next rate to measure, or None when the search is over."""
@@ -106,14 +133,15 @@ class LimitSearch:
     def result(self) -> SearchResult:
         if self._next is not None:
             raise RuntimeError("the search is not over")
-        return SearchResult(self._lo, self._hi, self._censored, list(self._points))
+        return SearchResult(self._lo, self._hi, self._censored, list(self._points), self._client_bound)
 
     def bounds(self) -> tuple[float, float | None]:
         """What the points measured so far say of the limit, for a search cut short: (the highest
         rate that met below the lowest miss, or 0; the lowest miss, or None)."""
         misses = self._misses()
         hi = min(misses) if misses else None
-        met = [p.rate_rps for _, p in self._points if p.meets_slo and (hi is None or p.rate_rps < hi)]
+        met = [p.rate_rps for _, p in self._points
+               if p.meets_slo and not p.client_bound and (hi is None or p.rate_rps < hi)]  # fmt: skip
         return max(met, default=0.0), hi
 
     def points(self) -> list[tuple[str, Point]]:
@@ -126,9 +154,22 @@ class LimitSearch:
         return any(math.isclose(p.rate_rps, rate, rel_tol=RATE_TOL) for _, p in self._points)
 
     def _misses(self) -> list[float]:
-        return [p.rate_rps for phase, p in self._points if phase != "compare" and not p.meets_slo]
+        """Rates the system missed (a client-bound point is no miss of the system's)."""
+        return [
+            p.rate_rps
+            for phase, p in self._points
+            if phase != "compare" and not p.meets_slo and not p.client_bound
+        ]
+
+    def _met_below(self, rate: float) -> float:
+        return max(
+            (p.rate_rps for _, p in self._points if p.meets_slo and not p.client_bound and p.rate_rps < rate),
+            default=0.0,
+        )
 
     def _advance(self, point: Point) -> float | None:
+        if point.client_bound and self._phase != "compare":
+            return self._client_ceiling(point.rate_rps)
         if self._phase == "grid":
             i = len([1 for phase, _ in self._points if phase == "grid"])
             missed = bool(self._misses())
@@ -154,6 +195,17 @@ class LimitSearch:
             return self._bisect_next()
         return self._compare_next()
 
+    def _client_ceiling(self, rate: float) -> float | None:
+        """The load generator could not offer `rate`: nothing at or above it can be measured."""
+        self._client_bound = rate if self._client_bound is None else min(self._client_bound, rate)
+        misses = [m for m in self._misses() if m < rate]
+        if misses:  # a real miss below the ceiling bounds the limit: bisect up to it
+            return self._start_bisect()
+        self._censored = True
+        self._lo = self._met_below(rate)
+        self._hi = None
+        return self._start_compare()
+
     def _step_down(self, rate: float) -> float | None:
         lower = rate / self.config.growth
         if lower < self.config.floor * (1 - RATE_TOL):
@@ -163,8 +215,7 @@ class LimitSearch:
     def _start_bisect(self) -> float | None:
         self._phase = "bisect"
         self._hi = min(self._misses())
-        met = [p.rate_rps for _, p in self._points if p.meets_slo and p.rate_rps < self._hi]
-        self._lo = max(met, default=0.0)
+        self._lo = self._met_below(self._hi)
         return self._bisect_next()
 
     def _bisect_next(self) -> float | None:

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from relaygr.search import Point, SearchConfig, find_limit
+from relaygr.search import Point, SearchConfig, find_limit, recorded_client_bound
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.scheduler import (
@@ -248,7 +248,7 @@ def met_files(result: dict[str, Any], config: str, workload: str, files: Sequenc
         for r in result["results"]
         if r["config"] == config and r["workload"] == workload
         for p in r["points"]
-        if p["meets_slo"]
+        if p["meets_slo"] and not recorded_client_bound(p)
     }
     out = []
     for f in files:
@@ -704,6 +704,8 @@ def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[
         if r["config"] != config or r["workload"] != workload:
             continue
         for p in r["points"]:
+            if recorded_client_bound(p):  # the load generator's point, not the stack's
+                continue
             if p["meets_slo"]:
                 met = max(met, float(p["rate_rps"]))
             else:

@@ -20,6 +20,9 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         "--users", "200", "--recent", "8", "--candidates", "16", "--settle-s", "0", "--warmup-s", "1",
         "--lead-in-s", "1", "--out-dir", str(tmp_path), "--tag", "smoke",
         "--calls-dir", str(tmp_path / "calls"),
+        # The load from two processes (relaygr/load.py); a bound no CI hiccup reaches, so that
+        # the search runs as the test expects (client-bound searches: test_goodput_search).
+        "--client-processes", "2", "--client-lag-bound-ms", "1000",
     ])  # fmt: skip
     json_path = next(p for p in paths if p.suffix == ".json")
     assert json_path.name.startswith("goodput-")
@@ -34,6 +37,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         assert record["repeat"] == 0
         assert record["first_miss_rps"] is not None
         assert not record["censored"]
+        assert record["client_bound_rps"] is None
         assert record["goodput_rps"] == 0.0  # nothing meets a 10 us SLO
         assert [p["rate_rps"] for p in record["points"]] == [4.0, 2.0]  # grid bottom, then down to the floor
         for point in record["points"]:
@@ -60,7 +64,11 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                         "loop_stalls_over_20ms_router", "loop_stalls_over_20ms_trigger"):  # fmt: skip
                 assert point[key] >= 0
             # Our processes' CPU over the point: the ranker computed, the client replayed the load.
-            for name in ("client", "ranker_0", "router", "trigger", "broker"):
+            assert point["client_processes"] == 2
+            assert point["client_bound"] is False
+            # The load's parent process only waits on its workers: its share may round to 0.
+            assert 0.0 <= point["cpu_cores_client"] < 64.0
+            for name in ("client_w0", "client_w1", "ranker_0", "router", "trigger", "broker"):
                 assert 0.0 < point[f"cpu_cores_{name}"] < 64.0, name
                 assert 0.0 < point[f"cpu_top_thread_{name}"] <= point[f"cpu_cores_{name}"] + 1e-9, name
             # The next point started from a quiet stack: it drained well before its 60 s bound.

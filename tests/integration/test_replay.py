@@ -6,12 +6,14 @@ summary carries what the reports need. No claims on speed beyond generous bounds
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
 import pytest
 from aiokafka import AIOKafkaConsumer
 
+from relaygr.load import LoadGenerator
 from relaygr.replay import SERVED_BY, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
 from services.ranker.config import RankerConfig
@@ -45,7 +47,7 @@ async def stack():
         await producer.start()
         try:
             yield {"broker": broker, "stub": pb_grpc.RankerStub(channel), "producer": producer,
-                   "ranker": ranker}  # fmt: skip
+                   "ranker": ranker, "target": f"127.0.0.1:{router.port}"}  # fmt: skip
         finally:
             await producer.stop()
             await channel.close()
@@ -162,3 +164,31 @@ async def test_a_dead_router_is_recorded_as_failures_not_lost(stack):
     assert summary["ok"] == 0
     assert summary["failed_by_code"] == {"UNAVAILABLE": len(workload)}
     assert not summary["meets_slo"]
+
+
+async def test_a_load_generator_of_two_processes_replays_every_request_once(stack):
+    """relaygr/load.py: two spawned worker processes, each with its own producer and channel,
+    replay the users' shards from one time zero; the merged result is the whole workload's."""
+    config = WorkloadConfig(seed=2, duration_s=2.0, rate_rps=15.0, users=40, length_scale=0.5,
+                            max_prefix_len=300, profile_tokens=4, recent_tokens=8, candidates=16,
+                            session_mean_requests=2.0, think_scale=0.01)  # fmt: skip
+    workload = generate(config)
+    n = len(workload)
+    with LoadGenerator(2) as load:
+        assert len(set(load.pids.values()) | {os.getpid()}) == 3  # two workers, neither this process
+        for _ in range(2):  # the workers are reused from point to point
+            result = await load.replay(workload, bootstrap=stack["broker"].bootstrap,
+                                       router_target=stack["target"], retrieval_topic=TOPIC, slo_ms=SLO_MS,
+                                       rank_timeout_s=30.0, score_sample_every=5)  # fmt: skip
+            summary = result.summary(SLO_MS)
+            assert summary["ok"] == n, summary["failed_by_code"]
+            assert [r.planned for r in result.records] == workload.requests
+            assert [r.index for r in result.sampled()] == list(range(0, n, 5))
+            assert all(len(r.scores or []) == config.candidates for r in result.sampled())
+            assert summary["lag_ms_max"] < 1000  # generous: three processes on a small CPU
+            assert summary["offered_rps"] > 0
+    assert load.pids == {}  # ended with the block
+    events = await read_events(stack["broker"].bootstrap, 2 * n)
+    assert len(events) == 2 * n  # each request's event, once per replay
+    for key, event in events:
+        assert key == str(event.user_id).encode()

@@ -106,6 +106,66 @@ def test_meeting_everywhere_up_to_the_cap_is_reported_censored():
     assert measure.asked == [10, 20, 40, 80, 160, 320, 640, 1000]  # type: ignore[attr-defined]
 
 
+def client_bound_at(limit: float, client_limit: float):
+    """A system whose P99 crosses the SLO at `limit`, replayed by a load generator that falls
+    behind at `client_limit` and above (its points there miss: a late client's P99 is huge)."""
+    system = curve(limit)
+
+    def measure(rate: float) -> Point:
+        point = system(rate)
+        if rate >= client_limit:
+            return Point(rate, 5000.0, False, client_bound=True)
+        return point
+
+    measure.asked = system.asked  # type: ignore[attr-defined]
+    return measure
+
+
+def test_a_client_bound_point_ends_the_search_censored_not_as_the_systems_miss():
+    measure = client_bound_at(limit=1e9, client_limit=300)
+    result = find_limit(measure, GRID)
+    assert result.censored
+    assert result.first_miss_rps is None  # no rate was missed by the system
+    assert result.goodput_rps == 160  # the highest rate met below the client's ceiling
+    assert result.client_bound_rps == 320
+    assert measure.asked == [10, 20, 40, 80, 160, 320]  # type: ignore[attr-defined]  # nothing above it
+
+
+def test_a_client_bound_point_in_the_bisection_censors_at_the_highest_met_below_it():
+    """The system misses at 160 (limit 100); the load generator falls behind once, at the
+    bisection's 120: nothing between 80 and 160 is known, so the result is censored at 80."""
+    system = curve(100)
+
+    def measure(rate: float) -> Point:
+        return Point(rate, 5000.0, False, client_bound=True) if rate == 120 else system(rate)
+
+    result = find_limit(measure, GRID)
+    assert result.censored
+    assert result.first_miss_rps is None
+    assert result.client_bound_rps == 120
+    assert result.goodput_rps == 80
+    assert [p.rate_rps for _, p in result.points] == [10, 20, 40, 80, 160, 120]
+
+
+def test_a_real_miss_below_the_client_ceiling_still_bisects_the_limit():
+    """must_reach steps past the system's miss at 40 to 160, where the client falls behind: the
+    miss at 40 bounds the limit, and the search bisects under it as usual."""
+    measure = client_bound_at(limit=30, client_limit=150)
+    result = find_limit(measure, GRID, must_reach=160)
+    check_bracket(result, 0.10)
+    assert result.goodput_rps <= 30 < result.first_miss_rps  # type: ignore[operator]
+    assert not result.censored
+    assert result.client_bound_rps == 160
+
+
+def test_a_client_bound_point_is_no_miss_in_the_bounds_of_a_search_cut_short():
+    search = LimitSearch(GRID)
+    search.observe(Point(10, 5.0, True))
+    search.observe(Point(20, 5000.0, False, client_bound=True))
+    assert search.bounds() == (10, None)
+    assert search.next_rate() is None  # ended at the client's ceiling
+
+
 def test_must_reach_keeps_stepping_the_grid_but_not_the_limit():
     """A later configuration measures every grid rate an earlier one met (equal-rate comparisons),
     yet its limit is still bracketed by its own first miss, even when a higher rate meets again."""
@@ -239,3 +299,28 @@ def test_bounds_before_any_miss():
     search = LimitSearch(GRID)
     search.observe(curve(1000.0)(10.0))
     assert search.bounds() == (10.0, None)
+
+
+def test_a_recorded_point_is_client_bound_by_its_flag_or_else_by_its_send_lag():
+    from relaygr.search import recorded_client_bound
+
+    assert recorded_client_bound({"client_bound": True, "lag_ms_p99": 0.5})
+    assert not recorded_client_bound({"client_bound": False, "lag_ms_p99": 900.0})  # the flag decides
+    # Files from before the flag (bench/results/goodput-nvidia-h200-h5c: 4736 ms at 587.5 req/s).
+    assert recorded_client_bound({"lag_ms_p99": 4735.8})
+    assert not recorded_client_bound({"lag_ms_p99": 3.6})
+    assert not recorded_client_bound({})
+
+
+def test_the_sim_reads_a_limit_without_the_load_generators_points():
+    from relaygr.sim import measured_limit
+
+    points = [
+        {"rate_rps": 375.0, "meets_slo": True, "lag_ms_p99": 2.0},
+        {"rate_rps": 470.0, "meets_slo": True, "lag_ms_p99": 3.6},
+        {"rate_rps": 587.5, "meets_slo": False, "lag_ms_p99": 4735.8},  # the client fell behind
+    ]
+    result = {"results": [{"config": "relay", "workload": "mix", "points": points}]}
+    assert measured_limit(result, "relay", "mix") == (470.0, math.inf)  # a floor: no miss of its own
+    points[2]["client_bound"] = False
+    assert measured_limit(result, "relay", "mix") == (470.0, 587.5)
