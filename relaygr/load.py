@@ -171,7 +171,13 @@ class LoadGenerator:
                                    score_sample_every))  # fmt: skip
         for (_, conn), plan in zip(self._workers, plans, strict=True):
             conn.send(plan)
-        replies = await asyncio.gather(*(self._receive(k) for k in range(self.processes)))
+        try:
+            replies = await asyncio.gather(*(self._receive(k) for k in range(self.processes)))
+        except BaseException:
+            # A worker failed or the run was cancelled: the others may still be replaying, and
+            # their late replies must not be read as the next point's. Fresh workers next time.
+            self.close()
+            raise
         return merge_results(workload, replies)
 
     async def _receive(self, k: int) -> ReplayResult:

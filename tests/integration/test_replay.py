@@ -7,6 +7,7 @@ summary carries what the reports need. No claims on speed beyond generous bounds
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import grpc
@@ -192,3 +193,22 @@ async def test_a_load_generator_of_two_processes_replays_every_request_once(stac
     assert len(events) == 2 * n  # each request's event, once per replay
     for key, event in events:
         assert key == str(event.user_id).encode()
+
+
+async def test_a_failed_worker_fails_the_replay_and_its_workers_are_replaced():
+    """No broker at the address: each worker's producer cannot start. The replay says why, and
+    the next replay gets fresh workers (no late reply from the failed one is read as its own)."""
+    workload = generate(WorkloadConfig(seed=4, duration_s=0.5, rate_rps=10.0, users=10, fixed_prefix_len=16,
+                                       profile_tokens=4, recent_tokens=4, candidates=4))  # fmt: skip
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with LoadGenerator(2) as load:
+        first = set(load.pids.values())
+        with pytest.raises(RuntimeError, match=r"load worker \d+ failed"):
+            await load.replay(workload, bootstrap=f"127.0.0.1:{port}", router_target=f"127.0.0.1:{port}",
+                              retrieval_topic=TOPIC, slo_ms=SLO_MS)  # fmt: skip
+        assert load.pids == {}  # ended after the failure
+        load.start()
+        assert len(load.pids) == 2
+        assert not set(load.pids.values()) & first
