@@ -55,3 +55,25 @@ def test_two_processes_per_gpu_split_each_gpu_s_hbm_budget():
 def test_a_stack_refuses_fewer_than_one_ranker_per_device():
     with pytest.raises(ValueError, match="rankers_per_device must be >= 1"):
         StackConfig(rankers_per_device=0).validate()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--client-processes", "0"], "--client-processes must be in"),
+        (["--client-processes", "65"], "--client-processes must be in"),
+        (["--client-lag-bound-ms", "0"], "--client-lag-bound-ms must be > 0"),
+        (["--client-lag-bound-ms", "nan"], "--client-lag-bound-ms must be > 0"),
+    ],
+)
+def test_the_load_generators_flags_are_checked_at_start(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        goodput.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_the_load_generator_is_this_process_unless_asked_for_more():
+    args = goodput.parse_args([])
+    assert (args.client_processes, args.client_lag_bound_ms) == (1, 10.0)
+    with goodput.load_generator(1) as load:
+        assert load is None
