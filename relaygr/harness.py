@@ -26,6 +26,7 @@ import torch
 
 from kernels.device import accelerator, resolve_backend, visible_devices
 from relaygr import cpu_usage
+from relaygr.gpu_util import GpuUtilization, physical_index
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack
 from relaygr.load import LoadGenerator
 from relaygr.processes import ServiceProcess
@@ -533,6 +534,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         load.start()
     pids = stack_pids(stack) | (load.pids if load is not None else {})
     threads_before = cpu_usage.snapshot(pids)
+    # The GPUs' own busy share (nvidia-smi: any process's kernels, overlaps counted once).
+    gpu_sampler = GpuUtilization() if stack.config.device == "cuda" else None
+    if gpu_sampler is not None:
+        gpu_sampler.start()
     try:
         if load is not None:
             result = await load.replay(workload, bootstrap=stack.bootstrap, router_target=f"127.0.0.1:{stack.router_port}",
@@ -541,10 +546,13 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
             result = await replay(workload, producer=producer, retrieval_topic=RETRIEVAL_TOPIC, router_stub=router,
                                   materializer=materializer, slo_ms=slo_ms)  # fmt: skip
     finally:
+        gpu_means = gpu_sampler.stop() if gpu_sampler is not None else {}
         stop.set()
         await sampler
         await producer.stop()
     replay_s = time.perf_counter() - started
+    used_gpus = {physical_index(stack.config.device_index(i)) for i in range(stack.config.rankers)}
+    gpu_utils = [gpu_means[i] for i in sorted(used_gpus) if i in gpu_means]
     host_cpu = host_cpu_fractions(cpu_before, host_cpu_times())
     threads_after = cpu_usage.snapshot(pids)
     process_cpu = cpu_usage.usage(threads_before, threads_after, replay_s)
@@ -605,6 +613,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         ),
         # Per device: the rankers sharing one (rankers_per_device) add their busy time up.
         "busy_fraction": busy_s / (replay_s * devices) if replay_s > 0 else 0.0,
+        # The driver's count of the same (nvidia-smi utilization.gpu, mean over the stack's GPUs):
+        # the union of every process's kernels; NaN where not sampled (the CPU).
+        "gpu_util": sum(gpu_utils) / len(gpu_utils) if gpu_utils else math.nan,
         **{
             f"device_{k}_s": device[k] - device_before[k]
             for k in ("rank", "preinfer", "copy", "unused_psi", "gap", "starved", "fill_wait")
@@ -661,10 +672,15 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     print(f"  {sweep:6s} {value:8g}: p50 {s['p50_ms']:7.1f}  p99 {s['p99_ms']:7.1f}  p99.9 {s['p999_ms']:7.1f} ms  "
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
-          f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}, idle with "
+          f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}{_gpu_util(rankers)}, idle with "
           f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}"
           f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
+
+
+def _gpu_util(rankers: dict[str, Any]) -> str:
+    util = rankers.get("gpu_util", math.nan)
+    return f" (nvidia-smi {util:.2f})" if util == util else ""
 
 
 def _verdict(point: Point) -> str:

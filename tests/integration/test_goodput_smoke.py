@@ -45,6 +45,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["calls"] >= 4
             assert point["p99_ms"] > 0
             assert 0.0 <= point["busy_fraction"] <= 1.0
+            assert point["gpu_util"] is None  # nvidia-smi's count: GPU stacks only
             assert 0.0 <= point["starved_fraction"] <= 1.0  # idle between batches with calls waiting
             assert point["device_gap_s"] >= point["device_starved_s"] >= 0.0
             assert point["starved_gaps_over_1ms"] >= 0
