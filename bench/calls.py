@@ -15,7 +15,8 @@ shorter ones first. Records that name their batch (`batch_seq`) replay each batc
 its last call has come; older ones replay every call alone with its batch's compute (a
 relay's batched calls then overstate the replay's queue). Also the busiest
 60 ms and 150 ms of arrivals (`burst_60ms`, `burst_150ms`) against the mean rate, and the compute
-time summed over the calls' span (`compute_share`, the critical path's share of the device).
+time summed over the calls' span (`compute_share`, the critical path's share of the device), and
+how late the load generator sent them (`lag_ms_p99`: a point it fell behind in is the client's).
 Send times stand for arrival times (the network is a constant offset at the rates measured).
 
 `--by-path`: per file, one row per (served_by, batch size): calls, latency P50 / P99 and the P50
@@ -39,7 +40,7 @@ from relaygr.harness import markdown_table
 from shared.stats import percentile
 
 QUEUE_COLUMNS = ("file", "calls", "served", "queue_ms_p50", "queue_ms_p99", "fifo_queue_ms_p50",
-                 "fifo_queue_ms_p99", "burst_60ms", "burst_150ms", "mean_per_60ms", "compute_share")  # fmt: skip
+                 "fifo_queue_ms_p99", "burst_60ms", "burst_150ms", "mean_per_60ms", "compute_share", "lag_ms_p99")  # fmt: skip
 
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
@@ -113,6 +114,9 @@ def analyse(name: str, calls: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "burst_150ms": busiest_window(times, 0.15),
         "mean_per_60ms": round(len(ok) / span_s * 0.06, 2) if span_s > 0 else 0.0,
         "compute_share": round(compute_s / span_s, 3) if span_s > 0 else 0.0,
+        # How late the load generator sent the calls (P99): seconds mean the client, not the
+        # server, set the point (bench.goodput's client_bound); 0 in records without it.
+        "lag_ms_p99": _pct([c.get("lag_ms", 0.0) for c in ok], 99),
     }
 
 

@@ -38,6 +38,8 @@ def test_the_calls_of_one_batch_are_replayed_once_when_the_last_has_come():
     assert len(calls.batches([*batch, other])) == 2
     row = calls.analyse("f", [*batch, alone])
     assert row["compute_share"] == pytest.approx(7.0 / 3.0, abs=1e-3)  # 6 + 1 ms over 3 ms of sends
+    late = [dict(c, lag_ms=lag) for c, lag in zip([*batch, alone], (0.5, 0.7, 4000.0, 1.0), strict=True)]
+    assert calls.analyse("f", late)["lag_ms_p99"] == 4000.0  # the client fell behind for one call
 
 
 def test_the_busiest_window_counts_send_times_within_it():
@@ -63,6 +65,7 @@ def test_a_files_row_from_gzipped_records(tmp_path, capsys):
     assert row["fifo_queue_ms_p99"] == 0.0  # 2 ms of work every 10 ms: never a wait
     assert row["queue_ms_p99"] == 2.0
     assert row["compute_share"] == pytest.approx(200 / 990, abs=1e-3)
+    assert row["lag_ms_p99"] == 0.0  # records without the client's send lag
     assert "p.jsonl.gz" in capsys.readouterr().out
 
 
