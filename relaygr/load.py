@@ -171,11 +171,16 @@ class LoadGenerator:
                                    score_sample_every))  # fmt: skip
         for (_, conn), plan in zip(self._workers, plans, strict=True):
             conn.send(plan)
+        receiving = [asyncio.ensure_future(self._receive(k)) for k in range(self.processes)]
         try:
-            replies = await asyncio.gather(*(self._receive(k) for k in range(self.processes)))
+            replies = await asyncio.gather(*receiving)
         except BaseException:
             # A worker failed or the run was cancelled: the others may still be replaying, and
-            # their late replies must not be read as the next point's. Fresh workers next time.
+            # their late replies must not be read as the next point's. Stop waiting on their
+            # pipes, end them; fresh workers next time.
+            for task in receiving:
+                task.cancel()
+            await asyncio.gather(*receiving, return_exceptions=True)
             self.close()
             raise
         return merge_results(workload, replies)
