@@ -10,7 +10,9 @@ request, the gRPC round trip, and how late its event loop wakes for the reply. I
 every retrieval event to an embedded Tansu broker, as the benchmarks do (`--producer none`: not).
 Per (loop, rate): latency P50 / P99, send lag P99 (how late calls left against their plan), and
 the replayer's loop lag (P99, max), printed as a table and written to
-bench/results/client-<machine>.json.
+bench/results/client-<machine>.json. `--processes 1 2 4` measures the same with the load from that
+many processes (relaygr/load.py, users sharded; their loops are asyncio's; Kafka producer needed):
+where one process falls behind and how far more of them carry it.
 
 Why: on some GPU leases the goodput benchmark's load generator lagged 15-24 ms and the calls'
 `network` P99 (client minus server time) reached 13-27 ms against 4-6 ms on others, which moved
@@ -35,6 +37,7 @@ from typing import Any
 import grpc
 
 from bench.report import RESULTS_DIR, write_result
+from relaygr.load import LoadGenerator
 from relaygr.replay import replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
 from shared.protos import ranker_pb2 as pb
@@ -86,6 +89,21 @@ class _NoProducer:
         return done
 
 
+async def sharded_point(
+    load: LoadGenerator, port: int, config: WorkloadConfig, bootstrap: str
+) -> dict[str, Any]:
+    """one_point from the load generator's worker processes."""
+    workload = generate(config)
+    result = await load.replay(workload, bootstrap=bootstrap, router_target=f"127.0.0.1:{port}",
+                               retrieval_topic="bench.client.retrieval", slo_ms=50.0)  # fmt: skip
+    return _row(result.summary(50.0))
+
+
+def _row(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: s[k] for k in ("ok", "failed", "publish_failed", "p50_ms", "p99_ms", "lag_ms_p99",
+                              "client_loop_lag_ms_p99", "client_loop_lag_ms_max", "client_gc_pause_ms_max")}  # fmt: skip
+
+
 async def one_point(port: int, config: WorkloadConfig, bootstrap: str | None) -> dict[str, Any]:
     workload = generate(config)
     materializer = Materializer.for_workload(workload)
@@ -106,9 +124,7 @@ async def one_point(port: int, config: WorkloadConfig, bootstrap: str | None) ->
         if bootstrap is not None:
             await producer.stop()
         await channel.close()
-    s = result.summary(50.0)
-    return {k: s[k] for k in ("ok", "failed", "publish_failed", "p50_ms", "p99_ms", "lag_ms_p99",
-                              "client_loop_lag_ms_p99", "client_loop_lag_ms_max", "client_gc_pause_ms_max")}  # fmt: skip
+    return _row(result.summary(50.0))
 
 
 def run_loop(loop_name: str, coro: Any) -> Any:
@@ -126,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefix-len", type=int, default=4096)
     p.add_argument("--duration-s", type=float, default=10.0)
     p.add_argument("--producer", choices=["none", "kafka"], default="kafka")
+    p.add_argument("--processes", type=int, nargs="+", default=[1],
+                   help="load generator processes (> 1: relaygr/load.py's workers, asyncio loops, Kafka producer)")  # fmt: skip
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-write", action="store_true")
@@ -138,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if any(r <= 0 for r in args.rates) or args.duration_s <= 0 or args.prefix_len < 16:
         p.error("--rates and --duration-s must be positive, --prefix-len >= 16")
+    if any(n < 1 for n in args.processes) or (max(args.processes) > 1 and args.producer != "kafka"):
+        p.error("--processes must be >= 1; more than 1 needs --producer kafka (each worker publishes)")
     base = WorkloadConfig(fixed_prefix_len=args.prefix_len, duration_s=args.duration_s, lead_in_s=0.0)
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -147,20 +167,29 @@ def main(argv: list[str] | None = None) -> None:
             from shared.broker import EmbeddedBroker
 
             bootstrap = stack.enter_context(EmbeddedBroker.start()).bootstrap
-        for loop_name in args.loops:
-            for i, rate in enumerate(args.rates):
-                config = dataclasses.replace(base, rate_rps=rate, version_base=1000 * (i + 1))
-                row = {"loop": loop_name, "rate_rps": rate, "producer": args.producer,
-                       **run_loop(loop_name, one_point(port, config, bootstrap))}  # fmt: skip
-                results.append(row)
-                print(f"{loop_name:8s} {rate:7g} req/s: p50 {row['p50_ms']:6.2f}  p99 {row['p99_ms']:6.2f} ms  "
-                      f"send lag p99 {row['lag_ms_p99']:5.2f}  loop lag p99 {row['client_loop_lag_ms_p99']:5.2f} "
-                      f"max {row['client_loop_lag_ms_max']:6.2f} ms  ok {row['ok']}", flush=True)  # fmt: skip
+        points = 0
+        for processes in args.processes:
+            load = stack.enter_context(LoadGenerator(processes)) if processes > 1 else None
+            for loop_name in args.loops if load is None else ["asyncio"]:
+                for rate in args.rates:
+                    points += 1
+                    config = dataclasses.replace(base, rate_rps=rate, version_base=1000 * points)
+                    if load is None:
+                        measured = run_loop(loop_name, one_point(port, config, bootstrap))
+                    else:
+                        assert bootstrap is not None
+                        measured = asyncio.run(sharded_point(load, port, config, bootstrap))
+                    row = {"loop": loop_name, "processes": processes, "rate_rps": rate, "producer": args.producer,
+                           **measured}  # fmt: skip
+                    results.append(row)
+                    print(f"{loop_name:8s} x{processes} {rate:7g} req/s: p50 {row['p50_ms']:6.2f}  p99 {row['p99_ms']:6.2f} ms  "
+                          f"send lag p99 {row['lag_ms_p99']:5.2f}  loop lag p99 {row['client_loop_lag_ms_p99']:5.2f} "
+                          f"max {row['client_loop_lag_ms_max']:6.2f} ms  ok {row['ok']}", flush=True)  # fmt: skip
     if not args.no_write:
         config_doc = vars(args) | {"machine_cpus": os.cpu_count(), "python": platform.python_version(),
                                    "stub": "answers at once, 1 score per candidate; its own process"}  # fmt: skip
         config_doc.pop("serve_stub", None)
-        columns = ["loop", "rate_rps", "producer", "ok", "p50_ms", "p99_ms", "lag_ms_p99",
+        columns = ["loop", "processes", "rate_rps", "producer", "ok", "p50_ms", "p99_ms", "lag_ms_p99",
                    "client_loop_lag_ms_p99", "client_loop_lag_ms_max"]  # fmt: skip
         out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR
         print("wrote", *write_result("client", config_doc, results, columns, out_dir=out_dir, tag=args.tag))

@@ -29,3 +29,21 @@ def test_bad_arguments_are_refused():
         client.main(["--rates", "0"])
     with pytest.raises(SystemExit):
         client.main(["--loops", "trio"])
+
+
+def test_the_load_from_several_processes_is_measured_beside_one(tmp_path):
+    client.main(["--rates", "20", "--duration-s", "1", "--prefix-len", "256", "--loops", "asyncio",
+                 "--processes", "1", "2", "--out-dir", str(tmp_path), "--tag", "p"])  # fmt: skip
+    rows = json.loads(next(tmp_path.glob("client-*-p.json")).read_text())["results"]
+    assert [(r["loop"], r["processes"]) for r in rows] == [("asyncio", 1), ("asyncio", 2)]
+    for row in rows:
+        assert row["ok"] > 0
+        assert row["failed"] == 0
+        assert row["publish_failed"] == 0
+
+
+@pytest.mark.parametrize("flags", [["--processes", "0"], ["--processes", "2", "--producer", "none"]])
+def test_load_processes_that_cannot_run_are_refused(flags, capsys):
+    with pytest.raises(SystemExit):
+        client.main(flags)
+    assert "--processes" in capsys.readouterr().err
