@@ -273,7 +273,7 @@ def incomplete_record(
         "goodput_rps": None,
         "first_miss_rps": None,
         "censored": False,
-        "client_bound_rps": min((p.rate_rps for _, p in search.points() if p.client_bound), default=None),
+        "client_bound_rps": search.client_bound_rps,
         "incomplete": True,
         "met_rps_max": met,
         "missed_rps_min": missed,

@@ -506,8 +506,11 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     workload = generate(workload_config)
     materializer = Materializer.for_workload(workload)
     before = await ranker_stats(stack.ranker_targets)
-    producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap), max_request_size=64 << 20)
-    await producer.start()
+    # The load's workers publish through producers of their own.
+    producer = None if load is not None else make_producer(KafkaSettings(bootstrap=stack.bootstrap),
+                                                           max_request_size=64 << 20)  # fmt: skip
+    if producer is not None:
+        await producer.start()
     resident: list[int] = []
     dram_used: list[float] = []
     stop = asyncio.Event()
@@ -539,7 +542,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     if gpu_sampler is not None:
         gpu_sampler.start()
     try:
-        if load is not None:
+        if producer is None:
+            assert load is not None
             result = await load.replay(workload, bootstrap=stack.bootstrap, router_target=f"127.0.0.1:{stack.router_port}",
                                        retrieval_topic=RETRIEVAL_TOPIC, slo_ms=slo_ms)  # fmt: skip
         else:
@@ -549,7 +553,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         gpu_means = gpu_sampler.stop() if gpu_sampler is not None else {}
         stop.set()
         await sampler
-        await producer.stop()
+        if producer is not None:
+            await producer.stop()
     replay_s = time.perf_counter() - started
     used_gpus = {physical_index(stack.config.device_index(i)) for i in range(stack.config.rankers)}
     gpu_utils = [gpu_means[i] for i in sorted(used_gpus) if i in gpu_means]

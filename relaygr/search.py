@@ -144,6 +144,11 @@ class LimitSearch:
                if p.meets_slo and not p.client_bound and (hi is None or p.rate_rps < hi)]  # fmt: skip
         return max(met, default=0.0), hi
 
+    @property
+    def client_bound_rps(self) -> float | None:
+        """The lowest rate the load generator fell behind at so far (None: none)."""
+        return self._client_bound
+
     def points(self) -> list[tuple[str, Point]]:
         """(phase, point) measured so far."""
         return list(self._points)
@@ -168,8 +173,11 @@ class LimitSearch:
         )
 
     def _advance(self, point: Point) -> float | None:
-        if point.client_bound and self._phase != "compare":
-            return self._client_ceiling(point.rate_rps)
+        if point.client_bound:
+            rate = point.rate_rps
+            self._client_bound = rate if self._client_bound is None else min(self._client_bound, rate)
+            if self._phase != "compare":
+                return self._client_ceiling(rate)
         if self._phase == "grid":
             i = len([1 for phase, _ in self._points if phase == "grid"])
             missed = bool(self._misses())
@@ -197,7 +205,6 @@ class LimitSearch:
 
     def _client_ceiling(self, rate: float) -> float | None:
         """The load generator could not offer `rate`: nothing at or above it can be measured."""
-        self._client_bound = rate if self._client_bound is None else min(self._client_bound, rate)
         misses = [m for m in self._misses() if m < rate]
         if misses:  # a real miss below the ceiling bounds the limit: bisect up to it
             return self._start_bisect()
