@@ -132,11 +132,14 @@ class RankerConfig(TlsSettings):
                                     renamed_from="RELAYGR_GRAPH_MAX_TOKENS",
                                     help="largest ranking batch (new tokens) given a CUDA graph; larger "
                                     "batches run eagerly", check=positive)  # fmt: skip
-    graph_max_full_tokens: int = setting(8192, env="RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS",
+    # 17408 = a 16384-token prefix and a 1024-token suffix. Not "GPU-bound anyway": at 8192 + 320
+    # tokens an eager full ranking took 6-8 ms of host launch (p50) for 10 ms on an H200, the
+    # device idle during it (h6a: gpu_util 0.42 when the baseline missed).
+    graph_max_full_tokens: int = setting(17408, env="RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS",
                                          help="largest full ranking or pre-inference step (tokens in all) "
-                                         "given a CUDA graph; larger ones run eagerly (GPU-bound anyway); "
-                                         "0: none. Pre-inference graphs share one K/V staging buffer of "
-                                         "layers x 2 x tokens x hidden (268 MB at 8192 for the bench "
+                                         "given a CUDA graph; larger ones run eagerly; 0: none. "
+                                         "Pre-inference graphs share one K/V staging buffer of "
+                                         "layers x 2 x tokens x hidden (570 MB at 17408 for the bench "
                                          "preset)", check=non_negative)  # fmt: skip
     cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_RANKER_CPU_AFFINITY",
                                             renamed_from="RELAYGR_CPU_AFFINITY", check=_usable_cpus,

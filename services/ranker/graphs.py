@@ -68,7 +68,7 @@ class GraphLimits:
     # and graphs of each of the two families.
     max_full_tokens: int = 0
     max_full_batch: int = 2
-    max_full_graphs: int = 24
+    max_full_graphs: int = 40  # 26 one-sequence sizes up to 17408 tokens, and two-sequence ones
 
     def validate(self) -> GraphLimits:
         if min(self.max_batch, self.max_tokens, self.max_prefix_tokens, self.max_graphs) < 1:
@@ -113,7 +113,7 @@ def _full_ladder(max_tokens: int) -> tuple[int, ...]:
     """Token capacities of the full and preinfer families: 256, then steps of a quarter of the
     power of two below (padding under 25%), up to and including max_tokens. Coarser than the
     cached family's at the short end (full passes are prefix-long), so that every size fits the
-    family's graph cap and all of them are captured at start-up (21 graphs up to 8192 tokens)."""
+    family's graph cap and all of them are captured at start-up (21 graphs up to 8192 tokens, 26 up to 17408)."""
     sizes = {256}
     base = 256
     while base < max_tokens:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from services.ranker.config import RankerConfig
 from services.ranker.graphs import (
     CACHED,
     FULL,
@@ -136,5 +137,10 @@ def test_full_and_preinfer_graphs_of_one_sequence_are_all_captured_at_start_up()
         for tokens in (1, 100, 256, 257, 700, 4096, 4416, 8000, 8192):
             assert bucket_for(1, tokens, tokens, limits, mode) in keys, (mode, tokens)
     assert warm_full_keys(GraphLimits()) == []  # off by default
+    # The ranker's default reaches a 16384-token prefix with a 1024-token suffix, every size of
+    # it captured at start-up within the family's cap.
+    default = GraphLimits(max_full_tokens=RankerConfig().graph_max_full_tokens)
+    assert bucket_for(1, 16384 + 320, 16384 + 320, default, FULL) in warm_full_keys(default)
+    assert len(warm_full_keys(default)) == 2 * len({k.tokens for k in warm_full_keys(default)})
     few = warm_full_keys(GraphLimits(max_full_tokens=8192, max_full_graphs=4))
     assert len(few) == 8  # at most the family's cap each
