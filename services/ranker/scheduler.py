@@ -34,7 +34,9 @@ What a ranking call does about a pre-inference of its psi still in the queue (`r
 No work is done twice either way. A pre-inference not started used to be taken over whatever
 its size; on a GPU a take-over is an eager pass while the pre-inference step and the call
 against psi replay CUDA graphs: at 4096 tokens on an H100 take-overs computed 6-18 ms where
-the whole pre-inference step (3.5-4 ms) plus the call against psi (~1.6) cost ~5.5.
+the whole pre-inference step (3.5-4 ms) plus the call against psi (~1.6) cost ~5.5. Since
+then a take-over of a pre-inference not started replays the full ranking's graph, keeping psi
+(Engine._launch_takeover_full); one of a started pre-inference is still an eager pass.
 
 Step costs come from `services.ranker.call_cost.CostFit` (per batch + per token + per attention
 pair), which the engine fits to its own measured steps: one fit of pre-inference steps (what

@@ -5,6 +5,7 @@ device machine)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ import torch
 from kernels.device import accelerator
 from relaygr.synthetic import Shape, batch
 from services.ranker.engine import Engine, EngineConfig
-from services.ranker.graphs import GraphLimits
+from services.ranker.graphs import FULL, GraphLimits
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -145,3 +147,62 @@ async def test_copies_to_and_from_the_host_reuse_their_timing_events():
         assert reload["device_wait"] >= 0
     finally:
         engine.stop()
+
+
+async def test_a_take_over_of_a_preinference_not_started_replays_the_full_graph():
+    """A ranking call that takes over a pre-inference of which nothing was built runs the full
+    ranking's CUDA graph, keeping psi in the pre-inference's own block, not the eager partial
+    pass (8.3 ms of host launch at L8192 on an H200): its scores are the full ranking's, and the
+    pre-inference's waiter gets psi equal to one pre-inference."""
+    model = HSTURanker.from_seed(SPEC, seed=8, device="cuda")
+    config = EngineConfig(
+        max_batch=2,
+        max_wait_s=0.0,
+        preinfer_chunk_tokens=256,
+        max_rank_delay_s=1e-9,  # no rest fits one step: a call takes over
+        full_keeps_psi=True,
+        graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
+    )
+    engine = Engine(model, accelerator("cuda"), config)
+    prefixes, suffixes = batch(13, [Shape(3, 900 + 50 * i, 16, 48) for i in range(3)])
+    want = model.full(prefixes, suffixes)
+    whole = model.preinfer(prefixes)
+    scale = max(float(torch.cat(want).abs().max()), 1e-3)
+    engine.start()
+    try:
+        await engine.capture_graphs([64])
+        stats = engine.graph_stats()
+        assert stats is not None
+        for prefix, suffix, w, ref in zip(prefixes, suffixes, want, whole, strict=True):
+            key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+            # Hold the device thread so that the pre-inference cannot start before its call.
+            release, held = await hold_device(engine)
+            pre = asyncio.ensure_future(engine.preinfer(prefix))
+            await eventually(lambda: engine.producing(key), "the pre-inference is queued")  # noqa: B023
+            call = asyncio.ensure_future(engine.relay(prefix, suffix, key, deadline=1e12))
+            await eventually(lambda: engine.rank_queue_depth == 1, "the call is queued")
+            full_before = stats.replays_by_family.get(FULL, 0)
+            eager_before = stats.eager_by_family.get(FULL, 0)
+            release.set()
+            await held
+            served = await asyncio.wait_for(call, 60)
+            psi = await asyncio.wait_for(pre, 60)
+            assert served is not None
+            assert served.reused_tokens == 0
+            assert float((served.result.scores - w.cpu()).abs().max()) / scale < 3e-2
+            kv_scale = max(float(ref.kv.float().abs().max()), 1e-3)
+            assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * kv_scale
+            assert stats.replays_by_family.get(FULL, 0) == full_before + 1  # a replay, not eager
+            assert stats.eager_by_family.get(FULL, 0) == eager_before
+            again = await engine.rank_cached(suffix, psi, psi.key)
+            assert float((again.scores - w.cpu()).abs().max()) / scale < 3e-2
+    finally:
+        engine.stop()
+
+
+async def hold_device(engine: Engine) -> tuple[threading.Event, asyncio.Future]:
+    """Occupies the engine's device thread until the returned event is set."""
+    entered, release = threading.Event(), threading.Event()
+    held = asyncio.ensure_future(engine.call(lambda: (entered.set(), release.wait(30))))
+    assert await asyncio.to_thread(entered.wait, 30)
+    return release, held

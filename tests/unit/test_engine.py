@@ -15,6 +15,7 @@ import torch
 from kernels.device import accelerator
 from relaygr.synthetic import Shape, batch
 from services.ranker.engine import Engine, EngineConfig, EngineStopped
+from services.ranker.graphs import PendingScores
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 from tests.preinfer_gate import PreinferGate
@@ -194,6 +195,78 @@ async def test_a_call_takes_over_a_preinference_not_started_and_no_chunk_runs(mo
     assert close(served.result.scores, model.full([prefix], [suffix])[0])
     assert close(psi.kv, model.preinfer([prefix])[0].kv)
     assert not e.producing(key)
+
+
+class FullGraphsStandIn:
+    """The surface of RankGraphs the engine uses, where only full rankings "replay" (computed by
+    the model's full pass, psi kept, answered at once): which batches the engine hands to the
+    full family's graphs on a GPU, checked on the CPU."""
+
+    full_keeps_kv = True
+
+    def __init__(self, model: HSTURanker) -> None:
+        self.model = model
+        self.full_launches: list[list[int]] = []
+
+    def launch_full(self, prefixes, suffixes, psis=None):
+        kept = psis() if callable(psis) else psis
+        self.full_launches.append([p.length for p in prefixes])
+        return PendingScores.done(self.model.full(prefixes, suffixes, kept))
+
+    def launch_rank(self, suffixes, psis, keys):
+        return None  # eager
+
+    def preinfer(self, chunks) -> bool:
+        return False  # eager
+
+    def has_pending(self) -> bool:
+        return False
+
+    def capture_pending(self, limit: int = 0) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["not-started", "started"])
+async def test_a_take_over_of_nothing_built_goes_to_the_full_graphs(model, monkeypatch, started):
+    """A take-over of a pre-inference not started is a full ranking keeping psi in the
+    pre-inference's block, given to the full family's graph (on a GPU: a replay instead of the
+    eager partial pass); one of a started pre-inference reads its chunks eagerly. Both exact."""
+    prefixes, suffixes = batch(19, [Shape(2, 600, 4, 4)])
+    prefix, suffix = prefixes[0], suffixes[0]
+    key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+    e = chunked(model, delay_s=1e-9)  # the rest never fits one step: the call takes over
+    graphs = FullGraphsStandIn(model)
+    e.graphs = graphs  # type: ignore[assignment]
+    with PreinferGate(model, monkeypatch, pause_before=(1,) if started else (), timeout_s=10.0) as gate:
+        pre = asyncio.ensure_future(e.preinfer(prefix))
+        if started:
+            e.start()
+            await gate.wait_reached(1)  # chunk 0 built, chunk 1 under way
+        else:
+            await eventually(lambda: e.producing(key), "the pre-inference is queued")
+        call = asyncio.ensure_future(e.relay(prefix, suffix, key, deadline=1e12))
+        await eventually(lambda: e.rank_queue_depth == 1, "the ranking call is queued")
+        if started:
+            gate.open(1)
+        else:
+            e.start()  # only now: nothing of the pre-inference ran
+        try:
+            served = await asyncio.wait_for(call, 30)
+            psi = await asyncio.wait_for(pre, 30)
+        finally:
+            e.stop()
+    assert served is not None
+    assert close(served.result.scores, model.full([prefix], [suffix])[0])
+    assert close(psi.kv, model.preinfer([prefix])[0].kv)
+    assert not e.producing(key)
+    if started:
+        assert served.reused_tokens == 512
+        assert graphs.full_launches == []  # it read the chunks built: the eager partial pass
+    else:
+        assert served.reused_tokens == 0
+        assert gate.chunks == []
+        assert graphs.full_launches == [[prefix.length]]
+        assert e.recent_batches()[-1].tokens == prefix.length + suffix.length
 
 
 async def test_a_call_joins_a_preinference_not_started_that_fits_one_step(model, monkeypatch):
