@@ -117,9 +117,13 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", asyncio.run(_replay_plan(plan))))
+            reply: tuple[str, object] = ("ok", asyncio.run(_replay_plan(plan)))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            reply = ("error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:  # the parent has gone (a time limit ended the run): nobody to tell
+            return
 
 
 class LoadGenerator:
