@@ -102,7 +102,10 @@ class RankerConfig(TlsSettings):
     preinfer_chunk_tokens: int = setting(4096, env="RELAYGR_RANKER_PREINFER_CHUNK_TOKENS",
                                          help="pre-inference builds psi in chunks of at most this many prefix "
                                          "tokens (a multiple of 256), between ranking steps; smaller chunks "
-                                         "hold a ranking call back less", check=_whole_chunks)  # fmt: skip
+                                         "hold a ranking call back less. A first chunk that a CUDA graph holds "
+                                         "may be as long as the graph (RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS) "
+                                         "within the step budget (--max-rank-delay-ms): later chunks run "
+                                         "eagerly", check=_whole_chunks)  # fmt: skip
     max_rank_delay_ms: float = setting(5.0, env="RELAYGR_RANKER_MAX_RANK_DELAY_MS",
                                        help="pre-inference chunks are sized (from the measured step costs) so "
                                        "that a step lasts at most its fixed cost plus this long: about the "

@@ -209,11 +209,22 @@ class IterationScheduler:
             fit = self.first_costs
         return fit.coefficients.seconds(tokens, tokens * (done + tokens))
 
+    def chunk_cap(self, done: int) -> int:
+        """The most tokens one chunk after `done` built ones may have: `chunk_tokens`; a chunk
+        from the prefix's first token up to `graph_tokens` where first chunks replay graphs (the
+        step budget still bounds it). A later chunk reads psi and runs eagerly, ~4-5 ms of host
+        time whatever its size: at L8192 on an H200 (h6a) the 4096-token cap split every prefix
+        into a graph step and an eager one, and a whole pre-inference cost the device loop 1.5-2x
+        a full ranking (the trigger, pricing it so, refused most of them as too late)."""
+        if done == 0 and self.first_costs is not None:
+            return max(self.config.chunk_tokens, self.graph_tokens)
+        return self.config.chunk_tokens
+
     def chunk_size(self, done: int, remaining: int, budget_s: float) -> int:
         """The largest chunk after `done` built tokens, in whole fingerprint chunks, at most
-        `chunk_tokens` and `remaining`, predicted to fit `budget_s`; at least one fingerprint chunk
-        (or what remains) whatever the budget, so every pre-inference makes progress."""
-        cap = min(self.config.chunk_tokens, remaining)
+        `chunk_cap(done)` and `remaining`, predicted to fit `budget_s`; at least one fingerprint
+        chunk (or what remains) whatever the budget, so every pre-inference makes progress."""
+        cap = min(self.chunk_cap(done), remaining)
         n = min(CHUNK_TOKENS, remaining)
         while n + CHUNK_TOKENS <= cap and self.chunk_seconds(done, n + CHUNK_TOKENS) <= budget_s:
             n += CHUNK_TOKENS

@@ -325,6 +325,31 @@ def test_first_chunks_that_a_graph_holds_are_costed_by_the_graph_steps_fit():
     assert both.remaining_seconds(256, 4096) == pytest.approx(plain.remaining_seconds(256, 4096))
 
 
+def test_a_first_chunk_that_a_graph_holds_may_pass_the_eager_chunk_cap():
+    # chunk_tokens 4096 (the default) with graphs to 17408 tokens: an 8192-token prefix whose
+    # one graph step (6.8 ms) fits the budget (4.5 + 5 ms) is built in one step, not a graph
+    # step and an eager one; an eager fit alone keeps the cap, and later chunks keep it too.
+    eager = fitted(4.5 * MS, 0.1e-6, 0.3e-9)
+    graph = fitted(0.2 * MS, 0.8e-6, 0.0)
+    config = SchedulerConfig(max_wait_s=0.0, chunk_tokens=4096, max_rank_delay_s=5 * MS)
+    both = IterationScheduler(config, eager, first_costs=graph, graph_tokens=17408)
+    plain = IterationScheduler(config, eager)
+    assert both.chunk_cap(0) == 17408
+    assert both.chunk_cap(256) == 4096
+    assert plain.chunk_cap(0) == 4096
+    [chunk] = both.plan(0.0, [], [PreinferItem(1, 8192, 0, 0.0)]).chunks
+    assert (chunk.start, chunk.end) == (0, 8192)
+    assert both.remaining_seconds(0, 8192) == pytest.approx(both.chunk_seconds(0, 8192))
+    # The budget still bounds it: a 16384-token prefix (13.3 ms as one step) is split.
+    [first] = both.plan(0.0, [], [PreinferItem(2, 16384, 0, 0.0)]).chunks
+    assert first.start == 0
+    assert 4096 < first.end < 16384
+    assert both.chunk_seconds(0, first.end) <= both.step_budget_s()
+    # Built by the eager fit alone, no chunk passes the cap.
+    [eager_chunk] = plain.plan(0.0, [], [PreinferItem(3, 8192, 0, 0.0)]).chunks
+    assert eager_chunk.end <= 4096
+
+
 def test_full_rankings_are_batched_only_into_shapes_a_captured_graph_holds():
     # 20-token full rankings: eight would batch by cost alone (1 ms a batch, 2 us a token).
     calls = [rank(i, 0.100 + i * MS, RankKind.FULL, tokens=20) for i in range(1, 9)]
