@@ -843,6 +843,15 @@ class Engine:
     def preinfer_backlog(self) -> int:
         return len(self._preinfers)
 
+    def preinfer_due_in_s(self, now: float, limit: int = 256) -> list[float]:
+        """When the queued and running pre-inferences are due (PreinferItem.due: a joined call's
+        deadline, else the signal's), in seconds from `now` (time.monotonic()), earliest first,
+        at most `limit`; those due at no known time are left out. What the trigger needs to count
+        the backlog ahead of a new one: the scheduler builds them earliest due first."""
+        with self._cv:
+            dues = [j.item().due for j in self._preinfers.values() if not j.taken and not j.abandoned]
+        return sorted(d - now for d in dues if math.isfinite(d))[:limit]
+
     # ------------------------------------------------------------------ the device thread
 
     def _has_work(self) -> bool:

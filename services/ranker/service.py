@@ -733,7 +733,10 @@ class RankerService(pb_grpc.RankerServicer):
             hbm_budget_bytes=self.cache.budget_bytes,
             hbm_resident_bytes=self.cache.used_bytes,
             hbm_leased_bytes=self.cache.leased_bytes,
-            preinfer_backlog=self.engine.preinfer_backlog + self.cache.producing,
+            # Every pre-inference the engine holds is a producing cache entry too (reloads are
+            # producing entries only): added, each pre-inference counted twice.
+            preinfer_backlog=max(self.engine.preinfer_backlog, self.cache.producing),
+            preinfer_due_in_ms=[d * 1e3 for d in self.engine.preinfer_due_in_s(time.monotonic())],
             rank_queue_depth=self.engine.rank_queue_depth,
             preinfers_refused=self.cache.counters.refused + self._preinfers_shed,
             rank_p50_ms=rank_p50,

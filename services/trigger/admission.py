@@ -16,7 +16,9 @@ A retrieval event is pre-inferred only if (in this order):
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   5. its pre-inference is predicted to start before its ranking call comes (the signal's trip
      and the backlog ahead of it, at the measured pre-inference time, within the event's lead:
-     ranking deadline minus SLO minus now; too_late)                               -> else TOO_LATE
+     ranking deadline minus SLO minus now; too_late). Ahead of it: the pre-inferences due no
+     later than it (InstanceLedger.backlog_ahead), as the ranker builds them in that order
+                                                                                    -> else TOO_LATE
   -> ADMITTED.
 A returning key (seen within the reuse window) that step 2 turns away is not dropped: with
 prefetch on, and while its psi fits the footprint bound, it gets a prefetch-only signal
@@ -82,10 +84,15 @@ taken after it arrives).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# The most deadlines a ranker lists in its Stats (StatsReply.preinfer_due_in_ms).
+MAX_REPORTED_DUES = 256
 
 
 class Reason(enum.Enum):
@@ -119,6 +126,7 @@ class _Admitted:
     admitted_at: float
     lease_deadline: float
     queued_until: float  # when its pre-inference is expected to have left the instance's queue
+    due: float = math.inf  # its ranking deadline: the order the ranker builds pre-inferences in
 
 
 @dataclass
@@ -130,10 +138,19 @@ class InstanceLedger:
     reported_backlog: int = 0
     reported_queue_depth: int = 0
     reported_at: float = float("-inf")
+    # The reported backlog's ranking deadlines (same clock as `now`), earliest first; () where
+    # the ranker lists none (StatsReply.preinfer_due_in_ms).
+    reported_dues: tuple[float, ...] = ()
     _admitted: dict[tuple[int, int], _Admitted] = field(default_factory=dict)
 
     def report(
-        self, now: float, budget_bytes: int, resident_bytes: int, backlog: int, queue_depth: int
+        self,
+        now: float,
+        budget_bytes: int,
+        resident_bytes: int,
+        backlog: int,
+        queue_depth: int,
+        dues: Sequence[float] = (),
     ) -> None:
         self.budget_bytes, self.reported_at = budget_bytes, now
         self.reported_resident_bytes, self.reported_backlog, self.reported_queue_depth = (
@@ -141,6 +158,7 @@ class InstanceLedger:
             backlog,
             queue_depth,
         )
+        self.reported_dues = tuple(sorted(dues))
 
     def forget_expired(self, now: float) -> None:
         for key in [k for k, a in self._admitted.items() if a.lease_deadline < now]:
@@ -160,6 +178,22 @@ class InstanceLedger:
         the relay missed the SLO at L4096 on an H100 with a 7 ms pre-inference)."""
         return self.reported_backlog + sum(1 for a in self._pending() if a.queued_until >= now)
 
+    def backlog_ahead(self, now: float, due: float) -> int:
+        """The backlog a pre-inference due at `due` (its ranking deadline) would wait behind: the
+        ranker builds pre-inferences earliest deadline first, so of the reported backlog only
+        those due no later than it, and of this trigger's admissions since the report those due
+        no later that are not expected done yet. Where the report lists no deadlines although
+        it has a backlog (a ranker that does not send them), or lists as many as it may
+        (MAX_REPORTED_DUES) and `due` is past the last, the unlisted rest counts as ahead too.
+        Counting the whole backlog as ahead refused 45% of the events as too late at L8192 on
+        an H200 with the GPU 62% busy (h6c, 112.5 req/s)."""
+        dues = self.reported_dues
+        ahead = bisect.bisect_right(dues, due)
+        unlisted = max(0, self.reported_backlog - len(dues))
+        if not dues or (len(dues) >= MAX_REPORTED_DUES and due > dues[-1]):
+            ahead += unlisted
+        return ahead + sum(1 for a in self._pending() if a.queued_until >= now and a.due <= due)
+
     def is_admitted(self, key: tuple[int, int], now: float) -> bool:
         a = self._admitted.get(key)
         return a is not None and a.lease_deadline >= now
@@ -171,10 +205,11 @@ class InstanceLedger:
         now: float,
         lease_deadline: float,
         queued_until: float = math.inf,
+        due: float = math.inf,
     ) -> None:
         """queued_until: when its pre-inference is expected to be done (default: not before the
-        next report)."""
-        self._admitted[key] = _Admitted(psi_bytes, now, lease_deadline, queued_until)
+        next report); due: its ranking deadline (default: none, built after every one that has)."""
+        self._admitted[key] = _Admitted(psi_bytes, now, lease_deadline, queued_until, due)
 
 
 class OfferedLoad:

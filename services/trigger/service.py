@@ -410,8 +410,11 @@ class TriggerService:
         now_unix_ms = int(time.time() * 1e3)
         # The ranking call's planned time: its deadline less the SLO it was given.
         lead_s = (meta.ranking_deadline_unix_ms - self.config.slo_ms - now_unix_ms) / 1e3
+        # Its deadline on this clock: the order the ranker builds pre-inferences in.
+        due = now + (meta.ranking_deadline_unix_ms - now_unix_ms) / 1e3
         trip_s = self.signal_trip_s(target)
-        late = too_late(lead_s, trip_s, self.preinfer_ms(meta.prefix_len), ledger.backlog(now))
+        ahead = ledger.backlog_ahead(now, due)
+        late = too_late(lead_s, trip_s, self.preinfer_ms(meta.prefix_len), ahead)
         reason = decide(self.policy, self.bounds, predicted, psi_bytes, ledger, key, now, load, pays,
                         adds_little, returning, prefetch, spare, late)  # fmt: skip
         self.metrics.returning.labels("yes" if returning else "no").inc()
@@ -420,9 +423,9 @@ class TriggerService:
             self.metrics.admitted_by.labels("risk" if at_risk else "reuse" if pays else "spare").inc()
             lease_s = max(0, self.lease_deadline_unix_ms(meta, now_unix_ms) - now_unix_ms) / 1e3
             # Its pre-inference leaves the instance's queue after the signal's trip and the
-            # pre-inferences reported ahead of it.
-            queued_s = trip_s + self.preinfer_ms(meta.prefix_len) / 1e3 * (1 + ledger.reported_backlog)
-            ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s)
+            # pre-inferences ahead of it.
+            queued_s = trip_s + self.preinfer_ms(meta.prefix_len) / 1e3 * (1 + ahead)
+            ledger.admit(key, psi_bytes, now, now + lease_s, queued_until=now + queued_s, due=due)
         return reason, target
 
     def signal_trip_s(self, target: str) -> float:
@@ -539,8 +542,9 @@ class TriggerService:
     def _absorb(self, target: str, stats: pb.StatsReply) -> None:
         ledger = self.ledgers[target]
         backlog = stats.preinfer_backlog
-        ledger.report(time.monotonic(), stats.hbm_budget_bytes, stats.hbm_leased_bytes, backlog,
-                      stats.rank_queue_depth)  # fmt: skip
+        now = time.monotonic()
+        ledger.report(now, stats.hbm_budget_bytes, stats.hbm_leased_bytes, backlog, stats.rank_queue_depth,
+                      [now + ms / 1e3 for ms in stats.preinfer_due_in_ms])  # fmt: skip
         self._queue_depth[target] = stats.rank_queue_depth
         if stats.psi_bytes_per_token:
             self._psi_per_token[target] = stats.psi_bytes_per_token

@@ -98,6 +98,28 @@ async def test_miss_preinfer_join_hit_all_equal_full(ranker, monkeypatch):
     assert hit.model_version
 
 
+@pytest.mark.parametrize("ranker", [JOIN], indirect=True)
+async def test_stats_count_a_pre_inference_once_and_list_its_deadline(ranker, monkeypatch):
+    """A pre-inference under way is one of the backlog (the engine's job and the cache's
+    producing entry are the same psi), and its ranking deadline is listed in ms from the reply:
+    the trigger counts only the backlog due before an event as ahead of it."""
+    service, stub, _ = ranker
+    prefixes, _ = users(3, 1, prefix_len=600)
+    with PreinferGate(service.model, monkeypatch, pause_before=(1,)) as gate:  # held after chunk 0
+        due_unix_ms = int(time.time() * 1e3) + 3000
+        request = preinfer_request(prefixes[0], "p1", ranking_deadline_unix_ms=due_unix_ms)
+        assert (await stub.PreInfer(request, timeout=5)).outcome == pb.PreInferReply.ACCEPTED
+        await gate.wait_reached(1)
+        stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+        gate.open()
+    assert stats.preinfer_backlog == 1
+    [due_in_ms] = stats.preinfer_due_in_ms
+    assert 2000 < due_in_ms <= 3000
+    await wait_produced(stub)
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert (stats.preinfer_backlog, len(stats.preinfer_due_in_ms)) == (0, 0)
+
+
 @pytest.mark.parametrize("ranker", [TAKE_OVER], indirect=True)
 async def test_a_call_takes_over_its_half_built_psi_and_completes_it(ranker, monkeypatch):
     service, stub, _ = ranker

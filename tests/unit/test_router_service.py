@@ -672,7 +672,8 @@ class CountingRanker(FakeRanker):
                              lead_time_p50_ms=10.0 if self.name == "a" else 30.0, psi_from_rankings=9,
                              ranking_psi_min_tokens=1024 if self.name == "a" else 512,
                              device_busy=0.3 if self.name == "a" else 0.6,
-                             signal_trip_p90_ms=12.0 if self.name == "a" else 4.0)  # fmt: skip
+                             signal_trip_p90_ms=12.0 if self.name == "a" else 4.0,
+                             preinfer_due_in_ms=[5.0, 40.0] if self.name == "a" else [20.0] * 300)  # fmt: skip
 
 
 async def test_router_health_for_the_ranker_api_follows_membership():
@@ -726,6 +727,8 @@ async def test_router_stats_sum_the_rankers_counters():
         assert stats.lead_time_p50_ms == 30.0
         assert stats.device_busy == pytest.approx(0.6)  # the busiest device's
         assert stats.signal_trip_p90_ms == pytest.approx(12.0)  # the slowest signal path's
+        # Both rankers' pre-inference deadlines, merged earliest first, the first 256.
+        assert list(stats.preinfer_due_in_ms) == [5.0] + [20.0] * 255
     finally:
         await channel.close()
         await router.shutdown(grace_s=0.2)

@@ -370,6 +370,19 @@ async def test_too_late_uses_the_signal_trip_the_rankers_measure():
         # A call due before even the measured trip is still too late.
         assert service._handle(record(event(3, 2), key=b"3")) is None
         assert service.counts["too_late"] == 2
+        # Ten pre-inferences queued there, all due after this event's call (the ranker lists
+        # their deadlines): built after it, none is ahead.
+        reply.signal_trip_p90_ms = 8.0
+        reply.preinfer_backlog = 10
+        slo_ms = service.config.slo_ms
+        reply.preinfer_due_in_ms[:] = [slo_ms + 500.0] * 10
+        service._absorb("127.0.0.1:1", reply)
+        assert service._handle(record(event(4, 45), key=b"4")) is not None
+        # ... all due before it: 10 x 5 ms of pre-inference and the trip do not fit 45 ms.
+        reply.preinfer_due_in_ms[:] = [slo_ms + 10.0] * 10
+        service._absorb("127.0.0.1:1", reply)
+        assert service._handle(record(event(5, 45), key=b"5")) is None
+        assert service.counts["too_late"] == 3
     finally:
         assert service.membership is not None
         await service.membership.close()

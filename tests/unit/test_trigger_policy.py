@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.trigger.admission import (
+    MAX_REPORTED_DUES,
     Bounds,
     InstanceLedger,
     OfferedLoad,
@@ -337,6 +338,34 @@ def test_an_admission_leaves_the_backlog_when_its_pre_inference_is_expected_done
     assert led.backlog(0.2) == 1
     assert led.resident_bytes() == 100  # their psi still counts until the ranker reports it
     assert decide(Policy.SEQUENCE_AWARE, BOUNDS, 30.0, 10, led, (99, 1), 0.2) is Reason.ADMITTED
+
+
+def test_only_the_backlog_due_first_is_ahead_of_a_pre_inference():
+    # The ranker builds pre-inferences earliest deadline first: of 3 reported, due 50, 100 and
+    # 200 ms from the report, one is ahead of an event due at 70 ms and all three of one at 1 s.
+    led = ledger(budget=1000, resident=0, backlog=3)
+    led.report(0.0, 1000, 0, 3, 0, dues=[0.2, 0.05, 0.1])
+    assert led.backlog_ahead(0.0, 0.07) == 1
+    assert led.backlog_ahead(0.0, 0.15) == 2
+    assert led.backlog_ahead(0.0, 1.0) == 3
+    assert led.backlog(0.0) == 3  # the load bound still counts them all
+    # Admissions since the report: those due first and not expected done yet.
+    led.admit((1, 1), 10, now=0.01, lease_deadline=5.0, queued_until=0.05, due=0.06)
+    led.admit((2, 1), 10, now=0.01, lease_deadline=5.0, queued_until=0.05, due=0.5)
+    assert led.backlog_ahead(0.02, 0.07) == 2
+    assert led.backlog_ahead(0.02, 1.0) == 5
+    assert led.backlog_ahead(0.06, 1.0) == 3  # both expected done by then
+    # Reloads and pre-inferences without a deadline are listed in no due: never ahead.
+    led.report(1.0, 1000, 0, 4, 0, dues=[1.1])
+    assert led.backlog_ahead(1.0, 1.05) == 0
+    assert led.backlog_ahead(1.0, 1.2) == 1
+    # A report listing no deadlines for its backlog (a ranker that sends none): all of it ahead.
+    led.report(2.0, 1000, 0, 4, 0)
+    assert led.backlog_ahead(2.0, 2.01) == 4
+    # A list cut at its cap: past its last deadline, the unlisted rest is ahead too.
+    led.report(3.0, 1000, 0, MAX_REPORTED_DUES + 10, 0, dues=[3.5] * MAX_REPORTED_DUES)
+    assert led.backlog_ahead(3.0, 3.4) == 0
+    assert led.backlog_ahead(3.0, 3.6) == MAX_REPORTED_DUES + 10
 
 
 def test_latency_model_ignores_a_stalled_batch():
