@@ -10,7 +10,8 @@ A call that reloads its psi from host DRAM waited 17 ms for it on average on an 
                compute queued ahead of it: its block comes from the compute stream's pool); timed
                for reloads only (a timing event more per copy), 0 elsewhere and off CUDA;
   copy         the copy itself (device time; off CUDA its wall time);
-  settle       done on the device until the loop saw it and told the caller.
+  settle       done on the device until the caller was told: by the copy watcher for reloads
+               on CUDA (copy_watch.py), else when the loop next polled its copies.
 
     relaygr_ranker_copy_stage_seconds_total{work="...", stage="..."}
     relaygr_ranker_copies_timed_total{work="..."}

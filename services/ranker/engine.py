@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -78,6 +79,7 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.copy_stages import CopyStages
+from services.ranker.copy_watch import CopyWatcher
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
 from services.ranker.events import EventPool, timing_event_pool, wait_until_done
 from services.ranker.graphs import (
@@ -327,6 +329,7 @@ class _CopyJob(_Job):
     on_timed: Callable[[float], None] | None = None  # called with the copy's device seconds
     issued_at: float = 0.0  # time.monotonic() when the loop issued it
     waited_from: Any = None  # a reload's event before its stream's wait for compute (CUDA)
+    told_at: float = 0.0  # time.monotonic() when the copy watcher told its caller (0: not)
 
 
 @dataclass
@@ -389,6 +392,9 @@ class Engine:
         # start and end; and one event re-recorded to order the copy streams after compute.
         self._events = timing_event_pool() if cuda else None
         self._order_event = torch.cuda.Event() if cuda else None
+        # Tells a reload's caller once its copy is done, not once the loop next polls
+        # (copy_watch.py); off CUDA a copy is done when issued.
+        self._copy_watcher = CopyWatcher() if cuda else None
         self._samples: collections.deque[BatchSample] = collections.deque(maxlen=256)
         self._batches_run = 0
         # The end of the last ranking batch on the device (its CUDA event; on the CPU the wall
@@ -435,6 +441,8 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        if self._copy_watcher is not None:
+            self._copy_watcher.start()
         thread = threading.Thread(target=self._run, name="relaygr-engine", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -446,6 +454,8 @@ class Engine:
             self._cv.notify_all()
         for thread in self._threads:
             thread.join(timeout_s)
+        if self._copy_watcher is not None:
+            self._copy_watcher.stop(timeout_s)
 
     # ------------------------------------------------------------------ submission (event loop)
 
@@ -1416,6 +1426,8 @@ class Engine:
                     job.value = job.issue()
                 job.event = job.timer.last_event  # after the copy: its completion
                 self._copies_in_flight.append(job)
+                if job.work == "reload" and self._copy_watcher is not None:  # a ranking call waits
+                    self._copy_watcher.watch(job.event, functools.partial(self._tell_copied, job))
             else:
                 with job.timer.section():
                     value = job.issue()
@@ -1423,6 +1435,13 @@ class Engine:
                 job.resolve(value)
         except Exception as exc:
             job.resolve(error=exc)
+
+    @staticmethod
+    def _tell_copied(job: _CopyJob) -> None:
+        """From the copy watcher: the copy is done; its caller is told now, the loop settles its
+        bookkeeping when it next polls (resolving again then is a no-op)."""
+        job.told_at = time.monotonic()
+        job.resolve(job.value)
 
     def _poll_copies(self) -> None:
         still = []
@@ -1446,7 +1465,8 @@ class Engine:
                 self._events.give(job.waited_from)
             job.waited_from = None
         job.timer.release()  # its events are read: back to the pool
-        done_s = time.monotonic() - job.issued_at
+        # Until its caller was told: by the copy watcher where it watched the copy.
+        done_s = (job.told_at or time.monotonic()) - job.issued_at
         self.copy_stages.add(
             job.work, job.issued_at - job.submitted, waited_s, seconds, done_s - waited_s - seconds
         )
