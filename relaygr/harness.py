@@ -450,6 +450,11 @@ def _admissions(rankers: dict[str, Any]) -> str:
         line += "  refused " + ", ".join(f"{k} {v:g}" for k, v in refused.items())
     if rankers.get("signal_trip_p90_ms"):
         line += f"  signal trip p90 {rankers['signal_trip_p90_ms']:.1f} ms"
+    # The device time of one pre-inference (what the trigger prices it at), beside a full
+    # ranking's compute on the same line: at L8192 on an H200 it was the dearer one (h6c).
+    built = rankers.get("psi_produced", 0.0) - rankers.get("reloads", 0.0)
+    if built > 0 and rankers.get("device_preinfer_s"):
+        line += f"  pre-inference {rankers['device_preinfer_s'] / built * 1e3:.1f} ms/psi"
     return line
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from bench import goodput, relay
 from relaygr import demo
-from relaygr.harness import CONFIGS, ranker_latency_target_ms
+from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms
 from relaygr.launcher import StackConfig
 
 
@@ -77,3 +77,12 @@ def test_the_load_generator_is_this_process_unless_asked_for_more():
     assert (args.client_processes, args.client_lag_bound_ms) == (1, 10.0)
     with goodput.load_generator(1) as load:
         assert load is None
+
+
+def test_the_progress_line_prices_a_pre_inference_by_the_psi_it_built():
+    # 0.1 s of pre-inference for 12 psi produced, 2 of them reloads: 10 ms a pre-inference.
+    rankers = {"trigger_admitted": 10.0, "trigger_admitted_risk": 4.0, "psi_produced": 12.0,
+               "reloads": 2.0, "device_preinfer_s": 0.1}  # fmt: skip
+    assert "pre-inference 10.0 ms/psi" in _admissions(rankers)
+    assert "pre-inference" not in _admissions({**rankers, "device_preinfer_s": 0.0})
+    assert "pre-inference" not in _admissions({**rankers, "psi_produced": 2.0})  # reloads only
