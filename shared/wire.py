@@ -38,6 +38,9 @@ DEFAULT_MAX_RECORD_BYTES = 4 << 20
 # offset, service, time; the reason is cut at MAX_REASON_BYTES) and the record's framing.
 DEAD_LETTER_HEADROOM_BYTES = 16 << 10
 MAX_REASON_BYTES = 2048
+# A ranker's (or router's) Stats list the ranking deadlines of at most this many of the
+# pre-inferences it holds, the earliest (StatsReply.preinfer_due_in_ms).
+MAX_PREINFER_DUES = 256
 
 
 class WireError(ValueError):

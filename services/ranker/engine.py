@@ -108,6 +108,7 @@ from services.ranker.sequences import RankingSuffix, UserPrefix
 from shared.fingerprint import CHUNK_TOKENS
 from shared.lifecycle import name_os_thread
 from shared.logging import get_logger
+from shared.wire import MAX_PREINFER_DUES
 
 log = get_logger("ranker.engine")
 
@@ -853,7 +854,7 @@ class Engine:
     def preinfer_backlog(self) -> int:
         return len(self._preinfers)
 
-    def preinfer_due_in_s(self, now: float, limit: int = 256) -> list[float]:
+    def preinfer_due_in_s(self, now: float, limit: int = MAX_PREINFER_DUES) -> list[float]:
         """When the queued and running pre-inferences are due (PreinferItem.due: a joined call's
         deadline, else the signal's), in seconds from `now` (time.monotonic()), earliest first,
         at most `limit`; those due at no known time are left out. What the trigger needs to count
@@ -1118,8 +1119,7 @@ class Engine:
                     scores = self.model.full(prefixes, suffixes, new_psis() if keeps else None)  # type: ignore[arg-type]
                 prefix_len = max(p.length for p in prefixes)  # type: ignore[union-attr]
             elif kind is RankKind.PARTIAL:
-                if self.graphs is not None:
-                    pending = self._launch_takeover_full(batch)
+                pending = self._launch_takeover_full(batch)
                 if pending is None:
                     scores = self._rank_partial(batch, built)
                 prefix_len = max(j.prefix.length for j in batch)  # type: ignore[union-attr]

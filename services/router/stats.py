@@ -9,9 +9,9 @@ from collections.abc import Iterable
 
 from shared.protos import ranker_pb2 as pb
 from shared.stats import percentile
+from shared.wire import MAX_PREINFER_DUES
 
 RANK_WINDOW = 2048  # the recent Rank latencies rank_p50 / rank_p99 are taken over
-MAX_DUES = 256  # StatsReply.preinfer_due_in_ms: the earliest of the rankers' lists merged
 
 
 class RankLatencies:
@@ -39,7 +39,7 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     (a trigger that asks the router judges the room for pre-inference by the busiest device and
     the slowest signal path); rank_p50/p99 are this router's own (`rank`); recent_batches is
     empty; expander_connected is true only if every ranker has its host tier;
-    preinfer_due_in_ms the rankers' lists merged, the earliest MAX_DUES."""
+    preinfer_due_in_ms the rankers' lists merged, the earliest MAX_PREINFER_DUES."""
     stats = list(rankers)
     versions = {s.model_version for s in stats}
     return pb.StatsReply(
@@ -79,6 +79,6 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         device_busy=max((s.device_busy for s in stats), default=0.0),
         signal_trip_p90_ms=max((s.signal_trip_p90_ms for s in stats), default=0.0),
         preinfer_due_in_ms=heapq.nsmallest(
-            MAX_DUES, itertools.chain.from_iterable(s.preinfer_due_in_ms for s in stats)
+            MAX_PREINFER_DUES, itertools.chain.from_iterable(s.preinfer_due_in_ms for s in stats)
         ),
     )

@@ -91,8 +91,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# The most deadlines a ranker lists in its Stats (StatsReply.preinfer_due_in_ms).
-MAX_REPORTED_DUES = 256
+from shared.wire import MAX_PREINFER_DUES
 
 
 class Reason(enum.Enum):
@@ -184,14 +183,14 @@ class InstanceLedger:
         those due no later than it, and of this trigger's admissions since the report those due
         no later that are not expected done yet. Where the report lists no deadlines although
         it has a backlog (a ranker that does not send them), or lists as many as it may
-        (MAX_REPORTED_DUES) and `due` is past the last, the unlisted rest counts as ahead too.
+        (MAX_PREINFER_DUES) and `due` is past the last, the unlisted rest counts as ahead too.
         Counting the whole backlog as ahead (and the rankers then counted each pre-inference
         twice) refused 53% of the events as too late at L8192 on an H200 with the GPU 62% busy
         (h6c, 112.5 req/s)."""
         dues = self.reported_dues
         ahead = bisect.bisect_right(dues, due)
         unlisted = max(0, self.reported_backlog - len(dues))
-        if not dues or (len(dues) >= MAX_REPORTED_DUES and due > dues[-1]):
+        if not dues or (len(dues) >= MAX_PREINFER_DUES and due > dues[-1]):
             ahead += unlisted
         return ahead + sum(1 for a in self._pending() if a.queued_until >= now and a.due <= due)
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from services.trigger.admission import (
-    MAX_REPORTED_DUES,
     Bounds,
     InstanceLedger,
     OfferedLoad,
@@ -24,6 +23,7 @@ from services.trigger.admission import (
 )
 from services.trigger.latency_model import LatencyModel, Sample
 from shared.modelspec import preset
+from shared.wire import MAX_PREINFER_DUES
 
 BOUNDS = Bounds(slo_ms=50.0, risk_fraction=0.5, footprint_fraction=0.9, max_backlog=2)
 
@@ -363,9 +363,9 @@ def test_only_the_backlog_due_first_is_ahead_of_a_pre_inference():
     led.report(2.0, 1000, 0, 4, 0)
     assert led.backlog_ahead(2.0, 2.01) == 4
     # A list cut at its cap: past its last deadline, the unlisted rest is ahead too.
-    led.report(3.0, 1000, 0, MAX_REPORTED_DUES + 10, 0, dues=[3.5] * MAX_REPORTED_DUES)
+    led.report(3.0, 1000, 0, MAX_PREINFER_DUES + 10, 0, dues=[3.5] * MAX_PREINFER_DUES)
     assert led.backlog_ahead(3.0, 3.4) == 0
-    assert led.backlog_ahead(3.0, 3.6) == MAX_REPORTED_DUES + 10
+    assert led.backlog_ahead(3.0, 3.6) == MAX_PREINFER_DUES + 10
 
 
 def test_latency_model_ignores_a_stalled_batch():
