@@ -40,6 +40,7 @@ from kernels.hstu_attention.triton_impl import (
 SWEEP = [
     KernelConfig(128, 64, 8, 2),
     KernelConfig(128, 32, 8, 3),
+    KernelConfig(128, 64, 8, 2, heads_fastest=False),  # the program order before 2026-11-29
 ]
 
 
@@ -119,23 +120,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--prefix", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prefix", type=int, nargs="+", default=[8192], help="prefix lengths (each a shape)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8], help="batch sizes (each a shape)")
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--candidates", type=int, default=256)
     parser.add_argument("--case", choices=["cached", "full", "both"], default="both")
     parser.add_argument("--sweep", action="store_true", help="also time every configuration in SWEEP")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--splits", type=int, nargs="*", default=[],
-                        help="cached case: also time these prefix split counts (printed only)")  # fmt: skip
+                        help="also time these split counts of the keys (printed only)")  # fmt: skip
     args = parser.parse_args(argv)
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
     peak = matmul_peak_tflops()
     print(f"device {torch.cuda.get_device_name()}: bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     names = ["full", "cached"] if args.case == "both" else [args.case]
     results: list[dict[str, Any]] = []
-    for name in names:
-        case = make_case(name, args.batch, args.prefix, args.recent, args.candidates)
+    shapes = [(name, b, p) for b in args.batch for p in args.prefix for name in names]
+    for name, batch, prefix_len in shapes:
+        case = make_case(name, batch, prefix_len, args.recent, args.candidates)
+        label = f"{name:6s} B={batch} P={prefix_len}"
         plan = plan_triton(case.seq, case.prefix, case.pos, case.tim, params)
         default = PREFIX_CONFIG if case.prefix is not None else NO_PREFIX_CONFIG
         configs = [default] + ([c for c in SWEEP if c != default] if args.sweep else [])
@@ -143,11 +146,11 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 ms = time_case(case, plan, params, config)
             except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
-                print(f"{name:6s} {config}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                print(f"{label} {config}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
             tflops = case.flops / ms / 1e9
             print(
-                f"{name:6s} {config}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+                f"{label} {config}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
                 flush=True,
             )
             if config == default:
@@ -161,14 +164,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.sweep:  # the position bias bucketed on chip per pair (the fixed-grid path's way)
             ms = time_case(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
             tflops = case.flops / ms / 1e9
-            print(f"{name:6s} position buckets on chip: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+            print(f"{label} position buckets on chip: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
                   flush=True)  # fmt: skip
-        if case.prefix is not None:
-            for splits in args.splits:
-                ms = time_case(case, plan, params, default, splits)
-                tflops = case.flops / ms / 1e9
-                print(f"{name:6s} splits={splits:3d}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
-                      flush=True)  # fmt: skip
+        for splits in args.splits:
+            ms = time_case(case, plan, params, default, splits)
+            tflops = case.flops / ms / 1e9
+            print(f"{label} splits={splits:3d}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
+                  flush=True)  # fmt: skip
         del case, plan
         torch.cuda.empty_cache()
     if not args.no_write:

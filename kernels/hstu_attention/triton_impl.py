@@ -53,6 +53,7 @@ from kernels.hstu_attention.bias import (
     position_by_distance,
 )
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
+from kernels.hstu_attention.splits import choose_causal_splits
 
 # Relative timestamps are int32 when a sequence's span is at most this: differences of two then
 # lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
@@ -231,14 +232,16 @@ def _attend(
 @triton.jit
 def _attend_all(
     acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-    plen, lo_p, hi_p, do_history,
+    plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal,
     ts_k, pts_k, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
     HAS_PREFIX: tl.constexpr, SHARED_ROW: tl.constexpr,
     POS_BITS: tl.constexpr, NB_POS: tl.constexpr, TIME_BITS: tl.constexpr, NB_TIME: tl.constexpr,
     FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr, REL_TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """The prefix range [lo_p, hi_p) and, if do_history, the history keys, for one row block.
-    ts_k / pts_k: timestamps of the sequence's new tokens / prefix (int32 relative or int64)."""
+    """For one row block: the prefix keys [lo_p, hi_p), the history keys [lo_h, hi_h) below
+    every row of the block (below full_hi, unmasked), and if do_diagonal the masked tiles from
+    full_hi up to the block's last row. ts_k / pts_k: timestamps of the sequence's new tokens /
+    prefix (int32 relative or int64)."""
     col_d = h * BLOCK_D
     if SHARED_ROW:
         q_pos1 = plen + n_hist + 1
@@ -249,12 +252,11 @@ def _attend_all(
         acc = _attend(acc, q, pk_desc, pv_desc, 0, col_d, lo_p, hi_p, hi_p, pts_k, 0, offs_m, q_pos1, q_ts1, ts_ref,
                       pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
                       _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
-    if do_history:
-        # History keys below every row of the block (and below n_hist): unmasked tiles.
-        full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
-        acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, 0, full_hi, full_hi, ts_k, plen, offs_m,
-                      q_pos1, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
-                      _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
+    # History keys below every row of the block (and below n_hist): unmasked tiles.
+    acc = _attend(acc, q, k_desc, v_desc, seq_start, col_d, lo_h, hi_h, hi_h, ts_k, plen, offs_m,
+                  q_pos1, q_ts1, ts_ref, pos_tab, pos_dist, time_tab, alpha_half, inv_norm,
+                  _ALL, SHARED_ROW, POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, REL_TS, BLOCK_N)  # fmt: skip
+    if do_diagonal:
         # The rest, up to the block's last row (causal) and n_hist: masked tiles.
         hi_new = tl.minimum(start_m + BLOCK_M, n_hist)
         if SHARED_ROW:  # candidates see every history key
@@ -277,17 +279,28 @@ def _hstu_attention_fwd(
     bias_tables, pos_by_distance, dist_len, layer, splits, n_row_blocks, alpha_half, inv_norm,
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
     TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, TS_BLOCK_SPAN: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, TS_BLOCK_SPAN: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Row blocks vary fastest: the blocks of one (sequence, head) run side by side and share its
-    # K/V through L2 (streamed once from HBM instead of once per block). In reverse: the last
-    # blocks of a causal sequence see the most keys, so they start first.
-    pid_m = n_row_blocks - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # Programs start in id order, and the last row blocks of a causal sequence see the most keys:
+    # row blocks run in reverse with the heads fastest, so the longest programs of every head
+    # start first and the short ones fill in behind them (longest first; at 8k tokens, batch 1,
+    # head by head left the four heads' longest blocks queued behind short ones: the last wave
+    # ran about 1.4x the balanced time). One sequence's programs still run side by side and
+    # share its K/V through L2.
+    # (HEADS_FASTEST off: row blocks fastest, head by head, the order this replaced; kept to be
+    # measured against, bench.attention --sweep.)
+    if HEADS_FASTEST:
+        pid_mh = tl.program_id(0)
+        h = pid_mh % H
+        pid_m = n_row_blocks - 1 - pid_mh // H
+        b = tl.program_id(1)
+    else:
+        pid_m = n_row_blocks - 1 - tl.program_id(0)
+        b = tl.program_id(1) // H
+        h = tl.program_id(1) % H
     pid_s = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_bh = b * H + h
     hd: tl.constexpr = H * BLOCK_D
     seq_start = tl.load(seq_offsets + b).to(tl.int32)
     n = tl.load(seq_offsets + b + 1).to(tl.int32) - seq_start
@@ -298,14 +311,24 @@ def _hstu_attention_fwd(
     if HAS_PREFIX:
         plen = tl.load(prefix_lens + b).to(tl.int32)
     n_blocks = tl.cdiv(plen, BLOCK_N)
-    # This sequence's own split count: at most `splits`, at least MIN_SPLIT_BLOCKS key blocks
-    # each, so a fixed grid (CUDA graphs) does no extra work for short prefixes.
+    n_hist = tl.load(n_hist_ptr + b).to(tl.int32)
+    # The key tiles visible to every row of the block: the prefix's, then the history's below the
+    # block (full_hi). They are shared out among the splits; the masked diagonal tiles and the
+    # candidates' own keys stay with split 0.
+    full_hi = tl.minimum(start_m, n_hist) // BLOCK_N * BLOCK_N
+    units = n_blocks + full_hi // BLOCK_N
+    # This row block's own split count: at most `splits`, at least MIN_SPLIT_BLOCKS key blocks
+    # each, so a fixed grid (CUDA graphs) does no extra work for short sequences.
     active = splits
     if SPLIT:
-        active = tl.minimum(splits, tl.maximum(n_blocks // MIN_SPLIT_BLOCKS, 1))
+        active = tl.minimum(splits, tl.maximum(units // MIN_SPLIT_BLOCKS, 1))
         if pid_s >= active:
             return
-    n_hist = tl.load(n_hist_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(units, active)
+    u_lo = pid_s * per_split
+    u_hi = tl.minimum(u_lo + per_split, units)
+    lo_h = (tl.maximum(u_lo, n_blocks) - n_blocks) * BLOCK_N
+    hi_h = (tl.maximum(u_hi, n_blocks) - n_blocks) * BLOCK_N
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < n
@@ -337,9 +360,8 @@ def _hstu_attention_fwd(
     pv_desc = v_desc
     p_start = 0
     if HAS_PREFIX:
-        per_split = tl.cdiv(n_blocks, active)
-        lo_p = pid_s * per_split * BLOCK_N
-        hi_p = tl.minimum((pid_s + 1) * per_split * BLOCK_N, plen)
+        lo_p = tl.minimum(u_lo, n_blocks) * BLOCK_N
+        hi_p = tl.minimum(tl.minimum(u_hi, n_blocks) * BLOCK_N, plen)
         k_base = KVBase + tl.load(prefix_kv_offsets + b) + (layer * 2).to(tl.int64) * plen * hd
         rows_p = tl.maximum(plen, 1)  # a descriptor needs a non-empty shape; empty prefixes load nothing
         pk_desc = tl.make_tensor_descriptor(
@@ -349,7 +371,7 @@ def _hstu_attention_fwd(
             k_base + plen.to(tl.int64) * hd, shape=[rows_p, hd], strides=[hd, 1], block_shape=[BLOCK_N, BLOCK_D]
         )  # fmt: skip
         p_start = tl.load(pts_offsets + b)
-    do_history = pid_s == 0
+    do_diagonal = pid_s == 0
     fits = tl.load(fits_ptr + b) != 0
     # A sequence spanning more than int32 (profile tokens at time 0 beside real timestamps, say):
     # timestamps relative to this block's latest query, keys clamped to +-2**30, still give exact
@@ -361,37 +383,37 @@ def _hstu_attention_fwd(
     if fits:
         if shared_row:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-                              plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
+                              plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + seq_start + n_hist) + 1, 0,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
                               POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-                              plen, lo_p, hi_p, do_history, ts32 + seq_start, pts32 + p_start,
+                              plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal, ts32 + seq_start, pts32 + p_start,
                               tl.load(ts32 + q_row) + 1, 0,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
                               POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
     elif block_fits:
         if shared_row:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-                              plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                              plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal, ts64 + seq_start, pts64 + p_start,
                               (tl.load(ts64 + seq_start + n_hist) - ts_ref + 1).to(tl.int32), ts_ref,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, True,
                               POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, True, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
         else:
             acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-                              plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                              plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal, ts64 + seq_start, pts64 + p_start,
                               (q_ts64 - ts_ref + 1).to(tl.int32), ts_ref,
                               pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
                               POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, True, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
     else:  # the block's own queries span too much: int64 differences per pair (rare, slower)
         acc = _attend_all(acc, q, pk_desc, pv_desc, k_desc, v_desc, h, seq_start, n_hist, start_m, offs_m,
-                          plen, lo_p, hi_p, do_history, ts64 + seq_start, pts64 + p_start,
+                          plen, lo_p, hi_p, lo_h, hi_h, full_hi, do_diagonal, ts64 + seq_start, pts64 + p_start,
                           q_ts64 + 1, 0,
                           pos_tab, pos_dist, time_tab, alpha_half, inv_norm, HAS_PREFIX, False,
                           POS_BITS, NB_POS, TIME_BITS, NB_TIME, FAST_SILU, POS_BY_DIST, False, BLOCK_M, BLOCK_N, BLOCK_D)  # fmt: skip
 
-    if do_history:
+    if do_diagonal:
         # Each candidate row (i >= n_hist) also sees itself, no other candidate: the diagonal tiles.
         self_lo = tl.maximum(start_m, n_hist)
         acc = _attend(acc, q, k_desc, v_desc, seq_start, h * BLOCK_D, self_lo // BLOCK_N * BLOCK_N,
@@ -425,6 +447,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     fast_silu: bool = True
+    heads_fastest: bool = True  # program order: see _hstu_attention_fwd
 
 
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
@@ -576,10 +599,14 @@ def _launch_attention(
     grid: tuple[int, int, int],
     config: KernelConfig,
 ) -> torch.Tensor:
-    """One attention launch over `grid` = (row blocks, sequences x heads, splits).
+    """One attention launch over `grid` = (row blocks, sequences x heads, splits), launched as
+    (row blocks x heads, sequences, splits) with config.heads_fastest (the kernel's program order).
     Returns [T, H, D] in q's dtype."""
     total, num_heads, head_dim = q.shape
     splits = grid[2]
+    launch_grid = grid
+    if config.heads_fastest:
+        launch_grid = (grid[0] * num_heads, grid[1] // num_heads, splits)
     target = torch.empty(total, num_heads, head_dim, dtype=q.dtype, device=q.device)
     partial, arrivals = target, target  # never read without splits
     if splits > 1:
@@ -593,7 +620,7 @@ def _launch_attention(
     pos_by_distance = plan.pos_by_distance if plan.pos_by_distance is not None else plan.bias_tables
     if prefix is None:  # never read
         prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets)
-    _hstu_attention_fwd[grid](
+    _hstu_attention_fwd[launch_grid](
         q, k, v, target, partial, arrivals,
         total, stride_t, target.stride(0), target.stride(1),
         seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
@@ -602,7 +629,7 @@ def _launch_attention(
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, POS_BY_DIST=plan.pos_by_distance is not None, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
-        TS_BLOCK_SPAN=ts_block_span(params.time_mantissa_bits, plan.nb_time),
+        TS_BLOCK_SPAN=ts_block_span(params.time_mantissa_bits, plan.nb_time), HEADS_FASTEST=config.heads_fastest,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -659,11 +686,14 @@ def hstu_attention_triton(
         config = PREFIX_CONFIG if has_prefix else NO_PREFIX_CONFIG
     bm, bn = config.block_m, config.block_n
     if splits is None:
-        splits = 1
         if has_prefix:
             assert prefix is not None
             programs = sum(triton.cdiv(seq.length(b), bm) for b in range(seq.batch_size)) * num_heads
             splits = choose_splits(programs, triton.cdiv(max(prefix.lens_host), bn), _num_sms(q.device))
+        else:
+            lengths = tuple(seq.length(b) for b in range(seq.batch_size))
+            splits = choose_causal_splits(lengths, seq.n_hist_host, num_heads, _num_sms(q.device), bm, bn,
+                                          MIN_SPLIT_BLOCKS)  # fmt: skip
     prefix_d = None
     if has_prefix and prefix is not None:
         prefix_d = _Prefix(
@@ -699,11 +729,18 @@ class StaticGrid:
         kernel lowers them per sequence for shorter ones). `tokens`, the bucket's new tokens in
         all, sharpens the estimate of the row blocks that do work: sequences are rarely all
         max_len long (assumed: half a row block of padding per sequence)."""
-        bm = PREFIX_CONFIG.block_m
+        bm, bn = PREFIX_CONFIG.block_m, PREFIX_CONFIG.block_n
+        if prefix_tokens == 0:  # a causal pass (full ranking, first chunk): as long as the bucket
+            per_seq = (tokens if tokens is not None else batch * max_len) // max(batch, 1)
+            lengths = (min(max_len, max(per_seq, 1)),) * batch
+            splits = choose_causal_splits(
+                lengths, lengths, num_heads, _num_sms(device), bm, bn, MIN_SPLIT_BLOCKS
+            )
+            return StaticGrid(batch, max_len, splits)
         row_blocks = batch * triton.cdiv(max_len, bm)
         if tokens is not None:
             row_blocks = max(1, min(row_blocks, triton.cdiv(tokens, bm) + batch // 2))
-        prefix_blocks = triton.cdiv(prefix_tokens, PREFIX_CONFIG.block_n)
+        prefix_blocks = triton.cdiv(prefix_tokens, bn)
         splits = choose_splits(row_blocks * num_heads, prefix_blocks, _num_sms(device))
         return StaticGrid(batch, max_len, splits)
 

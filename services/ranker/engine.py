@@ -611,7 +611,9 @@ class Engine:
         and resolves once the copies it enqueued have completed. `issue` returns the value to
         resolve with. `work` names the copy in the device-time ledger ("copy", "reload" or
         "demote"; ValueError otherwise). `on_timed` gets the copies' own device seconds, without
-        the waits before them (on the engine's loop, behind other copies): a rate to learn from."""
+        the waits before them (on the engine's loop, behind other copies): a rate to learn from. It
+        may run after this returns: the copy watcher tells the caller as soon as the copy is done,
+        the loop settles the timing when it next polls."""
         if work not in WORKS or work in ("rank", "preinfer"):
             raise ValueError(f"a copy is 'copy', 'reload' or 'demote', not {work!r}")
         job = _CopyJob(**self._job_args(0), issue=issue, work=work, on_timed=on_timed)

@@ -1,5 +1,5 @@
-"""Prefix splits of the Triton attention: the split-count model, and that every split count gives
-the same output (partial sums added in float32, the last split to arrive writing the result)."""
+"""Key splits of the Triton attention (the prefix's keys and the causal history's): the split-count
+model, and that every split count gives the same output (partial sums added in float32, the last split to arrive writing the result)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def _poisoned_call(q, k, v, seq, prefix, plan, params, splits):
     [
         ([320] * 8, [64] * 8, [2048] * 8),
         ([300, 1, 129, 0], [200, 1, 0, 0], [3000, 700, 64, 5]),
+        # No prefix: the causal history is what the splits share (the full ranking's shape).
+        ([4416], [4160], None),
+        ([700, 1, 300, 129], [700, 1, 44, 0], None),
     ],
 )
 def test_every_split_count_gives_the_same_output(lengths, n_hist, plens):
