@@ -1,4 +1,10 @@
-"""How many programs share one row block's keys in causal attention without a cached prefix.
+"""How many programs share one row block's keys: against a cached prefix, and in causal attention
+without one.
+
+Against a prefix (`choose_splits`): a ranking batch has few query rows (320 per user) and long
+prefixes, so few programs stream many keys each; splitting the prefix spreads them over the SMs.
+
+Without a prefix (`choose_causal_splits`):
 
 The full ranking and a pre-inference's first chunk are causal passes over one long sequence at
 batch 1: the last row block sees every key, the first one a single tile, and one program per SM
@@ -24,8 +30,39 @@ _SPLIT_OVERHEAD_TILES = 3.0
 # A program past its sequence or its row block's split count exits at once.
 _EXIT_TILES = 0.05
 MAX_CAUSAL_SPLITS = 8
+# A split covers at least this many key blocks (fewer: the per-program set-up dominates).
+MIN_SPLIT_BLOCKS = 4
+_MAX_SPLITS = 64
+# The splits of one row block add their float32 partial sums into the same rows: the adds of s
+# splits serialise in L2, a cost that grows with s whatever the number of programs. Fitted on an
+# H200 (bench.attention --splits, cached case, 2026-11-29): 320 tokens against 8k at batch 1 took
+# 0.380 / 0.220 / 0.161 / 0.130 ms at 1 / 2 / 3 / 4 splits and 0.174 ms at 11 (the wave model
+# without this term chose 11); against 4k, 4 splits 0.087 ms, 11 0.118; at batch 8 against 4k
+# one split (0.199 ms) beat four (0.208).
+_SPLIT_SUM_BLOCKS = 5.0
 # With this many waves of programs the SMs stay busy anyway: no split is worth its sums.
 _ENOUGH_WAVES = 3
+
+
+def choose_splits(programs: int, prefix_blocks: int, num_sms: int) -> int:
+    """Prefix splits for `programs` (row block, sequence, head) programs over prefixes of
+    `prefix_blocks` key blocks, one program per SM at a time (PREFIX_CONFIG's shared memory).
+
+    Time is modelled as waves x (key blocks per split + _SPLIT_OVERHEAD_TILES), waves being
+    ceil(programs x splits / SMs) (a split count that leaves the last wave mostly empty costs a
+    whole wave: batch 8 x 320 tokens against 8k, 96 programs, 4 splits fill 3 waves at 97%), plus
+    _SPLIT_SUM_BLOCKS per split for the partial sums' adds. Ties go to fewer splits."""
+    if programs < 1 or prefix_blocks < 1:
+        return 1
+    best, best_cost = 1, 0.0
+    for s in range(1, max(1, min(_MAX_SPLITS, prefix_blocks // MIN_SPLIT_BLOCKS)) + 1):
+        waves = -(-programs * s // num_sms)
+        cost = waves * (-(-prefix_blocks // s) + _SPLIT_OVERHEAD_TILES) + (
+            _SPLIT_SUM_BLOCKS * s if s > 1 else 0.0
+        )
+        if s == 1 or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def program_key_tiles(

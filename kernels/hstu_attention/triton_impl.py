@@ -24,7 +24,8 @@ block of candidate rows shares one position and one timestamp, so its bias is a 
 key tile. Pointwise SiLU attention has no softmax, so the prefix can be split across programs and
 the partial sums added (atomically, in a float32 buffer; the last split to arrive writes the
 output): that keeps the SMs busy when a batch has few query blocks but long prefixes. The split
-count is chosen by `choose_splits`, a wave-quantisation model (one program per SM at a time).
+count is chosen in splits.py (a wave-quantisation model with the partial sums' cost, one program per
+SM at a time).
 
 Q/K/V tiles are loaded through TMA tensor descriptors made on the device (psi blocks live at
 per-user addresses): with head_dim 256, per-element pointer tensors would not fit in registers.
@@ -53,7 +54,7 @@ from kernels.hstu_attention.bias import (
     position_by_distance,
 )
 from kernels.hstu_attention.layout import AttentionParams, PrefixKV, SeqLayout
-from kernels.hstu_attention.splits import choose_causal_splits
+from kernels.hstu_attention.splits import MIN_SPLIT_BLOCKS, choose_causal_splits, choose_splits
 
 # Relative timestamps are int32 when a sequence's span is at most this: differences of two then
 # lie in [-2**30, 2**30] (no overflow, exact float32 rounding by the hardware conversion).
@@ -453,8 +454,6 @@ class KernelConfig:
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
 PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-# A prefix split covers at least this many key blocks (fewer: the per-program set-up dominates).
-MIN_SPLIT_BLOCKS = 4
 _TS_BLOCK = 1024
 
 
@@ -634,30 +633,6 @@ def _launch_attention(
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return target
-
-
-# Per-program cost beyond its key blocks, in key blocks: Q's load, the pipeline's fill and the
-# float32 partial sums added into the output.
-_SPLIT_OVERHEAD_BLOCKS = 3
-_MAX_SPLITS = 64
-
-
-def choose_splits(programs: int, prefix_blocks: int, num_sms: int) -> int:
-    """Prefix splits for `programs` (row block, sequence, head) programs over prefixes of
-    `prefix_blocks` key blocks, one program per SM at a time (PREFIX_CONFIG's shared memory).
-
-    Time is modelled as waves x (key blocks per split + _SPLIT_OVERHEAD_BLOCKS), waves being
-    ceil(programs x splits / SMs): a split count that leaves the last wave mostly empty costs a
-    whole wave (batch 8 x 320 tokens against 8k: 96 programs, 4 splits fill 3 waves at 97%; the
-    4-wave rule this replaces took 6, 5 waves at 87%). Ties go to fewer splits (fewer atomics)."""
-    if programs < 1 or prefix_blocks < 1:
-        return 1
-    best, best_cost = 1, None
-    for s in range(1, max(1, min(_MAX_SPLITS, prefix_blocks // MIN_SPLIT_BLOCKS)) + 1):
-        cost = triton.cdiv(programs * s, num_sms) * (triton.cdiv(prefix_blocks, s) + _SPLIT_OVERHEAD_BLOCKS)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
 
 
 def hstu_attention_triton(

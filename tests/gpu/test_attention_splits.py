@@ -1,5 +1,5 @@
-"""Key splits of the Triton attention (the prefix's keys and the causal history's): the split-count
-model, and that every split count gives the same output (partial sums added in float32, the last split to arrive writing the result)."""
+"""Key splits of the Triton attention (the prefix's keys and the causal history's): every split
+count gives the same output (the split-count models: tests/unit/test_attention_split_choice.py) (partial sums added in float32, the last split to arrive writing the result)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,7 @@ from tests.gpu.test_triton_attention import assert_bf16_close, random_case
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from kernels.hstu_attention.triton_impl import (  # noqa: E402
-    MIN_SPLIT_BLOCKS,
-    choose_splits,
-    hstu_attention_triton,
-    plan_triton,
-)
-
-
-def test_split_count_fills_whole_waves():
-    # 8 users x 3 row blocks x 4 heads against 8k (128 key blocks) on 132 SMs: 4 splits make 384
-    # programs, 3 waves at 97%; 6 splits would need 5 waves.
-    assert choose_splits(96, 128, 132) == 4
-    # One user: 12 programs; 11 splits fill one wave.
-    assert choose_splits(12, 128, 132) == 11
-    # Short prefixes are not split below MIN_SPLIT_BLOCKS key blocks a split.
-    assert choose_splits(4, 8, 132) <= 8 // MIN_SPLIT_BLOCKS
-    assert choose_splits(0, 128, 132) == choose_splits(96, 0, 132) == 1
+from kernels.hstu_attention.triton_impl import hstu_attention_triton, plan_triton  # noqa: E402
 
 
 def _poisoned_call(q, k, v, seq, prefix, plan, params, splits):
