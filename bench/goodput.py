@@ -73,7 +73,15 @@ from typing import Any
 
 from bench import relay
 from bench.report import RESULTS_DIR, write_result
-from relaygr.harness import CONFIGS, drain, machine, markdown_table, ranker_latency_target_ms, run_point
+from relaygr.harness import (
+    CONFIGS,
+    drain,
+    machine,
+    markdown_table,
+    ranker_latency_target_ms,
+    ranker_slo_ms,
+    run_point,
+)
 from relaygr.launcher import Stack
 from relaygr.load import LoadGenerator
 from relaygr.search import CLIENT_LAG_BOUND_MS, RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
@@ -270,6 +278,7 @@ def incomplete_record(
         "repeat": repeat,
         "slo_ms": slo_ms,
         "ranker_latency_target_ms": ranker_latency_target_ms(config, slo_ms),
+        "ranker_slo_ms": ranker_slo_ms(config, slo_ms),
         "goodput_rps": None,
         "first_miss_rps": None,
         "censored": False,
@@ -288,6 +297,7 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
         "repeat": repeat,
         "slo_ms": slo_ms,
         "ranker_latency_target_ms": ranker_latency_target_ms(config, slo_ms),
+        "ranker_slo_ms": ranker_slo_ms(config, slo_ms),
         "goodput_rps": result.goodput_rps,
         "first_miss_rps": result.first_miss_rps,
         "censored": result.censored,

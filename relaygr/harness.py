@@ -133,6 +133,14 @@ CONFIGS["relay-nospare-slack50"] = {
     **CONFIGS["relay-nospare"],
     "ranker_args": ("--timer-slack-us", "0"),
 }
+# Rankers that know no SLO (--slo-ms 0): earliest deadline first whatever the load, work that
+# will miss its SLO anyway included (the scheduler before 2026-11-29). Beside baseline and relay,
+# what holding doomed work back buys.
+for _name in ("baseline", "relay"):
+    CONFIGS[f"{_name}-edf"] = {
+        **CONFIGS[_name],
+        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--slo-ms", "0"),
+    }
 # Two ranker processes per GPU (StackConfig.rankers_per_device), each with half the device's HBM
 # budget; the router places users on them as on two GPUs. The host work of one GPU's calls runs
 # under two interpreters: one process at ~240 calls/s on an H200 left calls waiting up to 59 ms
@@ -147,6 +155,15 @@ CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],
     "ranker_args": (*CONFIGS["baseline"]["ranker_args"], "--launch-ahead", "false"),
 }
+
+
+def ranker_slo_ms(name: str, slo_ms: float) -> float:
+    """The SLO configuration `name`'s rankers hold calls doomed past (ranker --slo-ms): its own
+    where it sets one (0: none), else the stack's SLO (what the launcher passes)."""
+    args = tuple(CONFIGS.get(name, {}).get("ranker_args", ()))
+    if "--slo-ms" in args:
+        return float(args[args.index("--slo-ms") + 1])
+    return slo_ms
 
 
 def ranker_latency_target_ms(name: str, slo_ms: float) -> float:

@@ -141,7 +141,8 @@ class Stack:
                 # ranker_args come after, and win).
                 args = ["--device", c.device, "--device-index", str(c.device_index(i)),
                         "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb),
-                        "--latency-target-ms", f"{c.slo_ms / 2:g}", *c.ranker_args]  # fmt: skip
+                        "--latency-target-ms", f"{c.slo_ms / 2:g}", "--slo-ms", f"{c.slo_ms:g}",
+                        *c.ranker_args]  # fmt: skip
                 if c.expander:
                     args += ["--host-tier", "true", "--expander-socket-path", socket_path]
                 self.rankers.append(self._spawn(f"ranker-{i}", "services.ranker", ranker_env, *args))

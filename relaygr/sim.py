@@ -319,6 +319,9 @@ class Setup:
     # by: the benchmarks' gRPC timeout (relaygr.replay's rank_timeout_s), or the rankers'
     # latency target where the file's run set one (call_deadline_s()).
     call_deadline_s: float = 10.0
+    # The SLO past which the ranker's scheduler holds a call doomed (scheduler.doomed), from its
+    # arrival: the file's rankers' --slo-ms (call_slo_s()); inf: none (runs before it existed).
+    call_slo_s: float = math.inf
 
 
 class _Lru:
@@ -450,22 +453,33 @@ def simulate(
         key = (r.user_id, r.prefix_version)
         suffix = r.recent_len + r.candidates
         deadline = t + setup.call_deadline_s  # what the ranker's scheduler orders by
+        due_by = t + setup.call_slo_s  # and holds it doomed past
         production = producing.get(key)
         if production is not None:
             decision = scheduler.relay(production.item, t, deadline)
             if decision is Relay.JOIN:
                 joined = production.item.joined_deadline
                 production.item = dataclasses.replace(
-                    production.item, joined_deadline=deadline if joined is None else min(joined, deadline)
+                    production.item,
+                    joined_deadline=deadline if joined is None else min(joined, deadline),
+                    joined_due_by=min(due_by, production.item.joined_due_by),
                 )
-                production.waiters.append((RankItem(next_id(), RankKind.CACHED, deadline, t, suffix), r, t))
+                production.waiters.append(
+                    (RankItem(next_id(), RankKind.CACHED, deadline, t, suffix, due_by=due_by), r, t)
+                )
                 return
             # Taken over: the call computes the rest of the prefix and its suffix in its own step.
             del producing[key], productions[production.item.id]
             rest = production.item.remaining
             path = "partial_prefix" if production.item.done else "full_recompute"
             item = RankItem(
-                next_id(), RankKind.FULL, deadline, t, rest + suffix, rest * (r.prefix_len + suffix)
+                next_id(),
+                RankKind.FULL,
+                deadline,
+                t,
+                rest + suffix,
+                rest * (r.prefix_len + suffix),
+                due_by=due_by,
             )
             queue[item.id] = (item, r, path, t)
             return
@@ -475,7 +489,7 @@ def simulate(
             path = "hbm_hit"
             if ready_at.get(key, -math.inf) > t:  # produced ahead, not complete when the call came
                 path = "inflight_join"
-                item = RankItem(next_id(), RankKind.CACHED, deadline, t, suffix)
+                item = RankItem(next_id(), RankKind.CACHED, deadline, t, suffix, due_by=due_by)
                 queue[item.id] = (item, r, path, t)
                 reloads.append((ready_at[key], item.id))
                 return
@@ -484,7 +498,8 @@ def simulate(
         cached = path != "full_recompute"
         tokens = suffix if cached else r.prefix_len + suffix
         pairs = 0 if cached else r.prefix_len * (r.prefix_len + suffix)
-        item = RankItem(next_id(), RankKind.CACHED if cached else RankKind.FULL, deadline, t, tokens, pairs)
+        kind = RankKind.CACHED if cached else RankKind.FULL
+        item = RankItem(next_id(), kind, deadline, t, tokens, pairs, due_by=due_by)
         queue[item.id] = (item, r, path, t)
         if path == "dram_reload":
             reloads.append((t + draw_reload_ms() / 1e3, item.id))
@@ -679,6 +694,16 @@ def call_deadline_s(result: dict[str, Any], config: str, workload: str) -> float
     return 0.025 if config == "relay-nospare-target25" else grpc_s
 
 
+def call_slo_s(result: dict[str, Any], config: str, workload: str) -> float:
+    """The SLO the file's rankers held calls doomed past, from their arrival (`ranker_slo_ms`,
+    recorded since the rankers' --slo-ms; 0 or absent: none, inf)."""
+    for r in result.get("results", []):
+        if r.get("config") == config and r.get("workload") == workload and "ranker_slo_ms" in r:
+            slo_ms = float(r["ranker_slo_ms"])
+            return slo_ms / 1e3 if slo_ms > 0 else math.inf
+    return math.inf
+
+
 def host_step_s(result: dict[str, Any], config: str, workload: str) -> float:
     """The host's time per ranking batch between launches (settle, copies, plan), as the file's
     points measured it (loop_* wall seconds over the batches replayed or run eagerly in the same
@@ -741,7 +766,8 @@ def load_model(
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
-    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s). ValueError, one
+    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms).
+    ValueError, one
     line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
@@ -781,7 +807,10 @@ def load_model(
         host_step_s=host_step_s(result, config, chosen),
     )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
-    setup = dataclasses.replace(setup, call_deadline_s=float(deadline_s))
+    slo_s = call_slo_s(result, config, chosen)
+    if "ranker_slo_ms" in changes:
+        slo_s = changes["ranker_slo_ms"] / 1e3 if changes["ranker_slo_ms"] > 0 else math.inf
+    setup = dataclasses.replace(setup, call_deadline_s=float(deadline_s), call_slo_s=slo_s)
     traffic = _workload(result, chosen)
     if "lead_in_s" in changes:
         traffic = dataclasses.replace(traffic, lead_in_s=float(changes["lead_in_s"]))
@@ -815,6 +844,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="the deadline the ranker's scheduler orders calls by, from their arrival "
                          "(default: the benchmarks' 10 s gRPC timeout): how much its passing full "
                          "rankings over with calls against psi costs or gains")  # fmt: skip
+    what_if.add_argument("--ranker-slo-ms", type=float, default=None,
+                         help="the SLO the rankers hold calls doomed past (scheduler.doomed; 0: none; "
+                         "default: the file's ranker_slo_ms, none before it was recorded)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
@@ -822,7 +854,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
-               ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s))
+               ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
+               ("ranker_slo_ms", args.ranker_slo_ms))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     try:
         model = load_model(args.result, args.config, args.workload, changes)
@@ -857,6 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (cal.full.launches or (cal.cached and cal.cached.launches))
         else 0.0,
         "call_deadline_s": setup.call_deadline_s,
+        "call_slo_s": None if math.isinf(setup.call_slo_s) else setup.call_slo_s,
         "host_step_ms": setup.host_step_s * 1e3,
         "points": points,
     }

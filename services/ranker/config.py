@@ -120,6 +120,12 @@ class RankerConfig(TlsSettings):
                                        "H200 at L4096 relay-nospare with 25 met 250 req/s (P99 42.4 ms, h2f) "
                                        "where without it missed 225 (54.1 ms, h2e, same commit)",
                                        check=non_negative)  # fmt: skip
+    slo_ms: float = setting(0.0, env="RELAYGR_RANKER_SLO_MS",
+                            help="the ranking SLO this instance serves, from a call's arrival: work "
+                            "predicted to finish past it (or past the call's own deadline) waits behind "
+                            "work that can still meet its own, then runs (earliest deadline first "
+                            "hands each call the lateness of those ahead of it); 0: no SLO, nothing "
+                            "waits. The launcher passes its SLO", check=non_negative)  # fmt: skip
     launch_ahead: bool = setting(True, env="RELAYGR_RANKER_LAUNCH_AHEAD",
                                  help="launch the next ranking batch before collecting the scores of the one "
                                  "on the device, so that the host's work between batches overlaps the "

@@ -175,6 +175,10 @@ class EngineConfig:
     # and full rankings waited 50-110 ms behind hits (relay-nospare, L4096, H200, h2a) while
     # the device was 64% busy. Off by default (config.py says why).
     latency_target_s: float = math.inf
+    # The ranking SLO, from a call's submission: work predicted to finish past it (or past the
+    # call's own deadline) waits behind work that can still meet its own (the scheduler's
+    # `doomed`). inf: no SLO known, nothing is doomed.
+    slo_s: float = math.inf
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -268,6 +272,7 @@ class _PreInferJob(_Job):
     done: int = 0  # prefix tokens built
     taken: bool = False  # a ranking call computes the rest: no more chunks
     joined_deadline: float | None = None
+    joined_due_by: float = math.inf  # the earliest due_by of the calls that joined it
     cost_s: float = 0.0  # device time of its chunks so far
     expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
     need_by: float = math.inf  # time.monotonic(): when its ranking call is due (the build order)
@@ -282,6 +287,7 @@ class _PreInferJob(_Job):
             self.joined_deadline,
             self.taken,
             need_by=self.need_by,
+            joined_due_by=self.joined_due_by,
         )
 
 
@@ -297,17 +303,33 @@ class _RankJob(_Job):
     takes: _PreInferJob | None = field(kw_only=True, default=None)  # partial: the job it takes over
     keep_psi: bool = field(kw_only=True, default=False)  # full: leave the prefix's psi (RankResult.psi)
     start_by: float = field(kw_only=True, default=float("inf"))  # time.perf_counter(); else Overdue
+    due_by: float = field(kw_only=True, default=math.inf)  # RankItem.due_by (time.monotonic())
 
     def item(self) -> RankItem:
         # The scheduler's clock is time.monotonic(); start_by is on time.perf_counter().
         start_by = self.start_by + (time.monotonic() - time.perf_counter())
         if self.kind is RankKind.CACHED:
-            return RankItem(self.id, self.kind, self.deadline, self.submitted, self.tokens, start_by=start_by)
+            return RankItem(
+                self.id,
+                self.kind,
+                self.deadline,
+                self.submitted,
+                self.tokens,
+                start_by=start_by,
+                due_by=self.due_by,
+            )
         assert self.prefix is not None
         built = self.takes.done if self.takes is not None else 0
         tokens = self.prefix.length - built + self.suffix.length
         return RankItem(
-            self.id, self.kind, self.deadline, self.submitted, tokens, self.prefix.length * tokens, start_by
+            self.id,
+            self.kind,
+            self.deadline,
+            self.submitted,
+            tokens,
+            self.prefix.length * tokens,
+            start_by,
+            due_by=self.due_by,
         )
 
 
@@ -481,13 +503,25 @@ class Engine:
         return job.future
 
     def _rank_job(
-        self, kind: RankKind, suffix: RankingSuffix, tokens: int, deadline: float | None, **fields: Any
+        self,
+        kind: RankKind,
+        suffix: RankingSuffix,
+        tokens: int,
+        deadline: float | None,
+        due_by: float | None = None,
+        **fields: Any,
     ) -> _RankJob:
+        """`deadline`: the caller's own; the job is ordered by it or its latency target, whichever
+        is sooner, and doomed past it or the SLO (`due_by` given: past that)."""
         args = self._job_args(tokens)
         if deadline is None:
             deadline = args["submitted"] + DEFAULT_DEADLINE_S
+        if due_by is None:
+            due_by = min(deadline, args["submitted"] + self.config.slo_s)
         deadline = min(deadline, args["submitted"] + self.config.latency_target_s)
-        return _RankJob(**args, suffix=suffix, kind=kind, deadline=deadline, id=next(self._ids), **fields)
+        return _RankJob(
+            **args, suffix=suffix, kind=kind, deadline=deadline, due_by=due_by, id=next(self._ids), **fields
+        )
 
     async def rank_cached(
         self,
@@ -497,12 +531,14 @@ class Engine:
         start_by: float = float("inf"),
         *,
         deadline: float | None = None,
+        due_by: float | None = None,
     ) -> RankResult:
         """Scores of the suffix against complete psi. `deadline` (time.monotonic()) orders the
         call among others (earliest first); a call not started by `start_by`
-        (time.perf_counter()) is dropped and fails with Overdue."""
+        (time.perf_counter()) is dropped and fails with Overdue. `due_by` (time.monotonic()):
+        when the call is doomed (scheduler.doomed; default: its deadline or the SLO)."""
         job = self._rank_job(
-            RankKind.CACHED, suffix, suffix.length, deadline, psi=psi, key=key, start_by=start_by
+            RankKind.CACHED, suffix, suffix.length, deadline, due_by, psi=psi, key=key, start_by=start_by
         )
         return await self._push_rank(job)
 
@@ -575,12 +611,15 @@ class Engine:
             if prefix is None:
                 prefix = job.prefix
             now = time.monotonic()
-            deadline = min(deadline, now + self.config.latency_target_s)  # as _rank_job's
+            call_deadline = deadline  # the caller's own: _rank_job applies the target and SLO
+            due_by = min(deadline, now + self.config.slo_s)  # as _rank_job's
+            deadline = min(deadline, now + self.config.latency_target_s)
             decision = self.scheduler.relay(job.item(), now, deadline)
             if decision is Relay.JOIN:
                 # Also while taken: if the taker leaves before its step, the rest runs by this
                 # call's deadline rather than as background work.
                 job.joined_deadline = min(deadline, job.joined_deadline or deadline)
+                job.joined_due_by = min(due_by, job.joined_due_by)
                 self._cv.notify()
             else:
                 job.taken = True
@@ -589,7 +628,7 @@ class Engine:
                     RankKind.PARTIAL,
                     suffix,
                     tokens,
-                    deadline,
+                    call_deadline,
                     prefix=prefix,
                     key=key,
                     takes=job,
@@ -599,7 +638,7 @@ class Engine:
                 self._cv.notify()
         if decision is Relay.JOIN:
             psi: Psi = await asyncio.shield(job.future)
-            result = await self.rank_cached(suffix, psi, key, start_by, deadline=deadline)
+            result = await self.rank_cached(suffix, psi, key, start_by, deadline=deadline, due_by=due_by)
             return RelayResult(result, True, prefix.length, prefix.length)
         result = await rank.future
         return RelayResult(result, False, result.reused_tokens, prefix.length)

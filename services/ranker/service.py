@@ -232,6 +232,7 @@ class RankerService(pb_grpc.RankerServicer):
                 launch_ahead=config.launch_ahead,
                 chunks_ahead=config.chunks_ahead,
                 latency_target_s=config.latency_target_ms / 1e3 if config.latency_target_ms else math.inf,
+                slo_s=config.slo_ms / 1e3 if config.slo_ms else math.inf,
             ),
             on_fatal=self._engine_failed,
         )

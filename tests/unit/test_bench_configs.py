@@ -7,7 +7,7 @@ import pytest
 
 from bench import goodput, relay
 from relaygr import demo
-from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms
+from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms, ranker_slo_ms
 from relaygr.launcher import StackConfig
 
 
@@ -38,6 +38,14 @@ def test_rankers_schedule_by_half_the_slo_unless_a_configuration_says_otherwise(
     assert ranker_latency_target_ms("relay-nospare-far", 50.0) == 0.0
     assert ranker_latency_target_ms("relay-nospare-target25", 300.0) == 25.0
     assert ranker_latency_target_ms("not-a-configuration", 40.0) == 20.0
+
+
+def test_rankers_hold_calls_doomed_past_the_slo_unless_a_configuration_says_otherwise():
+    assert ranker_slo_ms("relay", 50.0) == 50.0
+    assert ranker_slo_ms("baseline", 300.0) == 300.0
+    # The -edf configurations know no SLO: earliest deadline first whatever the load.
+    assert ranker_slo_ms("baseline-edf", 50.0) == ranker_slo_ms("relay-edf", 50.0) == 0.0
+    assert CONFIGS["relay-edf"].get("trigger_args") == CONFIGS["relay"].get("trigger_args")
 
 
 def test_two_processes_per_gpu_split_each_gpu_s_hbm_budget():

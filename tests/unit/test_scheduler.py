@@ -189,6 +189,38 @@ def test_short_calls_of_one_kind_run_before_a_long_one_that_has_slack():
     assert s.plan(0.0, [modest, *short], []).rank[0] == 5
 
 
+def test_work_that_would_miss_anyway_waits_behind_work_that_can_still_make_it():
+    s = scheduler()
+
+    def full(id: int, due_by: float) -> RankItem:  # ordered by a latency target half the SLO
+        return RankItem(id, RankKind.FULL, due_by / 2, 0.0, 4096, due_by=due_by)
+
+    # A full ranking (~9.2 ms) due in 5 ms misses whatever runs first; the one due in 15 ms makes
+    # it only if it runs now. Earliest deadline first would make both late.
+    late, in_time = full(1, 0.005), full(2, 0.015)
+    assert s.doomed(0.0, late)
+    assert not s.doomed(0.0, in_time)
+    assert s.plan(0.0, [late, in_time], []).rank == (2,)
+    # Once nothing can make it, earliest deadline first again, before any pre-inference no call
+    # waits for (a doomed call is still served, not parked for ever behind background work).
+    background = PreinferItem(9, 4096, 0, 0.0, need_by=0.100)
+    assert s.plan(0.010, [late, in_time], [background]).rank == (1,)
+    # A joined pre-inference whose rest cannot be built by its callers' due time waits behind a
+    # hit that can still make its own; one that can still make it keeps its place.
+    hopeless = PreinferItem(8, 4096, 0, 0.0, joined_deadline=0.002, joined_due_by=0.004)
+    hit = RankItem(3, RankKind.CACHED, 0.010, 0.0, 100, due_by=0.020)
+    assert s.doomed(0.0, hopeless)
+    assert s.plan(0.0, [hit], [hopeless]).rank == (3,)
+    assert [c.id for c in s.plan(0.0, [], [hopeless, background]).chunks] == [8]
+    hopeful = PreinferItem(7, 2048, 1024, 0.0, joined_deadline=0.008, joined_due_by=0.015)
+    assert not s.doomed(0.0, hopeful)
+    assert [c.id for c in s.plan(0.0, [hit], [hopeless, hopeful]).chunks] == [7]
+    # Without a due time (no SLO given): never doomed, whatever the latency target says.
+    assert not s.doomed(1e9, rank(4, 0.001, RankKind.FULL, tokens=4096))
+    assert not s.doomed(1e9, PreinferItem(6, 4096, 0, 0.0, joined_deadline=0.001))
+    assert s.plan(0.0, [rank(5, 0.001, RankKind.FULL, tokens=4096), in_time], []).rank == (5,)
+
+
 def test_a_batch_respects_its_call_and_token_limits():
     s = scheduler(max_batch=2, max_batch_tokens=250)
     plan = s.plan(0.0, [rank(1, 0.1, tokens=200), rank(2, 0.2, tokens=100), rank(3, 0.3, tokens=40)], [])
