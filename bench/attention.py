@@ -21,12 +21,13 @@ import argparse
 import dataclasses
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import triton.testing
 
-from bench.report import write_result
+from bench.report import RESULTS_DIR, write_result
 from kernels.hstu_attention import AttentionParams, PrefixKV, SeqLayout
 from kernels.hstu_attention.triton_impl import (
     NO_PREFIX_CONFIG,
@@ -127,14 +128,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--case", choices=["cached", "full", "both"], default="both")
     parser.add_argument("--sweep", action="store_true", help="also time every configuration in SWEEP")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--splits", type=int, nargs="*", default=[],
-                        help="also time these split counts of the keys (printed only)")  # fmt: skip
+    parser.add_argument(
+        "--splits", type=int, nargs="*", default=[], help="also time these split counts of the keys"
+    )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where the result files go")
+    parser.add_argument("--tag", default="", help="attention-<device>-<tag>.json")
     args = parser.parse_args(argv)
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
     peak = matmul_peak_tflops()
     print(f"device {torch.cuda.get_device_name()}: bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     names = ["full", "cached"] if args.case == "both" else [args.case]
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []  # the default configuration, one record a shape
+    variants: list[dict[str, Any]] = []  # everything else timed (--sweep, --splits)
+    config_doc = vars(args) | {"timing": "triton.testing.do_bench median, L2 flushed", "dtype": "bfloat16"}
+    config_doc["out_dir"] = str(args.out_dir)
+
+    def timed(case: Case, label: str, variant: str, ms: float) -> dict[str, Any]:
+        tflops = case.flops / ms / 1e9
+        print(
+            f"{label} {variant}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak", flush=True
+        )
+        return {
+            "case": case.name, "heads": 4, "head_dim": 256, "batch": case.batch, "prefix_len": case.prefix_len,
+            "recent": case.recent, "candidates": case.candidates, "bias": True, "ms": ms, "tflops": tflops,
+            "matmul_peak_tflops": peak, "fraction_of_peak": tflops / peak, "flops": case.flops, "variant": variant,
+        }  # fmt: skip
+
+    def write() -> None:  # after every shape: a run cut short keeps what it measured
+        if args.no_write:
+            return
+        columns = ["case", "batch", "prefix_len", "recent", "candidates", "bias", "ms", "tflops",
+                   "matmul_peak_tflops", "fraction_of_peak", "config"]  # fmt: skip
+        paths = [
+            *write_result("attention", config_doc, results, columns, out_dir=args.out_dir, tag=args.tag),
+            *write_result("attention-variants", config_doc, variants, ["variant", *columns],
+                          out_dir=args.out_dir, tag=args.tag),
+        ]  # fmt: skip
+        print("wrote", *paths, flush=True)
+
     shapes = [(name, b, p) for b in args.batch for p in args.prefix for name in names]
     for name, batch, prefix_len in shapes:
         case = make_case(name, batch, prefix_len, args.recent, args.candidates)
@@ -143,44 +174,27 @@ def main(argv: list[str] | None = None) -> None:
         default = PREFIX_CONFIG if case.prefix is not None else NO_PREFIX_CONFIG
         configs = [default] + ([c for c in SWEEP if c != default] if args.sweep else [])
         for config in configs:
+            described = (f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
+                         f"stages={config.num_stages}{'' if config.heads_fastest else ' heads-last'}")  # fmt: skip
             try:
                 ms = time_case(case, plan, params, config)
             except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
-                print(f"{label} {config}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                print(f"{label} {described}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
-            tflops = case.flops / ms / 1e9
-            print(
-                f"{label} {config}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
-                flush=True,
-            )
-            if config == default:
-                results.append({
-                    "case": name, "heads": 4, "head_dim": 256, "batch": case.batch, "prefix_len": case.prefix_len,
-                    "recent": case.recent, "candidates": case.candidates, "bias": True, "ms": ms, "tflops": tflops,
-                    "matmul_peak_tflops": peak, "fraction_of_peak": tflops / peak, "flops": case.flops,
-                    "config": f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
-                              f"stages={config.num_stages}",
-                })  # fmt: skip
+            record = timed(case, label, "default" if config == default else described, ms) | {
+                "config": described
+            }
+            (results if config == default else variants).append(record)
         if args.sweep:  # the position bias bucketed on chip per pair (the fixed-grid path's way)
             ms = time_case(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
-            tflops = case.flops / ms / 1e9
-            print(f"{label} position buckets on chip: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
-                  flush=True)  # fmt: skip
+            variants.append(timed(case, label, "position buckets on chip", ms))
         for splits in args.splits:
-            ms = time_case(case, plan, params, default, splits)
-            tflops = case.flops / ms / 1e9
-            print(f"{label} splits={splits:3d}: {ms:8.3f} ms  {tflops:6.1f} TFLOP/s  {tflops / peak:.3f} of peak",
-                  flush=True)  # fmt: skip
+            variants.append(
+                timed(case, label, f"splits={splits}", time_case(case, plan, params, default, splits))
+            )
         del case, plan
         torch.cuda.empty_cache()
-    if not args.no_write:
-        config_doc = vars(args) | {
-            "timing": "triton.testing.do_bench median, L2 flushed",
-            "dtype": "bfloat16",
-        }
-        columns = ["case", "batch", "prefix_len", "recent", "candidates", "bias", "ms", "tflops",
-                   "matmul_peak_tflops", "fraction_of_peak", "config"]  # fmt: skip
-        print("wrote", *write_result("attention", config_doc, results, columns))
+        write()
 
 
 if __name__ == "__main__":
