@@ -453,6 +453,9 @@ class KernelConfig:
 
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
 PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+# Causal passes (no psi: the eager path, and the full / first-chunk graphs through StaticGrid).
+# KernelConfig(128, 32, 8, 3) measured faster on an H200 (8192 + 320 at batch 1: 0.409 against
+# 0.523 ms; attention-nvidia-h200-h7.txt) and is not adopted until the GPU tests have run it.
 NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 _TS_BLOCK = 1024
 
@@ -689,7 +692,9 @@ class StaticGrid:
 
     batch: int  # sequences (extra ones have length 0)
     max_len: int  # new tokens of any one sequence
-    splits: int  # prefix splits of the attention kernel
+    splits: int  # key splits of the attention kernel
+    # The tiles: NO_PREFIX_CONFIG's for a causal pass (its psi empty), as the eager path's.
+    config: KernelConfig = PREFIX_CONFIG
 
     @staticmethod
     def plan(
@@ -704,14 +709,21 @@ class StaticGrid:
         kernel lowers them per sequence for shorter ones). `tokens`, the bucket's new tokens in
         all, sharpens the estimate of the row blocks that do work: sequences are rarely all
         max_len long (assumed: half a row block of padding per sequence)."""
-        bm, bn = PREFIX_CONFIG.block_m, PREFIX_CONFIG.block_n
         if prefix_tokens == 0:  # a causal pass (full ranking, first chunk): as long as the bucket
+            config = NO_PREFIX_CONFIG
             per_seq = (tokens if tokens is not None else batch * max_len) // max(batch, 1)
             lengths = (min(max_len, max(per_seq, 1)),) * batch
             splits = choose_causal_splits(
-                lengths, lengths, num_heads, _num_sms(device), bm, bn, MIN_SPLIT_BLOCKS
+                lengths,
+                lengths,
+                num_heads,
+                _num_sms(device),
+                config.block_m,
+                config.block_n,
+                MIN_SPLIT_BLOCKS,
             )
-            return StaticGrid(batch, max_len, splits)
+            return StaticGrid(batch, max_len, splits, config)
+        bm, bn = PREFIX_CONFIG.block_m, PREFIX_CONFIG.block_n
         row_blocks = batch * triton.cdiv(max_len, bm)
         if tokens is not None:
             row_blocks = max(1, min(row_blocks, triton.cdiv(tokens, bm) + batch // 2))
@@ -770,8 +782,8 @@ def hstu_attention_static(
     """hstu_attention_triton over a StaticBatch (always with a prefix, possibly empty)."""
     stride_t = _check_qkv(q, k, v)
     g = batch.grid
-    grid = (triton.cdiv(g.max_len, PREFIX_CONFIG.block_m), g.batch * q.shape[1], g.splits)
+    grid = (triton.cdiv(g.max_len, g.config.block_m), g.batch * q.shape[1], g.splits)
     prefix = _Prefix(batch.kv_anchor, batch.kv_offsets, batch.prefix_lens, batch.prefix_timestamps,
                      batch.prefix_ts_offsets)  # fmt: skip
     return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, batch.timestamps, prefix,
-                             plan, layer, params, grid, PREFIX_CONFIG)  # fmt: skip
+                             plan, layer, params, grid, g.config)  # fmt: skip
