@@ -405,6 +405,13 @@ async def test_calls_are_scheduled_by_the_latency_target_not_a_far_grpc_deadline
     assert await order_served(model, monkeypatch, e, (30, 10, 20)) == [0, 1, 2]
 
 
+async def test_a_call_that_cannot_finish_in_time_waits_behind_those_that_can(model, monkeypatch):
+    """A call whose own deadline has passed is doomed (scheduler.doomed): the calls that can
+    still meet theirs go first, then it runs (earliest deadline first would run it first)."""
+    e = chunked(model, max_batch=1, slo_s=10.0)
+    assert await order_served(model, monkeypatch, e, (30, -1, 20)) == [2, 0, 1]
+
+
 async def test_cancelled_jobs_are_dropped_and_errors_stay_per_job(engine, model):
     prefixes, suffixes = batch(5, [Shape(2, 50, 4, 4)] * 2)
     psi = model.preinfer(prefixes[:1])[0]
