@@ -42,6 +42,7 @@ SWEEP = [
     KernelConfig(128, 64, 8, 2),
     KernelConfig(128, 32, 8, 3),
     KernelConfig(128, 64, 8, 2, heads_fastest=False),  # the program order before 2026-11-29
+    KernelConfig(128, 64, 8, 2, two_pass=True),  # splits' sums in slots of their own
 ]
 
 
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         configs = [default] + ([c for c in SWEEP if c != default] if args.sweep else [])
         for config in configs:
             described = (f"BM={config.block_m} BN={config.block_n} warps={config.num_warps} "
-                         f"stages={config.num_stages}{'' if config.heads_fastest else ' heads-last'}")  # fmt: skip
+                         f"stages={config.num_stages}{'' if config.heads_fastest else ' heads-last'}"
+                         f"{' two-pass' if config.two_pass else ''}")  # fmt: skip
             try:
                 ms = time_case(case, plan, params, config)
             except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
@@ -188,10 +190,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.sweep:  # the position bias bucketed on chip per pair (the fixed-grid path's way)
             ms = time_case(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
             variants.append(timed(case, label, "position buckets on chip", ms))
-        for splits in args.splits:
+        two_pass = dataclasses.replace(default, two_pass=True)
+        for splits in args.splits:  # the splits' sums added atomically (the default) and in two passes
             variants.append(
                 timed(case, label, f"splits={splits}", time_case(case, plan, params, default, splits))
             )
+            if splits > 1:
+                ms = time_case(case, plan, params, two_pass, splits)
+                variants.append(timed(case, label, f"splits={splits} two-pass", ms))
         del case, plan
         torch.cuda.empty_cache()
         write()

@@ -281,7 +281,7 @@ def _hstu_attention_fwd(
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
     TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, TS_BLOCK_SPAN: tl.constexpr, HEADS_FASTEST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TWO_PASS: tl.constexpr, SUM_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Programs start in id order, and the last row blocks of a causal sequence see the most keys:
     # row blocks run in reverse with the heads fastest, so the longest programs of every head
@@ -424,7 +424,38 @@ def _hstu_attention_fwd(
 
     out_rows = (seq_start + offs_m).to(tl.int64)
     out_ptrs = Out + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-    if SPLIT:
+    if SPLIT and TWO_PASS:
+        # Each split stores its partial sums in a float32 slot of its own ([splits, T, H, D]: no
+        # two programs write one address); the last split of this (row block, sequence, head) to
+        # arrive adds the slots up, SUM_ROWS rows at a time (a whole tile of sums beside the
+        # loaded one would not fit in registers), and writes Out. The atomic path below adds
+        # into one buffer instead: every split's adds meet in the same rows and serialise in L2
+        # (on an H200, one user's 320 tokens against 8k took 0.174 ms at 11 splits, 0.130 at 4).
+        slot = total.to(tl.int64) * stride_ot
+        mine = (
+            Partial
+            + pid_s.to(tl.int64) * slot
+            + out_rows[:, None] * stride_ot
+            + h * stride_oh
+            + offs_d[None, :]
+        )
+        tl.store(mine, acc, mask=m_valid[:, None])
+        # Every thread's stores are ordered before the arrival below (fence, then barrier), and
+        # the arrival's acquire orders the last arriver's reads after everyone's stores.
+        _fence_gpu(offs_m)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Arrivals + (pid_bh * n_row_blocks + pid_m), 1, sem="acq_rel")
+        if arrived == active - 1:
+            for r in tl.static_range(0, BLOCK_M, SUM_ROWS):
+                rows = start_m + r + tl.arange(0, SUM_ROWS)
+                row_valid = rows < n
+                at = (seq_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+                summed = tl.zeros([SUM_ROWS, BLOCK_D], dtype=tl.float32)
+                for j in range(0, active):
+                    summed += tl.load(Partial + j.to(tl.int64) * slot + at, mask=row_valid[:, None], other=0.0,
+                                      cache_modifier=".cg")  # fmt: skip
+                tl.store(Out + at, summed.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    elif SPLIT:
         # Partial sums over prefix splits meet in one float32 buffer (zeroed by the host); the
         # last split of this (row block, sequence, head) to arrive writes the sum as Out's dtype.
         part_ptrs = Partial + out_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
@@ -449,6 +480,10 @@ class KernelConfig:
     num_stages: int
     fast_silu: bool = True
     heads_fastest: bool = True  # program order: see _hstu_attention_fwd
+    # Splits store their partial sums in slots of their own, summed by the last to arrive,
+    # instead of adding them atomically into one buffer (_hstu_attention_fwd). Off until
+    # measured on a GPU (bench.attention --splits times both).
+    two_pass: bool = False
 
 
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
@@ -458,6 +493,8 @@ PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 # 0.523 ms; attention-nvidia-h200-h7.txt) and is not adopted until the GPU tests have run it.
 NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 _TS_BLOCK = 1024
+# Rows the two-pass sum adds up at a time (registers: SUM_ROWS x head_dim floats twice).
+_SUM_ROWS = 32
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -611,7 +648,12 @@ def _launch_attention(
         launch_grid = (grid[0] * num_heads, grid[1] // num_heads, splits)
     target = torch.empty(total, num_heads, head_dim, dtype=q.dtype, device=q.device)
     partial, arrivals = target, target  # never read without splits
-    if splits > 1:
+    if splits > 1 and config.two_pass:
+        # A slot of float32 partial sums per split (each written before it is read: no memset),
+        # and the zeroed arrival counts.
+        partial = torch.empty(splits, total, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        arrivals = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+    elif splits > 1:
         # One zeroed allocation (one memset): the float32 partial sums, then an arrival count per
         # (row block, sequence x head), as int32.
         n_sums, n_counts = total * num_heads * head_dim, grid[0] * grid[1]
@@ -632,6 +674,7 @@ def _launch_attention(
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, POS_BY_DIST=plan.pos_by_distance is not None, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
         TS_BLOCK_SPAN=ts_block_span(params.time_mantissa_bits, plan.nb_time), HEADS_FASTEST=config.heads_fastest,
+        TWO_PASS=config.two_pass, SUM_ROWS=_SUM_ROWS,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
