@@ -125,7 +125,8 @@ class RankerConfig(TlsSettings):
                             "predicted to finish past it (or past the call's own deadline) waits behind "
                             "work that can still meet its own, then runs (earliest deadline first "
                             "hands each call the lateness of those ahead of it); 0: no SLO (only a call "
-                            "that cannot finish within its own deadline waits). The launcher passes its SLO", check=non_negative)  # fmt: skip
+                            "that cannot finish within its own deadline waits). The launcher passes "
+                            "its SLO", check=non_negative)  # fmt: skip
     launch_ahead: bool = setting(True, env="RELAYGR_RANKER_LAUNCH_AHEAD",
                                  help="launch the next ranking batch before collecting the scores of the one "
                                  "on the device, so that the host's work between batches overlaps the "

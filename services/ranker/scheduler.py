@@ -24,13 +24,13 @@ loop asks `plan()` before every step and runs what it returns:
     fit that only ever saw small chunks could not learn that larger ones cost little more);
   * a pre-inference that a ranking call has joined runs with that call's deadline, in the same
     earliest-deadline order as the ranking calls;
-  * under overload, work predicted to finish past its caller's SLO even if it ran now (`doomed`:
-    RankItem.due_by) waits behind work that can still meet one, then runs, earliest deadline first, before any
-    pre-inference no call waits for. Earliest deadline first hands every call the lateness of
-    the ones ahead of it: in a burst of first calls at L8192 on an H200 (h7b, relay at 93.75
-    req/s) calls that had already missed kept the device while each new arrival queued behind
-    them and missed too, 32 slow calls in 0.5 s. A doomed call is served still, late (the
-    engine drops one not started by its `start_by`, as before).
+  * under overload, work predicted to finish past its caller's SLO even if it ran now
+    (`doomed`: RankItem.due_by) waits behind work that can still meet its own, then runs,
+    earliest deadline first, before any pre-inference no call waits for. Earliest deadline
+    first hands every call the lateness of the ones ahead of it: in a burst of first calls at
+    L8192 on an H200 (h7b, relay at 93.75 req/s) it served calls that had already missed while
+    each new arrival queued behind them, 32 slow calls within 0.5 s. A doomed call is still
+    served, late (the engine drops one not started by its `start_by`, as before).
 
 What a ranking call does about a pre-inference of its psi still in the queue (`relay()`):
   * the predicted rest (all of it, if nothing is built yet) fits in one step (`step_budget_s`)
