@@ -29,7 +29,9 @@ default) and records how many calls it sent, after `--lead-in-s` (10 s) of the s
 replayed unmeasured: without it the window starts cold and, users coming back seconds to
 minutes later, only ~1/3 of a 10 s point's calls return to a psi (`returning_share` per
 point; the session model's steady state is ~2/3). `--repeats` N repeats the headline workloads (L4096
-and the mix) N times in the same run; the report gives the median and every value.
+and the mix; `--repeat-workloads` names others) N times in the same run, repeat r with the workload
+seed --seed + r (configurations compared at one repeat meet the same arrivals, repeats different
+ones); the report gives the median and every value.
 
 Why configuration by configuration (each stack up once, all its workloads, then the next) and not
 rate by rate across configurations: two stacks on one accelerator would measure each other, and
@@ -87,7 +89,7 @@ from relaygr.load import LoadGenerator
 from relaygr.search import CLIENT_LAG_BOUND_MS, RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
 from relaygr.workload import WorkloadConfig, generate
 
-HEADLINE = ("L4096", "mix")  # the workloads repeated by --repeats
+HEADLINE = ("L4096", "mix")  # the workloads --repeats repeats unless --repeat-workloads names others
 NEVER_WORSE = "mix"  # the workload of the never-worse table
 REFERENCE = "baseline"
 NEVER_WORSE_TOLERANCE = 1.1  # relay P99 / baseline P99 allowed at a rate where the baseline meets
@@ -261,8 +263,17 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
     """(workload, repeat) in run order: every workload once, then the headline ones again."""
     out = [(w, 0) for w in args.workloads]
     for r in range(1, args.repeats):
-        out += [(w, r) for w in args.workloads if w in HEADLINE]
+        out += [(w, r) for w in args.workloads if w in args.repeat_workloads]
     return out
+
+
+def repeat_seed(args: argparse.Namespace, repeat: int) -> int:
+    """The workload seed of repeat `repeat`: --seed + repeat. Configurations compared at one
+    repeat replay the same arrivals; repeats replay different ones, so that their spread is the
+    workload's as well as the machine's (with one seed, every repeat and every rate of a search
+    met the same bursts: at L8192 one burst of first calls, 14 s into each point, set the relay's
+    limit in h7a and h7b)."""
+    return args.seed + repeat
 
 
 def incomplete_record(
@@ -334,13 +345,17 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
             ]
         print(f"[{name}] {workload} repeat {repeat}: grid from {search.grid[0]:g} req/s"
               f"{f', at least to {must_reach:g}' if must_reach else ''}", flush=True)  # fmt: skip
+        seeded = dataclasses.replace(base, seed=repeat_seed(args, repeat))
         try:
-            result = await runner.search(workload_config(workload, base), search, must_reach, compare)
+            result = await runner.search(workload_config(workload, seeded), search, must_reach, compare)
         except asyncio.CancelledError:  # Ctrl-C or a time limit's SIGINT: keep what was measured
             if on_record is not None and runner.current is not None and runner.current.points():
-                on_record(incomplete_record(name, workload, repeat, runner.current, args.slo_ms))
+                on_record(
+                    incomplete_record(name, workload, repeat, runner.current, args.slo_ms)
+                    | {"seed": repeat_seed(args, repeat)}
+                )
             raise
-        record = record_of(name, workload, repeat, result, args.slo_ms)
+        record = record_of(name, workload, repeat, result, args.slo_ms) | {"seed": repeat_seed(args, repeat)}
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{censored_note(result)}", flush=True)  # fmt: skip
         records.append(record)
@@ -520,7 +535,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="L2048,L4096,L8192,L12288,mix",
         help="comma-separated: L<tokens> | mix, each optionally -s1 (sessions of one request)",
     )
-    p.add_argument("--repeats", type=int, default=2, help="runs of each headline workload (L4096, mix)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each repeated workload (--repeat-workloads), repeat r with seed --seed + r",
+    )
+    p.add_argument("--repeat-workloads", default=",".join(HEADLINE),
+                   help="comma-separated: the workloads of --workloads that --repeats repeats")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rankers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -575,6 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.repeat_workloads = [w.strip() for w in args.repeat_workloads.split(",") if w.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configurations {unknown}")
@@ -588,6 +611,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.repeats < 1 or args.min_calls < 1 or args.min_duration_s <= 0:
         p.error("--repeats and --min-calls must be >= 1, --min-duration-s > 0")
+    if args.repeats > 1 and not set(args.repeat_workloads) & set(args.workloads):
+        p.error(f"--repeats {args.repeats} repeats nothing: no workload of --repeat-workloads "
+                f"({','.join(args.repeat_workloads)}) is in --workloads")  # fmt: skip
     if not args.lead_in_s >= 0:
         p.error("--lead-in-s must be >= 0")
     if not (args.settle_s >= 0 and args.drain_timeout_s >= 0):

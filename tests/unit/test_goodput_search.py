@@ -12,7 +12,10 @@ import pytest
 from bench.goodput import (
     incomplete_record,
     never_worse_rows,
+    parse_args,
+    plan,
     point_config,
+    repeat_seed,
     summary_rows,
     workload_config,
 )
@@ -232,6 +235,32 @@ def test_workload_names():
     for bad in ("L4k", "L4096-s2", "mix-", "s1", "L-s1"):
         with pytest.raises(ValueError, match="unknown workload"):
             workload_config(bad, base)
+
+
+def test_repeats_repeat_the_named_workloads_each_with_its_own_seed(capsys):
+    args = parse_args(["--workloads", "L4096,L8192,mix", "--repeats", "3"])
+    assert plan(args) == [
+        ("L4096", 0),
+        ("L8192", 0),
+        ("mix", 0),
+        ("L4096", 1),
+        ("mix", 1),
+        ("L4096", 2),
+        ("mix", 2),
+    ]
+    args = parse_args(
+        ["--workloads", "L8192", "--repeats", "2", "--repeat-workloads", "L8192", "--seed", "5"]
+    )
+    assert plan(args) == [("L8192", 0), ("L8192", 1)]
+    # Every configuration replays repeat r with the same seed; repeats replay different ones.
+    assert [repeat_seed(args, r) for r in (0, 1)] == [5, 6]
+    a, b = (generate(dataclasses.replace(workload_config("L8192", WorkloadConfig(seed=repeat_seed(args, r))),
+                                         duration_s=5.0, rate_rps=50.0)) for r in (0, 1))  # fmt: skip
+    assert [q.t_rank_s for q in a.requests] != [q.t_rank_s for q in b.requests]
+    # Repeats that repeat nothing are refused with the reason.
+    with pytest.raises(SystemExit):
+        parse_args(["--workloads", "L8192", "--repeats", "2"])
+    assert "repeats nothing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rate", [2.0, 40.0, 400.0])
