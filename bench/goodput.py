@@ -271,7 +271,7 @@ def repeat_seed(args: argparse.Namespace, repeat: int) -> int:
     """The workload seed of repeat `repeat`: --seed + repeat. Configurations compared at one
     repeat replay the same arrivals; repeats replay different ones, so that their spread is the
     workload's as well as the machine's (with one seed, every repeat and every rate of a search
-    met the same bursts: at L8192 one burst of first calls, 14 s into each point, set the relay's
+    met the same bursts: at L8192 one burst, 14 s into each point, set the relay's
     limit in h7a and h7b)."""
     return args.seed + repeat
 

@@ -27,9 +27,9 @@ loop asks `plan()` before every step and runs what it returns:
   * under overload, work predicted to finish past its caller's SLO even if it ran now
     (`doomed`: RankItem.due_by) waits behind work that can still meet its own, then runs,
     earliest deadline first, before any pre-inference no call waits for. Earliest deadline
-    first hands every call the lateness of the ones ahead of it: in a burst of first calls at
-    L8192 on an H200 (h7b, relay at 93.75 req/s) it served calls that had already missed while
-    each new arrival queued behind them, 32 slow calls within 0.5 s. A doomed call is still
+    first hands every call the lateness of the ones ahead of it: calls that have missed keep
+    the device while each new arrival queues behind them (L8192 on an H200, h7b, relay at 93.75
+    req/s: 30 of the point's 32 slow calls within one half second of a burst). A doomed call is still
     served, late (the engine drops one not started by its `start_by`, as before).
 
 What a ranking call does about a pre-inference of its psi still in the queue (`relay()`):

@@ -108,3 +108,31 @@ def test_a_slow_threshold_that_is_not_positive_is_refused(tmp_path):
     path.write_text(json.dumps(call(0.0, 1.0)) + "\n")
     with pytest.raises(SystemExit):
         calls.main([str(path), "--by-path", "--slow-ms", "0"])
+
+
+def test_slow_windows_find_where_the_slow_calls_bunch_and_what_was_there(tmp_path, capsys):
+    def rec(at_s: float, latency_ms: float, session_index: int, served_by: str) -> dict:
+        return call(at_s, 1.0, served_by=served_by) | {
+            "latency_ms": latency_ms,
+            "session_index": session_index,
+        }
+
+    # 10 s of calls every 0.1 s, fast; a burst at 4.0-4.5 s of first calls, slow.
+    quiet = [rec(i / 10, 5.0, 1, "hbm_hit") for i in range(100) if not 40 <= i < 45]
+    burst = [rec(4.0 + i / 40, 90.0, 0, "inflight_join") for i in range(18)] + [call(4.45, 6.0, 2, "hbm_hit")]
+    late = [rec(7.02, 60.0, 0, "full_recompute")]
+    rows = calls.slow_windows("p", quiet + burst + late, slow_ms=50.0)
+    assert [r["window_s"] for r in rows] == [4.0, 7.0]  # most slow calls first; none without slow calls
+    top = rows[0]
+    assert (top["calls"], top["slow"]) == (19, 18)
+    assert top["first_call_share"] == round(18 / 19, 2)
+    assert top["served"]["inflight_join"] == round(18 / 19, 2)
+    assert top["mean_calls"] == round(len(quiet + burst + late) / 20, 1)
+    assert calls.slow_windows("p", quiet, slow_ms=50.0) == []
+    assert calls.slow_windows("p", [], slow_ms=50.0) == []
+    # From the command line, a table after the files' rows.
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in quiet + burst + late))
+    calls.main([str(path), "--slow-windows", "--slow-ms", "50"])
+    out = capsys.readouterr().out
+    assert "| p.jsonl | 4 | 19 |" in out
