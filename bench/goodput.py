@@ -68,6 +68,7 @@ import os
 import re
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -541,8 +542,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="runs of each repeated workload (--repeat-workloads), repeat r with seed --seed + r",
     )
-    p.add_argument("--repeat-workloads", default=",".join(HEADLINE),
-                   help="comma-separated: the workloads of --workloads that --repeats repeats")  # fmt: skip
+    p.add_argument("--repeat-workloads", default=None,
+                   help="comma-separated: the workloads of --workloads that --repeats repeats "
+                        f"(default: those of {','.join(HEADLINE)} it has)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rankers", type=int, default=1)
     p.add_argument("--preset", default="tiny")
@@ -597,7 +599,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    args.repeat_workloads = [w.strip() for w in args.repeat_workloads.split(",") if w.strip()]
+    named = args.repeat_workloads is not None
+    names = args.repeat_workloads.split(",") if named else HEADLINE
+    args.repeat_workloads = [w.strip() for w in names if w.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configurations {unknown}")
@@ -611,9 +615,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.repeats < 1 or args.min_calls < 1 or args.min_duration_s <= 0:
         p.error("--repeats and --min-calls must be >= 1, --min-duration-s > 0")
-    if args.repeats > 1 and not set(args.repeat_workloads) & set(args.workloads):
-        p.error(f"--repeats {args.repeats} repeats nothing: no workload of --repeat-workloads "
-                f"({','.join(args.repeat_workloads)}) is in --workloads")  # fmt: skip
+    missing = [w for w in args.repeat_workloads if w not in args.workloads]
+    if named and missing:
+        p.error(f"--repeat-workloads: {','.join(missing)} not in --workloads ({','.join(args.workloads)})")
+    if args.repeats > 1 and len(missing) == len(args.repeat_workloads):
+        print(f"note: --repeats {args.repeats} repeats nothing: none of {','.join(HEADLINE)} is in --workloads "
+              "(--repeat-workloads names the workloads to repeat)", file=sys.stderr)  # fmt: skip
     if not args.lead_in_s >= 0:
         p.error("--lead-in-s must be >= 0")
     if not (args.settle_s >= 0 and args.drain_timeout_s >= 0):
