@@ -767,8 +767,7 @@ def load_model(
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
     graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms).
-    ValueError, one
-    line, on bad input."""
+    ValueError, one line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
         raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")

@@ -177,7 +177,7 @@ class EngineConfig:
     latency_target_s: float = math.inf
     # The ranking SLO, from a call's submission: work predicted to finish past it (or past the
     # call's own deadline) waits behind work that can still meet its own (the scheduler's
-    # `doomed`). inf: no SLO known, nothing is doomed.
+    # `doomed`). inf: no SLO known, only a call's own deadline dooms it.
     slo_s: float = math.inf
 
     def scheduler(self) -> SchedulerConfig:
