@@ -73,7 +73,6 @@ def program_key_tiles(
     splits: int,
     block_m: int,
     block_n: int,
-    min_split_tiles: int,
 ) -> tuple[int, int] | None:
     """(key tiles, the row block's split count) of one program: `row_block` of a sequence of
     `length` new tokens (`n_hist` of them history), as split `split` of `splits`; None when it
@@ -83,7 +82,7 @@ def program_key_tiles(
     if start >= length:
         return None
     units = min(start, n_hist) // block_n
-    active = min(splits, max(units // min_split_tiles, 1))
+    active = min(splits, max(units // MIN_SPLIT_BLOCKS, 1))
     if split >= active:
         return None
     per_split = -(-units // active) if units else 0
@@ -96,24 +95,6 @@ def program_key_tiles(
     return tiles, active
 
 
-def program_tiles(
-    row_block: int,
-    length: int,
-    n_hist: int,
-    split: int,
-    splits: int,
-    block_m: int,
-    block_n: int,
-    min_split_tiles: int,
-) -> float:
-    """program_key_tiles with the program's overhead, in tiles (what an exit costs if it exits)."""
-    found = program_key_tiles(row_block, length, n_hist, split, splits, block_m, block_n, min_split_tiles)
-    if found is None:
-        return _EXIT_TILES
-    tiles, active = found
-    return tiles + (_SPLIT_OVERHEAD_TILES if active > 1 else _PROGRAM_OVERHEAD_TILES)
-
-
 def makespan_tiles(
     lengths: tuple[int, ...],
     n_hists: tuple[int, ...],
@@ -122,7 +103,6 @@ def makespan_tiles(
     num_sms: int,
     block_m: int,
     block_n: int,
-    min_split_tiles: int,
 ) -> float:
     """The pass's time in key tiles: programs started in the kernel's order (splits slowest, then
     sequences, row blocks last first, heads fastest), each on the SM that comes free first."""
@@ -130,9 +110,10 @@ def makespan_tiles(
     for split in range(splits):
         for length, n_hist in zip(lengths, n_hists, strict=True):
             for row_block in range(-(-length // block_m) - 1, -1, -1):
-                tiles = program_tiles(
-                    row_block, length, n_hist, split, splits, block_m, block_n, min_split_tiles
-                )
+                found = program_key_tiles(row_block, length, n_hist, split, splits, block_m, block_n)
+                tiles = _EXIT_TILES
+                if found is not None:  # its key tiles and its overhead
+                    tiles = found[0] + (_SPLIT_OVERHEAD_TILES if found[1] > 1 else _PROGRAM_OVERHEAD_TILES)
                 for _ in range(num_heads):
                     heapq.heapreplace(free, free[0] + tiles)
     return max(free)
@@ -146,7 +127,6 @@ def choose_causal_splits(
     num_sms: int,
     block_m: int,
     block_n: int,
-    min_split_tiles: int,
 ) -> int:
     """The split count (1..MAX_CAUSAL_SPLITS) that finishes a causal pass over these sequences
     soonest by makespan_tiles; ties go to fewer splits (fewer float32 sums). Batches with
@@ -158,7 +138,7 @@ def choose_causal_splits(
         return 1
     best, best_time = 1, None
     for splits in range(1, MAX_CAUSAL_SPLITS + 1):
-        time = makespan_tiles(lengths, n_hists, num_heads, splits, num_sms, block_m, block_n, min_split_tiles)
+        time = makespan_tiles(lengths, n_hists, num_heads, splits, num_sms, block_m, block_n)
         if best_time is None or time < best_time * 0.98:  # a split must buy more than its noise
             best, best_time = splits, time
     return best

@@ -713,8 +713,7 @@ def hstu_attention_triton(
             splits = choose_splits(programs, triton.cdiv(max(prefix.lens_host), bn), _num_sms(q.device))
         else:
             lengths = tuple(seq.length(b) for b in range(seq.batch_size))
-            splits = choose_causal_splits(lengths, seq.n_hist_host, num_heads, _num_sms(q.device), bm, bn,
-                                          MIN_SPLIT_BLOCKS)  # fmt: skip
+            splits = choose_causal_splits(lengths, seq.n_hist_host, num_heads, _num_sms(q.device), bm, bn)
     prefix_d = None
     if has_prefix and prefix is not None:
         prefix_d = _Prefix(
@@ -757,13 +756,7 @@ class StaticGrid:
             per_seq = (tokens if tokens is not None else batch * max_len) // max(batch, 1)
             lengths = (min(max_len, max(per_seq, 1)),) * batch
             splits = choose_causal_splits(
-                lengths,
-                lengths,
-                num_heads,
-                _num_sms(device),
-                config.block_m,
-                config.block_n,
-                MIN_SPLIT_BLOCKS,
+                lengths, lengths, num_heads, _num_sms(device), config.block_m, config.block_n
             )
             return StaticGrid(batch, max_len, splits, config)
         bm, bn = PREFIX_CONFIG.block_m, PREFIX_CONFIG.block_n

@@ -15,11 +15,10 @@ from kernels.hstu_attention.splits import (
     choose_splits,
     makespan_tiles,
     program_key_tiles,
-    program_tiles,
 )
 
-# The kernel's tiles (PREFIX_CONFIG) and its minimum split, an H100/H200's SMs, the bench preset's heads.
-BM, BN, MIN_SPLIT, SMS, HEADS = 128, 64, 4, 132, 4
+# The kernel's tiles (PREFIX_CONFIG), an H100/H200's SMs, the bench preset's heads.
+BM, BN, SMS, HEADS = 128, 64, 132, 4
 
 
 def test_prefix_splits_fill_whole_waves():
@@ -46,9 +45,7 @@ def test_prefix_splits_stop_where_their_sums_cost_more():
 
 def _row_block_tiles(row_block: int, length: int, n_hist: int, splits: int) -> int:
     """Key tiles of one row block's programs over all its splits."""
-    found = [
-        program_key_tiles(row_block, length, n_hist, s, splits, BM, BN, MIN_SPLIT) for s in range(splits)
-    ]
+    found = [program_key_tiles(row_block, length, n_hist, s, splits, BM, BN) for s in range(splits)]
     return sum(f[0] for f in found if f is not None)
 
 
@@ -64,38 +61,38 @@ def test_splits_share_out_the_same_tiles(length, n_hist):
 
 
 def test_programs_past_the_sequence_or_their_split_count_exit():
-    assert program_tiles(40, 4416, 4160, 0, 1, BM, BN, MIN_SPLIT) < 1  # row 5120 of 4416
-    # Row block 1 sees two unmasked tiles: fewer than MIN_SPLIT a split, so one program does them.
-    assert program_key_tiles(1, 4416, 4160, 1, 4, BM, BN, MIN_SPLIT) is None
-    assert program_key_tiles(1, 4416, 4160, 0, 4, BM, BN, MIN_SPLIT) == (4, 1)
+    assert program_key_tiles(40, 4416, 4160, 0, 1, BM, BN) is None  # row 5120 of 4416
+    # Row block 1 sees two unmasked tiles: fewer than MIN_SPLIT_BLOCKS a split, so one program does them.
+    assert program_key_tiles(1, 4416, 4160, 1, 4, BM, BN) is None
+    assert program_key_tiles(1, 4416, 4160, 0, 4, BM, BN) == (4, 1)
 
 
 def test_one_long_sequence_is_split_and_finishes_sooner():
     # 4096 + 320 tokens at batch 1: 35 row blocks x 4 heads, 140 programs on 132 SMs; unsplit,
     # the longest program (the last row block, 66 tiles) is the whole pass.
     lengths, n_hists = (4416,), (4160,)
-    splits = choose_causal_splits(lengths, n_hists, HEADS, SMS, BM, BN, MIN_SPLIT)
+    splits = choose_causal_splits(lengths, n_hists, HEADS, SMS, BM, BN)
     assert 1 < splits <= MAX_CAUSAL_SPLITS
-    one = makespan_tiles(lengths, n_hists, HEADS, 1, SMS, BM, BN, MIN_SPLIT)
-    chosen = makespan_tiles(lengths, n_hists, HEADS, splits, SMS, BM, BN, MIN_SPLIT)
+    one = makespan_tiles(lengths, n_hists, HEADS, 1, SMS, BM, BN)
+    chosen = makespan_tiles(lengths, n_hists, HEADS, splits, SMS, BM, BN)
     assert chosen <= 0.75 * one
     assert one >= 66  # the longest program: 65 history tiles and the candidates' own
 
 
 def test_enough_programs_are_not_split():
     # 8192 + 320 at batch 1 already spreads over two waves longest first; batch 2 fills four.
-    assert choose_causal_splits((8512,), (8256,), HEADS, SMS, BM, BN, MIN_SPLIT) == 1
-    assert choose_causal_splits((8512, 8512), (8256, 8256), HEADS, SMS, BM, BN, MIN_SPLIT) == 1
-    assert choose_causal_splits((), (), HEADS, SMS, BM, BN, MIN_SPLIT) == 1
+    assert choose_causal_splits((8512,), (8256,), HEADS, SMS, BM, BN) == 1
+    assert choose_causal_splits((8512, 8512), (8256, 8256), HEADS, SMS, BM, BN) == 1
+    assert choose_causal_splits((), (), HEADS, SMS, BM, BN) == 1
 
 
 def test_more_sms_never_take_fewer_splits_for_one_sequence():
     lengths, n_hists = (4416,), (4160,)
-    few = choose_causal_splits(lengths, n_hists, HEADS, 66, BM, BN, MIN_SPLIT)
-    many = choose_causal_splits(lengths, n_hists, HEADS, 264, BM, BN, MIN_SPLIT)
+    few = choose_causal_splits(lengths, n_hists, HEADS, 66, BM, BN)
+    many = choose_causal_splits(lengths, n_hists, HEADS, 264, BM, BN)
     assert many >= few
 
 
 def test_bad_machine_is_refused():
     with pytest.raises(ValueError, match="SMs"):
-        choose_causal_splits((4416,), (4160,), HEADS, 0, BM, BN, MIN_SPLIT)
+        choose_causal_splits((4416,), (4160,), HEADS, 0, BM, BN)
