@@ -489,9 +489,11 @@ class KernelConfig:
 # Measured on H100 (python -m bench.attention, bench preset): see bench/results/attention-*.md.
 PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 # Causal passes (no psi: the eager path, and the full / first-chunk graphs through StaticGrid).
-# KernelConfig(128, 32, 8, 3) measured faster on an H200 (8192 + 320 at batch 1: 0.409 against
-# 0.523 ms; attention-nvidia-h200-h7.txt) and is not adopted until the GPU tests have run it.
-NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+# Narrower key tiles with a deeper pipeline: on an H200 (attention-variants-nvidia-h200-k8.json,
+# bias on) 8192 + 320 at batch 1 0.411 against 0.524 ms with 128 x 64 x 2 stages, batch 8 x 8192
+# 3.20 against 3.88 ms (0.53 of the matmul peak), batch 8 x 4096 0.95 against 1.12; equal at
+# batch 1 x 4096. Cached passes stay on PREFIX_CONFIG (the 128 x 32 tile was not faster there).
+NO_PREFIX_CONFIG = KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
 _TS_BLOCK = 1024
 # Rows the two-pass sum adds up at a time (registers: SUM_ROWS x head_dim floats twice).
 _SUM_ROWS = 32
