@@ -34,6 +34,7 @@ from relaygr.replay import ReplayResult, replay
 from relaygr.workload import Materializer, WorkloadConfig, generate
 from services.ranker.copy_stages import RELOAD_PATH_STAGES
 from services.ranker.copy_stages import STAGES as COPY_STAGES
+from services.ranker.device_time import STEP_KINDS
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2 as pb
@@ -341,6 +342,13 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         for reason in ("cheaper", "copy_engine_under_load", "recompute_cheaper"):
             name = f'relaygr_ranker_reload_decisions_total{{decision="{reason}"}}'
             totals[f"reload_decision_{reason}"] += samples.get(name, 0.0)
+        for kind in STEP_KINDS:  # pre-inference steps by graph replay or eager (device_time.py)
+            label = f'{{kind="{kind}"}}'
+            for what, metric in (("steps", "steps"), ("seconds", "step_seconds"),
+                                 ("prefixes", "step_prefixes"), ("over_10ms", "steps_over_10ms")):  # fmt: skip
+                totals[f"preinfer_{kind}_{what}"] += samples.get(
+                    f"relaygr_ranker_preinfer_{metric}_total{label}", 0.0
+                )
         for family in GRAPH_FAMILIES:  # CUDA graphs: batches replayed and run eagerly, by family
             for what in ("replays", "eager_batches"):
                 name = f'relaygr_ranker_graph_{what}_total{{family="{family}"}}'
@@ -472,6 +480,17 @@ def _admissions(rankers: dict[str, Any]) -> str:
     built = rankers.get("psi_produced", 0.0) - rankers.get("reloads", 0.0)
     if built > 0 and rankers.get("device_preinfer_s"):
         line += f"  pre-inference {rankers['device_preinfer_s'] / built * 1e3:.1f} ms/psi"
+    # Its steps by how they ran: an eager one pays the host's per-step cost and, batched, holds
+    # ranking calls behind it (device_time.py).
+    steps = {kind: rankers.get(f"preinfer_{kind}_steps", 0.0) for kind in STEP_KINDS}
+    if any(steps.values()):
+        line += "  steps " + ", ".join(
+            f"{kind} {n:g} ({rankers.get(f'preinfer_{kind}_seconds', 0.0) / n * 1e3:.1f} ms, "
+            f"{rankers.get(f'preinfer_{kind}_prefixes', 0.0) / n:.1f} prefixes, "
+            f"{rankers.get(f'preinfer_{kind}_over_10ms', 0.0):g} over 10 ms)"
+            for kind, n in steps.items()
+            if n > 0
+        )
     return line
 
 
@@ -657,6 +676,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
+        # Pre-inference steps over the point (and its lead-in), by graph replay or eager: steps,
+        # device seconds, prefixes built from, steps over 10 ms.
+        **{k: device[k] - device_before[k] for k in device if k.startswith("preinfer_")},
         # The device loop's own time over the point, by section: wall and thread-CPU seconds.
         **{k: device[k] - device_before[k] for k in device if k.startswith("loop_")},
         # Where a psi copy's time went over the point: mean ms per copy by stage.

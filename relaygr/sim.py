@@ -462,7 +462,7 @@ def simulate(
                 production.item = dataclasses.replace(
                     production.item,
                     joined_deadline=deadline if joined is None else min(joined, deadline),
-                    joined_due_by=min(due_by, production.item.joined_due_by),
+                    joined_due_by=max(due_by, production.item.joined_due_by),
                 )
                 production.waiters.append(
                     (RankItem(next_id(), RankKind.CACHED, deadline, t, suffix, due_by=due_by), r, t)

@@ -13,6 +13,10 @@ it as Prometheus counters, read at scrape time:
     relaygr_ranker_device_fill_wait_seconds_total
     relaygr_ranker_unused_psi_device_seconds_total
     relaygr_ranker_unused_psi_total
+    relaygr_ranker_preinfer_steps_total{kind="graph"|"eager"}
+    relaygr_ranker_preinfer_step_seconds_total{kind=...}
+    relaygr_ranker_preinfer_step_prefixes_total{kind=...}
+    relaygr_ranker_preinfer_steps_over_10ms_total{kind=...}
 
 What the numbers mean (the engine measures them; services/ranker/engine.py):
   rank      each ranking batch's compute_ms: on CUDA the time between events recorded before its
@@ -33,6 +37,11 @@ What the numbers mean (the engine measures them; services/ranker/engine.py):
             calls' own device time gave 43). `starved_gaps_over_1ms` counts such gaps;
   fill wait the time the device loop waited, nothing in flight, for a ranking batch to fill
             (`max_wait`): the starved time spent so by design; the rest is the host's own;
+  preinfer steps  each pre-inference step by how it ran (a CUDA graph replay, or eagerly: no
+            graph holds its shape, or it reads psi), its device time and the prefixes it built
+            from: eager steps pay the host's per-step cost (~4 ms on an H200) and, batched, hold
+            ranking calls behind them (L8192 on an H200, k8b: 63 -> 394 eager steps a point as
+            the relay's P99 went 20 -> 944 ms);
   unused psi  the pre-inference time of each psi whose lease expired before any ranking call
             consumed it. The cost of a psi is kept, by key, from its production until it is
             consumed (then it was useful) or reported expired (then it was wasted).
@@ -54,6 +63,8 @@ from prometheus_client.registry import Collector
 from services.ranker.events import EventPool, wait_until_done
 
 WORKS = ("rank", "preinfer", "copy", "reload", "demote")
+STEP_KINDS = ("graph", "eager")
+_LONG_STEP_S = 0.010
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class DeviceTimeSnapshot:
     starved_s: float = 0.0
     starved_gaps_over_1ms: int = 0
     fill_wait_s: float = 0.0
+    # Pre-inference steps by kind (STEP_KINDS): (steps, seconds, prefixes, steps over 10 ms).
+    preinfer_steps: dict[str, tuple[int, float, int, int]] | None = None
 
 
 def starved_seconds(gap_s: float, launched_at: float, oldest_submitted: float) -> float:
@@ -95,6 +108,7 @@ class DeviceTime:
         self._starved_s = 0.0
         self._starved_gaps = 0
         self._fill_wait_s = 0.0
+        self._steps = {kind: [0, 0.0, 0, 0] for kind in STEP_KINDS}
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
@@ -103,6 +117,16 @@ class DeviceTime:
             raise ValueError(f"unknown kind of device work {work!r} (one of {', '.join(WORKS)})")
         with self._lock:
             self._work_s[work] += max(0.0, seconds)
+
+    def preinfer_step(self, graphed: bool, prefixes: int, seconds: float) -> None:
+        """One pre-inference step of `prefixes` prefixes' chunks, by a graph replay or eagerly,
+        that took `seconds` of device time (also add it to "preinfer" with `add`)."""
+        with self._lock:
+            step = self._steps["graph" if graphed else "eager"]
+            step[0] += 1
+            step[1] += max(0.0, seconds)
+            step[2] += prefixes
+            step[3] += seconds > _LONG_STEP_S
 
     def idle_between(self, gap_s: float, starved_s: float) -> None:
         """One gap between two consecutive ranking batches on the device, `starved_s` of it with
@@ -190,6 +214,7 @@ class DeviceTime:
             return DeviceTimeSnapshot(
                 dict(self._work_s), busy, self._unused_s, self._unused,
                 self._gap_s, self._starved_s, self._starved_gaps, self._fill_wait_s,
+                {kind: (int(n), float(sec), int(pre), int(long)) for kind, (n, sec, pre, long) in self._steps.items()},
             )  # fmt: skip
 
 
@@ -310,3 +335,19 @@ class DeviceTimeCollector(Collector):
             "psi that expired before any ranking call used it",
             value=snap.unused_psi,
         )
+        families = [
+            CounterMetricFamily(name, doc, labels=["kind"])
+            for name, doc in (
+                ("relaygr_ranker_preinfer_steps", "pre-inference steps, by graph replay or eager"),
+                ("relaygr_ranker_preinfer_step_seconds", "device time of pre-inference steps, by kind"),
+                (
+                    "relaygr_ranker_preinfer_step_prefixes",
+                    "prefixes built from in pre-inference steps, by kind",
+                ),
+                ("relaygr_ranker_preinfer_steps_over_10ms", "pre-inference steps of over 10 ms, by kind"),
+            )
+        ]
+        for kind, values in (snap.preinfer_steps or {}).items():
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([kind], value)
+        yield from families

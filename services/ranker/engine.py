@@ -272,7 +272,9 @@ class _PreInferJob(_Job):
     done: int = 0  # prefix tokens built
     taken: bool = False  # a ranking call computes the rest: no more chunks
     joined_deadline: float | None = None
-    joined_due_by: float = math.inf  # the earliest due_by of the calls that joined it
+    # The latest due_by of the calls that joined it (-inf: none): it is worth running while any
+    # of them can still be served in time (scheduler.doomed).
+    joined_due_by: float = -math.inf
     cost_s: float = 0.0  # device time of its chunks so far
     expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
     need_by: float = math.inf  # time.monotonic(): when its ranking call is due (the build order)
@@ -619,7 +621,7 @@ class Engine:
                 # Also while taken: if the taker leaves before its step, the rest runs by this
                 # call's deadline rather than as background work.
                 job.joined_deadline = min(deadline, job.joined_deadline or deadline)
-                job.joined_due_by = min(due_by, job.joined_due_by)
+                job.joined_due_by = max(due_by, job.joined_due_by)
                 self._cv.notify()
             else:
                 job.taken = True
@@ -783,6 +785,7 @@ class Engine:
             self.first_costs = CostFit(prior)
             self.scheduler.first_costs = self.first_costs
             self.scheduler.graph_tokens = graphs.limits.max_full_tokens
+            self.scheduler.graph_batch = graphs.limits.max_full_batch
         log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
                  step_ms=[round(t * 1e3, 3) for t in seconds])  # fmt: skip
@@ -1391,6 +1394,7 @@ class Engine:
             self.device_time.end()
         tokens = sum(c.end - c.start for c, _ in work)
         self.device_time.add("preinfer", seconds)
+        self.device_time.preinfer_step(flight.graphed, len(work), seconds)
         # Graph steps and eager steps cost differently (IterationScheduler.chunk_seconds): each fit
         # learns from its own kind.
         fit = self.first_costs if flight.graphed and self.first_costs is not None else self.step_costs

@@ -124,7 +124,12 @@ class PreinferItem:
     joined_deadline: float | None = None
     taken: bool = False
     need_by: float = float("inf")
-    joined_due_by: float = float("inf")  # the earliest due_by (RankItem) of the calls waiting for it
+    # The latest due_by (RankItem) of the calls waiting for it (-inf: none): it serves all of
+    # them, so it is doomed only when the last of them is. By the earliest, a session's later
+    # calls that joined the same psi (think times near 0) waited behind live work with the first
+    # call's: on an H200 (L8192, k8b, relay at 93.75 req/s) joins of three calls waited 45-237 ms
+    # for their 7 ms pre-inference.
+    joined_due_by: float = -float("inf")
 
     @property
     def remaining(self) -> int:
@@ -193,11 +198,13 @@ class IterationScheduler:
         first_costs: CostFit | None = None,
         graph_tokens: int = 0,
         full_replays: Callable[[Sequence[int]], bool] | None = None,
+        graph_batch: int = 2,
     ) -> None:
         """`costs`: the fit of pre-inference steps (chunk sizes, join decisions); `rank_costs`:
         the fit of ranking batches (batch composition), `costs` when not given; `first_costs`:
         the fit of steps that build a prefix from its first token in one CUDA graph replay, for
-        chunks of at most `graph_tokens` (None: every step is costed by `costs`);
+        chunks of at most `graph_tokens` in all, of at most `graph_batch` prefixes (None: every
+        step is costed by `costs`);
         `full_replays(tokens of each call)`: whether a batch of full rankings replays a captured
         CUDA graph (None: no graphs, e.g. on the CPU)."""
         self.config = config
@@ -205,6 +212,7 @@ class IterationScheduler:
         self.rank_costs = rank_costs if rank_costs is not None else costs
         self.first_costs = first_costs
         self.graph_tokens = graph_tokens
+        self.graph_batch = graph_batch
         self.full_replays = full_replays
 
     # ------------------------------------------------------------------ costs
@@ -220,6 +228,24 @@ class IterationScheduler:
         if done == 0 and self.first_costs is not None and tokens <= self.graph_tokens:
             fit = self.first_costs
         return fit.coefficients.seconds(tokens, tokens * (done + tokens))
+
+    def step_graphed(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether a step of these chunks replays a CUDA graph: every chunk from its prefix's
+        first token (nothing to read from psi), at most `graph_batch` of them and `graph_tokens`
+        in all (the engine's graph limits)."""
+        return (
+            self.first_costs is not None
+            and 0 < len(chunks) <= self.graph_batch
+            and all(c.start == 0 for c in chunks)
+            and sum(c.end for c in chunks) <= self.graph_tokens
+        )
+
+    def step_seconds(self, chunks: Sequence[Chunk]) -> float:
+        """Predicted device time of one step of these chunks, as one batch (one per-step cost),
+        by the fit of its kind (graph replay or eager)."""
+        fit = self.first_costs if self.first_costs is not None and self.step_graphed(chunks) else self.costs
+        tokens = sum(c.end - c.start for c in chunks)
+        return fit.coefficients.seconds(tokens, sum((c.end - c.start) * c.end for c in chunks))
 
     def chunk_cap(self, done: int) -> int:
         """The most tokens one chunk after `done` built ones may have: `chunk_tokens`; a chunk
@@ -273,14 +299,14 @@ class IterationScheduler:
 
     def doomed(self, now: float, item: RankItem | PreinferItem) -> bool:
         """Whether a ranking call, or a pre-inference a call has joined, is predicted to finish
-        past its `due_by` even if it ran now (a joined one: the rest of its prefix, by its
-        callers' earliest)."""
+        past its `due_by` even if it ran now (a joined one: the rest of its prefix, by the latest
+        of its callers': PreinferItem.joined_due_by)."""
         if isinstance(item, RankItem):
             due_by = item.due_by
             seconds = self.rank_costs.coefficients.seconds(item.tokens, item.pairs)
         else:
             due_by = item.joined_due_by
-            if item.joined_deadline is None or due_by == float("inf"):
+            if item.joined_deadline is None or due_by in (float("inf"), -float("inf")):
                 return False
             seconds = self.remaining_seconds(item.done, item.length)
         return now + seconds > due_by
@@ -416,19 +442,45 @@ class IterationScheduler:
         return Plan(rank=tuple(r.id for r in batch), predicted_s=predicted)
 
     def _chunks(self, ordered: Sequence[PreinferItem]) -> Plan:
-        """Chunks of the pre-inferences in this order, within the step budget (the first always
-        gets one: progress)."""
-        cfg = self.config
+        """Chunks of the pre-inferences in this order, as one step predicted within the step
+        budget: the first always gets one (progress), the others join while the step fits.
+        Where first chunks replay graphs, a step that replays one takes other prefixes only
+        whole and stays a shape a graph holds, and an eager step takes no prefix's first chunk:
+        on an H200 (L8192, k8b) the step of four 8192-token prefixes that a budget counted with
+        the eager fit's per-step cost took 8192 + 5888 + 6144 + 6144 tokens (no graph holds
+        four: eager, ~20 ms with ranking calls waiting) and left three eager rests of 4-5 ms
+        each; a fresh prefix waits for a graph step of its own instead."""
         budget = self.step_budget_s()
         chunks: list[Chunk] = []
-        spent = 0.0
-        for p in ordered[: cfg.preinfer_max_batch]:
-            left = budget - spent
-            n = self.chunk_size(p.done, p.remaining, left)
-            cost = self.chunk_seconds(p.done, n)
-            if chunks and cost > left:
+        for p in ordered:
+            if len(chunks) == self.config.preinfer_max_batch:
                 break
-            chunks.append(Chunk(p.id, p.done, p.done + n))
-            # Chunks of one batch share the per-batch cost: count it once.
-            spent += cost - (self.costs.coefficients.per_batch_s if len(chunks) > 1 else 0.0)
-        return Plan(chunks=tuple(chunks), predicted_s=spent)
+            if not chunks:
+                chunks.append(Chunk(p.id, p.done, p.done + self.chunk_size(p.done, p.remaining, budget)))
+                continue
+            joining = self._joining_chunk(chunks, p, budget)
+            if joining is not None:
+                chunks.append(joining)
+        return Plan(chunks=tuple(chunks), predicted_s=self.step_seconds(chunks))
+
+    def _joining_chunk(self, chunks: Sequence[Chunk], p: PreinferItem, budget: float) -> Chunk | None:
+        """The largest chunk of `p` (whole fingerprint chunks) that a step of `chunks` can take
+        within `budget` (_chunks' rules); None: none."""
+        if self.first_costs is not None:
+            if self.step_graphed(chunks):
+                whole = Chunk(p.id, 0, p.length)
+                fits = p.done == 0 and self.step_graphed([*chunks, whole])
+                return whole if fits and self.step_seconds([*chunks, whole]) <= budget else None
+            if p.done == 0:
+                return None  # its first chunk waits for a graph step
+        best = None
+        n = CHUNK_TOKENS
+        while True:
+            end = min(p.done + n, p.length, p.done + self.config.chunk_tokens)
+            candidate = Chunk(p.id, p.done, end)
+            if self.step_seconds([*chunks, candidate]) > budget:
+                return best
+            best = candidate
+            if end == p.length or end == p.done + self.config.chunk_tokens:
+                return best
+            n += CHUNK_TOKENS

@@ -98,6 +98,30 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     assert samples["relaygr_ranker_unused_psi_device_seconds_total"] == pytest.approx(wasted)
     assert samples["relaygr_ranker_unused_psi_total"] == 1
     assert samples["relaygr_ranker_device_busy_seconds_total"] > 0
+    # Both pre-inferences ran as eager steps on the CPU (no graphs), their time all of "preinfer".
+    steps = snap.preinfer_steps
+    assert steps is not None
+    assert steps["graph"] == (0, 0.0, 0, 0)
+    n, seconds, prefixes, _ = steps["eager"]
+    assert n >= 1
+    assert prefixes >= 2  # each step builds one or more of the two prefixes
+    assert seconds == pytest.approx(snap.work_s["preinfer"])
+    assert samples['relaygr_ranker_preinfer_steps_total{kind="eager"}'] == n
+    assert samples['relaygr_ranker_preinfer_step_prefixes_total{kind="eager"}'] == prefixes
+
+
+def test_preinfer_steps_are_counted_by_kind():
+    ledger = DeviceTime()
+    ledger.preinfer_step(True, 1, 0.005)
+    ledger.preinfer_step(False, 4, 0.020)
+    ledger.preinfer_step(False, 1, 0.004)
+    steps = ledger.snapshot().preinfer_steps
+    assert steps == {"graph": (1, 0.005, 1, 0), "eager": (2, pytest.approx(0.024), 5, 1)}
+    registry = CollectorRegistry()
+    registry.register(DeviceTimeCollector(ledger))
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert samples['relaygr_ranker_preinfer_steps_over_10ms_total{kind="eager"}'] == 1
+    assert samples['relaygr_ranker_preinfer_step_seconds_total{kind="graph"}'] == pytest.approx(0.005)
 
 
 def test_starved_time_is_the_part_of_a_gap_a_waiting_call_saw():

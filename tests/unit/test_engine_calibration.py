@@ -83,6 +83,7 @@ async def test_graph_steps_get_a_cost_fit_of_their_own() -> None:
         assert engine.first_costs is not None
         assert engine.scheduler.first_costs is engine.first_costs
         assert engine.scheduler.graph_tokens == 2048
+        assert engine.scheduler.graph_batch == fake.limits.max_full_batch
         calibrated = [ends for ends in fake.replayed if ends[0][0] == 0]
         assert {ends[0][1] for ends in calibrated} == {256, 512, 1024}
         first_prior = engine.first_costs.prior

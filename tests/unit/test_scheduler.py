@@ -215,6 +215,11 @@ def test_work_that_would_miss_anyway_waits_behind_work_that_can_still_make_it():
     hopeful = PreinferItem(7, 2048, 1024, 0.0, joined_deadline=0.008, joined_due_by=0.015)
     assert not s.doomed(0.0, hopeful)
     assert [c.id for c in s.plan(0.0, [hit], [hopeless, hopeful]).chunks] == [7]
+    # Joined by a call already past hope and a later one that is not (a session's next call):
+    # the rest serves both, so it keeps its place (the engine keeps the latest due_by).
+    shared = PreinferItem(5, 2048, 1024, 0.0, joined_deadline=0.002, joined_due_by=max(0.004, 0.030))
+    assert not s.doomed(0.0, shared)
+    assert [c.id for c in s.plan(0.0, [hit], [shared]).chunks] == [5]
     # Without a due time (no SLO given): never doomed, whatever the latency target says.
     assert not s.doomed(1e9, rank(4, 0.001, RankKind.FULL, tokens=4096))
     assert not s.doomed(1e9, PreinferItem(6, 4096, 0, 0.0, joined_deadline=0.001))
@@ -267,8 +272,13 @@ def test_started_preinferences_are_finished_before_new_ones_and_batched_within_t
     plan = s.plan(0.0, [], items)
     assert [c.id for c in plan.chunks] == [2, 1, 3]
     assert plan.predicted_s <= s.step_budget_s()
+    # The step is one batch: its chunks share one per-step cost. 4 ms: the rest of 2 (768
+    # tokens, 2.9 ms) leaves room for 256 tokens of 1 (3.5 ms in all), not 512 (4.1 ms).
     tight = scheduler(max_rank_delay_s=3 * MS, preinfer_max_batch=3).plan(0.0, [], items)
-    assert [c.id for c in tight.chunks] == [2]  # the next one would pass the budget
+    assert [(c.id, c.start, c.end) for c in tight.chunks] == [(2, 256, 1024), (1, 0, 256)]
+    assert tight.predicted_s <= 4 * MS
+    tighter = scheduler(max_rank_delay_s=2 * MS, preinfer_max_batch=3).plan(0.0, [], items)
+    assert [c.id for c in tighter.chunks] == [2]  # the next one would pass the budget
 
 
 def test_preinferences_are_built_in_the_order_their_calls_are_due():
@@ -408,3 +418,38 @@ def test_full_rankings_are_batched_only_into_shapes_a_captured_graph_holds():
     # Calls against psi are batched by cost whatever the full rankings' graphs.
     hits = [rank(i, 0.100 + i * MS, RankKind.CACHED, tokens=20) for i in range(1, 9)]
     assert alone.plan(0.0, hits, []).rank == tuple(range(1, 9))
+
+
+def test_a_graph_step_takes_other_prefixes_only_whole_and_an_eager_step_no_first_chunk():
+    # The H200's fits (k8b): an eager step 3.8 ms whatever its size plus its attention, a graph
+    # step 0.55 ms + 0.36 us a token + its attention; graphs hold two prefixes, 17408 tokens.
+    eager = fitted(3.782 * MS, 0.0, 0.0247e-9)
+    graph = fitted(0.553 * MS, 0.3616e-6, 0.0252e-9)
+    config = SchedulerConfig(max_wait_s=0.0, chunk_tokens=4096, max_rank_delay_s=5 * MS, preinfer_max_batch=4)
+    s = IterationScheduler(config, eager, first_costs=graph, graph_tokens=17408, graph_batch=2)
+    fresh = [PreinferItem(i, 8192, 0, 0.0, need_by=1.0 + i) for i in range(4)]
+    plan = s.plan(0.0, [], fresh)
+    # One 8192-token prefix per step (5.2 ms; two would be 10.5 ms, past the 8.8 ms budget):
+    # no second prefix cut to the budget's leftover, whose rest would need an eager step.
+    assert [(c.id, c.start, c.end) for c in plan.chunks] == [(0, 0, 8192)]
+    assert plan.predicted_s == pytest.approx(s.chunk_seconds(0, 8192))
+    assert s.step_graphed(plan.chunks)
+    # Short prefixes share a graph step whole, up to the graphs' batch.
+    short = [PreinferItem(10 + i, 2048, 0, 0.0, need_by=1.0 + i) for i in range(4)]
+    plan = s.plan(0.0, [], short)
+    assert [(c.start, c.end) for c in plan.chunks] == [(0, 2048), (0, 2048)]
+    assert s.step_graphed(plan.chunks)
+    assert plan.predicted_s <= s.step_budget_s()
+    # An eager step (a started prefix's rest) takes other rests, not a fresh prefix's first chunk.
+    started = [
+        PreinferItem(20, 8192, 6144, 0.0, need_by=1.0),
+        fresh[1],
+        PreinferItem(21, 8192, 7168, 0.0, need_by=3.0),
+    ]
+    plan = s.plan(0.0, [], started)
+    assert [(c.id, c.start, c.end) for c in plan.chunks] == [(20, 6144, 8192), (21, 7168, 8192)]
+    assert not s.step_graphed(plan.chunks)
+    assert plan.predicted_s <= s.step_budget_s()
+    # Without graphs (the CPU), a fresh prefix's first chunk may join an eager step.
+    plain = IterationScheduler(config, eager)
+    assert [c.id for c in plain.plan(0.0, [], started).chunks][:2] == [20, 1]
