@@ -83,6 +83,7 @@ from relaygr.harness import (
     markdown_table,
     ranker_latency_target_ms,
     ranker_slo_ms,
+    ranker_step_costs,
     run_point,
 )
 from relaygr.launcher import Stack
@@ -213,6 +214,12 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_"))},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
+            # Pre-inference steps by graph replay or eager: steps, device seconds, prefixes built
+            # from, steps over 10 ms (services/ranker/device_time.py).
+            **{k: v for k, v in p.rankers.items() if k.startswith(("preinfer_graph_", "preinfer_eager_"))},
+            # Pre-inferences started over the point: how many, their waits from submission to the
+            # first step (seconds in all, over 50 ms), and how many a call had joined by then.
+            **{k: v for k, v in p.rankers.items() if k.startswith("preinfer_start")},
             # The ranker's device loop by section (services/ranker/loop_time.py): wall, thread CPU.
             **{k: v for k, v in p.rankers.items() if k.startswith("loop_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
@@ -356,7 +363,11 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
                     | {"seed": repeat_seed(args, repeat)}
                 )
             raise
-        record = record_of(name, workload, repeat, result, args.slo_ms) | {"seed": repeat_seed(args, repeat)}
+        record = record_of(name, workload, repeat, result, args.slo_ms) | {
+            "seed": repeat_seed(args, repeat),
+            # The ranker's measured pre-inference step costs (the capacity model plans by them).
+            "ranker_step_costs": ranker_step_costs(stack),
+        }
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{censored_note(result)}", flush=True)  # fmt: skip
         records.append(record)

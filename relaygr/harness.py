@@ -302,6 +302,27 @@ def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[
     return out
 
 
+def ranker_step_costs(stack: Stack) -> dict[str, Any]:
+    """The first ranker's pre-inference step costs as it measured them at start-up (its log):
+    `eager` and, where first chunks replay CUDA graphs, `graph` ({per_step_ms, per_token_us,
+    per_pair_ns}), with the graphs' `graph_tokens` and `graph_batch`; {} before they are
+    logged. What the capacity model (relaygr.sim) plans and costs pre-inference steps by."""
+    if not stack.rankers:
+        return {}
+    out: dict[str, Any] = {}
+    for record in stack.rankers[0].records():
+        event = record.get("event")
+        if event not in ("preinfer_steps_calibrated", "preinfer_graph_steps_calibrated"):
+            continue
+        costs = {k: record.get(k) for k in ("per_step_ms", "per_token_us", "per_pair_ns")}
+        if event == "preinfer_steps_calibrated":
+            out["eager"] = costs
+        else:
+            out["graph"] = costs
+            out.update({k: record[k] for k in ("graph_tokens", "graph_batch") if k in record})
+    return out
+
+
 async def device_counters(stack: Stack) -> dict[str, float]:
     """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
     totals: dict[str, float] = collections.defaultdict(float)
@@ -349,6 +370,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
                 totals[f"preinfer_{kind}_{what}"] += samples.get(
                     f"relaygr_ranker_preinfer_{metric}_total{label}", 0.0
                 )
+        for key, metric in (("preinfer_started", "preinfers_started"), ("preinfer_start_wait_s", "preinfer_start_wait_seconds"),
+                            ("preinfer_started_over_50ms", "preinfers_started_over_50ms"),
+                            ("preinfer_started_joined", "preinfers_started_joined")):  # fmt: skip
+            totals[key] += samples.get(f"relaygr_ranker_{metric}_total", 0.0)
         for family in GRAPH_FAMILIES:  # CUDA graphs: batches replayed and run eagerly, by family
             for what in ("replays", "eager_batches"):
                 name = f'relaygr_ranker_graph_{what}_total{{family="{family}"}}'
@@ -490,6 +515,13 @@ def _admissions(rankers: dict[str, Any]) -> str:
             f"{rankers.get(f'preinfer_{kind}_over_10ms', 0.0):g} over 10 ms)"
             for kind, n in steps.items()
             if n > 0
+        )
+    started = rankers.get("preinfer_started", 0.0)
+    if started:  # how long pre-inferences queued before their first step, and for whom
+        line += (
+            f"  started after {rankers.get('preinfer_start_wait_s', 0.0) / started * 1e3:.1f} ms mean"
+            f" ({rankers.get('preinfer_started_over_50ms', 0.0):g} over 50 ms,"
+            f" {rankers.get('preinfer_started_joined', 0.0):g} with their call waiting)"
         )
     return line
 

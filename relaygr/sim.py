@@ -24,7 +24,13 @@ replays, same seed, same lead-in, the measured window only counted):
   * `preinfer-all`: besides, every request's signal reaches the ranker the file's P90 signal trip
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
-    complete joins it or takes it over, as the scheduler decides.
+    complete joins it or takes it over, as the scheduler decides;
+  * `relay`: as `preinfer-all` (the trigger's admission is not modelled: every signal is
+    admitted; at L8192 on an H200 the trigger admitted 90% of them, k8b), with the ranker's
+    own pre-inference steps where its start-up measurement of them is known (the file's
+    `ranker_step_costs`, or `--eager-step-costs` / `--graph-step-costs`): the scheduler plans
+    chunks by them as the engine does (graph replays of first chunks, eager steps that pay a
+    per-step cost of ~4 ms on an H200) and each step costs what its kind's measurement says.
   * the host's launch of each ranking batch (packing, staging, issuing: the records'
     `launch_ms`, drawn by shape class like the device time) with the engine's launch-ahead: the
     next batch is planned and launched while the one before it runs, and it starts on the device
@@ -62,6 +68,7 @@ from relaygr.search import Point, SearchConfig, find_limit, recorded_client_boun
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.scheduler import (
+    Chunk,
     IterationScheduler,
     PreinferItem,
     RankItem,
@@ -308,6 +315,9 @@ class Setup:
     # Pre-inference of every request whose psi is held nowhere (the `preinfer-all` policy), its
     # signal reaching the ranker this long after the retrieval event; None: no pre-inference.
     preinfer_trip_ms: float | None = None
+    # The ranker's pre-inference steps as it measured them (StepCosts); None: a step costs a
+    # forward of its tokens by the full rankings' calibration.
+    preinfer_steps: StepCosts | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
@@ -322,6 +332,71 @@ class Setup:
     # The SLO past which the ranker's scheduler holds a call doomed (scheduler.doomed), from its
     # arrival: the file's rankers' --slo-ms (call_slo_s()); inf: none (runs before it existed).
     call_slo_s: float = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """A ranker's pre-inference step costs, (per step s, per token s, per attention pair s):
+    `eager` steps, and `graph` replays of chunks from a prefix's first token (None: no graphs),
+    which hold at most `graph_batch` prefixes and `graph_tokens` tokens."""
+
+    eager: tuple[float, float, float]
+    graph: tuple[float, float, float] | None = None
+    graph_tokens: int = 0
+    graph_batch: int = 2
+
+    @staticmethod
+    def fit(costs: tuple[float, float, float]) -> CostFit:
+        """A fit that holds these costs (as the engine's holds its start-up measurement)."""
+        per_step, per_token, per_pair = costs
+        return CostFit(CostPrior(per_batch_s=per_step, per_token_s=per_token, per_pair_s=per_pair,
+                                 pairs_measured=True, batches=1e9))  # fmt: skip
+
+    def seconds(self, chunks: Sequence[Chunk], graphed: bool) -> float:
+        """A step of these chunks: a graph replay costs its measured fit; an eager step costs
+        its per-step host time or its device work (the graph fit's, the same kernels), whichever
+        is longer: the eager fit was measured on short steps (256 tokens to one prefix), where
+        the host's launches are all of it, and learns no per-token cost there (0 on an H200)."""
+        tokens = sum(c.end - c.start for c in chunks)
+        pairs = sum((c.end - c.start) * c.end for c in chunks)
+
+        def cost(c: tuple[float, float, float]) -> float:
+            return c[0] + c[1] * tokens + c[2] * pairs
+
+        if self.graph is None:
+            return cost(self.eager)
+        return cost(self.graph) if graphed else max(cost(self.eager), cost(self.graph))
+
+    @classmethod
+    def parse(
+        cls, eager: str, graph: str | None = None, graph_tokens: int = 17_408, graph_batch: int = 2
+    ) -> StepCosts:
+        """From 'per step ms,per token us,per pair ns' strings (the ranker's log units)."""
+
+        def one(text: str) -> tuple[float, float, float]:
+            try:
+                ms, us, ns = (float(v) for v in text.split(","))
+            except ValueError:
+                raise ValueError(f"step costs {text!r}: 'per step ms,per token us,per pair ns'") from None
+            if min(ms, us, ns) < 0:
+                raise ValueError(f"step costs {text!r} must be >= 0")
+            return ms / 1e3, us / 1e6, ns / 1e9
+
+        return cls(one(eager), one(graph) if graph else None, graph_tokens if graph else 0, graph_batch)
+
+    @classmethod
+    def recorded(cls, record: dict[str, Any]) -> StepCosts | None:
+        """From a goodput search record's `ranker_step_costs` (bench.goodput); None without."""
+        costs = record.get("ranker_step_costs") or {}
+        if "eager" not in costs:
+            return None
+
+        def text(c: dict[str, Any]) -> str:
+            return f"{c['per_step_ms']},{c['per_token_us']},{c['per_pair_ns']}"
+
+        graph = costs.get("graph")
+        return cls.parse(text(costs["eager"]), text(graph) if graph else None,
+                         int(costs.get("graph_tokens", 0)), int(costs.get("graph_batch", 2)))  # fmt: skip
 
 
 class _Lru:
@@ -400,11 +475,17 @@ def simulate(
     rng = np.random.default_rng(seed)
     rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
+    steps = setup.preinfer_steps
     scheduler = IterationScheduler(
         setup.scheduler,
-        rank_fit,  # pre-inference steps: a prefix's forward costs what a full ranking of it does
+        # Pre-inference steps: as the ranker measured them, else a prefix's forward costs what
+        # a full ranking of it does.
+        StepCosts.fit(steps.eager) if steps is not None else rank_fit,
         rank_fit,
+        first_costs=StepCosts.fit(steps.graph) if steps is not None and steps.graph is not None else None,
+        graph_tokens=steps.graph_tokens if steps is not None else 0,
         full_replays=(lambda tokens: len(tokens) == 1 and tokens[0] <= limit) if limit > 0 else None,
+        graph_batch=steps.graph_batch if steps is not None else 2,
     )
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
@@ -545,9 +626,12 @@ def simulate(
             now = max(now, min(next_times))
             continue
         if plan.chunks:
-            tokens = sum(c.end - c.start for c in plan.chunks)
-            pairs = sum((c.end - c.start) * c.end for c in plan.chunks)
-            seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
+            if steps is not None:  # what the ranker measured such a step to cost
+                seconds = steps.seconds(plan.chunks, scheduler.step_graphed(plan.chunks))
+            else:
+                tokens = sum(c.end - c.start for c in plan.chunks)
+                pairs = sum((c.end - c.start) * c.end for c in plan.chunks)
+                seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
             now = max(now, device_free)  # run in place: after the batch in flight
             if preinfer_steps is not None:
                 preinfer_steps.append((now, seconds))
@@ -658,7 +742,7 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 
 # The configurations the model covers: no psi; rankings keep psi; and pre-inference of every
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
-MODELLED = ("baseline", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
+MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50")  # fmt: skip
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
@@ -762,12 +846,17 @@ class Model:
 
 
 def load_model(
-    result_path: Path, config: str, workload: str | None = None, changes: dict[str, float] | None = None
+    result_path: Path,
+    config: str,
+    workload: str | None = None,
+    changes: dict[str, float] | None = None,
+    step_costs: StepCosts | None = None,
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
-    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms).
-    ValueError, one line, on bad input."""
+    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms);
+    `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
+    them. ValueError, one line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
         raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
@@ -794,11 +883,15 @@ def load_model(
         changes.get("full_scale", 1.0),
         changes.get("cached_scale", 1.0),
     )
+    if step_costs is None:
+        recorded = [r for r in result["results"] if r["config"] == config and r["workload"] == chosen]
+        step_costs = next((sc for sc in map(StepCosts.recorded, recorded) if sc is not None), None)
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
         psi=not config.startswith("baseline"),
-        preinfer_trip_ms=signal_trip_ms(result, config) if config == "preinfer-all" else None,
+        preinfer_trip_ms=signal_trip_ms(result, config) if config in ("preinfer-all", "relay") else None,
+        preinfer_steps=step_costs if config == "relay" else None,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
@@ -846,6 +939,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--ranker-slo-ms", type=float, default=None,
                          help="the SLO the rankers hold calls doomed past (scheduler.doomed; 0: none; "
                          "default: the file's ranker_slo_ms, none before it was recorded)")  # fmt: skip
+    what_if.add_argument("--eager-step-costs", default=None, metavar="MS,US,NS",
+                         help="relay: the ranker's eager pre-inference step (per step ms, per token us, per "
+                         "pair ns, as its preinfer_steps_calibrated log line), instead of the file's")  # fmt: skip
+    what_if.add_argument("--graph-step-costs", default=None, metavar="MS,US,NS",
+                         help="relay: its graph steps (preinfer_graph_steps_calibrated), with --eager-step-costs")  # fmt: skip
+    what_if.add_argument("--graph-tokens", type=int, default=17_408,
+                         help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
                    help="add the comparison to this result file (bench/results/sim-<device>.json: "
                    "created, or its record of the same config, workload and source replaced)")  # fmt: skip
@@ -857,9 +957,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("ranker_slo_ms", args.ranker_slo_ms))
                if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
     try:
-        model = load_model(args.result, args.config, args.workload, changes)
+        if args.graph_step_costs and not args.eager_step_costs:
+            raise ValueError("--graph-step-costs needs --eager-step-costs")
+        step_costs = (
+            StepCosts.parse(args.eager_step_costs, args.graph_step_costs, args.graph_tokens)
+            if args.eager_step_costs
+            else None
+        )
+        model = load_model(args.result, args.config, args.workload, changes, step_costs)
     except ValueError as exc:
         p.error(str(exc))
+    asked: dict[str, Any] = dict(changes)
+    if args.eager_step_costs:  # the steps as given, not as the file recorded them
+        asked["eager_step_costs"] = args.eager_step_costs
+        asked["graph_step_costs"] = args.graph_step_costs
     result, workload, cal, setup, modelled = (
         model.result,
         model.workload,
@@ -879,8 +990,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "measured_goodput_rps": met,
         "measured_first_miss_rps": None if math.isinf(missed) else missed,
         "predicted_goodput_rps": low,
-        "predicted_over_measured": low / met if met > 0 and not changes else None,
-        "what_if": changes,
+        "predicted_over_measured": low / met if met > 0 and not asked else None,
+        "what_if": asked,
         "predicted_first_miss_rps": None if math.isinf(high) else high,
         "calibration_batches": cal.batches,
         # The model's host launch (0: device only, as the checks before it) and the deadline its
@@ -895,7 +1006,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "
           f"modelled goodput {low:.1f} (first miss {high:.1f}) req/s from {cal.batches} batches"
-          + (f"; what if {changes}" if changes else ""))  # fmt: skip
+          + (f"; what if {asked}" if asked else ""))  # fmt: skip
     for pt in points:
         shares = " ".join(f"{k} {pt[k]:.2f}" for k in (*PSI_PATHS, "full_recompute") if k in pt)
         verdict = "meets " if pt["meets_slo"] else "misses"

@@ -17,6 +17,10 @@ it as Prometheus counters, read at scrape time:
     relaygr_ranker_preinfer_step_seconds_total{kind=...}
     relaygr_ranker_preinfer_step_prefixes_total{kind=...}
     relaygr_ranker_preinfer_steps_over_10ms_total{kind=...}
+    relaygr_ranker_preinfers_started_total
+    relaygr_ranker_preinfer_start_wait_seconds_total
+    relaygr_ranker_preinfers_started_over_50ms_total
+    relaygr_ranker_preinfers_started_joined_total
 
 What the numbers mean (the engine measures them; services/ranker/engine.py):
   rank      each ranking batch's compute_ms: on CUDA the time between events recorded before its
@@ -42,6 +46,10 @@ What the numbers mean (the engine measures them; services/ranker/engine.py):
             from: eager steps pay the host's per-step cost (~4 ms on an H200) and, batched, hold
             ranking calls behind them (L8192 on an H200, k8b: 63 -> 394 eager steps a point as
             the relay's P99 went 20 -> 944 ms);
+  preinfer start  each pre-inference's wait from its submission to its first step, and whether
+            a ranking call had joined it by then (its signal's lead over the call spent queued:
+            at L8192 on an H200, k8b, joins' pre-inferences completed 135-340 ms after their
+            signals with the device half idle);
   unused psi  the pre-inference time of each psi whose lease expired before any ranking call
             consumed it. The cost of a psi is kept, by key, from its production until it is
             consumed (then it was useful) or reported expired (then it was wasted).
@@ -81,6 +89,8 @@ class DeviceTimeSnapshot:
     fill_wait_s: float = 0.0
     # Pre-inference steps by kind (STEP_KINDS): (steps, seconds, prefixes, steps over 10 ms).
     preinfer_steps: dict[str, tuple[int, float, int, int]] | None = None
+    # Pre-inferences started: (count, seconds waited in all, waits over 50 ms, joined by then).
+    preinfer_starts: tuple[int, float, int, int] = (0, 0.0, 0, 0)
 
 
 def starved_seconds(gap_s: float, launched_at: float, oldest_submitted: float) -> float:
@@ -109,6 +119,7 @@ class DeviceTime:
         self._starved_gaps = 0
         self._fill_wait_s = 0.0
         self._steps = {kind: [0, 0.0, 0, 0] for kind in STEP_KINDS}
+        self._starts = [0, 0.0, 0, 0]
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
@@ -127,6 +138,15 @@ class DeviceTime:
             step[1] += max(0.0, seconds)
             step[2] += prefixes
             step[3] += seconds > _LONG_STEP_S
+
+    def preinfer_started(self, wait_s: float, joined: bool) -> None:
+        """A pre-inference's first step was launched `wait_s` after it was submitted; `joined`:
+        a ranking call was already waiting for it."""
+        with self._lock:
+            self._starts[0] += 1
+            self._starts[1] += max(0.0, wait_s)
+            self._starts[2] += wait_s > 0.050
+            self._starts[3] += joined
 
     def idle_between(self, gap_s: float, starved_s: float) -> None:
         """One gap between two consecutive ranking batches on the device, `starved_s` of it with
@@ -215,6 +235,7 @@ class DeviceTime:
                 dict(self._work_s), busy, self._unused_s, self._unused,
                 self._gap_s, self._starved_s, self._starved_gaps, self._fill_wait_s,
                 {kind: (int(n), float(sec), int(pre), int(long)) for kind, (n, sec, pre, long) in self._steps.items()},
+                (int(self._starts[0]), float(self._starts[1]), int(self._starts[2]), int(self._starts[3])),
             )  # fmt: skip
 
 
@@ -351,3 +372,11 @@ class DeviceTimeCollector(Collector):
             for family, value in zip(families, values, strict=True):
                 family.add_metric([kind], value)
         yield from families
+        started, waited_s, over_50ms, joined = snap.preinfer_starts
+        for name, doc, value in (
+            ("relaygr_ranker_preinfers_started", "pre-inferences whose first step was launched", started),
+            ("relaygr_ranker_preinfer_start_wait_seconds", "their waits from submission to the first step", waited_s),
+            ("relaygr_ranker_preinfers_started_over_50ms", "pre-inferences that waited over 50 ms to start", over_50ms),
+            ("relaygr_ranker_preinfers_started_joined", "pre-inferences a ranking call had joined before they started", joined),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)

@@ -788,7 +788,8 @@ class Engine:
             self.scheduler.graph_batch = graphs.limits.max_full_batch
         log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
-                 step_ms=[round(t * 1e3, 3) for t in seconds])  # fmt: skip
+                 step_ms=[round(t * 1e3, 3) for t in seconds], graph_tokens=graphs.limits.max_full_tokens,
+                 graph_batch=graphs.limits.max_full_batch)  # fmt: skip
 
     def _fitted_prior(self, steps: list[tuple[int, int]], seconds: list[float]) -> CostPrior | None:
         """A step-cost prior fitted to measured steps of (tokens, end) (pairs: tokens x end);
@@ -1359,6 +1360,12 @@ class Engine:
         if not work:
             return None
         timer = SectionTimer(cuda=self._stream is not None)
+        launched_at = time.monotonic()
+        for c, job in work:
+            if c.start == 0:  # its first step: how long it queued, and whether a call waits already
+                self.device_time.preinfer_started(
+                    launched_at - job.submitted, job.joined_deadline is not None
+                )
         self.device_time.begin()
         try:
             for _, job in work:

@@ -38,6 +38,9 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         assert record["first_miss_rps"] is not None
         assert not record["censored"]
         assert record["client_bound_rps"] is None
+        # The ranker's measured step costs (the capacity model's): eager on the CPU, no graphs.
+        assert set(record["ranker_step_costs"]) == {"eager"}
+        assert record["ranker_step_costs"]["eager"]["per_step_ms"] >= 0
         assert record["goodput_rps"] == 0.0  # nothing meets a 10 us SLO
         assert [p["rate_rps"] for p in record["points"]] == [4.0, 2.0]  # grid bottom, then down to the floor
         for point in record["points"]:
@@ -53,6 +56,17 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["loop_launch_wall_s"] > 0
             assert point["loop_launch_cpu_s"] > 0
             assert point["device_rank_s"] > 0  # the ranker's counters were scraped
+            # Pre-inference steps by how they ran: all eager on the CPU (no graphs), every one
+            # counted in the pre-inference device time.
+            assert point["preinfer_graph_steps"] == 0.0
+            assert point["preinfer_eager_seconds"] == pytest.approx(
+                point["device_preinfer_s"], rel=1e-6, abs=1e-9
+            )
+            assert point["preinfer_started"] >= point["preinfer_started_joined"] >= 0.0
+            assert point["preinfer_start_wait_s"] >= 0.0
+            if record["config"] == "baseline":
+                assert point["preinfer_eager_steps"] == 0.0
+                assert point["preinfer_started"] == 0.0
             for key in ("hbm_hit", "inflight_join", "partial_prefix", "dram_reload", "full_recompute"):
                 assert 0.0 <= point[key] <= 1.0
             for key in ("reloads", "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released",

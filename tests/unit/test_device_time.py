@@ -108,6 +108,25 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     assert seconds == pytest.approx(snap.work_s["preinfer"])
     assert samples['relaygr_ranker_preinfer_steps_total{kind="eager"}'] == n
     assert samples['relaygr_ranker_preinfer_step_prefixes_total{kind="eager"}'] == prefixes
+    # Each pre-inference's start was counted once, nobody waiting for it yet.
+    started, waited_s, _, joined = snap.preinfer_starts
+    assert started == 2
+    assert waited_s >= 0.0
+    assert joined == 0
+    assert samples["relaygr_ranker_preinfers_started_total"] == 2
+
+
+def test_preinfer_starts_count_their_waits_and_those_a_call_waited_for():
+    ledger = DeviceTime()
+    ledger.preinfer_started(0.010, joined=False)
+    ledger.preinfer_started(0.120, joined=True)
+    assert ledger.snapshot().preinfer_starts == (2, pytest.approx(0.130), 1, 1)
+    registry = CollectorRegistry()
+    registry.register(DeviceTimeCollector(ledger))
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert samples["relaygr_ranker_preinfer_start_wait_seconds_total"] == pytest.approx(0.130)
+    assert samples["relaygr_ranker_preinfers_started_over_50ms_total"] == 1
+    assert samples["relaygr_ranker_preinfers_started_joined_total"] == 1
 
 
 def test_preinfer_steps_are_counted_by_kind():

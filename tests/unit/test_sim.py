@@ -16,6 +16,7 @@ from relaygr.sim import (
     Calibration,
     KindCost,
     Setup,
+    StepCosts,
     _Lru,
     calibrate,
     call_deadline_s,
@@ -29,7 +30,7 @@ from relaygr.sim import (
     simulate,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
-from services.ranker.scheduler import SchedulerConfig
+from services.ranker.scheduler import Chunk, SchedulerConfig
 
 FULL = KindCost(per_batch_s=1e-3, per_token_s=0.5e-6, per_pair_s=0.1e-9, ratios=(1.0,))
 CACHED = KindCost(per_batch_s=0.8e-3, per_token_s=0.2e-6, per_pair_s=0.0, ratios=(1.0,))
@@ -163,7 +164,9 @@ def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_no
     assert out["measured_from"] == "goodput-x-t.json"
     assert "modelled goodput" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main([str(path), "--config", "relay"])  # pre-inference is not modelled yet
+        main([str(path), "--config", "relay"])  # the file has no relay records
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay-nospare-2p-mps"])  # two processes per GPU: not modelled
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json"), "--config", "baseline"])
 
@@ -335,3 +338,80 @@ def test_waits_outside_the_device_loop_come_from_the_points_that_met_the_slo(tmp
     model = load_model(path, "relay-nospare")
     assert set(model.cal.reload_cache_ms) == {8.0}
     assert model.cal.batches == 440
+
+
+# The H200's start-up measurement (L8192, k8b): an eager step, a graph step; graphs to 17408
+# tokens and two prefixes.
+H200_STEPS = StepCosts.parse("3.782,0,0.02471", "0.553,0.3616,0.02524", 17408)
+
+
+def test_step_costs_parse_the_rankers_log_units_and_refuse_bad_ones():
+    assert H200_STEPS.eager == pytest.approx((3.782e-3, 0.0, 0.02471e-9))
+    assert H200_STEPS.graph == pytest.approx((0.553e-3, 0.3616e-6, 0.02524e-9))
+    assert (H200_STEPS.graph_tokens, H200_STEPS.graph_batch) == (17408, 2)
+    assert StepCosts.parse("4,0.1,0.3").graph is None
+    for bad in ("4,0.1", "a,b,c", "4,-1,0"):
+        with pytest.raises(ValueError, match="step costs"):
+            StepCosts.parse(bad)
+    logged = {"eager": {"per_step_ms": 3.782, "per_token_us": 0.0, "per_pair_ns": 0.02471},
+              "graph": {"per_step_ms": 0.553, "per_token_us": 0.3616, "per_pair_ns": 0.02524},
+              "graph_tokens": 17408, "graph_batch": 2}  # fmt: skip
+    assert StepCosts.recorded({"ranker_step_costs": logged}) == H200_STEPS
+    assert StepCosts.recorded({"ranker_step_costs": {}}) is None
+    assert StepCosts.recorded({}) is None
+
+
+def test_an_eager_step_costs_its_host_time_or_its_device_work_whichever_is_longer():
+    one = [Chunk(1, 0, 8192)]
+    graph_s = 0.553e-3 + 8192 * 0.3616e-6 + 8192 * 8192 * 0.02524e-9
+    assert H200_STEPS.seconds(one, graphed=True) == pytest.approx(graph_s)
+    two = [Chunk(1, 0, 8192), Chunk(2, 0, 8192)]  # as one eager step: its device work is longer
+    assert H200_STEPS.seconds(two, graphed=False) == pytest.approx(H200_STEPS.seconds(two, graphed=True))
+    assert H200_STEPS.seconds(two, graphed=False) > 3.782e-3 + 2 * 8192 * 8192 * 0.02471e-9
+    rest = [Chunk(1, 7936, 8192)]  # a short rest: the host's per-step time
+    assert H200_STEPS.seconds(rest, graphed=False) == pytest.approx(3.782e-3 + 256 * 8192 * 0.02471e-9)
+    assert StepCosts.parse("4,0,0").seconds(one, graphed=False) == pytest.approx(4e-3)  # no graphs known
+
+
+def test_the_relay_builds_queued_prefixes_in_graph_steps_of_their_own():
+    setup = Setup(
+        psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, scheduler=SchedulerConfig(max_wait_s=0.0)
+    )
+    # Four new users' signals at once, their calls 150 ms later: four pre-inferences queued.
+    calls = [PlannedRequest(f"r{i}", 1.0, 1.15, i, 1, 8192, 64, 256, 0) for i in range(4)]
+    steps: list[tuple[float, float]] = []
+    served = simulate(calls, EXACT, setup, preinfer_steps=steps)
+    graph_s = H200_STEPS.seconds([Chunk(0, 0, 8192)], graphed=True)
+    assert [seconds for _, seconds in steps] == pytest.approx([graph_s] * 4)  # one graph step each
+    assert {s.path for s in served} == {"hbm_hit"}
+
+
+def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    rows = [record(i, "hbm_hit", 4096, float(rng.uniform(1.0, 1.4)), 8.0) for i in range(200)]
+    rows += [record(1000 + i, "full_recompute", 4096, float(rng.uniform(3.3, 4.0)), 12.0) for i in range(50)]
+    path = goodput_file(tmp_path, "goodput-x-r", "relay", {150.0: rows, 250.0: []}, met={150.0})
+    result = json.loads(path.read_text())
+    result["results"][0]["ranker_step_costs"] = {
+        "eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.02},
+        "graph": {"per_step_ms": 0.5, "per_token_us": 0.3, "per_pair_ns": 0.02},
+        "graph_tokens": 17408, "graph_batch": 2,
+    }  # fmt: skip
+    path.write_text(json.dumps(result))
+    model = load_model(path, "relay")
+    assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)
+    assert model.setup.preinfer_trip_ms is not None  # every signal pre-inferred (no trigger modelled)
+    out_file = tmp_path / "sim.json"
+    assert main([str(path), "--config", "relay", "--json", str(out_file)]) == 0
+    (out,) = json.loads(out_file.read_text())["results"]
+    assert out["config"] == "relay"
+    assert out["predicted_goodput_rps"] > 0
+    assert out["what_if"] == {}
+    assert main([str(path), "--config", "relay", "--eager-step-costs", "4,0,0", "--json", str(out_file)]) == 0
+    given = [r for r in json.loads(out_file.read_text())["results"] if r["what_if"]]
+    assert given[0]["what_if"] == {"eager_step_costs": "4,0,0", "graph_step_costs": None}
+    assert given[0]["predicted_over_measured"] is None
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay", "--graph-step-costs", "0.5,0.3,0.02"])  # needs the eager ones
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay", "--eager-step-costs", "fast"])
