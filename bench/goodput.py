@@ -235,6 +235,9 @@ class Runner:
             "late_signals": p.rankers.get("late_signals", 0.0),
             # The signal path's trip (trigger -> ranker, p90 of the recent signals, ms).
             "signal_trip_p90_ms": p.rankers.get("signal_trip_p90_ms", 0.0),
+            # Its trips over the point (and lead-in), and those over 50 ms.
+            "signal_trips": p.rankers.get("signal_trips", 0.0),
+            "signal_trips_over_50ms": p.rankers.get("signal_trips_over_50ms", 0.0),
             # Wake-ups > 20 ms late per service (ranker, router, trigger, expander): a host-wide
             # stall shows in all; event-loop timers > 20 ms late: that service's own Python work
             # (its log names what the loop was running: event_loop_stall).

@@ -356,6 +356,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
         totals["preinfers_expired"] += samples.get("relaygr_ranker_preinfers_expired_total", 0.0)
         totals["late_signals"] += samples.get("relaygr_ranker_late_signals_total", 0.0)
+        # The signal path's trips (trigger -> the ranker's PreInfer), and those over 50 ms: a
+        # pre-inference signalled late starts late whatever the ranker does.
+        totals["signal_trips"] += samples.get("relaygr_ranker_signal_trip_ms_count", 0.0)
+        totals["signal_trips_over_50ms"] += _observed_over(samples, "relaygr_ranker_signal_trip_ms", "50.0")
         for result in ("found", "absent", "absent_local", "no_hbm_room"):  # HBM misses asked of the host tier
             totals[f"host_lookup_{result}"] += samples.get(
                 f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
@@ -720,7 +724,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
             k: device[k] - device_before[k]
             for k in device
             if k.startswith(
-                ("host_lookup_", "reload_decision_", "gc_pause", "preinfers_expired", "late_signals")
+                ("host_lookup_", "reload_decision_", "gc_pause", "preinfers_expired", "late_signals", "signal_trips")
             )
         },
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
