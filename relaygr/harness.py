@@ -724,7 +724,14 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
             k: device[k] - device_before[k]
             for k in device
             if k.startswith(
-                ("host_lookup_", "reload_decision_", "gc_pause", "preinfers_expired", "late_signals", "signal_trips")
+                (
+                    "host_lookup_",
+                    "reload_decision_",
+                    "gc_pause",
+                    "preinfers_expired",
+                    "late_signals",
+                    "signal_trips",
+                )
             )
         },
         # What the trigger decided over the point, and why (admitted by risk or by reuse).
