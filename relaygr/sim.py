@@ -367,6 +367,16 @@ class StepCosts:
             return cost(self.eager)
         return cost(self.graph) if graphed else max(cost(self.eager), cost(self.graph))
 
+    def scaled(self, factor: float) -> StepCosts:
+        """Every step costing `factor` x as much (in service against at start-up)."""
+
+        def times(c: tuple[float, float, float]) -> tuple[float, float, float]:
+            return (c[0] * factor, c[1] * factor, c[2] * factor)
+
+        return dataclasses.replace(
+            self, eager=times(self.eager), graph=None if self.graph is None else times(self.graph)
+        )
+
     @classmethod
     def parse(
         cls, eager: str, graph: str | None = None, graph_tokens: int = 17_408, graph_batch: int = 2
@@ -750,6 +760,21 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
 # per batch as their files measured it.
 
 
+def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> float | None:
+    """The device time one psi's pre-inference cost in service, as the file measured it: the
+    median over the configuration's points of their pre-inference device seconds over the psi
+    they built (produced, less reloads); None where the file has none."""
+    per_psi = []
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            built = float(p.get("psi_produced", 0.0)) - float(p.get("reloads", 0.0))
+            if built > 0 and p.get("device_preinfer_s"):
+                per_psi.append(float(p["device_preinfer_s"]) / built * 1e3)
+    return float(np.median(per_psi)) if per_psi else None
+
+
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
     """The signal's trip to the ranker as the file measured it: the median over the
     configuration's points of their P90 (the rankers report no other quantile); 0 without."""
@@ -845,6 +870,22 @@ class Model:
     traffic: WorkloadConfig
 
 
+def _modelled_ms_per_psi(steps: StepCosts, traffic: WorkloadConfig) -> float:
+    """The mean cost of building one psi the workload asks for, each prefix in one step of its
+    kind (a graph where one holds it), by these step costs."""
+    plan = generate(dataclasses.replace(traffic, rate_rps=50.0, duration_s=10.0, lead_in_s=0.0))
+    lengths = [r.prefix_len for r in plan.requests if r.session_index == 0] or [
+        r.prefix_len for r in plan.requests
+    ]
+    if not lengths:
+        return 0.0
+    total = 0.0
+    for n in lengths:
+        graphed = steps.graph is not None and n <= steps.graph_tokens
+        total += steps.seconds([Chunk(0, 0, n)], graphed)
+    return total / len(lengths) * 1e3
+
+
 def load_model(
     result_path: Path,
     config: str,
@@ -854,7 +895,8 @@ def load_model(
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
-    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms);
+    graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms,
+    preinfer_scale);
     `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
     them. ValueError, one line, on bad input."""
     changes = dict(changes or {})
@@ -872,7 +914,7 @@ def load_model(
     if not files:
         raise ValueError(f"no per-call records of {config} / {chosen} beside {result_path}")
     if any(v < 0 for v in changes.values()) or any(
-        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale", "call_deadline_s")
+        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale", "call_deadline_s", "preinfer_scale")
     ):
         raise ValueError("what-if sizes must be >= 0, cost scales and the call deadline > 0")
     # Device costs from every point; the waits outside the device loop from the points that met
@@ -886,6 +928,18 @@ def load_model(
     if step_costs is None:
         recorded = [r for r in result["results"] if r["config"] == config and r["workload"] == chosen]
         step_costs = next((sc for sc in map(StepCosts.recorded, recorded) if sc is not None), None)
+    traffic = _workload(result, chosen)
+    preinfer_scale = changes.get("preinfer_scale")
+    if config == "relay" and step_costs is not None and preinfer_scale is None:
+        # Start-up costs scaled to what a psi cost in service (the file's points): at L8192 on an
+        # H200 (k8b) 5.2 ms a psi at start-up, 6.4-7.2 in service (eager rests, batched eager
+        # steps, graph steps beside copies), and the model's limit moved from 150 to ~105 req/s.
+        measured_ms = preinfer_ms_per_psi(result, config, chosen)
+        modelled_ms = _modelled_ms_per_psi(step_costs, traffic)
+        if measured_ms is not None and modelled_ms > 0:
+            preinfer_scale = measured_ms / modelled_ms
+    if step_costs is not None and preinfer_scale is not None:
+        step_costs = step_costs.scaled(preinfer_scale)
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
@@ -903,7 +957,6 @@ def load_model(
     if "ranker_slo_ms" in changes:
         slo_s = changes["ranker_slo_ms"] / 1e3 if changes["ranker_slo_ms"] > 0 else math.inf
     setup = dataclasses.replace(setup, call_deadline_s=float(deadline_s), call_slo_s=slo_s)
-    traffic = _workload(result, chosen)
     if "lead_in_s" in changes:
         traffic = dataclasses.replace(traffic, lead_in_s=float(changes["lead_in_s"]))
     return Model(result, config, chosen, cal, setup, traffic)
@@ -944,6 +997,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "pair ns, as its preinfer_steps_calibrated log line), instead of the file's")  # fmt: skip
     what_if.add_argument("--graph-step-costs", default=None, metavar="MS,US,NS",
                          help="relay: its graph steps (preinfer_graph_steps_calibrated), with --eager-step-costs")  # fmt: skip
+    what_if.add_argument("--preinfer-scale", type=float, default=None,
+                         help="relay: pre-inference steps cost this x the ranker's start-up measurement "
+                         "(default: scaled to what a psi cost in the file's points; 1: as at start-up)")  # fmt: skip
     what_if.add_argument("--graph-tokens", type=int, default=17_408,
                          help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
@@ -954,8 +1010,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
                ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
-               ("ranker_slo_ms", args.ranker_slo_ms))
-               if v is not None and not (k.endswith("scale") and v == 1.0)}  # fmt: skip
+               ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale))
+               if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:
             raise ValueError("--graph-step-costs needs --eager-step-costs")
@@ -1002,6 +1058,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "call_deadline_s": setup.call_deadline_s,
         "call_slo_s": None if math.isinf(setup.call_slo_s) else setup.call_slo_s,
         "host_step_ms": setup.host_step_s * 1e3,
+        # relay: what building one psi costs in the model, and in the file's points.
+        "preinfer_ms_per_psi_modelled": _modelled_ms_per_psi(setup.preinfer_steps, modelled)
+        if setup.preinfer_steps is not None
+        else None,
+        "preinfer_ms_per_psi_measured": preinfer_ms_per_psi(result, args.config, workload),
         "points": points,
     }
     print(f"{args.config} {workload}: measured met {met:g}, missed {missed:g} req/s; "

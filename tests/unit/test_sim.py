@@ -25,6 +25,7 @@ from relaygr.sim import (
     host_step_s,
     load_model,
     main,
+    preinfer_ms_per_psi,
     scaled,
     shape_of,
     simulate,
@@ -399,7 +400,7 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     }  # fmt: skip
     path.write_text(json.dumps(result))
     model = load_model(path, "relay")
-    assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)
+    assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)  # no psi measured
     assert model.setup.preinfer_trip_ms is not None  # every signal pre-inferred (no trigger modelled)
     out_file = tmp_path / "sim.json"
     assert main([str(path), "--config", "relay", "--json", str(out_file)]) == 0
@@ -415,3 +416,27 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
         main([str(path), "--config", "relay", "--graph-step-costs", "0.5,0.3,0.02"])  # needs the eager ones
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay", "--eager-step-costs", "fast"])
+
+
+def test_the_relays_steps_are_scaled_to_what_a_psi_cost_in_service(tmp_path):
+    rows = [record(i, "hbm_hit", 4096, 1.2, 8.0) for i in range(100)]
+    rows += [record(1000 + i, "full_recompute", 4096, 3.6, 12.0) for i in range(20)]
+    path = goodput_file(tmp_path, "goodput-x-s", "relay", {150.0: rows, 250.0: []}, met={150.0})
+    result = json.loads(path.read_text())
+    # Two points: 2.0 s of pre-inference for 400 psi built (5 ms), 3.0 s for 500 (6 ms).
+    for p, (seconds, built) in zip(result["results"][0]["points"], ((2.0, 400), (3.0, 500)), strict=True):
+        p.update(device_preinfer_s=seconds, psi_produced=built + 10, reloads=10)
+    path.write_text(json.dumps(result))
+    assert preinfer_ms_per_psi(result, "relay", "L4096") == pytest.approx(5.5)
+    assert preinfer_ms_per_psi(result, "baseline", "L4096") is None
+    start_up = StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)
+    one = start_up.seconds([Chunk(0, 0, 4096)], graphed=True) * 1e3  # 4096 tokens in one graph step
+    model = load_model(path, "relay", step_costs=start_up)
+    steps = model.setup.preinfer_steps
+    assert steps is not None
+    assert steps.seconds([Chunk(0, 0, 4096)], graphed=True) * 1e3 == pytest.approx(5.5)
+    assert steps.eager == pytest.approx(start_up.scaled(5.5 / one).eager)
+    as_measured = load_model(path, "relay", changes={"preinfer_scale": 1.0}, step_costs=start_up)
+    assert as_measured.setup.preinfer_steps == start_up
+    with pytest.raises(ValueError, match="scales"):
+        load_model(path, "relay", changes={"preinfer_scale": 0.0}, step_costs=start_up)
