@@ -25,8 +25,9 @@ replays, same seed, same lead-in, the measured window only counted):
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
     complete joins it or takes it over, as the scheduler decides;
-  * `relay`: as `preinfer-all` (the trigger's admission is not modelled: every signal is
-    admitted; at L8192 on an H200 the trigger admitted 90% of them, k8b), with the ranker's
+  * `relay`: as `preinfer-all` (of the trigger's admission only its lead test is modelled: a
+    signal whose pre-inference would not start before its call is refused; the trigger admitted
+    90% of the signals at L8192 on an H200, k8b, and refused 10% as too late), with the ranker's
     own pre-inference steps where its start-up measurement of them is known (the file's
     `ranker_step_costs`, or `--eager-step-costs` / `--graph-step-costs`): the scheduler plans
     chunks by them as the engine does (graph replays of first chunks, eager steps that pay a
@@ -318,6 +319,9 @@ class Setup:
     # The ranker's pre-inference steps as it measured them (StepCosts); None: a step costs a
     # forward of its tokens by the full rankings' calibration.
     preinfer_steps: StepCosts | None = None
+    # The trigger's lead test (`relay`): a signal whose pre-inference would not start before its
+    # call comes (the backlog due no later than it, at the modelled step costs) is refused.
+    lead_test: bool = False
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
@@ -536,6 +540,17 @@ def simulate(
             return
         pid = next_id()
         need_by = r.t_rank_s + setup.slo_ms / 1e3  # its call's deadline (the retrieval event's)
+        if setup.lead_test:
+            # The trigger's too_late (services/trigger/admission.py): refused when the backlog
+            # due no later than it would not let it start before its call comes; the call then
+            # ranks in full.
+            ahead = sum(
+                scheduler.remaining_seconds(p.item.done, p.item.length)
+                for p in productions.values()
+                if not p.item.taken and p.item.due <= need_by
+            )
+            if t + ahead > r.t_rank_s:
+                return
         production = _Production(PreinferItem(pid, r.prefix_len, 0, t, need_by=need_by), key)
         producing[key], productions[pid] = production, production
         keep(key, r.prefix_len)  # its block is taken at admission
@@ -946,6 +961,7 @@ def load_model(
         psi=not config.startswith("baseline"),
         preinfer_trip_ms=signal_trip_ms(result, config) if config in ("preinfer-all", "relay") else None,
         preinfer_steps=step_costs if config == "relay" else None,
+        lead_test=config == "relay",
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),

@@ -440,3 +440,20 @@ def test_the_relays_steps_are_scaled_to_what_a_psi_cost_in_service(tmp_path):
     assert as_measured.setup.preinfer_steps == start_up
     with pytest.raises(ValueError, match="scales"):
         load_model(path, "relay", changes={"preinfer_scale": 0.0}, step_costs=start_up)
+
+
+def test_the_triggers_lead_test_refuses_what_would_start_after_its_call():
+    base = Setup(
+        psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, scheduler=SchedulerConfig(max_wait_s=0.0)
+    )
+    # Six new users at once, their calls 21 ms after the signals (20 ms after they reach the
+    # ranker): 5.2 ms a psi, so the fourth and later would start after their calls.
+    calls = [PlannedRequest(f"r{i}", 1.0, 1.021 + i * 1e-4, i, 1, 8192, 64, 256, 0) for i in range(6)]
+    steps: list[tuple[float, float]] = []
+    tested = simulate(calls, EXACT, dataclasses.replace(base, lead_test=True), preinfer_steps=steps)
+    assert len(steps) == 4  # 0, 5.2, 10.4, 15.6 ms: each starts within the 20 ms lead
+    assert sorted(s.path for s in tested).count("full_recompute") == 2
+    steps.clear()
+    untested = simulate(calls, EXACT, base, preinfer_steps=steps)
+    assert len(steps) == 6  # every signal pre-inferred
+    assert "full_recompute" not in {s.path for s in untested}
