@@ -21,7 +21,10 @@ loop asks `plan()` before every step and runs what it returns:
     fixed cost is not counted against the budget because a smaller chunk does not save it: on an
     H100 a step costs ~4-5 ms of host time whatever its size (256 to 4096 tokens), so chunks
     sized to a 5 ms budget built a 4096-token psi in 16 steps, 4x the device time of one (and a
-    fit that only ever saw small chunks could not learn that larger ones cost little more);
+    fit that only ever saw small chunks could not learn that larger ones cost little more).
+    A step is costed as one batch by the fit of its kind; where first chunks replay CUDA
+    graphs, a graph step takes other prefixes only whole (no eager rest left behind) and an
+    eager step no prefix's first chunk (`_chunks`);
   * a pre-inference that a ranking call has joined runs with that call's deadline, in the same
     earliest-deadline order as the ranking calls;
   * under overload, work predicted to finish past its caller's SLO even if it ran now
