@@ -410,11 +410,17 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
         return {}
     port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
     out: dict[str, float] = {}
-    for key, value in (await asyncio.to_thread(scrape_metrics, port)).items():
+    samples = await asyncio.to_thread(scrape_metrics, port)
+    for key, value in samples.items():
         match = _TRIGGER_COUNTER.fullmatch(key)
         if match:
             family, label = match.groups()
             out[f"trigger_{label}" if family == "decisions" else f"trigger_admitted_{label}"] = value
+    # A retrieval event's time until the trigger decided on it (the signal path's first leg).
+    lag = "relaygr_trigger_event_lag_ms"
+    out["trigger_event_lags"] = samples.get(f"{lag}_count", 0.0)
+    out["trigger_event_lag_ms_sum"] = samples.get(f"{lag}_sum", 0.0)
+    out["trigger_event_lags_over_20ms"] = _observed_over(samples, lag, "20.0")
     return out
 
 
@@ -456,7 +462,9 @@ async def signal_path_total(stack: Stack) -> float:
     """Events the trigger has decided on plus signals the router has handled, so far: while the
     load generator is quiet, a total that still moves is a backlog draining on the signal path."""
     total = sum(
-        v for k, v in (await trigger_counters(stack)).items() if not k.startswith("trigger_admitted_")
+        v
+        for k, v in (await trigger_counters(stack)).items()
+        if not k.startswith(("trigger_admitted_", "trigger_event_lag"))
     )
     port = _metrics_port(stack.router, "router_ready")
     if port is not None:
@@ -502,6 +510,12 @@ def _admissions(rankers: dict[str, Any]) -> str:
     refused = {k: rankers.get(f"trigger_{k}", 0.0) for k in ("load_bound", "too_late")}
     if any(refused.values()):
         line += "  refused " + ", ".join(f"{k} {v:g}" for k, v in refused.items())
+    lags = rankers.get("trigger_event_lags", 0.0)
+    if lags:  # the signal path's first leg: retrieval event -> the trigger's decision
+        line += (
+            f"  event lag {rankers.get('trigger_event_lag_ms_sum', 0.0) / lags:.1f} ms mean"
+            f" ({rankers.get('trigger_event_lags_over_20ms', 0.0):g} over 20 ms)"
+        )
     if rankers.get("signal_trip_p90_ms"):
         line += f"  signal trip p90 {rankers['signal_trip_p90_ms']:.1f} ms"
     # The device time of one pre-inference (what the trigger prices it at), beside a full

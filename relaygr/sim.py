@@ -792,11 +792,17 @@ def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> f
 
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
     """The signal's trip to the ranker as the file measured it: the median over the
-    configuration's points of their P90 (the rankers report no other quantile); 0 without."""
-    trips = [float(p.get("signal_trip_p90_ms", 0.0)) for r in result["results"] if r["config"] == config
-             for p in r["points"]]  # fmt: skip
-    trips = [t for t in trips if t > 0]
-    return float(np.median(trips)) if trips else 0.0
+    configuration's points of their P90 of the trigger -> ranker leg (the rankers report no other
+    quantile), plus the median of their mean retrieval event -> trigger decision (recorded since
+    the nineteenth session; 0 before); 0 without either."""
+    points = [p for r in result["results"] if r["config"] == config for p in r["points"]]
+    trips = [t for t in (float(p.get("signal_trip_p90_ms", 0.0)) for p in points) if t > 0]
+    lags = [
+        float(p["trigger_event_lag_ms_sum"]) / float(p["trigger_event_lags"])
+        for p in points
+        if p.get("trigger_event_lags")
+    ]
+    return (float(np.median(trips)) if trips else 0.0) + (float(np.median(lags)) if lags else 0.0)
 
 
 # The device loop's sections (services/ranker/loop_time.py) that run between one batch's launch

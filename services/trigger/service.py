@@ -68,7 +68,7 @@ from shared.kafka import ensure_topics, make_consumer, make_producer, record_lim
 from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
 from shared.membership import Membership
-from shared.metrics import HostStalls, serve_metrics
+from shared.metrics import LATENCY_MS_BUCKETS, HostStalls, serve_metrics
 from shared.modelspec import preset
 from shared.placement import preference
 from shared.protos import events_pb2 as ev
@@ -104,6 +104,11 @@ class _Metrics:
                                    registry=registry)  # fmt: skip
         self.decision_us = Histogram("relaygr_trigger_decision_us", "per-event decision time", registry=registry,
                                      buckets=_DECISION_US_BUCKETS)  # fmt: skip
+        # The first leg of the signal path (the ranker times the second, signal -> PreInfer): a
+        # pre-inference that starts late may have been decided late.
+        self.event_lag_ms = Histogram("relaygr_trigger_event_lag_ms",
+                                      "a retrieval event's time -> the trigger's decision on it (wall clocks)",
+                                      registry=registry, buckets=LATENCY_MS_BUCKETS)  # fmt: skip
         self.admitted_by = Counter("relaygr_trigger_admitted_total",
                                    "admissions by ground: risk (this call's latency), reuse (work saved "
                                    "over the calls expected on the psi) or spare (a new key, pre-inferred "
@@ -345,6 +350,7 @@ class TriggerService:
             self.metrics.dead_letters.inc()
             log.info("event_dead_lettered", reason=str(exc), partition=record.partition, offset=record.offset)
             return dead_letter(record, str(exc), self.config.dlq_topic)
+        self.metrics.event_lag_ms.observe(max(0.0, time.time() * 1e3 - event.event_time_unix_ms))
         reason, target = self.decide(meta)
         self.counts[reason.value] += 1
         self.metrics.decisions.labels(reason.value).inc()

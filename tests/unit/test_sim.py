@@ -28,6 +28,7 @@ from relaygr.sim import (
     preinfer_ms_per_psi,
     scaled,
     shape_of,
+    signal_trip_ms,
     simulate,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
@@ -457,3 +458,18 @@ def test_the_triggers_lead_test_refuses_what_would_start_after_its_call():
     untested = simulate(calls, EXACT, base, preinfer_steps=steps)
     assert len(steps) == 6  # every signal pre-inferred
     assert "full_recompute" not in {s.path for s in untested}
+
+
+def test_the_signal_trip_adds_the_triggers_event_lag_where_recorded():
+    old = {
+        "results": [
+            {"config": "relay", "points": [{"signal_trip_p90_ms": 10.0}, {"signal_trip_p90_ms": 20.0}]}
+        ]
+    }
+    assert signal_trip_ms(old, "relay") == pytest.approx(15.0)
+    assert signal_trip_ms(old, "baseline") == 0.0
+    new = {"results": [{"config": "relay", "points": [
+        {"signal_trip_p90_ms": 10.0, "trigger_event_lags": 100, "trigger_event_lag_ms_sum": 400.0},
+        {"signal_trip_p90_ms": 20.0, "trigger_event_lags": 100, "trigger_event_lag_ms_sum": 600.0},
+    ]}]}  # fmt: skip
+    assert signal_trip_ms(new, "relay") == pytest.approx(15.0 + 5.0)
