@@ -28,10 +28,11 @@ replays, same seed, same lead-in, the measured window only counted):
   * `relay`: as `preinfer-all` (of the trigger's admission only its lead test is modelled: a
     signal whose pre-inference would not start before its call is refused; the trigger admitted
     90% of the signals at L8192 on an H200, k8b, and refused 10% as too late), with the ranker's
-    own pre-inference steps where its start-up measurement of them is known (the file's
-    `ranker_step_costs`, or `--eager-step-costs` / `--graph-step-costs`): the scheduler plans
-    chunks by them as the engine does (graph replays of first chunks, eager steps that pay a
-    per-step cost of ~4 ms on an H200) and each step costs what its kind's measurement says.
+    own pre-inference steps as it measured them at start-up (the file's `ranker_step_costs`,
+    or `--eager-step-costs` / `--graph-step-costs`; required): the scheduler plans chunks by
+    them as the engine does (graph replays of first chunks, eager steps that pay a per-step
+    cost of ~4 ms on an H200), and each step costs what its kind's measurement says, scaled to
+    what a psi cost in the file's points (`--preinfer-scale`).
   * the host's launch of each ranking batch (packing, staging, issuing: the records'
     `launch_ms`, drawn by shape class like the device time) with the engine's launch-ahead: the
     next batch is planned and launched while the one before it runs, and it starts on the device
@@ -949,6 +950,15 @@ def load_model(
     if step_costs is None:
         recorded = [r for r in result["results"] if r["config"] == config and r["workload"] == chosen]
         step_costs = next((sc for sc in map(StepCosts.recorded, recorded) if sc is not None), None)
+    if config == "relay" and step_costs is None:
+        # The ranker plans pre-inference by its measured step costs (graph steps at ~0.5 ms a
+        # step, eager ones at ~4 ms on an H200): modelled with a full ranking's fit instead, the
+        # relay's limit at L8192 came out 1.1-1.3x higher again (k8a-h7b), so none is guessed.
+        raise ValueError(
+            f"relay: {result_path.name} records no ranker step costs (runs before 2026-11-29): "
+            "python -m relaygr.sim takes them as --eager-step-costs / --graph-step-costs "
+            "(the ranker's preinfer_*_calibrated log lines)"
+        )
     traffic = _workload(result, chosen)
     preinfer_scale = changes.get("preinfer_scale")
     if config == "relay" and step_costs is not None and preinfer_scale is None:

@@ -415,6 +415,12 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     assert given[0]["predicted_over_measured"] is None
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay", "--graph-step-costs", "0.5,0.3,0.02"])  # needs the eager ones
+    # A file that records no step costs: the relay is refused unless they are given.
+    del result["results"][0]["ranker_step_costs"]
+    path.write_text(json.dumps(result))
+    with pytest.raises(ValueError, match="records no ranker step costs"):
+        load_model(path, "relay")
+    assert main([str(path), "--config", "relay", "--eager-step-costs", "3,0,0.02"]) == 0
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay", "--eager-step-costs", "fast"])
 
