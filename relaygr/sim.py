@@ -77,6 +77,7 @@ from services.ranker.scheduler import (
     RankKind,
     Relay,
     SchedulerConfig,
+    chunk_work,
 )
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
@@ -339,6 +340,13 @@ class Setup:
     call_slo_s: float = math.inf
 
 
+def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, float]:
+    """Step costs in the ranker's log units (per step ms, per token us, per pair ns) in seconds."""
+    if min(ms, us, ns) < 0:
+        raise ValueError(f"step costs {ms},{us},{ns} must be >= 0")
+    return ms / 1e3, us / 1e6, ns / 1e9
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
     """A ranker's pre-inference step costs, (per step s, per token s, per attention pair s):
@@ -362,8 +370,7 @@ class StepCosts:
         its per-step host time or its device work (the graph fit's, the same kernels), whichever
         is longer: the eager fit was measured on short steps (256 tokens to one prefix), where
         the host's launches are all of it, and learns no per-token cost there (0 on an H200)."""
-        tokens = sum(c.end - c.start for c in chunks)
-        pairs = sum((c.end - c.start) * c.end for c in chunks)
+        tokens, pairs = chunk_work(chunks)
 
         def cost(c: tuple[float, float, float]) -> float:
             return c[0] + c[1] * tokens + c[2] * pairs
@@ -393,9 +400,7 @@ class StepCosts:
                 ms, us, ns = (float(v) for v in text.split(","))
             except ValueError:
                 raise ValueError(f"step costs {text!r}: 'per step ms,per token us,per pair ns'") from None
-            if min(ms, us, ns) < 0:
-                raise ValueError(f"step costs {text!r} must be >= 0")
-            return ms / 1e3, us / 1e6, ns / 1e9
+            return _from_log_units(ms, us, ns)
 
         return cls(one(eager), one(graph) if graph else None, graph_tokens if graph else 0, graph_batch)
 
@@ -406,12 +411,12 @@ class StepCosts:
         if "eager" not in costs:
             return None
 
-        def text(c: dict[str, Any]) -> str:
-            return f"{c['per_step_ms']},{c['per_token_us']},{c['per_pair_ns']}"
+        def one(c: dict[str, Any]) -> tuple[float, float, float]:
+            return _from_log_units(float(c["per_step_ms"]), float(c["per_token_us"]), float(c["per_pair_ns"]))
 
         graph = costs.get("graph")
-        return cls.parse(text(costs["eager"]), text(graph) if graph else None,
-                         int(costs.get("graph_tokens", 0)), int(costs.get("graph_batch", 2)))  # fmt: skip
+        return cls(one(costs["eager"]), one(graph) if graph else None,
+                   int(costs.get("graph_tokens", 0)) if graph else 0, int(costs.get("graph_batch", 2)))  # fmt: skip
 
 
 class _Lru:
@@ -655,8 +660,7 @@ def simulate(
             if steps is not None:  # what the ranker measured such a step to cost
                 seconds = steps.seconds(plan.chunks, scheduler.step_graphed(plan.chunks))
             else:
-                tokens = sum(c.end - c.start for c in plan.chunks)
-                pairs = sum((c.end - c.start) * c.end for c in plan.chunks)
+                tokens, pairs = chunk_work(plan.chunks)
                 seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
             now = max(now, device_free)  # run in place: after the batch in flight
             if preinfer_steps is not None:

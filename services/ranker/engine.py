@@ -103,6 +103,7 @@ from services.ranker.scheduler import (
     RankKind,
     Relay,
     SchedulerConfig,
+    chunk_work,
 )
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from shared.fingerprint import CHUNK_TOKENS
@@ -1399,13 +1400,13 @@ class Engine:
             return
         finally:
             self.device_time.end()
-        tokens = sum(c.end - c.start for c, _ in work)
+        tokens, pairs = chunk_work(c for c, _ in work)
         self.device_time.add("preinfer", seconds)
         self.device_time.preinfer_step(flight.graphed, len(work), seconds)
         # Graph steps and eager steps cost differently (IterationScheduler.chunk_seconds): each fit
         # learns from its own kind.
         fit = self.first_costs if flight.graphed and self.first_costs is not None else self.step_costs
-        fit.observe(tokens, sum((c.end - c.start) * c.end for c, _ in work), seconds)
+        fit.observe(tokens, pairs, seconds)
         with self._cv:
             for c, job in work:
                 share = seconds * (c.end - c.start) / tokens

@@ -73,6 +73,7 @@ __all__ = [
     "RankKind",
     "Relay",
     "SchedulerConfig",
+    "chunk_work",
 ]
 
 
@@ -152,6 +153,16 @@ class Chunk:
     id: int
     start: int
     end: int
+
+
+def chunk_work(chunks: Iterable[Chunk]) -> tuple[int, int]:
+    """(tokens, attention pairs) of a step of these chunks as one batch, as the step-cost fits
+    count them: each new token attends to the built tokens and to the new ones before it."""
+    tokens = pairs = 0
+    for c in chunks:
+        tokens += c.end - c.start
+        pairs += (c.end - c.start) * c.end
+    return tokens, pairs
 
 
 @dataclass(frozen=True)
@@ -247,8 +258,7 @@ class IterationScheduler:
         """Predicted device time of one step of these chunks, as one batch (one per-step cost),
         by the fit of its kind (graph replay or eager)."""
         fit = self.first_costs if self.first_costs is not None and self.step_graphed(chunks) else self.costs
-        tokens = sum(c.end - c.start for c in chunks)
-        return fit.coefficients.seconds(tokens, sum((c.end - c.start) * c.end for c in chunks))
+        return fit.coefficients.seconds(*chunk_work(chunks))
 
     def chunk_cap(self, done: int) -> int:
         """The most tokens one chunk after `done` built ones may have: `chunk_tokens`; a chunk
