@@ -33,13 +33,17 @@ MAX_CAUSAL_SPLITS = 8
 # A split covers at least this many key blocks (fewer: the per-program set-up dominates).
 MIN_SPLIT_BLOCKS = 4
 _MAX_SPLITS = 64
-# The splits of one row block add their float32 partial sums into the same rows: the adds of s
-# splits serialise in L2, a cost that grows with s whatever the number of programs. Fitted on an
-# H200 (bench.attention --splits, cached case, 2026-11-29): 320 tokens against 8k at batch 1 took
-# 0.380 / 0.220 / 0.161 / 0.130 ms at 1 / 2 / 3 / 4 splits and 0.174 ms at 11 (the wave model
-# without this term chose 11); against 4k, 4 splits 0.087 ms, 11 0.118; at batch 8 against 4k
-# one split (0.199 ms) beat four (0.208).
-_SPLIT_SUM_BLOCKS = 5.0
+# Against a prefix, fitted on an H200 to device times (bench.attention, CUDA-graph timing, k9g,
+# 2026-11-29: 320 tokens a user against 4k and 8k, batch 1, 2, 4 and 8, splits 1-16; 4.7% rms):
+# time = waves x (key blocks per split + _PREFIX_PROGRAM_TILES) + _PREFIX_SUM_TILES x programs x
+# splits / SMs for split launches (every split's float32 partial sums added into the output: a
+# cost of the total traffic, not of the waves). It picks the fastest count measured at 7 of the 8
+# shapes (48 programs against 4k: 2 splits, 0.128 ms, where 5 took 0.121). An earlier fit on
+# do_bench times (CUDA events around each call, so the host's launch at small shapes) charged
+# each split 5 tiles whatever the batch and picked 4-5 splits for one user against 8k: 0.113 ms,
+# where 11 take 0.077.
+_PREFIX_PROGRAM_TILES = 0.5
+_PREFIX_SUM_TILES = 5.3
 # With this many waves of programs the SMs stay busy anyway: no split is worth its sums.
 _ENOUGH_WAVES = 3
 
@@ -48,17 +52,18 @@ def choose_splits(programs: int, prefix_blocks: int, num_sms: int) -> int:
     """Prefix splits for `programs` (row block, sequence, head) programs over prefixes of
     `prefix_blocks` key blocks, one program per SM at a time (PREFIX_CONFIG's shared memory).
 
-    Time is modelled as waves x (key blocks per split + _SPLIT_OVERHEAD_TILES), waves being
+    Time is modelled as waves x (key blocks per split + _PREFIX_PROGRAM_TILES), waves being
     ceil(programs x splits / SMs) (a split count that leaves the last wave mostly empty costs a
     whole wave: batch 8 x 320 tokens against 8k, 96 programs, 4 splits fill 3 waves at 97%), plus
-    _SPLIT_SUM_BLOCKS per split for the partial sums' adds. Ties go to fewer splits."""
+    the partial sums' adds, _PREFIX_SUM_TILES per program and split over the SMs. Ties go to
+    fewer splits."""
     if programs < 1 or prefix_blocks < 1:
         return 1
     best, best_cost = 1, 0.0
     for s in range(1, max(1, min(_MAX_SPLITS, prefix_blocks // MIN_SPLIT_BLOCKS)) + 1):
         waves = -(-programs * s // num_sms)
-        cost = waves * (-(-prefix_blocks // s) + _SPLIT_OVERHEAD_TILES) + (
-            _SPLIT_SUM_BLOCKS * s if s > 1 else 0.0
+        cost = waves * (-(-prefix_blocks // s) + _PREFIX_PROGRAM_TILES) + (
+            _PREFIX_SUM_TILES * programs * s / num_sms if s > 1 else 0.0
         )
         if s == 1 or cost < best_cost:
             best, best_cost = s, cost

@@ -25,22 +25,28 @@ def test_prefix_splits_fill_whole_waves():
     # 8 users x 3 row blocks x 4 heads against 8k (128 key blocks) on 132 SMs: 4 splits make 384
     # programs, 3 waves at 97%; 6 splits would need 5 waves.
     assert choose_splits(96, 128, SMS) == 4
-    # Against 4k, at batch 8, one split (measured 0.199 ms on an H200) beats four (0.208).
+    # Against 4k, at batch 8, one split (measured 0.200 ms on an H200) beats four (0.209).
     assert choose_splits(96, 64, SMS) == 1
     # Short prefixes are not split below MIN_SPLIT_BLOCKS key blocks a split.
     assert choose_splits(4, 8, SMS) <= 8 // MIN_SPLIT_BLOCKS
     assert choose_splits(0, 128, SMS) == choose_splits(96, 0, SMS) == 1
 
 
-def test_prefix_splits_stop_where_their_sums_cost_more():
-    # One user: 12 programs. 11 splits would fill one wave, but each split's partial sums meet the
-    # others' in the same rows: on an H200, 4 splits took 0.130 ms against 8k, 11 took 0.174
-    # (and 0.087 against 0.118 at 4k).
-    assert 4 <= choose_splits(12, 128, SMS) <= 5
-    assert choose_splits(12, 64, SMS) == 4
-    # Batches of 2-4 users (the relay's hit batches) split less than one user does.
+def test_prefix_splits_follow_the_measured_device_times():
+    # Device times on an H200 (bench.attention, CUDA-graph timing, attention-variants-nvidia-h200-k9g):
+    # one user (12 programs) against 8k took 0.077 ms at 11 splits (one full wave), 0.113 at 5;
+    # against 4k 0.061 at 11, 0.085 at 4.
+    assert choose_splits(12, 128, SMS) == 11
+    assert choose_splits(12, 64, SMS) == 11
+    # Two and four users: 5 splits were fastest against 8k (0.113 and 0.188 ms; 11 took 0.116 and
+    # 0.213): the partial sums' traffic grows with programs x splits.
+    assert choose_splits(24, 128, SMS) == 5
+    assert choose_splits(48, 128, SMS) == 5
+    # Batches of 2-4 users (the relay's hit batches) split no more than one user does.
     one = choose_splits(12, 128, SMS)
     assert all(choose_splits(12 * users, 128, SMS) <= one for users in (2, 3, 4))
+    # A prefix too short for more splits is not split below MIN_SPLIT_BLOCKS key blocks a split.
+    assert choose_splits(12, 16, SMS) <= 16 // MIN_SPLIT_BLOCKS
 
 
 def _row_block_tiles(row_block: int, length: int, n_hist: int, splits: int) -> int:
