@@ -58,7 +58,16 @@ class StackConfig:
     mps: bool = False
     preset: str = "tiny"
     kafka_bootstrap: str = ""  # "" starts the embedded broker
-    partitions: int = 4
+    # Partitions of the retrieval and signal topics. The embedded broker (Tansu, memory storage)
+    # works per record held in a partition, and holds every record (retention.ms is not applied,
+    # DeleteRecords not served). bench.broker_growth (broker-growth-cpu.json: 100 records/s of 150
+    # KB, a RetrievalEvent with its 8192-token prefix, to 13.5k records) on the build machine:
+    # produce -> consume p50 3.0 -> 6.1 ms (p99 6.0 -> 12.3) and the broker 0.16 -> 0.46 cores
+    # with 4 partitions; 4.4 -> 16.3 ms (p99 to 119) with 1; 3.5 -> 4.1 ms (p99 6.9 -> 9.4) and
+    # 0.23 -> 0.29 cores with 32. With 4, a goodput search's later points met a slower signal
+    # path than its first: on an H200 (k9b) the trigger's event lag went 8.6 -> 14.5 ms mean with
+    # the point order, whatever the rate, and the broker's CPU 0.43 -> 0.79 cores.
+    partitions: int = 32
     trigger_policy: str = "sequence"  # sequence | all | off
     expander: bool = True
     placement: str = "affinity"  # affinity | round_robin
