@@ -403,12 +403,24 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     model = load_model(path, "relay")
     assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)  # no psi measured
     assert model.setup.preinfer_trip_ms is not None  # every signal pre-inferred (no trigger modelled)
+    # The signal's trip as a what-if: a slower (or faster) signal path than the file's.
+    slow = load_model(path, "relay", changes={"signal_trip_ms": 45.0})
+    assert slow.setup.preinfer_trip_ms == 45.0
+    with pytest.raises(ValueError, match="what-if sizes"):
+        load_model(path, "relay", changes={"signal_trip_ms": -1.0})
     out_file = tmp_path / "sim.json"
     assert main([str(path), "--config", "relay", "--json", str(out_file)]) == 0
     (out,) = json.loads(out_file.read_text())["results"]
     assert out["config"] == "relay"
     assert out["predicted_goodput_rps"] > 0
     assert out["what_if"] == {}
+    # Several model seeds: the median of their limits is the prediction.
+    assert main([str(path), "--config", "relay", "--seeds", "3", "--json", str(out_file)]) == 0
+    (seeded,) = json.loads(out_file.read_text())["results"]
+    assert len(seeded["predicted_goodput_rps_by_seed"]) == 3
+    assert seeded["predicted_goodput_rps"] == sorted(seeded["predicted_goodput_rps_by_seed"])[1]
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay", "--seeds", "0"])
     assert main([str(path), "--config", "relay", "--eager-step-costs", "4,0,0", "--json", str(out_file)]) == 0
     given = [r for r in json.loads(out_file.read_text())["results"] if r["what_if"]]
     assert given[0]["what_if"] == {"eager_step_costs": "4,0,0", "graph_step_costs": None}
