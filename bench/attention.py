@@ -165,20 +165,19 @@ def graph_ms(fn: Callable[[], Any], calls: int = 20, replays: int = 15) -> float
     return ms
 
 
-# How time_case times a call: "graph" (graph_ms) or "do_bench" (the host's launch included).
-TIMING = {"mode": "graph"}
-
-
 def time_case(
     case: Case,
     plan: TritonPlan,
     params: AttentionParams,
     config: KernelConfig | None,
     splits: int | None = None,
+    timing: str = "graph",
 ) -> float:
+    """Milliseconds per call: device time (graph_ms), or with timing "do_bench" CUDA events around
+    each call (the host's launch included)."""
     call = functools.partial(hstu_attention_triton, case.q, case.k, case.v, case.seq, case.prefix, plan, 3, params,
                              splits=splits, config=config)  # fmt: skip
-    if TIMING["mode"] == "graph":
+    if timing == "graph":
         return graph_ms(call)
     return float(triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median"))
 
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         help="graph: device time from CUDA graph replays (default); do_bench: CUDA events around each call",
     )
     args = parser.parse_args(argv)
-    TIMING["mode"] = args.timing
+    time_case_ms = functools.partial(time_case, timing=args.timing)
     params = AttentionParams(alpha=1 / 16, inv_norm=1 / 4096, pos_mantissa_bits=3, time_mantissa_bits=2)
     peak = matmul_peak_tflops()
     print(f"device {torch.cuda.get_device_name()}: bf16 matmul {peak:.0f} TFLOP/s", flush=True)
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"stages={config.num_stages}{'' if config.heads_fastest else ' heads-last'}"
                          f"{' two-pass' if config.two_pass else ''}")  # fmt: skip
             try:
-                ms = time_case(case, plan, params, config)
+                ms = time_case_ms(case, plan, params, config)
             except Exception as exc:  # a config that does not fit (shared memory) is reported, not fatal
                 print(f"{label} {described}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
@@ -265,15 +264,15 @@ def main(argv: list[str] | None = None) -> None:
             }
             (results if config == default else variants).append(record)
         if args.sweep:  # the position bias bucketed on chip per pair (the fixed-grid path's way)
-            ms = time_case(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
+            ms = time_case_ms(case, dataclasses.replace(plan, pos_by_distance=None), params, default)
             variants.append(timed(case, label, "position buckets on chip", ms))
         two_pass = dataclasses.replace(default, two_pass=True)
         for splits in args.splits:  # the splits' sums added atomically (the default) and in two passes
             variants.append(
-                timed(case, label, f"splits={splits}", time_case(case, plan, params, default, splits))
+                timed(case, label, f"splits={splits}", time_case_ms(case, plan, params, default, splits))
             )
             if splits > 1:
-                ms = time_case(case, plan, params, two_pass, splits)
+                ms = time_case_ms(case, plan, params, two_pass, splits)
                 variants.append(timed(case, label, f"splits={splits} two-pass", ms))
         del case, plan
         torch.cuda.empty_cache()
