@@ -104,7 +104,7 @@ async def _measure(
             now = time.time()
             if now - window_start >= window_s:
                 cpu1 = _cpu_seconds(pid)
-                rows.append({"partitions": partitions, "window_start_s": round(window_start - t0, 1),
+                rows.append({"partitions": partitions, "window": len(rows), "window_start_s": round(window_start - t0, 1),
                              "broker_cores": (cpu1 - cpu0) / (now - window_start), "broker_rss_gb": _rss_gb(pid),
                              "records_held": sent})  # fmt: skip
                 cpu0, window_start = cpu1, now
@@ -114,7 +114,8 @@ async def _measure(
         await producer.stop()
         await consumer.stop()
     for row in rows:  # latencies of the records sent in each window
-        found = sorted(latencies.get(int(row["window_start_s"] // window_s), []))
+        # Records by the window of their send time: window i is sends in [i, i + 1) x window_s.
+        found = sorted(latencies.get(row["window"], []))
         row["consumed"] = len(found)
         row["latency_ms_p50"] = statistics.median(found) if found else float("nan")
         row["latency_ms_p99"] = found[min(len(found) - 1, int(len(found) * 0.99))] if found else float("nan")
