@@ -1010,7 +1010,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1,
                    help="model seeds seed, seed+1, ...: the prediction is the median of their limits (its "
-                   "draws of the measured costs move one seed's limit by up to ~7%% at L8192)")  # fmt: skip
+                   "draws of the measured costs put one seed's relay limit anywhere in 111-140 req/s for k9a, L8192)")  # fmt: skip
     what_if = p.add_argument_group(
         "what if (a prediction, not a check: the measured figures are not compared)"
     )
