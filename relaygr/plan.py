@@ -21,6 +21,11 @@ from typing import Any
 
 from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at
 
+# GPUs are raised by this factor (at least one) while the point at the target misses, this often
+# at most (about 1.5x) before the plan is refused.
+_RAISE = 1.02
+_MAX_RAISES = 20
+
 
 def plan_one(model: Model, target_rps: float, users: int | None = None, seed: int = 0) -> dict[str, Any]:
     """The plan for one configuration (module docstring). ValueError when no rate meets the SLO
@@ -32,11 +37,24 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
     per_gpu, _, points = goodput(model.traffic, model.cal, model.setup, start, seed=seed)
     if per_gpu <= 0:
         raise ValueError(f"{model.config}: no rate meets the {model.setup.slo_ms:g} ms SLO on one GPU")
-    gpus = math.ceil(target_rps / per_gpu * (1 - 1e-9))
-    traffic = model.traffic
-    if users is not None:
-        traffic = dataclasses.replace(traffic, users=max(1, math.ceil(users / gpus)))
-    point = p99_at(traffic, target_rps / gpus, model.cal, model.setup, seed)
+    from_goodput = gpus = math.ceil(target_rps / per_gpu * (1 - 1e-9))
+    # The point each GPU then runs at, with its own share of the users: more users a GPU than the
+    # measured run had means fewer returning calls find their psi, so the point can miss where
+    # the search's met (the relay from k9b, 10^8 users on 423 GPUs: 52.3 ms at 118.2 req/s a GPU).
+    # GPUs are added until the modelled point meets the SLO.
+    for _ in range(_MAX_RAISES + 1):
+        traffic = model.traffic
+        if users is not None:
+            traffic = dataclasses.replace(traffic, users=max(1, math.ceil(users / gpus)))
+        point = p99_at(traffic, target_rps / gpus, model.cal, model.setup, seed)
+        if point["meets_slo"]:
+            break
+        gpus = max(gpus + 1, math.ceil(gpus * _RAISE))
+    else:
+        raise ValueError(
+            f"{model.config}: the modelled P99 at the target misses the {model.setup.slo_ms:g} ms SLO even on "
+            f"{gpus} GPUs ({from_goodput} by the one-GPU goodput)"
+        )
     return {
         "config": model.config,
         "workload": model.workload,
@@ -44,6 +62,7 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
         "target_rps": target_rps,
         "per_gpu_goodput_rps": per_gpu,
         "gpus": gpus,
+        "gpus_from_goodput": from_goodput,  # before any added for the point at the target (above)
         "per_gpu_rps": target_rps / gpus,
         "p99_ms": point["p99_ms"],
         "busy": point["busy"],
@@ -84,9 +103,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         served = ", ".join(f"{k} {v:.2f}" for k, v in r["served"].items())
+        raised = r.get("gpus_from_goodput", r["gpus"])
+        gpus = f"{r['gpus']}" if raised == r["gpus"] else f"{r['gpus']} (goodput alone: {raised})"
         lines.append(
             f"| {r['config']} | {r['workload']} | {r['slo_ms']:g} | {r['target_rps']:g} | "
-            f"{r['per_gpu_goodput_rps']:.1f} | {r['gpus']} | {r['p99_ms']:.1f} | {r['busy']:.2f} | {served} |"
+            f"{r['per_gpu_goodput_rps']:.1f} | {gpus} | {r['p99_ms']:.1f} | {r['busy']:.2f} | {served} |"
         )
     return "\n".join(lines)
 

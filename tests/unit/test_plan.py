@@ -117,3 +117,29 @@ def test_the_sensitivity_table_varies_one_input_at_a_time_and_the_plot_is_drawn(
     cheaper = next(r for r in doc["sensitivity"] if r["input"] == "a full ranking's cost")
     assert cheaper["gpus"] <= doc["plans"][0]["gpus"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpus_are_added_until_the_point_at_the_target_meets_the_slo(source, monkeypatch):
+    """The one-GPU goodput is searched with the measured run's users; each GPU of the plan serves
+    its own share of the plan's users, and its point at the target can miss where the search's met
+    (fewer returning calls find psi). Here the modelled point misses above 90% of the goodput."""
+    import relaygr.plan as planning
+
+    real = planning.p99_at
+    (reference,) = plan(source, ["baseline"], 10_000)
+    limit = 0.9 * reference["per_gpu_goodput_rps"]
+
+    def stricter(traffic, rate, cal, setup, seed=0):
+        point = real(traffic, rate, cal, setup, seed)
+        return point | {"meets_slo": point["meets_slo"] and rate <= limit}
+
+    monkeypatch.setattr(planning, "p99_at", stricter)
+    (row,) = plan(source, ["baseline"], 10_000)
+    assert row["gpus_from_goodput"] == reference["gpus"]
+    assert row["gpus"] > row["gpus_from_goodput"]
+    assert row["per_gpu_rps"] <= limit
+    assert f"| {row['gpus']} (goodput alone: {reference['gpus']}) |" in table([row])
+    # A point that never meets the SLO is refused in one line, not planned.
+    monkeypatch.setattr(planning, "p99_at", lambda *a, **k: real(*a, **k) | {"meets_slo": False})
+    with pytest.raises(ValueError, match="misses the 50 ms SLO even on"):
+        plan(source, ["baseline"], 10_000)
