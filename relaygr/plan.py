@@ -38,10 +38,11 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
     if per_gpu <= 0:
         raise ValueError(f"{model.config}: no rate meets the {model.setup.slo_ms:g} ms SLO on one GPU")
     from_goodput = gpus = math.ceil(target_rps / per_gpu * (1 - 1e-9))
-    # The point each GPU then runs at, with its own share of the users: more users a GPU than the
-    # measured run had means fewer returning calls find their psi, so the point can miss where
-    # the search's met (the relay from k9b, 10^8 users on 423 GPUs: 52.3 ms at 118.2 req/s a GPU).
-    # GPUs are added until the modelled point meets the SLO.
+    # The point each GPU then runs at (its share of the target, with its share of the users) is
+    # modelled again: a limit found by bisection met the SLO at its own rate, and another rate
+    # just below it draws another workload, which can miss (relay-nospare from h2e: 228.4 req/s
+    # a GPU met, 228.3 on 1095 GPUs missed, with 10^6 users as with 10^8). GPUs are added until
+    # the modelled point meets the SLO.
     for _ in range(_MAX_RAISES + 1):
         traffic = model.traffic
         if users is not None:

@@ -120,9 +120,9 @@ def test_the_sensitivity_table_varies_one_input_at_a_time_and_the_plot_is_drawn(
 
 
 def test_gpus_are_added_until_the_point_at_the_target_meets_the_slo(source, monkeypatch):
-    """The one-GPU goodput is searched with the measured run's users; each GPU of the plan serves
-    its own share of the plan's users, and its point at the target can miss where the search's met
-    (fewer returning calls find psi). Here the modelled point misses above 90% of the goodput."""
+    """The one-GPU goodput is a bisected limit met on one draw of the workload; the plan's own
+    point (its share of the target and of the users) can miss just below it. Here the modelled
+    point misses above 90% of the goodput."""
     import relaygr.plan as planning
 
     real = planning.p99_at
