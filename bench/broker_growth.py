@@ -30,15 +30,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench.report import RESULTS_DIR, write_result
+from relaygr.cpu_usage import threads_cpu_s
 from shared.broker import EmbeddedBroker
 
 TOPIC = "growth"
 
 
 def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The broker's CPU seconds so far (its threads', relaygr.cpu_usage)."""
+    return sum(threads_cpu_s(pid).values())
 
 
 def _rss_gb(pid: int) -> float:
