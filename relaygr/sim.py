@@ -940,7 +940,8 @@ def load_model(
     if not files:
         raise ValueError(f"no per-call records of {config} / {chosen} beside {result_path}")
     if any(v < 0 for v in changes.values()) or any(
-        changes.get(k, 1.0) <= 0 for k in ("cached_scale", "full_scale", "call_deadline_s", "preinfer_scale")
+        changes.get(k, 1.0) <= 0
+        for k in ("cached_scale", "full_scale", "call_deadline_s", "preinfer_scale", "max_rank_delay_ms")
     ):
         raise ValueError("what-if sizes must be >= 0, cost scales and the call deadline > 0")
     # Device costs from every point; the waits outside the device loop from the points that met
@@ -992,6 +993,10 @@ def load_model(
         launch_scale=float(changes.get("launch_scale", 1.0)),
         host_step_s=host_step_s(result, config, chosen),
     )
+    if "max_rank_delay_ms" in changes:  # the ranker's step budget (--max-rank-delay-ms)
+        setup = dataclasses.replace(
+            setup, scheduler=dataclasses.replace(setup.scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3)
+        )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
     if "ranker_slo_ms" in changes:
@@ -1046,6 +1051,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--signal-trip-ms", type=float, default=None,
                          help="preinfer-all / relay: a signal reaches the ranker this long after its retrieval "
                          "event (default: the file's, signal_trip_ms)")  # fmt: skip
+    what_if.add_argument("--max-rank-delay-ms", type=float, default=None,
+                         help="the ranker's step budget (its --max-rank-delay-ms; default 5): longer "
+                         "first chunks replay in one graph step")  # fmt: skip
     what_if.add_argument("--graph-tokens", type=int, default=17_408,
                          help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
@@ -1059,7 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
                ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
                ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale),
-               ("signal_trip_ms", args.signal_trip_ms))
+               ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

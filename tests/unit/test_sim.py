@@ -408,6 +408,12 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     assert slow.setup.preinfer_trip_ms == 45.0
     with pytest.raises(ValueError, match="what-if sizes"):
         load_model(path, "relay", changes={"signal_trip_ms": -1.0})
+    # The ranker's step budget as a what-if: its scheduler plans chunks under it.
+    assert model.setup.scheduler.max_rank_delay_s == pytest.approx(0.005)
+    longer = load_model(path, "relay", changes={"max_rank_delay_ms": 12.0})
+    assert longer.setup.scheduler.max_rank_delay_s == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="what-if sizes"):
+        load_model(path, "relay", changes={"max_rank_delay_ms": 0.0})
     out_file = tmp_path / "sim.json"
     assert main([str(path), "--config", "relay", "--json", str(out_file)]) == 0
     (out,) = json.loads(out_file.read_text())["results"]
