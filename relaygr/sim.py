@@ -995,7 +995,10 @@ def load_model(
     )
     if "max_rank_delay_ms" in changes:  # the ranker's step budget (--max-rank-delay-ms)
         setup = dataclasses.replace(
-            setup, scheduler=dataclasses.replace(setup.scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3)
+            setup,
+            scheduler=dataclasses.replace(
+                setup.scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3
+            ),
         )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
