@@ -456,7 +456,10 @@ class TriggerService:
         """Whether a call of `tokens` gets enough shorter against psi for the spare term
         (admission.spare_shortens); False before any full ranking was measured."""
         return self.full_work.measured and spare_shortens(
-            self.full_work.full_ms(tokens), self.cached_call_ms()
+            self.full_work.full_ms(tokens),
+            self.cached_call_ms(),
+            self.config.slo_ms,
+            self.config.spare_min_saving,
         )
 
     def cached_call_ms(self) -> float:

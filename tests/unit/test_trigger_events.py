@@ -386,3 +386,22 @@ async def test_too_late_uses_the_signal_trip_the_rankers_measure():
     finally:
         assert service.membership is not None
         await service.membership.close()
+
+
+@pytest.mark.parametrize("min_saving", ["0.05", "0"])
+async def test_the_spare_term_needs_a_saving_that_counts_against_the_slo(min_saving):
+    service = await with_healthy_ranker("--spare-min-saving", min_saving)
+    try:
+        # 4096 tokens on an H200 (k10c): full rankings 2.8 ms, calls against psi 1.3, the device
+        # idle. The call against psi is under half the full ranking, but saves 3% of the SLO.
+        reply = stats_reply([(1, 4416, 2.8)] * 8, [(1, 1.3)] * 8, [(4096, 2.0)] * 8)
+        reply.device_busy = 0.1
+        service._absorb("127.0.0.1:1", reply)
+        assert service.has_spare("127.0.0.1:1")
+        assert service.spare_shortens(4416) is (min_saving == "0")
+        # The same device at 16384 tokens: a full ranking's 18 ms are worth moving off the path.
+        service._absorb("127.0.0.1:1", stats_reply([(1, 16704, 18.4)] * 8, [], []))
+        assert service.spare_shortens(16704)
+    finally:
+        assert service.membership is not None
+        await service.membership.close()
