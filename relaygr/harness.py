@@ -86,6 +86,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # 5): at 4096 tokens two queued first touches then share a step (a step of 4 cost 2.65 ms a
     # user on an H100 against 3.6 alone) for up to ~5 ms more wait of a ranking call behind it.
     "relay-delay10": {"ranker_args": ("--max-rank-delay-ms", "10")},
+    # A first chunk that a graph holds may pass the step budget where that saves a step
+    # (RELAYGR_RANKER_FIRST_CHUNK_ABSORBS, off by default): at 16384 tokens on an H200 a psi was
+    # a graph step and two eager ones (23 ms in service, k10b), one of them 256 tokens.
+    "relay-absorb": {"ranker_args": ("--first-chunk-absorbs", "true")},
     # Pre-inference steps launched ahead too (RELAYGR_RANKER_CHUNKS_AHEAD, off by default): a
     # step's host launch overlaps the batch before it, and the next batch's overlaps the step.
     "relay-chunks-ahead": {"ranker_args": ("--chunks-ahead", "true")},

@@ -896,19 +896,34 @@ class Model:
     traffic: WorkloadConfig
 
 
-def _modelled_ms_per_psi(steps: StepCosts, traffic: WorkloadConfig) -> float:
-    """The mean cost of building one psi the workload asks for, each prefix in one step of its
-    kind (a graph where one holds it), by these step costs."""
+def _modelled_ms_per_psi(steps: StepCosts, traffic: WorkloadConfig, config: SchedulerConfig) -> float:
+    """The mean cost of building one psi the workload asks for, by these step costs, each
+    prefix alone in the steps the scheduler plans for it (a graph step where one holds its first
+    chunk, eager steps for the rest). Before 2026-11-29 (twenty-first session) each prefix was
+    costed as one step, which at 16384 tokens (three planned steps, two of them eager) put the
+    measured cost over the modelled at 2.2x and scaled every step by that."""
     plan = generate(dataclasses.replace(traffic, rate_rps=50.0, duration_s=10.0, lead_in_s=0.0))
     lengths = [r.prefix_len for r in plan.requests if r.session_index == 0] or [
         r.prefix_len for r in plan.requests
     ]
     if not lengths:
         return 0.0
+    scheduler = IterationScheduler(
+        config,
+        StepCosts.fit(steps.eager),
+        first_costs=StepCosts.fit(steps.graph) if steps.graph is not None else None,
+        graph_tokens=steps.graph_tokens if steps.graph is not None else 0,
+        graph_batch=steps.graph_batch,
+    )
+    budget = scheduler.step_budget_s()
     total = 0.0
     for n in lengths:
-        graphed = steps.graph is not None and n <= steps.graph_tokens
-        total += steps.seconds([Chunk(0, 0, n)], graphed)
+        done = 0
+        while done < n:
+            size = scheduler.chunk_size(done, n - done, budget)
+            chunk = [Chunk(0, done, done + size)]
+            total += steps.seconds(chunk, scheduler.step_graphed(chunk))
+            done += size
     return total / len(lengths) * 1e3
 
 
@@ -965,13 +980,16 @@ def load_model(
             "(the ranker's preinfer_*_calibrated log lines)"
         )
     traffic = _workload(result, chosen)
+    scheduler = SchedulerConfig()
+    if "max_rank_delay_ms" in changes:  # the ranker's step budget (--max-rank-delay-ms)
+        scheduler = dataclasses.replace(scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3)
     preinfer_scale = changes.get("preinfer_scale")
     if config == "relay" and step_costs is not None and preinfer_scale is None:
         # Start-up costs scaled to what a psi cost in service (the file's points): at L8192 on an
         # H200 (k8b) 5.2 ms a psi at start-up, 6.4-7.2 in service (eager rests, batched eager
         # steps, graph steps beside copies), and the model's limit moved from 150 to ~105 req/s.
         measured_ms = preinfer_ms_per_psi(result, config, chosen)
-        modelled_ms = _modelled_ms_per_psi(step_costs, traffic)
+        modelled_ms = _modelled_ms_per_psi(step_costs, traffic, scheduler)
         if measured_ms is not None and modelled_ms > 0:
             preinfer_scale = measured_ms / modelled_ms
     if step_costs is not None and preinfer_scale is not None:
@@ -993,13 +1011,7 @@ def load_model(
         launch_scale=float(changes.get("launch_scale", 1.0)),
         host_step_s=host_step_s(result, config, chosen),
     )
-    if "max_rank_delay_ms" in changes:  # the ranker's step budget (--max-rank-delay-ms)
-        setup = dataclasses.replace(
-            setup,
-            scheduler=dataclasses.replace(
-                setup.scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3
-            ),
-        )
+    setup = dataclasses.replace(setup, scheduler=scheduler)
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
     if "ranker_slo_ms" in changes:
@@ -1125,7 +1137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "call_slo_s": None if math.isinf(setup.call_slo_s) else setup.call_slo_s,
         "host_step_ms": setup.host_step_s * 1e3,
         # relay: what building one psi costs in the model, and in the file's points.
-        "preinfer_ms_per_psi_modelled": _modelled_ms_per_psi(setup.preinfer_steps, modelled)
+        "preinfer_ms_per_psi_modelled": _modelled_ms_per_psi(setup.preinfer_steps, modelled, setup.scheduler)
         if setup.preinfer_steps is not None
         else None,
         "preinfer_ms_per_psi_measured": preinfer_ms_per_psi(result, args.config, workload),

@@ -110,6 +110,11 @@ class RankerConfig(TlsSettings):
                                        help="pre-inference chunks are sized (from the measured step costs) so "
                                        "that a step lasts at most its fixed cost plus this long: about the "
                                        "longest a ranking call waits behind pre-inference", check=positive)  # fmt: skip
+    first_chunk_absorbs: bool = setting(False, env="RELAYGR_RANKER_FIRST_CHUNK_ABSORBS",
+                                        help="a prefix's first chunk, where a CUDA graph holds it, may pass that "
+                                        "step budget by less than an eager step's fixed cost where that leaves "
+                                        "one step fewer and less device time (at 16384 tokens on an H200: two "
+                                        "steps, ~17 ms a psi, instead of three, 21.6); off until measured")  # fmt: skip
     latency_target_ms: float = setting(25.0, env="RELAYGR_RANKER_LATENCY_TARGET_MS",
                                        help="the latency a ranking call is scheduled to finish within on "
                                        "this instance (about half the ranking SLO; 25: half of 50 ms): calls "

@@ -155,6 +155,9 @@ class EngineConfig:
     # ... and sized so that a step is predicted to last at most its fixed cost plus this long:
     # about the longest a ranking call waits behind pre-inference (scheduler.step_budget_s).
     max_rank_delay_s: float = 0.005
+    # A first chunk a graph holds may pass that budget where that saves a step
+    # (IterationScheduler.chunk_size).
+    first_chunk_absorbs: bool = False
     # The step-cost model before any step is measured.
     step_prior: CostPrior = field(default_factory=CostPrior)
     # Replay captured CUDA graphs for batches against psi (CUDA only).
@@ -189,6 +192,7 @@ class EngineConfig:
             preinfer_max_batch=self.preinfer_max_batch,
             chunk_tokens=self.preinfer_chunk_tokens,
             max_rank_delay_s=self.max_rank_delay_s,
+            first_chunk_absorbs=self.first_chunk_absorbs,
         )
 
 

@@ -224,6 +224,7 @@ class RankerService(pb_grpc.RankerServicer):
                 preinfer_max_batch=config.preinfer_max_batch,
                 preinfer_chunk_tokens=config.preinfer_chunk_tokens,
                 max_rank_delay_s=config.max_rank_delay_ms / 1e3,
+                first_chunk_absorbs=config.first_chunk_absorbs,
                 cuda_graphs=config.cuda_graphs,
                 graph_limits=GraphLimits(
                     max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens

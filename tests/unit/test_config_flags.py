@@ -38,3 +38,15 @@ def test_the_interpreter_settings_default_short_and_refuse_bad_values() -> None:
         load_config(RankerConfig, ["--device", "cpu", "--timer-slack-us", "-5"], env={})
     with pytest.raises(ConfigError, match="gil_switch_ms"):
         load_config(RankerConfig, ["--device", "cpu", "--gil-switch-ms", "0"], env={})
+
+
+def test_the_first_chunk_rule_is_off_by_default_and_reaches_the_rankers_scheduler() -> None:
+    from services.ranker.service import RankerService
+
+    assert not load_config(RankerConfig, ["--device", "cpu"], env={}).first_chunk_absorbs
+    config = load_config(RankerConfig, ["--device", "cpu", "--first-chunk-absorbs", "true"], env={})
+    assert RankerService(config).engine.scheduler.config.first_chunk_absorbs
+    env = load_config(RankerConfig, ["--device", "cpu"], env={"RELAYGR_RANKER_FIRST_CHUNK_ABSORBS": "true"})
+    assert env.first_chunk_absorbs
+    with pytest.raises(ConfigError):
+        load_config(RankerConfig, ["--device", "cpu", "--first-chunk-absorbs", "sometimes"], env={})

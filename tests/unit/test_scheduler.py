@@ -373,7 +373,9 @@ def test_a_first_chunk_that_a_graph_holds_may_pass_the_eager_chunk_cap():
     # step and an eager one; an eager fit alone keeps the cap, and later chunks keep it too.
     eager = fitted(4.5 * MS, 0.1e-6, 0.3e-9)
     graph = fitted(0.2 * MS, 0.8e-6, 0.0)
-    config = SchedulerConfig(max_wait_s=0.0, chunk_tokens=4096, max_rank_delay_s=5 * MS)
+    config = SchedulerConfig(
+        max_wait_s=0.0, chunk_tokens=4096, max_rank_delay_s=5 * MS, first_chunk_absorbs=True
+    )
     both = IterationScheduler(config, eager, first_costs=graph, graph_tokens=17408)
     plain = IterationScheduler(config, eager)
     assert both.chunk_cap(0) == 17408
@@ -382,11 +384,16 @@ def test_a_first_chunk_that_a_graph_holds_may_pass_the_eager_chunk_cap():
     [chunk] = both.plan(0.0, [], [PreinferItem(1, 8192, 0, 0.0)]).chunks
     assert (chunk.start, chunk.end) == (0, 8192)
     assert both.remaining_seconds(0, 8192) == pytest.approx(both.chunk_seconds(0, 8192))
-    # The budget still bounds it: a 16384-token prefix (13.3 ms as one step) is split.
-    [first] = both.plan(0.0, [], [PreinferItem(2, 16384, 0, 0.0)]).chunks
+    # The budget still bounds it, give or take one eager step's fixed cost (chunk_size): a
+    # 16384-token prefix as one step (13.3 ms) passes the budget (9.5) by less than an eager
+    # step's fixed cost (4.5) and saves one: one step. 24576 tokens (19.9 ms) is split, its
+    # first chunk within the budget plus that fixed cost.
+    [whole] = both.plan(0.0, [], [PreinferItem(2, 16384, 0, 0.0)]).chunks
+    assert (whole.start, whole.end) == (0, 16384)
+    [first] = both.plan(0.0, [], [PreinferItem(4, 24576, 0, 0.0)]).chunks
     assert first.start == 0
-    assert 4096 < first.end < 16384
-    assert both.chunk_seconds(0, first.end) <= both.step_budget_s()
+    assert 4096 < first.end < 24576
+    assert both.chunk_seconds(0, first.end) <= both.step_budget_s() + 4.5 * MS
     # Built by the eager fit alone, no chunk passes the cap.
     [eager_chunk] = plain.plan(0.0, [], [PreinferItem(3, 8192, 0, 0.0)]).chunks
     assert eager_chunk.end <= 4096
@@ -453,3 +460,47 @@ def test_a_graph_step_takes_other_prefixes_only_whole_and_an_eager_step_no_first
     # Without graphs (the CPU), a fresh prefix's first chunk may join an eager step.
     plain = IterationScheduler(config, eager)
     assert [c.id for c in plain.plan(0.0, [], started).chunks][:2] == [20, 1]
+
+
+def test_a_first_chunk_passes_the_budget_where_that_saves_a_step_of_mostly_fixed_cost():
+    # The ranker's steps as measured at start-up on an H200 (k10b): eager 3.983 ms a step and
+    # 0.06736 ns a pair, graph 0.53 ms + 0.373 us a token + 0.02702 ns a pair, to 17408 tokens.
+    eager = fitted(3.983 * MS, 0.0, 0.06736e-9)
+    graph = fitted(0.53 * MS, 0.373e-6, 0.02702e-9)
+    config = SchedulerConfig(max_wait_s=0.0, first_chunk_absorbs=True)
+    sched = IterationScheduler(config, eager, first_costs=graph, graph_tokens=17408)
+    budget = sched.step_budget_s()  # 3.983 + 5 ms
+
+    def steps(length: int) -> list[int]:
+        done, out = 0, []
+        while done < length:
+            n = sched.chunk_size(done, length - done, budget)
+            out.append(n)
+            done += n
+        return out
+
+    # By the budget alone 16384 tokens were a graph step of 12032 (8.9 ms), an eager one of
+    # 4096 and an eager one of 256 (4.3 ms, nearly all fixed cost): 21.6 ms. Now two steps,
+    # the graph's the longer (the graph's tokens are cheaper than the eager step's pairs).
+    assert sched._rest(0, 16384, budget) == (3, pytest.approx(21.63e-3, rel=0.01))
+    assert steps(16384) == [13568, 2816]
+    assert sched.remaining_seconds(0, 16384) < 17.7e-3
+    assert sched.chunk_seconds(0, 13568) - budget < 3.983 * MS  # over the budget by 1.5 ms
+    # 12288 tokens: one graph step instead of 12032 + an eager 256.
+    assert steps(12288) == [12288]
+    # What fits the budget is unchanged.
+    assert steps(8192) == [8192]
+    assert steps(4096) == [4096]
+    # Off (the default): the budget's plan.
+    off = IterationScheduler(SchedulerConfig(max_wait_s=0.0), eager, first_costs=graph, graph_tokens=17408)
+    assert off.chunk_size(0, 16384, budget) == 12032
+    # Never more device time than the budget's plan, and every later chunk keeps the budget.
+    for length in range(256, 32768 + 1, 256):
+        assert sched.remaining_seconds(0, length) <= sched._rest(0, length, budget)[1] + 1e-12
+        plan = steps(length)
+        assert sum(plan) == length
+        done = plan[0]
+        for n in plan[1:]:
+            assert n <= 4096
+            done += n
+        assert sched.chunk_seconds(0, plan[0]) <= budget + 3.983 * MS
