@@ -380,7 +380,11 @@ async def device_counters(stack: Stack) -> dict[str, float]:
                 )
         for key, metric in (("preinfer_started", "preinfers_started"), ("preinfer_start_wait_s", "preinfer_start_wait_seconds"),
                             ("preinfer_started_over_50ms", "preinfers_started_over_50ms"),
-                            ("preinfer_started_joined", "preinfers_started_joined")):  # fmt: skip
+                            ("preinfer_started_joined", "preinfers_started_joined"),
+                            ("preinfer_done", "preinfers_done"), ("preinfer_build_s", "preinfer_build_seconds"),
+                            ("preinfer_done_s", "preinfer_done_seconds"),
+                            ("preinfer_done_after_call", "preinfers_done_after_call"),
+                            ("preinfer_builds_over_50ms", "preinfer_builds_over_50ms")):  # fmt: skip
             totals[key] += samples.get(f"relaygr_ranker_{metric}_total", 0.0)
         for family in GRAPH_FAMILIES:  # CUDA graphs: batches replayed and run eagerly, by family
             for what in ("replays", "eager_batches"):
@@ -544,6 +548,13 @@ def _admissions(rankers: dict[str, Any]) -> str:
             f"  started after {rankers.get('preinfer_start_wait_s', 0.0) / started * 1e3:.1f} ms mean"
             f" ({rankers.get('preinfer_started_over_50ms', 0.0):g} over 50 ms,"
             f" {rankers.get('preinfer_started_joined', 0.0):g} with their call waiting)"
+        )
+    done = rankers.get("preinfer_done", 0.0)
+    if done:  # how long they took to build once started, and how many came after their call
+        line += (
+            f"  built in {rankers.get('preinfer_build_s', 0.0) / done * 1e3:.1f} ms mean"
+            f" ({rankers.get('preinfer_builds_over_50ms', 0.0):g} over 50 ms,"
+            f" {rankers.get('preinfer_done_after_call', 0.0):g} of {done:g} after their call)"
         )
     return line
 

@@ -26,8 +26,12 @@ replays, same seed, same lead-in, the measured window only counted):
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
     complete joins it or takes it over, as the scheduler decides;
   * `relay`: as `preinfer-all` (of the trigger's admission only its lead test is modelled: a
-    signal whose pre-inference would not start before its call is refused; the trigger admitted
-    90% of the signals at L8192 on an H200, k8b, and refused 10% as too late), with the ranker's
+    signal whose pre-inference would not start before its call is refused, as the trigger
+    judges it: on its last Stats report of the ranker's queue (every 0.2 s) and its own
+    admissions since, each psi priced at its measured cost, decided its event lag after the
+    retrieval event (TriggerView; `--exact-lead-test`: by the model's exact queue instead);
+    the trigger admitted 90% of the signals at L8192 on an H200, k8b, and refused 10% as too
+    late), with the ranker's
     own pre-inference steps as it measured them at start-up (the file's `ranker_step_costs`,
     or `--eager-step-costs` / `--graph-step-costs`; required): the scheduler plans chunks by
     them as the engine does (graph replays of first chunks, eager steps that pay a per-step
@@ -79,6 +83,8 @@ from services.ranker.scheduler import (
     SchedulerConfig,
     chunk_work,
 )
+from services.trigger.admission import InstanceLedger, too_late
+from shared.wire import MAX_PREINFER_DUES
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
 PSI_PATHS = (  # how a call is served from psi (the per-call records' served_by)
@@ -324,6 +330,9 @@ class Setup:
     # The trigger's lead test (`relay`): a signal whose pre-inference would not start before its
     # call comes (the backlog due no later than it, at the modelled step costs) is refused.
     lead_test: bool = False
+    # With `lead_test`, the trigger's own test (TriggerView) instead of the model's exact
+    # knowledge of the ranker's queue; None: exact.
+    trigger: TriggerView | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
@@ -345,6 +354,21 @@ def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, floa
     if min(ms, us, ns) < 0:
         raise ValueError(f"step costs {ms},{us},{ns} must be >= 0")
     return ms / 1e3, us / 1e6, ns / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class TriggerView:
+    """What the trigger knows when it applies its lead test (services/trigger/admission.py's
+    too_late, with its InstanceLedger): the ranker's backlog and its pre-inferences' ranking
+    deadlines as of its last Stats report (every `stats_interval_s`), plus its own admissions
+    since that it expects not done yet; each pre-inference ahead costing `preinfer_ms` (the
+    rankers' measured cost of a psi), the signal's trip `trip_ms` (the rankers' P90). It decides
+    `event_lag_ms` after the retrieval event (its consumer's lag)."""
+
+    preinfer_ms: float
+    trip_ms: float
+    event_lag_ms: float
+    stats_interval_s: float = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,10 +512,13 @@ def simulate(
     setup: Setup,
     seed: int = 0,
     preinfer_steps: list[tuple[float, float]] | None = None,
+    preinfers: list[tuple[float, float, float, float]] | None = None,
 ) -> list[Served]:
     """Every call of `requests` through one modelled ranker (module docstring), in order of
     service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
-    given, receives each pre-inference step's (start, seconds)."""
+    given, receives each pre-inference step's (start, seconds); `preinfers` each completed
+    pre-inference's (submitted, first step's start, completed, its call's planned time), as the
+    ranker counts them (relaygr_ranker_preinfer_*)."""
     rng = np.random.default_rng(seed)
     rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
@@ -512,8 +539,13 @@ def simulate(
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
     queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
+    view = setup.trigger if setup.lead_test else None
+    ledger = InstanceLedger()
+    reports: collections.deque[tuple[float, int, tuple[float, ...]]] = collections.deque(maxlen=64)
+    next_report = 0.0
     producing: dict[tuple[int, int], _Production] = {}
     productions: dict[int, _Production] = {}
+    first_step: dict[int, float] = {}  # production id -> its first step's start
     out: list[Served] = []
     now, i, j, ids = 0.0, 0, 0, 0  # now: the host's clock (it plans); device_free: the device's
     device_free = 0.0
@@ -546,7 +578,21 @@ def simulate(
             return
         pid = next_id()
         need_by = r.t_rank_s + setup.slo_ms / 1e3  # its call's deadline (the retrieval event's)
-        if setup.lead_test:
+        if view is not None:
+            # The trigger's test as it runs: decided at the event's lag, on the last report it
+            # had then and its own admissions since.
+            decided = r.t_retrieval_s + view.event_lag_ms / 1e3
+            known = [rep for rep in reports if rep[0] <= decided]
+            if known:
+                at, backlog, dues = known[-1]
+                if ledger.reported_at != at:
+                    ledger.report(at, 0, 0, backlog, 0, dues)
+            ahead = ledger.backlog_ahead(decided, need_by)
+            if too_late(r.t_rank_s - decided, view.trip_ms / 1e3, view.preinfer_ms, ahead):
+                return
+            queued_s = (view.trip_ms + view.preinfer_ms * (1 + ahead)) / 1e3
+            ledger.admit(key, 0, decided, math.inf, queued_until=decided + queued_s, due=need_by)
+        elif setup.lead_test:
             # The trigger's too_late (services/trigger/admission.py): refused when the backlog
             # due no later than it would not let it start before its call comes; the call then
             # ranks in full.
@@ -629,6 +675,10 @@ def simulate(
                 keep((r.user_id, r.prefix_version), r.prefix_len)
 
     while i < len(by_arrival) or j < len(signals) or queue or productions:
+        while view is not None and next_report <= now:  # the rankers' Stats, as the trigger polls them
+            dues = tuple(sorted(p.item.need_by for p in productions.values()))
+            reports.append((next_report, len(dues), dues[:MAX_PREINFER_DUES]))
+            next_report += view.stats_interval_s
         while j < len(signals) and signals[j].t_retrieval_s + trip_s <= now:
             signal(signals[j], signals[j].t_retrieval_s + trip_s)
             j += 1
@@ -665,6 +715,8 @@ def simulate(
             now = max(now, device_free)  # run in place: after the batch in flight
             if preinfer_steps is not None:
                 preinfer_steps.append((now, seconds))
+            for c in plan.chunks:
+                first_step.setdefault(c.id, now)
             now += seconds
             device_free = now
             for c in plan.chunks:
@@ -672,6 +724,10 @@ def simulate(
                 production.item = dataclasses.replace(production.item, done=c.end)
                 if c.end >= production.item.length:  # psi complete: its joined calls rank against it
                     del productions[c.id], producing[production.key]
+                    if preinfers is not None:
+                        item = production.item
+                        planned = item.need_by - setup.slo_ms / 1e3
+                        preinfers.append((item.submitted, first_step.pop(c.id, now), now, planned))
                     ready_at[production.key] = now
                     for item, r, arrived in production.waiters:
                         queue[item.id] = (item, r, "inflight_join", arrived)
@@ -707,7 +763,9 @@ def p99_at(
     cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(10.0, 400 / rate))
     plan = generate(cfg)
     steps: list[tuple[float, float]] = []
-    served = [s for s in simulate(plan.requests, cal, setup, seed, steps) if not s.request.lead_in]
+    built: list[tuple[float, float, float, float]] = []
+    served = [s for s in simulate(plan.requests, cal, setup, seed, steps, built) if not s.request.lead_in]
+    built = [b for b in built if b[0] >= cfg.lead_in_s]
     preinfer_s = sum(seconds for start, seconds in steps if start >= cfg.lead_in_s)
     lat = np.array([s.latency_ms for s in served])
     paths = collections.Counter(s.path for s in served)
@@ -719,6 +777,14 @@ def p99_at(
         "meets_slo": bool(np.percentile(lat, 99) <= setup.slo_ms),
         "busy": (sum(s.device_ms for s in served) / 1e3 + preinfer_s) / cfg.duration_s,
         **{k: v / len(served) for k, v in sorted(paths.items())},
+        # As the rankers count them (relaygr_ranker_preinfer_*): the psi built in the window,
+        # their mean wait to start and time to build, and those complete after their call's time.
+        "preinfer_done": len(built),
+        "preinfer_start_wait_ms_mean": float(np.mean([s - t for t, s, _, _ in built]) * 1e3)
+        if built
+        else None,
+        "preinfer_build_ms_mean": float(np.mean([d - s for _, s, d, _ in built]) * 1e3) if built else None,
+        "preinfer_done_after_call": sum(d > c for _, _, d, c in built),
     }
 
 
@@ -793,6 +859,25 @@ def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> f
             if built > 0 and p.get("device_preinfer_s"):
                 per_psi.append(float(p["device_preinfer_s"]) / built * 1e3)
     return float(np.median(per_psi)) if per_psi else None
+
+
+def trigger_view(result: dict[str, Any], config: str, workload: str, preinfer_ms: float) -> TriggerView:
+    """The trigger's inputs to its lead test as the file measured them (TriggerView): the
+    medians over the configuration's points of the rankers' P90 signal trip and of the
+    trigger's mean event lag, and `preinfer_ms`, the cost of a psi it prices each one ahead at."""
+    points = [p for r in result["results"] if r["config"] == config for p in r["points"]]
+    trips = [t for t in (float(p.get("signal_trip_p90_ms", 0.0)) for p in points) if t > 0]
+    lags = [
+        float(p["trigger_event_lag_ms_sum"]) / float(p["trigger_event_lags"])
+        for p in points
+        if p.get("trigger_event_lags")
+    ]
+    trip = max(float(np.median(trips)) if trips else _TRIGGER_TRIP_MS, _TRIGGER_MIN_TRIP_MS)
+    return TriggerView(preinfer_ms, trip, float(np.median(lags)) if lags else 0.0)
+
+
+# services/trigger/service.py's signal trip before any report, and its floor.
+_TRIGGER_TRIP_MS, _TRIGGER_MIN_TRIP_MS = 50.0, 5.0
 
 
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
@@ -994,6 +1079,13 @@ def load_model(
             preinfer_scale = measured_ms / modelled_ms
     if step_costs is not None and preinfer_scale is not None:
         step_costs = step_costs.scaled(preinfer_scale)
+    view = None
+    if config == "relay" and step_costs is not None and changes.get("exact_lead_test", 0.0) == 0.0:
+        measured_ms = preinfer_ms_per_psi(result, config, chosen)
+        view = trigger_view(
+            result, config, chosen,
+            measured_ms if measured_ms is not None else _modelled_ms_per_psi(step_costs, traffic, scheduler),
+        )  # fmt: skip
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
@@ -1005,6 +1097,7 @@ def load_model(
         ),
         preinfer_steps=step_costs if config == "relay" else None,
         lead_test=config == "relay",
+        trigger=view,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
@@ -1066,6 +1159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--signal-trip-ms", type=float, default=None,
                          help="preinfer-all / relay: a signal reaches the ranker this long after its retrieval "
                          "event (default: the file's, signal_trip_ms)")  # fmt: skip
+    what_if.add_argument("--exact-lead-test", action="store_true",
+                         help="relay: refuse a signal by the model's exact knowledge of the ranker's queue "
+                         "instead of the trigger's own view of it (its last Stats report, its admissions "
+                         "since, a psi priced at its measured cost)")  # fmt: skip
     what_if.add_argument("--max-rank-delay-ms", type=float, default=None,
                          help="the ranker's step budget (its --max-rank-delay-ms; default 5): longer "
                          "first chunks replay in one graph step")  # fmt: skip
@@ -1082,7 +1179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
                ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
                ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale),
-               ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms))
+               ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms),
+               ("exact_lead_test", 1.0 if args.exact_lead_test else None))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

@@ -21,6 +21,11 @@ it as Prometheus counters, read at scrape time:
     relaygr_ranker_preinfer_start_wait_seconds_total
     relaygr_ranker_preinfers_started_over_50ms_total
     relaygr_ranker_preinfers_started_joined_total
+    relaygr_ranker_preinfers_done_total
+    relaygr_ranker_preinfer_build_seconds_total
+    relaygr_ranker_preinfer_done_seconds_total
+    relaygr_ranker_preinfers_done_after_call_total
+    relaygr_ranker_preinfer_builds_over_50ms_total
 
 What the numbers mean (the engine measures them; services/ranker/engine.py):
   rank      each ranking batch's compute_ms: on CUDA the time between events recorded before its
@@ -50,6 +55,11 @@ What the numbers mean (the engine measures them; services/ranker/engine.py):
             a ranking call had joined it by then (its signal's lead over the call spent queued:
             at L8192 on an H200, k8b, joins' pre-inferences completed 135-340 ms after their
             signals with the device half idle);
+  preinfer done  each completed pre-inference's time from its first step, and from its
+            submission, to complete, and whether it completed after its ranking call was planned to
+            come (the call's deadline less the ranker's SLO): the lead the signal gave, spent
+            (at L16384 on an H200, k10d, 8.9% of the calls were partial take-overs of
+            pre-inferences still building when the call came, some 160 ms after its signal);
   unused psi  the pre-inference time of each psi whose lease expired before any ranking call
             consumed it. The cost of a psi is kept, by key, from its production until it is
             consumed (then it was useful) or reported expired (then it was wasted).
@@ -91,6 +101,10 @@ class DeviceTimeSnapshot:
     preinfer_steps: dict[str, tuple[int, float, int, int]] | None = None
     # Pre-inferences started: (count, seconds waited in all, waits over 50 ms, joined by then).
     preinfer_starts: tuple[int, float, int, int] = (0, 0.0, 0, 0)
+    # Pre-inferences completed: (count, seconds from first step to complete, seconds from
+    # submission to complete, completed after their ranking call's planned time, builds over
+    # 50 ms).
+    preinfer_dones: tuple[int, float, float, int, int] = (0, 0.0, 0.0, 0, 0)
 
 
 def starved_seconds(gap_s: float, launched_at: float, oldest_submitted: float) -> float:
@@ -120,6 +134,7 @@ class DeviceTime:
         self._fill_wait_s = 0.0
         self._steps = {kind: [0, 0.0, 0, 0] for kind in STEP_KINDS}
         self._starts = [0, 0.0, 0, 0]
+        self._dones = [0, 0.0, 0.0, 0, 0]
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
 
     def add(self, work: str, seconds: float) -> None:
@@ -147,6 +162,16 @@ class DeviceTime:
             self._starts[1] += max(0.0, wait_s)
             self._starts[2] += wait_s > 0.050
             self._starts[3] += joined
+
+    def preinfer_done(self, build_s: float, total_s: float, after_call: bool) -> None:
+        """A pre-inference completed `build_s` after its first step was launched and `total_s`
+        after its submission; `after_call`: later than its ranking call was planned to come."""
+        with self._lock:
+            self._dones[0] += 1
+            self._dones[1] += max(0.0, build_s)
+            self._dones[2] += max(0.0, total_s)
+            self._dones[3] += after_call
+            self._dones[4] += build_s > 0.050
 
     def idle_between(self, gap_s: float, starved_s: float) -> None:
         """One gap between two consecutive ranking batches on the device, `starved_s` of it with
@@ -236,6 +261,8 @@ class DeviceTime:
                 self._gap_s, self._starved_s, self._starved_gaps, self._fill_wait_s,
                 {kind: (int(n), float(sec), int(pre), int(long)) for kind, (n, sec, pre, long) in self._steps.items()},
                 (int(self._starts[0]), float(self._starts[1]), int(self._starts[2]), int(self._starts[3])),
+                (int(self._dones[0]), float(self._dones[1]), float(self._dones[2]), int(self._dones[3]),
+                 int(self._dones[4])),
             )  # fmt: skip
 
 
@@ -378,5 +405,14 @@ class DeviceTimeCollector(Collector):
             ("relaygr_ranker_preinfer_start_wait_seconds", "their waits from submission to the first step", waited_s),
             ("relaygr_ranker_preinfers_started_over_50ms", "pre-inferences that waited over 50 ms to start", over_50ms),
             ("relaygr_ranker_preinfers_started_joined", "pre-inferences a ranking call had joined before they started", joined),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
+        done, build_s, total_s, after_call, build_over_50ms = snap.preinfer_dones
+        for name, doc, value in (
+            ("relaygr_ranker_preinfers_done", "pre-inferences completed", done),
+            ("relaygr_ranker_preinfer_build_seconds", "their times from the first step to complete", build_s),
+            ("relaygr_ranker_preinfer_done_seconds", "their times from submission to complete", total_s),
+            ("relaygr_ranker_preinfers_done_after_call", "pre-inferences completed after their ranking call was planned to come", after_call),
+            ("relaygr_ranker_preinfer_builds_over_50ms", "pre-inferences whose build took over 50 ms", build_over_50ms),
         ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=value)

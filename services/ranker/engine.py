@@ -283,6 +283,7 @@ class _PreInferJob(_Job):
     cost_s: float = 0.0  # device time of its chunks so far
     expires_at: float = math.inf  # time.monotonic(): not started by then, it is dropped
     need_by: float = math.inf  # time.monotonic(): when its ranking call is due (the build order)
+    started_at: float | None = None  # time.monotonic() of its first step's launch
     abandoned: bool = False  # left the queue unfinished (Engine._abandon)
 
     def item(self) -> PreinferItem:
@@ -1368,6 +1369,7 @@ class Engine:
         launched_at = time.monotonic()
         for c, job in work:
             if c.start == 0:  # its first step: how long it queued, and whether a call waits already
+                job.started_at = launched_at
                 self.device_time.preinfer_started(
                     launched_at - job.submitted, job.joined_deadline is not None
                 )
@@ -1428,6 +1430,13 @@ class Engine:
                 # The chunk that ends the prefix (`done` moves at each launch: with a later
                 # chunk launched, an earlier one's settling must not finish the pre-inference).
                 if c.end == job.prefix.length and job.done == job.prefix.length and not job.taken:
+                    done_at = time.monotonic()
+                    self.device_time.preinfer_done(
+                        done_at - (job.started_at if job.started_at is not None else job.submitted),
+                        done_at - job.submitted,
+                        # Its call's planned time: the deadline less the SLO (neither known: never late).
+                        math.isfinite(job.need_by - self.config.slo_s) and done_at > job.need_by - self.config.slo_s,
+                    )
                     self._finish(job)
                     self._preinfers_built += 1
                     self._preinfer_samples.append(

@@ -64,6 +64,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             )
             assert point["preinfer_started"] >= point["preinfer_started_joined"] >= 0.0
             assert point["preinfer_start_wait_s"] >= 0.0
+            assert point["preinfer_done"] >= point["preinfer_done_after_call"] >= 0.0
+            assert point["preinfer_done_s"] >= point["preinfer_build_s"] >= 0.0
             assert point["signal_trips"] >= point["signal_trips_over_50ms"] >= 0.0
             # Every event the trigger decided on was timed from its retrieval time.
             assert point["trigger_event_lags"] >= point["trigger_event_lags_over_20ms"] >= 0.0

@@ -114,6 +114,12 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     assert waited_s >= 0.0
     assert joined == 0
     assert samples["relaygr_ranker_preinfers_started_total"] == 2
+    # ... and each completion once: built after it started, no SLO known so never "after its call".
+    done, build_s, total_s, after_call, _ = snap.preinfer_dones
+    assert done == 2
+    assert 0.0 < build_s <= total_s
+    assert after_call == 0
+    assert samples["relaygr_ranker_preinfers_done_total"] == 2
 
 
 def test_preinfer_starts_count_their_waits_and_those_a_call_waited_for():
@@ -127,6 +133,20 @@ def test_preinfer_starts_count_their_waits_and_those_a_call_waited_for():
     assert samples["relaygr_ranker_preinfer_start_wait_seconds_total"] == pytest.approx(0.130)
     assert samples["relaygr_ranker_preinfers_started_over_50ms_total"] == 1
     assert samples["relaygr_ranker_preinfers_started_joined_total"] == 1
+
+
+def test_preinfer_completions_count_their_build_times_and_those_after_their_call():
+    ledger = DeviceTime()
+    ledger.preinfer_done(build_s=0.020, total_s=0.030, after_call=False)
+    ledger.preinfer_done(build_s=0.070, total_s=0.160, after_call=True)
+    assert ledger.snapshot().preinfer_dones == (2, pytest.approx(0.090), pytest.approx(0.190), 1, 1)
+    registry = CollectorRegistry()
+    registry.register(DeviceTimeCollector(ledger))
+    samples = parse_metrics(generate_latest(registry).decode())
+    assert samples["relaygr_ranker_preinfer_build_seconds_total"] == pytest.approx(0.090)
+    assert samples["relaygr_ranker_preinfer_done_seconds_total"] == pytest.approx(0.190)
+    assert samples["relaygr_ranker_preinfers_done_after_call_total"] == 1
+    assert samples["relaygr_ranker_preinfer_builds_over_50ms_total"] == 1
 
 
 def test_preinfer_steps_are_counted_by_kind():

@@ -572,3 +572,20 @@ async def test_a_preinference_not_started_within_its_lease_is_dropped_unrun(engi
     assert psi.prefix_len == prefixes[1].length
     assert engine.preinfers_expired == 1
     assert not engine.producing(psi.key)
+
+
+async def test_a_completed_pre_inference_is_timed_and_counted_late_past_its_calls_planned_time(model):
+    # SLO 50 ms: a psi needed by now + 60 ms (its call planned 10 ms from now) is on time if
+    # built within 10 ms; one needed by now + 10 ms (its call planned 40 ms ago) is late.
+    e = Engine(model, accelerator("cpu"), EngineConfig(max_wait_s=0.0, slo_s=0.050))
+    e.start()
+    try:
+        prefixes, _ = batch(7, [Shape(1, 16, 0, 1)] * 2)
+        await e.preinfer(prefixes[0], need_by=time.monotonic() + 3600.0)
+        await e.preinfer(prefixes[1], need_by=time.monotonic() + 0.010)
+        done, build_s, total_s, after_call, _ = e.device_time.snapshot().preinfer_dones
+        assert done == 2
+        assert 0.0 < build_s <= total_s
+        assert after_call == 1
+    finally:
+        e.stop()

@@ -17,6 +17,7 @@ from relaygr.sim import (
     KindCost,
     Setup,
     StepCosts,
+    TriggerView,
     _Lru,
     calibrate,
     call_deadline_s,
@@ -30,6 +31,7 @@ from relaygr.sim import (
     shape_of,
     signal_trip_ms,
     simulate,
+    trigger_view,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
 from services.ranker.scheduler import Chunk, SchedulerConfig
@@ -497,3 +499,53 @@ def test_the_signal_trip_adds_the_triggers_event_lag_where_recorded():
         {"signal_trip_p90_ms": 20.0, "trigger_event_lags": 100, "trigger_event_lag_ms_sum": 600.0},
     ]}]}  # fmt: skip
     assert signal_trip_ms(new, "relay") == pytest.approx(15.0 + 5.0)
+
+
+def test_the_triggers_own_view_prices_the_backlog_as_it_does_and_refuses_more():
+    base = Setup(
+        psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, scheduler=SchedulerConfig(max_wait_s=0.0),
+        lead_test=True,
+    )  # fmt: skip
+    # Six new users at once, their calls 21 ms after the retrieval events (5.2 ms a psi).
+    calls = [PlannedRequest(f"r{i}", 1.0, 1.021 + i * 1e-4, i, 1, 8192, 64, 256, 0) for i in range(6)]
+    exact = simulate(calls, EXACT, base)
+    assert [s.path for s in exact].count("full_recompute") == 2  # the fifth and sixth start too late
+    # The trigger prices each pre-inference ahead at what a psi measured (here 10 ms) and the
+    # signal's trip at its P90 (1 ms): it admits the first two (1 + 10 x 2 = 21 ms <= 21) only.
+    view = TriggerView(preinfer_ms=10.0, trip_ms=1.0, event_lag_ms=0.0)
+    built: list[tuple[float, float, float, float]] = []
+    priced = simulate(calls, EXACT, dataclasses.replace(base, trigger=view), preinfers=built)
+    assert [s.path for s in priced].count("full_recompute") == 3
+    # Each psi built is reported: (submitted, started, complete, its call's planned time).
+    assert len(built) == 3
+    for submitted, started, done, planned in built:
+        assert submitted <= started < done
+        assert planned == pytest.approx(1.021, abs=1e-3)
+    # A backlog the ranker reported counts ahead until the next report. Six users whose calls
+    # come first (due earlier) are signalled at 0.99 s; the report at 1.0 s lists five of them
+    # still queued, and the trigger's next report is 0.5 s away: six later users signalled at
+    # 1.01 s see five ahead where the ranker has built two more by then.
+    slow = TriggerView(preinfer_ms=5.2, trip_ms=1.0, event_lag_ms=0.0, stats_interval_s=0.5)
+    early = [PlannedRequest(f"e{i}", 0.99, 1.02, 100 + i, 1, 8192, 64, 256, 0) for i in range(6)]
+    late = [PlannedRequest(f"l{i}", 1.01, 1.04 + i * 1e-4, i, 1, 8192, 64, 256, 0) for i in range(6)]
+    exact_late = simulate(early + late, EXACT, base)
+    stale = simulate(early + late, EXACT, dataclasses.replace(base, trigger=slow))
+
+    def refused(served: list) -> int:
+        return [x.path for x in served if x.request.user_id < 100].count("full_recompute")
+
+    assert refused(stale) > refused(exact_late)
+
+
+def test_the_triggers_view_comes_from_the_files_points():
+    result = {"results": [{"config": "relay", "points": [
+        {"signal_trip_p90_ms": 14.0, "trigger_event_lag_ms_sum": 100.0, "trigger_event_lags": 10},
+        {"signal_trip_p90_ms": 16.0, "trigger_event_lag_ms_sum": 120.0, "trigger_event_lags": 10},
+        {"signal_trip_p90_ms": 30.0, "trigger_event_lag_ms_sum": 500.0, "trigger_event_lags": 10},
+    ]}]}  # fmt: skip
+    view = trigger_view(result, "relay", "L16384", preinfer_ms=23.5)
+    assert view == TriggerView(preinfer_ms=23.5, trip_ms=16.0, event_lag_ms=12.0)
+    # No trip measured: the trigger's own assumption (50 ms); a tiny one: its floor (5 ms).
+    assert trigger_view({"results": []}, "relay", "L16384", 5.0).trip_ms == 50.0
+    tiny = {"results": [{"config": "relay", "points": [{"signal_trip_p90_ms": 1.0}]}]}
+    assert trigger_view(tiny, "relay", "L16384", 5.0) == TriggerView(5.0, 5.0, 0.0)
