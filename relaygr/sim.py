@@ -587,10 +587,10 @@ def simulate(
                 at, backlog, dues = known[-1]
                 if ledger.reported_at != at:
                     ledger.report(at, 0, 0, backlog, 0, dues)
-            ahead = ledger.backlog_ahead(decided, need_by)
-            if too_late(r.t_rank_s - decided, view.trip_ms / 1e3, view.preinfer_ms, ahead):
+            ahead_count = ledger.backlog_ahead(decided, need_by)
+            if too_late(r.t_rank_s - decided, view.trip_ms / 1e3, view.preinfer_ms, ahead_count):
                 return
-            queued_s = (view.trip_ms + view.preinfer_ms * (1 + ahead)) / 1e3
+            queued_s = (view.trip_ms + view.preinfer_ms * (1 + ahead_count)) / 1e3
             ledger.admit(key, 0, decided, math.inf, queued_until=decided + queued_s, due=need_by)
         elif setup.lead_test:
             # The trigger's too_late (services/trigger/admission.py): refused when the backlog
@@ -725,9 +725,9 @@ def simulate(
                 if c.end >= production.item.length:  # psi complete: its joined calls rank against it
                     del productions[c.id], producing[production.key]
                     if preinfers is not None:
-                        item = production.item
-                        planned = item.need_by - setup.slo_ms / 1e3
-                        preinfers.append((item.submitted, first_step.pop(c.id, now), now, planned))
+                        built = production.item
+                        planned = built.need_by - setup.slo_ms / 1e3
+                        preinfers.append((built.submitted, first_step.pop(c.id, now), now, planned))
                     ready_at[production.key] = now
                     for item, r, arrived in production.waiters:
                         queue[item.id] = (item, r, "inflight_join", arrived)

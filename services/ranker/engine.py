@@ -1435,7 +1435,8 @@ class Engine:
                         done_at - (job.started_at if job.started_at is not None else job.submitted),
                         done_at - job.submitted,
                         # Its call's planned time: the deadline less the SLO (neither known: never late).
-                        math.isfinite(job.need_by - self.config.slo_s) and done_at > job.need_by - self.config.slo_s,
+                        math.isfinite(job.need_by - self.config.slo_s)
+                        and done_at > job.need_by - self.config.slo_s,
                     )
                     self._finish(job)
                     self._preinfers_built += 1
