@@ -313,11 +313,12 @@ def spare_shortens(full_ms: float, cached_ms: float, slo_ms: float = 0.0, min_sa
     """Whether pre-inferring takes enough off this call's critical path for the spare term: the
     call against psi costs at most SPARE_MAX_CACHED_SHARE of the full ranking it replaces, and
     saves at least `min_saving` x `slo_ms` of it. The second test is what a fast device needs:
-    at 4096 tokens on an H200 (k10c) a full ranking computed in 2.8 ms and a call against psi in
-    1.3 (0.46 of it), so the share test admitted 1641 of 2001 signals at 200 req/s for a saving
-    of 1.5 ms, 3% of the SLO; the pre-inferences' joins and extra device work made the relay's
-    P99 50.3 ms where the baseline's was 20.8, and its limit 180 req/s against 250. At 8192
-    tokens the saving was ~6 ms, at 16384 ~16.5 (where the relay met ~3x the baseline's rate)."""
+    at 4096 tokens on an H200 (k10c) a full ranking computed in 2.8 ms (3.6 where it kept psi)
+    and a call against psi in 1.3 (0.46 of it), so the share test admitted 1641 of 2001 signals
+    at 200 req/s for a saving of 1.5-2.3 ms, 3-5% of the SLO; the pre-inferences' joins and
+    extra device work made the relay's P99 50.3 ms where the baseline's was 20.8, and its limit
+    180 req/s against 250. At 8192 tokens the saving was 6-7 ms, at 16384 ~16.5 (where the
+    relay met ~3x the baseline's rate): a tenth of the SLO (the default) tells them apart."""
     return cached_ms <= SPARE_MAX_CACHED_SHARE * full_ms and full_ms - cached_ms >= min_saving * slo_ms
 
 

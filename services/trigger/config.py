@@ -42,11 +42,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                     "say, while the instance's device is busy less than this share of the "
                                     "time (its own report, pre-inference included): the prefix leaves the "
                                     "critical path for idle device time (0: never)", check=share)  # fmt: skip
-    spare_min_saving: float = setting(0.05, env="RELAYGR_TRIGGER_SPARE_MIN_SAVING",
+    spare_min_saving: float = setting(0.1, env="RELAYGR_TRIGGER_SPARE_MIN_SAVING",
                                       help="the spare term admits only where the call against psi is measured "
                                       "to save at least this share of the SLO against the full ranking (at "
-                                      "4096 tokens on an H200: 1.5 ms of 50, too little to pay for the "
-                                      "pre-inference's joins and extra work)", check=share)  # fmt: skip
+                                      "4096 tokens on an H200: 1.5-2.5 ms of 50, too little to pay for the "
+                                      "pre-inference's joins and extra work; at 8192, 6-7 ms)", check=share)  # fmt: skip
     load_window_s: float = setting(2.0, env="RELAYGR_TRIGGER_LOAD_WINDOW_S",
                                    renamed_from="RELAYGR_LOAD_WINDOW_S",
                                    help="time constant of each instance's offered-load estimate (the "

@@ -229,16 +229,20 @@ def test_the_spare_term_wants_a_saving_that_counts_against_the_slo():
     # 4096 tokens on an H200 (k10c): full 2.8 ms, call against psi 1.3 -- under half, but 1.5 ms
     # is 3% of a 50 ms SLO.
     assert spare_shortens(full_ms=2.8, cached_ms=1.3)  # the share test alone admits it
-    assert not spare_shortens(full_ms=2.8, cached_ms=1.3, slo_ms=50.0, min_saving=0.05)
+    assert not spare_shortens(full_ms=2.8, cached_ms=1.3, slo_ms=50.0, min_saving=0.1)
+    assert not spare_shortens(full_ms=3.6, cached_ms=1.3, slo_ms=50.0, min_saving=0.1)  # keeping psi
     # 8192 and 16384 tokens on the same GPU (k10a, k10b): 7.4 / 1.6 and 18.4 / 1.9 ms.
-    assert spare_shortens(full_ms=7.4, cached_ms=1.6, slo_ms=50.0, min_saving=0.05)
-    assert spare_shortens(full_ms=18.4, cached_ms=1.9, slo_ms=50.0, min_saving=0.05)
-    # 4096 tokens on an H100 (2026-11-27): full 4.4, cached 1.6 -- 2.8 ms, over 2.5.
+    assert spare_shortens(full_ms=7.4, cached_ms=1.6, slo_ms=50.0, min_saving=0.1)
+    assert spare_shortens(full_ms=18.4, cached_ms=1.9, slo_ms=50.0, min_saving=0.1)
+    # 4096 tokens on an H100 (2026-11-27): full 4.4, cached 1.6 -- 2.8 ms, under 5: refused
+    # too (the spare term's runs there were 0.90x and 1.35x the baseline, without it 0.83x and
+    # 1.57x, in two leases: no clear gain to keep).
+    assert not spare_shortens(full_ms=4.4, cached_ms=1.6, slo_ms=50.0, min_saving=0.1)
     assert spare_shortens(full_ms=4.4, cached_ms=1.6, slo_ms=50.0, min_saving=0.05)
     # A tighter SLO makes the same saving count for more.
-    assert spare_shortens(full_ms=2.8, cached_ms=1.3, slo_ms=20.0, min_saving=0.05)
+    assert spare_shortens(full_ms=2.8, cached_ms=1.3, slo_ms=10.0, min_saving=0.1)
     # Both tests hold: a large saving that is still most of the full ranking is not enough.
-    assert not spare_shortens(full_ms=40.0, cached_ms=30.0, slo_ms=50.0, min_saving=0.05)
+    assert not spare_shortens(full_ms=40.0, cached_ms=30.0, slo_ms=50.0, min_saving=0.1)
 
 
 def test_adds_little_work_compares_pre_inference_plus_the_cached_call_with_the_full_ranking():
