@@ -220,6 +220,10 @@ class Runner:
             # Pre-inferences started over the point: how many, their waits from submission to the
             # first step (seconds in all, over 50 ms), and how many a call had joined by then.
             **{k: v for k, v in p.rankers.items() if k.startswith("preinfer_start")},
+            # Pre-inferences completed over the point: how many, their build times (first step to
+            # complete) and times from submission (seconds in all), builds over 50 ms, and how many
+            # completed after their ranking call was planned to come.
+            **{k: v for k, v in p.rankers.items() if k.startswith(("preinfer_done", "preinfer_build"))},
             # The ranker's device loop by section (services/ranker/loop_time.py): wall, thread CPU.
             **{k: v for k, v in p.rankers.items() if k.startswith("loop_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.
