@@ -861,10 +861,10 @@ def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> f
     return float(np.median(per_psi)) if per_psi else None
 
 
-def trigger_view(result: dict[str, Any], config: str, workload: str, preinfer_ms: float) -> TriggerView:
-    """The trigger's inputs to its lead test as the file measured them (TriggerView): the
-    medians over the configuration's points of the rankers' P90 signal trip and of the
-    trigger's mean event lag, and `preinfer_ms`, the cost of a psi it prices each one ahead at."""
+def _signal_legs_ms(result: dict[str, Any], config: str) -> tuple[float | None, float]:
+    """The medians over the configuration's points of the rankers' P90 of the trigger -> ranker
+    leg (None: none measured) and of the trigger's mean retrieval event -> decision lag (0:
+    none recorded; recorded since the nineteenth session)."""
     points = [p for r in result["results"] if r["config"] == config for p in r["points"]]
     trips = [t for t in (float(p.get("signal_trip_p90_ms", 0.0)) for p in points) if t > 0]
     lags = [
@@ -872,8 +872,18 @@ def trigger_view(result: dict[str, Any], config: str, workload: str, preinfer_ms
         for p in points
         if p.get("trigger_event_lags")
     ]
-    trip = max(float(np.median(trips)) if trips else _TRIGGER_TRIP_MS, _TRIGGER_MIN_TRIP_MS)
-    return TriggerView(preinfer_ms, trip, float(np.median(lags)) if lags else 0.0)
+    return (float(np.median(trips)) if trips else None), (float(np.median(lags)) if lags else 0.0)
+
+
+def trigger_view(result: dict[str, Any], config: str, workload: str, preinfer_ms: float) -> TriggerView:
+    """The trigger's inputs to its lead test as the file measured them (TriggerView): the
+    rankers' P90 signal trip (as the trigger takes it: its assumption before any report, at
+    least its floor), its event lag, and `preinfer_ms`, the cost of a psi it prices each one
+    ahead at."""
+    trip, lag = _signal_legs_ms(result, config)
+    return TriggerView(
+        preinfer_ms, max(_TRIGGER_TRIP_MS if trip is None else trip, _TRIGGER_MIN_TRIP_MS), lag
+    )
 
 
 # services/trigger/service.py's signal trip before any report, and its floor.
@@ -883,16 +893,10 @@ _TRIGGER_TRIP_MS, _TRIGGER_MIN_TRIP_MS = 50.0, 5.0
 def signal_trip_ms(result: dict[str, Any], config: str) -> float:
     """The signal's trip to the ranker as the file measured it: the median over the
     configuration's points of their P90 of the trigger -> ranker leg (the rankers report no other
-    quantile), plus the median of their mean retrieval event -> trigger decision (recorded since
-    the nineteenth session; 0 before); 0 without either."""
-    points = [p for r in result["results"] if r["config"] == config for p in r["points"]]
-    trips = [t for t in (float(p.get("signal_trip_p90_ms", 0.0)) for p in points) if t > 0]
-    lags = [
-        float(p["trigger_event_lag_ms_sum"]) / float(p["trigger_event_lags"])
-        for p in points
-        if p.get("trigger_event_lags")
-    ]
-    return (float(np.median(trips)) if trips else 0.0) + (float(np.median(lags)) if lags else 0.0)
+    quantile), plus the median of their mean retrieval event -> trigger decision; 0 without
+    either."""
+    trip, lag = _signal_legs_ms(result, config)
+    return (trip or 0.0) + lag
 
 
 # The device loop's sections (services/ranker/loop_time.py) that run between one batch's launch
