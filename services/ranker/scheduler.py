@@ -61,7 +61,7 @@ import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from services.ranker.call_cost import Coefficients, CostFit
+from services.ranker.call_cost import CostFit
 from shared.fingerprint import CHUNK_TOKENS
 
 __all__ = [
@@ -232,8 +232,8 @@ class IterationScheduler:
         self.graph_tokens = graph_tokens
         self.graph_batch = graph_batch
         self.full_replays = full_replays
-        # chunk_size by (done, remaining, budget, the fits' coefficients): planned per step and
-        # per queued prefix, and its search for a first chunk that saves a step is ~100 fits.
+        # First chunks that absorb a step (chunk_size), by (remaining, budget, the fits'
+        # coefficients): planned per step and per queued prefix, each search ~100 fits.
         self._chunk_memo: dict[tuple[object, ...], int] = {}
 
     # ------------------------------------------------------------------ costs
@@ -283,30 +283,23 @@ class IterationScheduler:
         `chunk_cap(done)` and `remaining`, predicted to fit `budget_s`; at least one fingerprint
         chunk (or what remains) whatever the budget, so every pre-inference makes progress.
 
-        Where first chunks replay CUDA graphs, a prefix's first chunk may overrun the budget by
-        less than one (eager) step's fixed cost where that saves a step and device time: the budget alone cut 16384 tokens on an H200 (k10b,
-        steps measured at start-up) into a graph step of 12032 tokens (8.9 ms), an eager one of
-        4096 (8.4) and an eager one of 256 (4.3 ms, nearly all of it the step's fixed cost);
-        13568 in the graph step (10.5 ms) leaves one eager step of 2816: ~17 ms a psi instead of
-        21.6, the longest step 1.5 ms longer."""
-        key = (done, remaining, budget_s, self.costs.coefficients, self._first_coefficients())
-        n = self._chunk_memo.get(key)
-        if n is None:
+        With `first_chunk_absorbs`, where first chunks replay CUDA graphs, a prefix's first chunk
+        may overrun the budget by less than one (eager) step's fixed cost where that saves a
+        step and device time: the budget alone cut 16384 tokens on an H200 (k10b, steps measured
+        at start-up) into a graph step of 12032 tokens (8.9 ms), an eager one of 4096 (8.4) and
+        an eager one of 256 (4.3 ms, nearly all of it the step's fixed cost); 13568 in the graph
+        step (10.5 ms) leaves one eager step of 2816: ~17 ms a psi instead of 21.6, the longest
+        step 1.5 ms longer."""
+        n = self._fitting_chunk(done, remaining, budget_s)
+        if not self.config.first_chunk_absorbs or done > 0 or n >= remaining or self.first_costs is None:
+            return n
+        key = (remaining, budget_s, self.costs.coefficients, self.first_costs.coefficients)
+        absorbing = self._chunk_memo.get(key)
+        if absorbing is None:
             if len(self._chunk_memo) > 4096:  # fits change as steps are measured: keep it small
                 self._chunk_memo.clear()
-            n = self._fitting_chunk(done, remaining, budget_s)
-            if (
-                self.config.first_chunk_absorbs
-                and done == 0
-                and n < remaining
-                and self.first_costs is not None
-            ):
-                n = self._absorbing_chunk(remaining, budget_s, n)
-            self._chunk_memo[key] = n
-        return n
-
-    def _first_coefficients(self) -> Coefficients | None:
-        return self.first_costs.coefficients if self.first_costs is not None else None
+            absorbing = self._chunk_memo[key] = self._absorbing_chunk(remaining, budget_s, n)
+        return absorbing
 
     def _fitting_chunk(self, done: int, remaining: int, budget_s: float) -> int:
         """chunk_size by the budget alone."""
