@@ -214,16 +214,13 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_"))},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
-            # Pre-inference steps by graph replay or eager: steps, device seconds, prefixes built
-            # from, steps over 10 ms (services/ranker/device_time.py).
-            **{k: v for k, v in p.rankers.items() if k.startswith(("preinfer_graph_", "preinfer_eager_"))},
-            # Pre-inferences started over the point: how many, their waits from submission to the
-            # first step (seconds in all, over 50 ms), and how many a call had joined by then.
-            **{k: v for k, v in p.rankers.items() if k.startswith("preinfer_start")},
-            # Pre-inferences completed over the point: how many, their build times (first step to
-            # complete) and times from submission (seconds in all), builds over 50 ms, and how many
-            # completed after their ranking call was planned to come.
-            **{k: v for k, v in p.rankers.items() if k.startswith(("preinfer_done", "preinfer_build"))},
+            # The rankers' pre-inference counters over the point (services/ranker/device_time.py,
+            # every one the harness reads): steps by graph replay or eager (steps, device seconds,
+            # prefixes built from, steps over 10 ms); starts (how many, their waits from submission
+            # to the first step, over 50 ms, joined by then); completions (how many, build times
+            # from the first step and times from submission, builds over 50 ms, completed after
+            # their ranking call was planned to come).
+            **{k: v for k, v in p.rankers.items() if k.startswith("preinfer_")},
             # The ranker's device loop by section (services/ranker/loop_time.py): wall, thread CPU.
             **{k: v for k, v in p.rankers.items() if k.startswith("loop_")},
             # HBM misses asked of the host tier (found, absent, no HBM room) and the reload choices.

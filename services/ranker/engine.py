@@ -1431,12 +1431,11 @@ class Engine:
                 # chunk launched, an earlier one's settling must not finish the pre-inference).
                 if c.end == job.prefix.length and job.done == job.prefix.length and not job.taken:
                     done_at = time.monotonic()
+                    call_at = job.need_by - self.config.slo_s  # its call's planned time (nan/-inf: unknown)
                     self.device_time.preinfer_done(
                         done_at - (job.started_at if job.started_at is not None else job.submitted),
                         done_at - job.submitted,
-                        # Its call's planned time: the deadline less the SLO (neither known: never late).
-                        math.isfinite(job.need_by - self.config.slo_s)
-                        and done_at > job.need_by - self.config.slo_s,
+                        math.isfinite(call_at) and done_at > call_at,
                     )
                     self._finish(job)
                     self._preinfers_built += 1
