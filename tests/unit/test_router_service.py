@@ -405,7 +405,11 @@ async def test_hung_attempt_times_out_and_is_retried_within_the_callers_deadline
     try:
         channel = grpc.aio.insecure_channel(target(router.port))
         stub = pb_grpc.RankerStub(channel)
-        replies = await asyncio.gather(*(stub.Rank(r, timeout=10) for r in requests_for(12)))
+        # Users whose first choice is the hung instance, chosen from the placement itself: the ports
+        # are random, so a fixed list of users could (rarely) all hash to the other instance.
+        first_hang = [u for u in range(1000) if preference(u, idle(router))[0] == target(hang.port)]
+        requests = [pb.RankRequest(request_id=f"r{u}", user_id=u) for u in first_hang[:6]]
+        replies = await asyncio.gather(*(stub.Rank(r, timeout=10) for r in requests + requests_for(6)))
         assert {r.instance_id for r in replies} == {"ok"}
         assert hang.calls > 0
         await channel.close()
