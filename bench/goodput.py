@@ -85,6 +85,7 @@ from relaygr.harness import (
     ranker_slo_ms,
     ranker_step_costs,
     run_point,
+    trigger_settings,
 )
 from relaygr.launcher import Stack
 from relaygr.load import LoadGenerator
@@ -371,6 +372,8 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
             "seed": repeat_seed(args, repeat),
             # The ranker's measured pre-inference step costs (the capacity model plans by them).
             "ranker_step_costs": ranker_step_costs(stack),
+            # The trigger's admission settings (the capacity model models its decisions by them).
+            "trigger_settings": trigger_settings(stack),
         }
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{censored_note(result)}", flush=True)  # fmt: skip

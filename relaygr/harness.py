@@ -327,6 +327,18 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
     return out
 
 
+def trigger_settings(stack: Stack) -> dict[str, Any]:
+    """The settings the stack's trigger admits by, as its start-up line gave them (`admission`);
+    {} without a trigger or before that line existed. What the capacity model (relaygr.sim)
+    models the run's trigger by."""
+    if stack.trigger is None:
+        return {}
+    for record in stack.trigger.records():
+        if record.get("event") == "trigger_ready":
+            return dict(record.get("admission") or {})
+    return {}
+
+
 async def device_counters(stack: Stack) -> dict[str, float]:
     """The rankers' device-time counters (services/ranker/device_time.py), summed over rankers."""
     totals: dict[str, float] = collections.defaultdict(float)

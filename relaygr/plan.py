@@ -8,8 +8,9 @@ Each ranker serves its own users (the router's affinity keeps a user's calls on 
 so the fleet is independent copies of one ranker: the model's goodput of one GPU under the SLO,
 then GPUs = ceil(target / that), and the modelled point at target / GPUs per GPU (its P99, how
 calls are served, its device busy share). Only what the model covers is planned (baseline,
-rankings keeping psi, pre-inference of every request: not the trigger's own policy yet), and only
-as well as the model matches its source file (`python -m relaygr.sim` prints the comparison).
+rankings keeping psi, pre-inference of every request, and `relay`: the trigger's admission as the
+source run set it), and only as well as the model matches its source file (`python -m
+relaygr.sim` prints the comparison).
 """
 
 from __future__ import annotations

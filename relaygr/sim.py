@@ -25,18 +25,26 @@ replays, same seed, same lead-in, the measured window only counted):
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
     complete joins it or takes it over, as the scheduler decides;
-  * `relay`: as `preinfer-all` (of the trigger's admission only its lead test is modelled: a
-    signal whose pre-inference would not start before its call is refused, as the trigger
-    judges it: on its last Stats report of the ranker's queue (every 0.2 s) and its own
+  * `relay`: as `preinfer-all`, but each retrieval event goes through the trigger's admission
+    (services/trigger/admission.py's decide, AdmissionPolicy) with its inputs as it has them:
+    the full ranking's cost (the calibration's fit), the call against psi (the median per call
+    of the recent batches against psi), a psi's cost as the scheduler plans it, the offered
+    load, the keys' returns, the device's busy share and queue as of its last Stats report
+    (every 0.2 s), its ledger of admissions, and the lead test (TriggerView: a signal whose
+    pre-inference would not start before its call is refused, judged on that report and its
     admissions since, each psi priced at its measured cost, decided its event lag after the
-    retrieval event (TriggerView; `--exact-lead-test`: by the model's exact queue instead);
-    the trigger admitted 90% of the signals at L8192 on an H200, k8b, and refused 10% as too
-    late), with the ranker's
-    own pre-inference steps as it measured them at start-up (the file's `ranker_step_costs`,
-    or `--eager-step-costs` / `--graph-step-costs`; required): the scheduler plans chunks by
-    them as the engine does (graph replays of first chunks, eager steps that pay a per-step
-    cost of ~4 ms on an H200), and each step costs what its kind's measurement says, scaled to
-    what a psi cost in the file's points (`--preinfer-scale`).
+    retrieval event). Its settings are the run's (`trigger_settings`, recorded since the
+    twenty-second session; earlier files: the defaults of their time, no spare_min_saving),
+    `--trigger-setting NAME=VALUE` changes one; `--lead-test-only` models the lead test alone
+    (every signal that passes it pre-inferred: the model before the twenty-second session),
+    `--exact-lead-test` that by the model's exact queue. The ranker's own pre-inference steps
+    as it measured them at start-up (the file's `ranker_step_costs`, or `--eager-step-costs` /
+    `--graph-step-costs`; required): the scheduler plans chunks by them as the engine does
+    (graph replays of first chunks, eager steps that pay a per-step cost of ~4 ms on an H200),
+    and each step costs what its kind's measurement says, scaled to what a psi cost in the
+    file's points (`--preinfer-scale`). Each point reports the trigger's decisions on its
+    events as shares (`trigger_<reason>`, admissions as admitted_risk / _reuse / _spare: the
+    trigger's own counters).
   * the host's launch of each ranking batch (packing, staging, issuing: the records'
     `launch_ms`, drawn by shape class like the device time) with the engine's launch-ahead: the
     next batch is planned and launched while the one before it runs, and it starts on the device
@@ -46,7 +54,7 @@ replays, same seed, same lead-in, the measured window only counted):
     the batch before, issues copies and plans: their mean time per batch from the file's loop_*
     sections where it has them (`host_step_s`). `--launch-scale` scales both, 0 turns them off
     (the device-only model of earlier checks).
-Not modelled yet: the trigger's admission policy (`relay`), the router and several rankers, the
+Not modelled yet: the router and several rankers, the
 copy engine as a resource, the signal path's tail, the interpreter lock shared with the event
 loop (it is inside the measured host times, not modelled as a resource).
 
@@ -64,9 +72,10 @@ import gzip
 import json
 import math
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,7 +92,21 @@ from services.ranker.scheduler import (
     SchedulerConfig,
     chunk_work,
 )
-from services.trigger.admission import InstanceLedger, too_late
+from services.trigger.admission import (
+    Bounds,
+    InstanceLedger,
+    OfferedLoad,
+    Policy,
+    Reason,
+    ReturnRate,
+    adds_little_work,
+    decide,
+    reuse_pays,
+    risk_threshold_ms,
+    spare_shortens,
+    too_late,
+)
+from services.trigger.config import ADMISSION_SETTINGS, TriggerConfig
 from shared.wire import MAX_PREINFER_DUES
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
@@ -333,6 +356,9 @@ class Setup:
     # With `lead_test`, the trigger's own test (TriggerView) instead of the model's exact
     # knowledge of the ranker's queue; None: exact.
     trigger: TriggerView | None = None
+    # With `trigger`: the trigger's whole admission (AdmissionPolicy) instead of its lead test
+    # alone; None: every signal that passes the lead test is pre-inferred.
+    admission: AdmissionPolicy | None = None
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
@@ -369,6 +395,66 @@ class TriggerView:
     trip_ms: float
     event_lag_ms: float
     stats_interval_s: float = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionPolicy:
+    """The trigger's admission as it runs (services/trigger/service.py, decide): every retrieval
+    event through admission.decide, with the trigger's inputs as it has them: the full ranking's
+    cost from the rankers' measurements (here the calibration's fit), the call against psi as the
+    median of the recent batches against psi per call, a psi's cost as the scheduler plans it,
+    the instance's offered load (OfferedLoad), the keys' returns (ReturnRate), the device's busy
+    share over the last 2 s and its queue as of the last Stats report, its footprint and backlog
+    in the ledger, and the lead test (TriggerView). Its settings are the trigger's (TriggerConfig,
+    ADMISSION_SETTINGS): `of_run` takes them from a run's record."""
+
+    slo_ms: float = 50.0
+    risk_fraction: float = 0.5
+    max_extra_work: float = 0.15
+    spare_busy_max: float = 0.8
+    spare_min_saving: float = 0.1
+    load_window_s: float = 2.0
+    prefetch: bool = False
+    reuse_window_s: float = 600.0
+    footprint_fraction: float = 0.9
+    max_backlog: int = 32
+    lease_slack_ms: float = 500.0
+    max_lease_ms: float = 30_000.0
+    stats_interval_s: float = 0.2
+    suffix_tokens_estimate: int = 320
+
+    @classmethod
+    def trigger_defaults(cls) -> AdmissionPolicy:
+        """The trigger's own defaults (TriggerConfig), whatever this class's say."""
+        defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TriggerConfig)}
+        return cls(**{name: defaults[name] for name in ADMISSION_SETTINGS})
+
+    @classmethod
+    def of_run(cls, record: dict[str, Any]) -> AdmissionPolicy:
+        """The settings a goodput record's trigger ran with (`trigger_settings`, recorded since
+        2026-11-29's twenty-second session). A record without them is from a trigger of before
+        then: the defaults of the time, which had no spare_min_saving (0: every spare admission
+        passed the saving test), and its `risk_fraction` / `slo_ms` as the record gives them."""
+        settings = record.get("trigger_settings")
+        if settings:
+            known = {f.name for f in dataclasses.fields(cls)}
+            return dataclasses.replace(
+                cls.trigger_defaults(), **{k: v for k, v in settings.items() if k in known}
+            )
+        return dataclasses.replace(
+            cls.trigger_defaults(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0))
+        )
+
+
+class _Report(NamedTuple):
+    """One Stats report of the modelled ranker, as the trigger polls them."""
+
+    at: float
+    backlog: int
+    dues: tuple[float, ...]
+    busy: float  # device busy share over the last 2 s (DeviceTime.recent_busy_fraction)
+    queue_depth: int
+    resident_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,12 +599,15 @@ def simulate(
     seed: int = 0,
     preinfer_steps: list[tuple[float, float]] | None = None,
     preinfers: list[tuple[float, float, float, float]] | None = None,
+    decisions: list[tuple[float, str]] | None = None,
 ) -> list[Served]:
     """Every call of `requests` through one modelled ranker (module docstring), in order of
     service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
     given, receives each pre-inference step's (start, seconds); `preinfers` each completed
     pre-inference's (submitted, first step's start, completed, its call's planned time), as the
-    ranker counts them (relaygr_ranker_preinfer_*)."""
+    ranker counts them (relaygr_ranker_preinfer_*); `decisions` (with `setup.admission`) the
+    trigger's decision on each retrieval event: (its time, the trigger's counter label:
+    services/trigger/admission.py's Reason, an admission as admitted_risk / _reuse / _spare)."""
     rng = np.random.default_rng(seed)
     rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
@@ -540,8 +629,17 @@ def simulate(
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
     queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
     view = setup.trigger if setup.lead_test else None
+    policy = setup.admission if view is not None else None
     ledger = InstanceLedger()
-    reports: collections.deque[tuple[float, int, tuple[float, ...]]] = collections.deque(maxlen=64)
+    reports: collections.deque[_Report] = collections.deque(maxlen=64)
+    # The trigger's own measurements (AdmissionPolicy): the instance's offered load, the keys'
+    # returns, the recent calls against psi (ms a call), psi leased (admitted, not yet consumed).
+    offered = OfferedLoad(policy.load_window_s) if policy is not None else None
+    returns = ReturnRate(policy.reuse_window_s) if policy is not None else None
+    cached_ms: collections.deque[float] = collections.deque(maxlen=128)
+    leased: dict[tuple[int, int], int] = {}
+    psi_ms: dict[int, float] = {}  # a psi's cost by prefix length, as the scheduler plans it
+    busy_spans: collections.deque[tuple[float, float]] = collections.deque()  # device work, last ~2 s
     next_report = 0.0
     producing: dict[tuple[int, int], _Production] = {}
     productions: dict[int, _Production] = {}
@@ -565,10 +663,94 @@ def simulate(
         pool = cal.reload_cache_ms
         return float(pool[rng.integers(len(pool))]) if pool else 0.0
 
+    def busy_share(t: float, window_s: float = 2.0) -> float:
+        """The device's busy share over the last `window_s` (as the ranker reports it)."""
+        while busy_spans and busy_spans[0][1] < t - window_s:
+            busy_spans.popleft()
+        since = max(0.0, t - window_s)
+        if t <= since:
+            return 0.0
+        busy = sum(max(0.0, min(end, t) - max(start, since)) for start, end in busy_spans)
+        return min(1.0, busy / (t - since))
+
+    def full_ms(prefix_len: int, suffix: int) -> float:
+        tokens = prefix_len + suffix
+        return cal.full.fitted_s(tokens, prefix_len * tokens) * 1e3
+
+    def psi_cost_ms(prefix_len: int) -> float:
+        if prefix_len not in psi_ms:
+            psi_ms[prefix_len] = (
+                _psi_plan_ms(scheduler, steps, prefix_len)
+                if steps is not None
+                else cal.full.fitted_s(prefix_len, prefix_len * prefix_len) * 1e3
+            )
+        return psi_ms[prefix_len]
+
+    def admitted_by_trigger(r: PlannedRequest, key: tuple[int, int], need_by: float) -> Reason:
+        """The trigger's decision on r's retrieval event, taken its event lag after it, on what it
+        knows then (AdmissionPolicy; services/trigger/service.py's decide, step for step)."""
+        assert view is not None
+        assert policy is not None
+        assert offered is not None
+        assert returns is not None
+        decided = r.t_retrieval_s + view.event_lag_ms / 1e3
+        sync_ledger(decided)
+        ledger.forget_expired(decided)
+        returning = returns.observe(key, decided)
+        suffix = policy.suffix_tokens_estimate
+        full = full_ms(r.prefix_len, suffix)
+        known = [rep for rep in reports if rep.at <= decided]
+        depth = known[-1].queue_depth if known else 0
+        busy = known[-1].busy if known else None
+        predicted = full * (1 + depth)  # LatencyModel.predict: its compute and the queue ahead
+        offered.add(decided, full)
+        load = offered.fraction(decided)
+        cached = statistics.median(cached_ms) if cached_ms else full_ms(0, suffix)
+        prefix = psi_cost_ms(r.prefix_len)
+        keeps = setup.psi and 0 < setup.keep_min_tokens <= r.prefix_len
+        pays = policy.reuse_window_s > 0 and reuse_pays(full, prefix, cached, returns.expected_later(), keeps)
+        adds_little = adds_little_work(full, prefix, cached, policy.max_extra_work)
+        spare = (
+            busy is not None
+            and busy < policy.spare_busy_max
+            and spare_shortens(full, cached, policy.slo_ms, policy.spare_min_saving)
+        )
+        ahead = ledger.backlog_ahead(decided, need_by)
+        late = too_late(r.t_rank_s - decided, view.trip_ms / 1e3, prefix, ahead)
+        prefetch = policy.prefetch and not (setup.psi and 0 < r.prefix_len < setup.keep_min_tokens)
+        bounds = Bounds(policy.slo_ms, policy.risk_fraction, policy.footprint_fraction, policy.max_backlog)
+        nbytes = r.prefix_len * PSI_BYTES_PER_TOKEN
+        reason = decide(Policy.SEQUENCE_AWARE, bounds, predicted, nbytes, ledger, key, decided, load, pays,
+                        adds_little, returning, prefetch, spare, late)  # fmt: skip
+        label = reason.value
+        if reason is Reason.ADMITTED:
+            at_risk = predicted > risk_threshold_ms(bounds, load) and adds_little
+            label = "admitted_risk" if at_risk else "admitted_reuse" if pays else "admitted_spare"
+            lease = min(need_by + policy.lease_slack_ms / 1e3, decided + policy.max_lease_ms / 1e3)
+            queued_s = view.trip_ms / 1e3 + prefix / 1e3 * (1 + ahead)
+            ledger.admit(key, nbytes, decided, lease, queued_until=decided + queued_s, due=need_by)
+        if decisions is not None:
+            decisions.append((r.t_retrieval_s, label))
+        return reason
+
+    def sync_ledger(decided: float) -> None:
+        """The trigger's ledger as of its last Stats report before `decided`."""
+        known = [rep for rep in reports if rep.at <= decided]
+        if known and ledger.reported_at != known[-1].at:
+            rep = known[-1]
+            budget = setup.hbm_budget_bytes if policy is not None else 0  # no footprint test otherwise
+            ledger.report(rep.at, budget, rep.resident_bytes, rep.backlog, rep.queue_depth, rep.dues)
+
     def signal(r: PlannedRequest, t: float) -> None:
         """A pre-inference signal (every request: the `preinfer-all` policy): psi held is kept,
         psi in DRAM comes back, a prefix held nowhere is pre-inferred."""
         key = (r.user_id, r.prefix_version)
+        need_by = r.t_rank_s + setup.slo_ms / 1e3  # its call's deadline (the retrieval event's)
+        if policy is not None:
+            reason = admitted_by_trigger(r, key, need_by)
+            if reason is not Reason.ADMITTED and not (reason is Reason.PREFETCH and key in dram):
+                return  # turned away; a prefetch of psi held nowhere is refused by the ranker
+            leased[key] = r.prefix_len * PSI_BYTES_PER_TOKEN
         if key in producing or key in hbm:
             return
         if key in dram:
@@ -577,16 +759,13 @@ def simulate(
             ready_at[key] = t + draw_reload_ms() / 1e3
             return
         pid = next_id()
-        need_by = r.t_rank_s + setup.slo_ms / 1e3  # its call's deadline (the retrieval event's)
-        if view is not None:
+        if policy is not None:
+            pass  # the lead test was the trigger's, in its decision
+        elif view is not None:
             # The trigger's test as it runs: decided at the event's lag, on the last report it
             # had then and its own admissions since.
             decided = r.t_retrieval_s + view.event_lag_ms / 1e3
-            known = [rep for rep in reports if rep[0] <= decided]
-            if known:
-                at, backlog, dues = known[-1]
-                if ledger.reported_at != at:
-                    ledger.report(at, 0, 0, backlog, 0, dues)
+            sync_ledger(decided)
             ahead_count = ledger.backlog_ahead(decided, need_by)
             if too_late(r.t_rank_s - decided, view.trip_ms / 1e3, view.preinfer_ms, ahead_count):
                 return
@@ -609,6 +788,7 @@ def simulate(
 
     def arrive(r: PlannedRequest, t: float) -> None:
         key = (r.user_id, r.prefix_version)
+        leased.pop(key, None)  # its lease is converted: the psi is the call's now, then evictable
         suffix = r.recent_len + r.candidates
         deadline = t + setup.call_deadline_s  # what the ranker's scheduler orders by
         due_by = t + setup.call_slo_s  # and holds it doomed past
@@ -677,7 +857,11 @@ def simulate(
     while i < len(by_arrival) or j < len(signals) or queue or productions:
         while view is not None and next_report <= now:  # the rankers' Stats, as the trigger polls them
             dues = tuple(sorted(p.item.need_by for p in productions.values()))
-            reports.append((next_report, len(dues), dues[:MAX_PREINFER_DUES]))
+            busy = busy_share(next_report) if policy is not None else 0.0
+            leased_bytes = sum(leased.values())
+            reports.append(
+                _Report(next_report, len(dues), dues[:MAX_PREINFER_DUES], busy, len(queue), leased_bytes)
+            )
             next_report += view.stats_interval_s
         while j < len(signals) and signals[j].t_retrieval_s + trip_s <= now:
             signal(signals[j], signals[j].t_retrieval_s + trip_s)
@@ -715,6 +899,8 @@ def simulate(
             now = max(now, device_free)  # run in place: after the batch in flight
             if preinfer_steps is not None:
                 preinfer_steps.append((now, seconds))
+            if policy is not None:
+                busy_spans.append((now, now + seconds))
             for c in plan.chunks:
                 first_step.setdefault(c.id, now)
             now += seconds
@@ -738,15 +924,21 @@ def simulate(
         tokens = sum(b[0].tokens for b in batch)
         seconds = cost.draw_s(tokens, sum(b[0].pairs for b in batch), rng, len(batch))
         launch_s = setup.launch_scale * cost.draw_launch_s(tokens, rng, len(batch))
+        if batch[0][0].kind is RankKind.CACHED:
+            cached_ms.append(seconds * 1e3 / len(batch))  # what the trigger prices a call against psi by
         if launch_s <= 0.0:
             now = max(now, device_free) + seconds  # the device-only model: back to back
             device_free = now
+            if policy is not None:
+                busy_spans.append((now - seconds, now))
             serve(batch, seconds, now)
             continue
         # Launch-ahead: this batch was planned now and is launched while the one before it runs;
         # it starts once both are done. The host then collects that one and plans the next.
         ahead_ends = device_free
         device_free = max(device_free, now + launch_s) + seconds
+        if policy is not None:
+            busy_spans.append((device_free - seconds, device_free))
         serve(batch, seconds, device_free)
         now = max(now + launch_s, ahead_ends) + setup.launch_scale * setup.host_step_s
     return out
@@ -764,7 +956,13 @@ def p99_at(
     plan = generate(cfg)
     steps: list[tuple[float, float]] = []
     built: list[tuple[float, float, float, float]] = []
-    served = [s for s in simulate(plan.requests, cal, setup, seed, steps, built) if not s.request.lead_in]
+    decided: list[tuple[float, str]] = []
+    served = [
+        s for s in simulate(plan.requests, cal, setup, seed, steps, built, decided) if not s.request.lead_in
+    ]
+    # The trigger's decisions on the window's events, as shares (its counters, relaygr_trigger_*).
+    reasons = collections.Counter(label for t, label in decided if t >= cfg.lead_in_s)
+    events = sum(reasons.values())
     built = [b for b in built if b[0] >= cfg.lead_in_s]
     preinfer_s = sum(seconds for start, seconds in steps if start >= cfg.lead_in_s)
     lat = np.array([s.latency_ms for s in served])
@@ -785,6 +983,7 @@ def p99_at(
         else None,
         "preinfer_build_ms_mean": float(np.mean([d - s for _, s, d, _ in built]) * 1e3) if built else None,
         "preinfer_done_after_call": sum(d > c for _, _, d, c in built),
+        **{f"trigger_{label}": n / events for label, n in sorted(reasons.items())},
     }
 
 
@@ -1004,16 +1203,20 @@ def _modelled_ms_per_psi(steps: StepCosts, traffic: WorkloadConfig, config: Sche
         graph_tokens=steps.graph_tokens if steps.graph is not None else 0,
         graph_batch=steps.graph_batch,
     )
+    return sum(_psi_plan_ms(scheduler, steps, n) for n in lengths) / len(lengths)
+
+
+def _psi_plan_ms(scheduler: IterationScheduler, steps: StepCosts, prefix_len: int) -> float:
+    """What building one psi of `prefix_len` tokens alone costs (ms) in the steps `scheduler`
+    plans for it, each at `steps`' cost of its kind (graph or eager)."""
     budget = scheduler.step_budget_s()
-    total = 0.0
-    for n in lengths:
-        done = 0
-        while done < n:
-            size = scheduler.chunk_size(done, n - done, budget)
-            chunk = [Chunk(0, done, done + size)]
-            total += steps.seconds(chunk, scheduler.step_graphed(chunk))
-            done += size
-    return total / len(lengths) * 1e3
+    done, total = 0, 0.0
+    while done < prefix_len:
+        size = scheduler.chunk_size(done, prefix_len - done, budget)
+        chunk = [Chunk(0, done, done + size)]
+        total += steps.seconds(chunk, scheduler.step_graphed(chunk))
+        done += size
+    return total * 1e3
 
 
 def load_model(
@@ -1022,16 +1225,18 @@ def load_model(
     workload: str | None = None,
     changes: dict[str, float] | None = None,
     step_costs: StepCosts | None = None,
+    trigger_settings: dict[str, Any] | None = None,
 ) -> Model:
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
     graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms,
     preinfer_scale, signal_trip_ms);
     `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
-    them. ValueError, one line, on bad input."""
+    them; `trigger_settings`: the trigger's admission settings (`relay`) that differ from the
+    run's (AdmissionPolicy.of_run). ValueError, one line, on bad input."""
     changes = dict(changes or {})
     if config not in MODELLED:
-        raise ValueError(f"--config: the model covers {', '.join(MODELLED)} (not the trigger's policy yet)")
+        raise ValueError(f"--config: the model covers {', '.join(MODELLED)}")
     try:
         result = json.loads(result_path.read_text())
         workloads = sorted({r["workload"] for r in result["results"] if r["config"] == config})
@@ -1090,6 +1295,13 @@ def load_model(
             result, config, chosen,
             measured_ms if measured_ms is not None else _modelled_ms_per_psi(step_costs, traffic, scheduler),
         )  # fmt: skip
+    admission = None
+    if view is not None and changes.get("lead_test_only", 0.0) == 0.0:
+        record = next(r for r in result["results"] if r["config"] == config and r["workload"] == chosen)
+        admission = dataclasses.replace(AdmissionPolicy.of_run(record), **(trigger_settings or {}))
+    elif trigger_settings:
+        raise ValueError("--trigger-setting: the trigger's admission is modelled for relay only (not with "
+                         "--lead-test-only or --exact-lead-test)")  # fmt: skip
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
@@ -1102,6 +1314,7 @@ def load_model(
         preinfer_steps=step_costs if config == "relay" else None,
         lead_test=config == "relay",
         trigger=view,
+        admission=admission,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
@@ -1117,6 +1330,38 @@ def load_model(
     if "lead_in_s" in changes:
         traffic = dataclasses.replace(traffic, lead_in_s=float(changes["lead_in_s"]))
     return Model(result, config, chosen, cal, setup, traffic)
+
+
+def parse_trigger_settings(items: Sequence[str]) -> dict[str, Any]:
+    """`--trigger-setting NAME=VALUE` items as AdmissionPolicy fields of their types; ValueError,
+    one line, for an unknown name or a value of the wrong kind."""
+    types = {f.name: f.type for f in dataclasses.fields(AdmissionPolicy)}
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in types:
+            raise ValueError(f"--trigger-setting {item!r}: NAME=VALUE, NAME one of {', '.join(types)}")
+        kind = types[name]
+        try:
+            if kind in (bool, "bool"):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("true", "1")
+            elif kind in (int, "int"):
+                value = int(text)
+            else:
+                value = float(text)
+        except ValueError:
+            raise ValueError(f"--trigger-setting {item!r}: {text!r} is not a {kind}") from None
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and not (value >= 0 and math.isfinite(value))
+        ):
+            raise ValueError(f"--trigger-setting {item!r}: must be a finite number >= 0")
+        out[name] = value
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1167,6 +1412,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="relay: refuse a signal by the model's exact knowledge of the ranker's queue "
                          "instead of the trigger's own view of it (its last Stats report, its admissions "
                          "since, a psi priced at its measured cost)")  # fmt: skip
+    what_if.add_argument("--lead-test-only", action="store_true",
+                         help="relay: of the trigger's admission only its lead test (every signal that "
+                         "passes it is pre-inferred; the model before its whole admission was modelled)")  # fmt: skip
+    what_if.add_argument("--trigger-setting", action="append", default=[], metavar="NAME=VALUE",
+                         help="relay: one of the trigger's admission settings instead of the run's (its "
+                         f"recorded trigger_settings), e.g. spare_min_saving=0.1; names: {', '.join(ADMISSION_SETTINGS)}")  # fmt: skip
     what_if.add_argument("--max-rank-delay-ms", type=float, default=None,
                          help="the ranker's step budget (its --max-rank-delay-ms; default 5): longer "
                          "first chunks replay in one graph step")  # fmt: skip
@@ -1184,7 +1435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
                ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale),
                ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms),
-               ("exact_lead_test", 1.0 if args.exact_lead_test else None))
+               ("exact_lead_test", 1.0 if args.exact_lead_test else None),
+               ("lead_test_only", 1.0 if args.lead_test_only else None))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:
@@ -1194,10 +1446,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.eager_step_costs
             else None
         )
-        model = load_model(args.result, args.config, args.workload, changes, step_costs)
+        settings = parse_trigger_settings(args.trigger_setting)
+        model = load_model(args.result, args.config, args.workload, changes, step_costs, settings)
     except ValueError as exc:
         p.error(str(exc))
-    asked: dict[str, Any] = dict(changes)
+    asked: dict[str, Any] = dict(changes) | {f"trigger_{k}": v for k, v in settings.items()}
     if args.eager_step_costs:  # the steps as given, not as the file recorded them
         asked["eager_step_costs"] = args.eager_step_costs
         asked["graph_step_costs"] = args.graph_step_costs
@@ -1256,8 +1509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for pt in points:
         shares = " ".join(f"{k} {pt[k]:.2f}" for k in (*PSI_PATHS, "full_recompute") if k in pt)
         verdict = "meets " if pt["meets_slo"] else "misses"
+        admitted = " ".join(
+            f"{k[len('trigger_') :]} {pt[k]:.2f}"
+            for k in sorted(pt)
+            if k.startswith("trigger_") and pt[k] >= 0.005
+        )
         print(
             f"  {pt['rate_rps']:8.1f} req/s  p99 {pt['p99_ms']:7.1f} ms  {verdict}  busy {pt['busy']:.2f}  {shares}"
+            + (f"  | trigger: {admitted}" if admitted else "")
         )
     if args.json is not None:
         write_result(args.json, result.get("machine", {}), summary)

@@ -14,6 +14,14 @@ from shared.kafka import KafkaSettings
 from shared.settings import LogLevel
 from shared.tls import TlsSettings
 
+# The settings the admission policy decides by (services/trigger/admission.py): the trigger logs
+# them at start-up, and the capacity model (relaygr.sim) models a run's trigger by them.
+ADMISSION_SETTINGS = (
+    "slo_ms", "risk_fraction", "max_extra_work", "spare_busy_max", "spare_min_saving", "load_window_s",
+    "prefetch", "reuse_window_s", "footprint_fraction", "max_backlog", "lease_slack_ms", "max_lease_ms",
+    "stats_interval_s", "suffix_tokens_estimate",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class TriggerConfig(KafkaSettings, TlsSettings):

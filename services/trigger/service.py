@@ -51,7 +51,7 @@ from services.trigger.admission import (
     spare_shortens,
     too_late,
 )
-from services.trigger.config import TriggerConfig
+from services.trigger.config import ADMISSION_SETTINGS, TriggerConfig
 from services.trigger.delivery import Kind, Outbox, Output, RetryPolicy, dead_letter
 from services.trigger.events import (
     SCHEMA_VERSION,
@@ -211,7 +211,13 @@ class TriggerService:
         self._stalls = HostStalls(self.registry)  # beside the rankers': a host-wide stall shows in all
         log.info("trigger_ready", policy=self.policy.value, rankers=list(c.rankers), slo_ms=c.slo_ms,
                  metrics_port=self.metrics_port, topic=c.retrieval_topic,
-                 signal_limit_bytes=self.signal_limit_bytes, producer_limit_bytes=producer_limit)  # fmt: skip
+                 signal_limit_bytes=self.signal_limit_bytes, producer_limit_bytes=producer_limit,
+                 admission=self.admission_settings())  # fmt: skip
+
+    def admission_settings(self) -> dict[str, Any]:
+        """The settings its admission runs with (ADMISSION_SETTINGS): in its start-up line, so that
+        a run's record says what the trigger did (the capacity model reads them from there)."""
+        return {name: getattr(self.config, name) for name in ADMISSION_SETTINGS}
 
     async def _size_limits(self) -> int:
         """Sets the signal limit from the broker's view of the topics; returns the producer's

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from bench import goodput
+from relaygr.sim import AdmissionPolicy
+from services.trigger.config import ADMISSION_SETTINGS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,6 +43,13 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
         # The ranker's measured step costs (the capacity model's): eager on the CPU, no graphs.
         assert set(record["ranker_step_costs"]) == {"eager"}
         assert record["ranker_step_costs"]["eager"]["per_step_ms"] >= 0
+        # The trigger's admission settings as its start-up line gave them (the capacity model's),
+        # the benchmark's own flags among them.
+        settings = record["trigger_settings"]
+        assert set(settings) == set(ADMISSION_SETTINGS)
+        assert settings["slo_ms"] == 0.01
+        assert settings["suffix_tokens_estimate"] == 8 + 16
+        assert AdmissionPolicy.of_run(record).spare_busy_max == settings["spare_busy_max"]
         assert record["goodput_rps"] == 0.0  # nothing meets a 10 us SLO
         assert [p["rate_rps"] for p in record["points"]] == [4.0, 2.0]  # grid bottom, then down to the floor
         for point in record["points"]:

@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from relaygr.processes import ServiceProcess
 from relaygr.synthetic import Shape, request
 from services.ranker.wire import prefix_to_proto, rank_request
+from services.trigger.config import ADMISSION_SETTINGS
 from shared.broker import EmbeddedBroker
 from shared.dlq import read_dead_letter
 from shared.kafka import KafkaSettings, make_producer
@@ -54,7 +55,11 @@ async def stack(tmp_path):
                                      "--suffix-tokens-estimate", "24", "--stats-interval-s", "0.1")  # fmt: skip
             procs.append(trigger)
             router_port = router.wait_event("router_ready", 120)["port"]
-            trigger.wait_event("trigger_ready", 120)
+            ready = trigger.wait_event("trigger_ready", 120)
+            # What it admits by, in its start-up line (the capacity model reads a run's from there).
+            assert set(ready["admission"]) == set(ADMISSION_SETTINGS)
+            assert ready["admission"]["slo_ms"] == 40.0
+            assert ready["admission"]["stats_interval_s"] == 0.1
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
             producer = make_producer(KafkaSettings(bootstrap=broker.bootstrap))
             await producer.start()

@@ -13,6 +13,7 @@ import pytest
 
 from relaygr.sim import (
     PSI_BYTES_PER_TOKEN,
+    AdmissionPolicy,
     Calibration,
     KindCost,
     Setup,
@@ -26,6 +27,7 @@ from relaygr.sim import (
     host_step_s,
     load_model,
     main,
+    parse_trigger_settings,
     preinfer_ms_per_psi,
     scaled,
     shape_of,
@@ -35,6 +37,8 @@ from relaygr.sim import (
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
 from services.ranker.scheduler import Chunk, SchedulerConfig
+from services.trigger.config import ADMISSION_SETTINGS, TriggerConfig
+from shared.config import load_config
 
 FULL = KindCost(per_batch_s=1e-3, per_token_s=0.5e-6, per_pair_s=0.1e-9, ratios=(1.0,))
 CACHED = KindCost(per_batch_s=0.8e-3, per_token_s=0.2e-6, per_pair_s=0.0, ratios=(1.0,))
@@ -549,3 +553,120 @@ def test_the_triggers_view_comes_from_the_files_points():
     assert trigger_view({"results": []}, "relay", "L16384", 5.0).trip_ms == 50.0
     tiny = {"results": [{"config": "relay", "points": [{"signal_trip_p90_ms": 1.0}]}]}
     assert trigger_view(tiny, "relay", "L16384", 5.0) == TriggerView(5.0, 5.0, 0.0)
+
+
+def test_the_modelled_triggers_settings_are_the_triggers_own_or_a_runs():
+    defaults = load_config(TriggerConfig, ["--rankers", "127.0.0.1:1"], env={})
+    assert AdmissionPolicy.trigger_defaults() == AdmissionPolicy(
+        **{name: getattr(defaults, name) for name in ADMISSION_SETTINGS}
+    )
+    # A run that recorded its trigger's settings is modelled by them (names the model does not
+    # know are ignored); one before the record, by the trigger of its time: no saving test.
+    recorded = AdmissionPolicy.of_run(
+        {"trigger_settings": {"spare_busy_max": 0.0, "slo_ms": 40.0, "later": 1}}
+    )
+    assert (recorded.spare_busy_max, recorded.slo_ms) == (0.0, 40.0)
+    assert recorded.spare_min_saving == defaults.spare_min_saving
+    old = AdmissionPolicy.of_run({"slo_ms": 30.0})
+    assert (old.spare_min_saving, old.slo_ms) == (0.0, 30.0)
+    assert parse_trigger_settings(["spare_min_saving=0.2", "max-backlog=4", "prefetch=true"]) == {
+        "spare_min_saving": 0.2, "max_backlog": 4, "prefetch": True,
+    }  # fmt: skip
+    for bad in ("spare_min_saving", "nothing=1", "max_backlog=1.5", "prefetch=maybe", "risk_fraction=-1",
+                "slo_ms=inf"):  # fmt: skip
+        with pytest.raises(ValueError, match="--trigger-setting"):
+            parse_trigger_settings([bad])
+
+
+def _admission_setup(policy: AdmissionPolicy, steps: StepCosts = H200_STEPS, slo_ms: float = 50.0) -> Setup:
+    """The relay with the trigger's whole admission: each signal decided at its event (no lag),
+    1 ms to the ranker, a psi priced at 2.5 ms ahead of it."""
+    return Setup(
+        slo_ms=slo_ms, psi=True, preinfer_trip_ms=1.0, preinfer_steps=steps,
+        scheduler=SchedulerConfig(max_wait_s=0.0), lead_test=True,
+        trigger=TriggerView(preinfer_ms=2.5, trip_ms=1.0, event_lag_ms=0.0), admission=policy,
+    )  # fmt: skip
+
+
+def test_the_modelled_trigger_admits_new_users_into_spare_device_time_only_where_the_saving_pays():
+    # New users 0.2 s apart on an idle device, each call 50 ms after its event. A full ranking of
+    # 4096 + 320 tokens costs 5.0 ms, a call against psi 0.86: 4.1 ms saved, not at risk (25 ms).
+    calls = [request(i, 1.0 + 0.2 * i, user=i) for i in range(5)]
+    no_reuse = AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05)  # 2.5 ms of the SLO: enough
+    decided: list[tuple[float, str]] = []
+    served = simulate(calls, EXACT, _admission_setup(no_reuse), decisions=decided)
+    assert [label for _, label in decided] == ["admitted_spare"] * 5
+    assert {s.path for s in served} == {"hbm_hit"}
+    decided.clear()
+    dear = dataclasses.replace(no_reuse, spare_min_saving=0.1)  # 5 ms needed: the saving is too small
+    served = simulate(calls, EXACT, _admission_setup(dear), decisions=decided)
+    assert [label for _, label in decided] == ["not_at_risk"] * 5
+    assert {s.path for s in served} == {"full_recompute"}
+    decided.clear()
+    busy = dataclasses.replace(no_reuse, spare_busy_max=0.0)  # no spare term at all
+    simulate(calls, EXACT, _admission_setup(busy), decisions=decided)
+    assert {label for _, label in decided} == {"not_at_risk"}
+
+
+def test_the_modelled_trigger_admits_by_risk_only_where_pre_inference_adds_little_work():
+    # An SLO of 8 ms: the 5 ms full ranking is at risk (over 0.5 x 8). Pre-inferring it in a
+    # 2.4 ms graph step plus a 0.86 ms call adds no work: admitted for risk, served from psi.
+    calls = [request(i, 1.0 + 0.2 * i, user=i) for i in range(3)]
+    policy = AdmissionPolicy(slo_ms=8.0, reuse_window_s=0.0, spare_busy_max=0.0)
+    decided: list[tuple[float, str]] = []
+    served = simulate(calls, EXACT, _admission_setup(policy, slo_ms=8.0), decisions=decided)
+    assert [label for _, label in decided] == ["admitted_risk"] * 3
+    assert {s.path for s in served} == {"hbm_hit"}
+    # Eager steps of 12 ms: 12.9 ms of work for a 5 ms ranking (over 1.15 x): the work term refuses.
+    decided.clear()
+    dear = StepCosts.parse("12,0,0")
+    served = simulate(calls, EXACT, _admission_setup(policy, dear, slo_ms=8.0), decisions=decided)
+    assert [label for _, label in decided] == ["adds_work"] * 3
+    assert {s.path for s in served} == {"full_recompute"}
+
+
+def test_the_modelled_trigger_prices_reuse_and_knows_psi_it_admitted():
+    # The same user twice within the reuse window, rankings keeping psi: pre-inference (2.4 ms)
+    # plus the call against psi (0.86) cost less than the full ranking (5.0), so the first event
+    # is admitted by reuse; the second finds its key admitted and leased (already resident).
+    first = request(0, 1.0, user=7)
+    again = dataclasses.replace(request(1, 1.03, user=7), t_retrieval_s=1.0)
+    policy = AdmissionPolicy(spare_busy_max=0.0)
+    decided: list[tuple[float, str]] = []
+    served = simulate([first, again], EXACT, _admission_setup(policy), decisions=decided)
+    assert [label for _, label in decided] == ["admitted_reuse", "already_resident"]
+    assert [s.path for s in served] == ["hbm_hit", "hbm_hit"]
+
+
+def test_the_command_models_the_triggers_admission_and_takes_its_settings_as_what_ifs(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    rows = [record(i, "hbm_hit", 4096, float(rng.uniform(1.0, 1.4)), 8.0) for i in range(200)]
+    rows += [record(1000 + i, "full_recompute", 4096, float(rng.uniform(3.3, 4.0)), 12.0) for i in range(50)]
+    path = goodput_file(tmp_path, "goodput-x-t", "relay", {150.0: rows, 250.0: []}, met={150.0})
+    result = json.loads(path.read_text())
+    result["results"][0]["ranker_step_costs"] = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0,
+                                                           "per_pair_ns": 0.02}}  # fmt: skip
+    result["results"][0]["trigger_settings"] = {"spare_min_saving": 0.0, "max_backlog": 16}
+    path.write_text(json.dumps(result))
+    model = load_model(path, "relay")
+    assert model.setup.admission is not None
+    assert (model.setup.admission.spare_min_saving, model.setup.admission.max_backlog) == (0.0, 16)
+    assert load_model(path, "relay", changes={"lead_test_only": 1.0}).setup.admission is None
+    asked = load_model(path, "relay", trigger_settings={"spare_min_saving": 0.3})
+    assert asked.setup.admission is not None
+    assert asked.setup.admission.spare_min_saving == 0.3
+    with pytest.raises(ValueError, match="--trigger-setting"):
+        load_model(path, "relay", changes={"lead_test_only": 1.0}, trigger_settings={"spare_min_saving": 0.3})
+    out_file = tmp_path / "sim.json"
+    capsys.readouterr()
+    assert main([str(path), "--config", "relay", "--trigger-setting", "spare_min_saving=0.3",
+                 "--json", str(out_file)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "trigger:" in printed  # each point's decisions, as shares of the events
+    (out,) = json.loads(out_file.read_text())["results"]
+    assert out["what_if"] == {"trigger_spare_min_saving": 0.3}
+    for point in out["points"]:
+        shares = [v for k, v in point.items() if k.startswith("trigger_")]
+        assert sum(shares) == pytest.approx(1.0)
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay", "--trigger-setting", "spare_min_saving=lots"])
