@@ -1274,16 +1274,21 @@ def load_model(
             "(the ranker's preinfer_*_calibrated log lines)"
         )
     traffic = _workload(result, chosen)
-    scheduler = SchedulerConfig()
+    run_scheduler = SchedulerConfig()  # the run's rankers' (the modelled configurations set none)
+    scheduler = run_scheduler
     if "max_rank_delay_ms" in changes:  # the ranker's step budget (--max-rank-delay-ms)
         scheduler = dataclasses.replace(scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3)
+    if changes.get("first_chunk_absorbs", 0.0):  # the ranker's --first-chunk-absorbs
+        scheduler = dataclasses.replace(scheduler, first_chunk_absorbs=True)
     preinfer_scale = changes.get("preinfer_scale")
     if config == "relay" and step_costs is not None and preinfer_scale is None:
         # Start-up costs scaled to what a psi cost in service (the file's points): at L8192 on an
         # H200 (k8b) 5.2 ms a psi at start-up, 6.4-7.2 in service (eager rests, batched eager
         # steps, graph steps beside copies), and the model's limit moved from 150 to ~105 req/s.
+        # The scale is the run's (its steps as its rankers planned them): a what-if scheduler
+        # then plans other steps at that scale, and a psi costs what those steps do.
         measured_ms = preinfer_ms_per_psi(result, config, chosen)
-        modelled_ms = _modelled_ms_per_psi(step_costs, traffic, scheduler)
+        modelled_ms = _modelled_ms_per_psi(step_costs, traffic, run_scheduler)
         if measured_ms is not None and modelled_ms > 0:
             preinfer_scale = measured_ms / modelled_ms
     if step_costs is not None and preinfer_scale is not None:
@@ -1421,6 +1426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--max-rank-delay-ms", type=float, default=None,
                          help="the ranker's step budget (its --max-rank-delay-ms; default 5): longer "
                          "first chunks replay in one graph step")  # fmt: skip
+    what_if.add_argument("--first-chunk-absorbs", action="store_true",
+                         help="relay: the ranker's --first-chunk-absorbs (a first chunk a graph holds may "
+                         "pass the step budget where that saves a step), its steps at the run's scale")  # fmt: skip
     what_if.add_argument("--graph-tokens", type=int, default=17_408,
                          help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
@@ -1436,7 +1444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale),
                ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms),
                ("exact_lead_test", 1.0 if args.exact_lead_test else None),
-               ("lead_test_only", 1.0 if args.lead_test_only else None))
+               ("lead_test_only", 1.0 if args.lead_test_only else None),
+               ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

@@ -467,6 +467,14 @@ def test_the_relays_steps_are_scaled_to_what_a_psi_cost_in_service(tmp_path):
     assert steps is not None
     assert steps.seconds([Chunk(0, 0, 4096)], graphed=True) * 1e3 == pytest.approx(5.5)
     assert steps.eager == pytest.approx(start_up.scaled(5.5 / one).eager)
+    # A what-if scheduler (here first chunks that absorb a step) plans other steps at the run's
+    # scale: the scale is what the run's own plan measured, not refitted to the what-if's.
+    absorbing = load_model(path, "relay", changes={"first_chunk_absorbs": 1.0}, step_costs=start_up)
+    assert absorbing.setup.scheduler.first_chunk_absorbs
+    assert not model.setup.scheduler.first_chunk_absorbs
+    assert absorbing.setup.preinfer_steps == steps
+    budget = load_model(path, "relay", changes={"max_rank_delay_ms": 1.0}, step_costs=start_up)
+    assert budget.setup.preinfer_steps == steps
     as_measured = load_model(path, "relay", changes={"preinfer_scale": 1.0}, step_costs=start_up)
     assert as_measured.setup.preinfer_steps == start_up
     with pytest.raises(ValueError, match="scales"):
