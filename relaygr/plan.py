@@ -120,6 +120,9 @@ SENSITIVITY: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     ("host DRAM per GPU", "arena_gb", (0.5, 2.0)),
     ("a call against psi's cost", "cached_scale", (0.5,)),
     ("a full ranking's cost", "full_scale", (0.8,)),
+    # The host's launch of each batch and its time between launches: at 16384 tokens on an H200
+    # (k10d) the relay's modelled limit halves when they double (eager steps launch for 8-12 ms).
+    ("the host's launch and step time", "launch_scale", (0.5, 1.5)),
 )
 
 

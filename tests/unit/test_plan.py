@@ -116,6 +116,12 @@ def test_the_sensitivity_table_varies_one_input_at_a_time_and_the_plot_is_drawn(
     assert tighter["gpus"] >= doc["plans"][0]["gpus"]
     cheaper = next(r for r in doc["sensitivity"] if r["input"] == "a full ranking's cost")
     assert cheaper["gpus"] <= doc["plans"][0]["gpus"]
+    slower = next(
+        r
+        for r in doc["sensitivity"]
+        if r["input"] == "the host's launch and step time" and r["factor"] == 1.5
+    )
+    assert slower["gpus"] >= doc["plans"][0]["gpus"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
