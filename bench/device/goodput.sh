@@ -1,13 +1,61 @@
 #!/bin/bash
-# usage: LIMIT=545 bench/device/goodput.sh COMMIT TAG CONFIGS WORKLOADS [bench.goodput args...]
+# usage: LIMIT=545 [PYSPY_S=20] bench/device/goodput.sh COMMIT TAG CONFIGS WORKLOADS [bench.goodput args...]
+# PYSPY_S: a py-spy profile (non-blocking, every thread, idle frames included, raw collapsed
+# stacks) of the first ranker for that many seconds from each search's first point, one file a
+# search under /tmp/r/pyspy-<n>.txt (py-spy's wheel in .whl/).
 set -u
 commit=$1; tag=$2; configs=$3; workloads=$4; shift 4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RELAYGR_COMMIT=$commit
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2
 mkdir -p /tmp/r
+
+ranker_pid() {
+  # The ranker's own process: argv names the module (matching /proc/*/cmdline with grep would
+  # match the grep too).
+  python3 - <<'EOF'
+import os
+for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+        continue
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        continue
+    if b"services.ranker" in argv[1:4]:
+        print(pid)
+        break
+EOF
+}
+
+profile_searches() {
+  # Each "grid from" line starts a search: once its lead-in is over, profile the ranker.
+  local n=0 seen=0
+  while sleep 1; do
+    local now
+    now=$(grep -c "grid from" /tmp/r/goodput.log 2>/dev/null || true)
+    if [ "${now:-0}" -gt "$seen" ]; then
+      seen=$now; n=$((n + 1))
+      sleep 12  # the warm-up replay and the point's lead-in
+      local pid
+      pid=$(ranker_pid)
+      local spy=/tmp/site/bin/py-spy
+      [ -x "$spy" ] || spy=py-spy
+      [ -n "$pid" ] && "$spy" record --nonblocking --threads --idle --format raw \
+        -d "$PYSPY_S" -r 200 -p "$pid" -o "/tmp/r/pyspy-$n.txt" > "/tmp/r/pyspy-$n.log" 2>&1 &
+    fi
+  done
+}
+
+watcher=""
+if [ -n "${PYSPY_S:-}" ]; then
+  profile_searches &
+  watcher=$!
+fi
 timeout -s INT -k 30 "${LIMIT:-540}" python3 -m bench.goodput --configs "$configs" --workloads "$workloads" --repeats 1 \
   --device cuda --preset bench --slo-ms 50 --tag "$tag" --out-dir /tmp/r --logs-dir /tmp/r/svc \
-  --calls-dir /tmp/r/calls "$@" 2>&1 | grep -vE '^\{' | tail -60
+  --calls-dir /tmp/r/calls "$@" 2>&1 | tee /tmp/r/goodput.log | grep -vE '^\{' | tail -60
+[ -n "$watcher" ] && kill "$watcher" 2>/dev/null
+sleep 1
 tar czf "$OUT/r.tgz" -C /tmp r
 ls -la /tmp/r
