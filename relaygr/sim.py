@@ -373,6 +373,9 @@ class Setup:
     # The SLO past which the ranker's scheduler holds a call doomed (scheduler.doomed), from its
     # arrival: the file's rankers' --slo-ms (call_slo_s()); inf: none (runs before it existed).
     call_slo_s: float = math.inf
+    # Pre-inference graph steps launched ahead (the ranker's --chunks-ahead, off by default): the
+    # host is free once it has launched one instead of waiting for it to finish.
+    chunks_ahead: bool = False
 
 
 def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, float]:
@@ -891,20 +894,33 @@ def simulate(
             now = max(now, min(next_times))
             continue
         if plan.chunks:
+            graphed = steps is not None and scheduler.step_graphed(plan.chunks)
             if steps is not None:  # what the ranker measured such a step to cost
-                seconds = steps.seconds(plan.chunks, scheduler.step_graphed(plan.chunks))
+                seconds = steps.seconds(plan.chunks, graphed)
             else:
                 tokens, pairs = chunk_work(plan.chunks)
                 seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
-            now = max(now, device_free)  # run in place: after the batch in flight
+            if setup.chunks_ahead and graphed and setup.launch_scale > 0:
+                # Launched ahead (the ranker's --chunks-ahead): the host launches the graph's
+                # replay (drawn as a batch against psi's launch of as many tokens) and goes on;
+                # the step runs once the device is free. Its chunks count as built at the
+                # launch: what reads their psi next is launched behind the step on the stream.
+                tokens, _ = chunk_work(plan.chunks)
+                launch = setup.launch_scale * (cal.cached or cal.full).draw_launch_s(
+                    tokens, rng, len(plan.chunks)
+                )
+                begin = max(device_free, now + launch)
+                now += launch
+            else:
+                begin = now = max(now, device_free)  # run in place: after the batch in flight
+                now += seconds
+            end = device_free = begin + seconds
             if preinfer_steps is not None:
-                preinfer_steps.append((now, seconds))
+                preinfer_steps.append((begin, seconds))
             if policy is not None:
-                busy_spans.append((now, now + seconds))
+                busy_spans.append((begin, end))
             for c in plan.chunks:
-                first_step.setdefault(c.id, now)
-            now += seconds
-            device_free = now
+                first_step.setdefault(c.id, begin)
             for c in plan.chunks:
                 production = productions[c.id]
                 production.item = dataclasses.replace(production.item, done=c.end)
@@ -913,8 +929,8 @@ def simulate(
                     if preinfers is not None:
                         built = production.item
                         planned = built.need_by - setup.slo_ms / 1e3
-                        preinfers.append((built.submitted, first_step.pop(c.id, now), now, planned))
-                    ready_at[production.key] = now
+                        preinfers.append((built.submitted, first_step.pop(c.id, begin), end, planned))
+                    ready_at[production.key] = now  # in place, its end; ahead, its launch
                     for item, r, arrived in production.waiters:
                         queue[item.id] = (item, r, "inflight_join", arrived)
             continue
@@ -1326,7 +1342,9 @@ def load_model(
         launch_scale=float(changes.get("launch_scale", 1.0)),
         host_step_s=host_step_s(result, config, chosen),
     )
-    setup = dataclasses.replace(setup, scheduler=scheduler)
+    setup = dataclasses.replace(
+        setup, scheduler=scheduler, chunks_ahead=bool(changes.get("chunks_ahead", 0.0))
+    )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
     if "ranker_slo_ms" in changes:
@@ -1429,6 +1447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--first-chunk-absorbs", action="store_true",
                          help="relay: the ranker's --first-chunk-absorbs (a first chunk a graph holds may "
                          "pass the step budget where that saves a step), its steps at the run's scale")  # fmt: skip
+    what_if.add_argument("--chunks-ahead", action="store_true",
+                         help="relay: the ranker's --chunks-ahead (pre-inference graph steps launched behind "
+                         "the step on the device, the host going on meanwhile)")  # fmt: skip
     what_if.add_argument("--graph-tokens", type=int, default=17_408,
                          help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
@@ -1445,7 +1466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("signal_trip_ms", args.signal_trip_ms), ("max_rank_delay_ms", args.max_rank_delay_ms),
                ("exact_lead_test", 1.0 if args.exact_lead_test else None),
                ("lead_test_only", 1.0 if args.lead_test_only else None),
-               ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None))
+               ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
+               ("chunks_ahead", 1.0 if args.chunks_ahead else None))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

@@ -678,3 +678,31 @@ def test_the_command_models_the_triggers_admission_and_takes_its_settings_as_wha
         assert sum(shares) == pytest.approx(1.0)
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay", "--trigger-setting", "spare_min_saving=lots"])
+
+
+def test_pre_inference_steps_launched_ahead_free_the_host_and_what_reads_their_psi_runs_behind_them():
+    # One 4096-token prefix, one graph step of ~2.5 ms; its call comes 0.2 ms after the signal.
+    # In place the step starts when the signal arrives and holds the host to its end, and the
+    # call is launched after it (0.5 ms), then computes (0.86 ms). Launched ahead, the step starts
+    # after its own launch (drawn as a batch against psi's: 0.5 ms); the call, there by then, is
+    # launched behind it (psi counts as built at the launch) and computes as soon as it is done.
+    with_launch = Calibration(FULL, dataclasses.replace(CACHED, launches=(0.5e-3,)),
+                              {"full_recompute": (0.0,), "hbm_hit": (0.0,), "inflight_join": (0.0,)}, (), batches=0)  # fmt: skip
+    base = Setup(
+        psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, scheduler=SchedulerConfig(max_wait_s=0.0)
+    )
+    call = PlannedRequest("b", 1.0, 1.0012, 2, 1, 4096, 64, 256, 0)
+    in_place: list[tuple[float, float]] = []
+    (served_in_place,) = simulate([call], with_launch, base, preinfer_steps=in_place)
+    ahead: list[tuple[float, float]] = []
+    (served_ahead,) = simulate(
+        [call], with_launch, dataclasses.replace(base, chunks_ahead=True), preinfer_steps=ahead
+    )
+    ((start, step_s),) = in_place
+    cached_s = CACHED.fitted_s(320, 0)
+    assert start == pytest.approx(1.001)
+    assert served_in_place.path == "inflight_join"
+    assert served_in_place.latency_ms == pytest.approx((start + step_s + 0.5e-3 + cached_s - 1.0012) * 1e3)
+    assert ahead == [(pytest.approx(1.0015), pytest.approx(step_s))]
+    assert served_ahead.path == "inflight_join"
+    assert served_ahead.latency_ms == pytest.approx((1.0015 + step_s + cached_s - 1.0012) * 1e3)
