@@ -138,18 +138,26 @@ def _plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from relaygr.plan import plan, plot, sensitivity, sensitivity_table, table
+    from relaygr.sim import modelled_configs, parse_trigger_settings
 
     changes = {
         k: v for k, v in (("arena_gb", args.arena_gb), ("hbm_budget_mb", args.hbm_budget_mb)) if v is not None
     }
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if not configs:
-        fail("--configs: name at least one configuration")
     source = Path(args.source)
     try:
-        rows = plan(source, configs, args.target_rps, args.workload, args.slo_ms, args.users, changes)
+        settings = parse_trigger_settings(args.trigger_setting)
+        if args.configs is None:
+            configs = modelled_configs(source)
+            if not configs:
+                raise ValueError(f"{source.name} holds no configuration the model covers")
+        else:
+            configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+            if not configs:
+                raise ValueError("--configs: name at least one configuration")
+        rows = plan(source, configs, args.target_rps, args.workload, args.slo_ms, args.users, changes,
+                    trigger_settings=settings)  # fmt: skip
         varied = (
-            sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes)
+            sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes, settings)
             if args.sensitivity
             else []
         )
@@ -234,9 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a bench.goodput result file with its calls/ directory beside it (the calibration)")  # fmt: skip
     plan.add_argument("--target-rps", type=positive_float, required=True, metavar="RPS",
                       help="ranking requests per second the fleet must serve under the SLO")  # fmt: skip
-    plan.add_argument("--configs", default="baseline,relay-nospare", metavar="A,B",
+    plan.add_argument("--configs", default=None, metavar="A,B",
                       help="configurations to plan, each modelled from the file's records of it "
-                      "(baseline, relay-nospare, preinfer-all) (default: %(default)s)")  # fmt: skip
+                      "(baseline, relay, relay-nospare, preinfer-all, ...; default: every one the file "
+                      "holds that the model covers)")  # fmt: skip
+    plan.add_argument("--trigger-setting", action="append", default=[], metavar="NAME=VALUE",
+                      help="relay: one of the trigger's admission settings instead of the run's (e.g. "
+                      "spare_min_saving=0.1); repeatable")  # fmt: skip
     plan.add_argument("--workload", default=None, metavar="L<n>|mix",
                       help="the file's workload to plan (default: its only one)")  # fmt: skip
     plan.add_argument("--slo-ms", type=positive_float, default=None, metavar="MS",

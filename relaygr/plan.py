@@ -84,15 +84,19 @@ def plan(
     users: int | None = None,
     changes: dict[str, float] | None = None,
     seed: int = 0,
+    trigger_settings: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """One plan per configuration, each modelled from `source`'s own records of it."""
+    """One plan per configuration, each modelled from `source`'s own records of it (`relay`: with
+    `trigger_settings` instead of the run's where given)."""
     if users is not None and users < 1:
         raise ValueError("--users must be >= 1")
     if slo_ms is not None and not slo_ms > 0:
         raise ValueError("--slo-ms must be > 0")
     rows = []
     for config in configs:
-        model = load_model(source, config, workload, changes)
+        # The trigger's settings are the relay's alone (the others' files ran no trigger that admits).
+        settings = trigger_settings if config == "relay" else None
+        model = load_model(source, config, workload, changes, trigger_settings=settings or None)
         if slo_ms is not None:
             model = dataclasses.replace(model, setup=dataclasses.replace(model.setup, slo_ms=slo_ms))
         rows.append(plan_one(model, target_rps, users, seed))
@@ -134,6 +138,7 @@ def sensitivity(
     workload: str | None = None,
     slo_ms: float | None = None,
     changes: dict[str, float] | None = None,
+    trigger_settings: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """GPUs with one input varied at a time (SENSITIVITY), beside the plan `base`: which inputs
     matter most. Inputs a configuration does not use (DRAM and psi for the baseline) are left out."""
@@ -151,7 +156,8 @@ def sensitivity(
                     varied[key] = reference["dram_gb_per_gpu"] * factor
                 else:
                     varied[key] = varied.get(key, 1.0) * factor
-                (row,) = plan(source, [config], target_rps, workload, slo, None, varied)
+                (row,) = plan(source, [config], target_rps, workload, slo, None, varied,
+                              trigger_settings=trigger_settings)  # fmt: skip
                 rows.append({"input": name, "factor": factor, "config": config, "gpus": row["gpus"],
                              "base_gpus": reference["gpus"], "change": row["gpus"] / reference["gpus"] - 1})  # fmt: skip
     return rows

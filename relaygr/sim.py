@@ -1061,6 +1061,19 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
 # per batch as their files measured it.
 
 
+def modelled_configs(result_path: Path) -> list[str]:
+    """The configurations a goodput result file holds that the model covers as it stands, in the
+    file's order (`relay` only where a record of it has the ranker's step costs: load_model
+    refuses it otherwise); ValueError, one line, where the file cannot be read as one."""
+    try:
+        result = json.loads(result_path.read_text())
+        held = [(r["config"], bool(r.get("ranker_step_costs"))) for r in result["results"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
+    usable = [c for c, steps in held if c in MODELLED and (c != "relay" or steps)]
+    return list(dict.fromkeys(usable))
+
+
 def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> float | None:
     """The device time one psi's pre-inference cost in service, as the file measured it: the
     median over the configuration's points of their pre-inference device seconds over the psi
@@ -1258,6 +1271,11 @@ def load_model(
         workloads = sorted({r["workload"] for r in result["results"] if r["config"] == config})
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
+    if not workloads:
+        held = sorted({r["config"] for r in result["results"]})
+        raise ValueError(
+            f"{result_path.name} holds no records of {config} (it holds {', '.join(held) or 'none'})"
+        )
     chosen = workload or (workloads[0] if len(workloads) == 1 else None)
     if chosen is None or chosen not in workloads:
         raise ValueError(f"--workload: one of {workloads} for {config} in {result_path}")

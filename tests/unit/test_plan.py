@@ -59,6 +59,9 @@ def test_a_thousand_gpu_plan_for_a_hundred_million_users_takes_seconds(source):
         (["--target-rps", "100", "--configs", "relay-nospare-2p-mps"], "the model covers"),
         (["--target-rps", "100", "--workload", "mix"], "--workload: one of ['L4096']"),
         (["--target-rps", "100", "--slo-ms", "-5"], "--slo-ms: must be a finite number > 0"),
+        (["--target-rps", "100", "--configs", "relay"], "holds no records of relay (it holds baseline)"),
+        (["--target-rps", "100", "--configs", " , "], "--configs: name at least one configuration"),
+        (["--target-rps", "100", "--trigger-setting", "spare_min_saving"], "--trigger-setting"),
     ],
 )
 def test_bad_inputs_get_one_line_errors(source, capsys, argv, message):
@@ -68,6 +71,35 @@ def test_bad_inputs_get_one_line_errors(source, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert message in err
+
+
+def test_the_configurations_planned_by_default_are_the_modelled_ones_the_file_holds(source, tmp_path, capsys):
+    assert main(["plan", "--from", str(source), "--target-rps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "| baseline |" in out
+    # A trigger setting is the relay's alone: a plan of the baseline takes no notice of it.
+    assert (
+        main(
+            [
+                "plan",
+                "--from",
+                str(source),
+                "--target-rps",
+                "1000",
+                "--trigger-setting",
+                "spare_min_saving=0.2",
+            ]
+        )
+        == 0
+    )
+    nothing = tmp_path / "other.json"
+    nothing.write_text(
+        json.dumps({"config": {"slo_ms": 50.0}, "results": [{"config": "relay-2p-mps", "points": []}]})
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--from", str(nothing), "--target-rps", "1000"])
+    assert exit_.value.code == 2
+    assert "holds no configuration the model covers" in capsys.readouterr().err
 
 
 def test_a_missing_file_is_one_line_too(tmp_path, capsys):

@@ -27,6 +27,7 @@ from relaygr.sim import (
     host_step_s,
     load_model,
     main,
+    modelled_configs,
     parse_trigger_settings,
     preinfer_ms_per_psi,
     scaled,
@@ -706,3 +707,24 @@ def test_pre_inference_steps_launched_ahead_free_the_host_and_what_reads_their_p
     assert ahead == [(pytest.approx(1.0015), pytest.approx(step_s))]
     assert served_ahead.path == "inflight_join"
     assert served_ahead.latency_ms == pytest.approx((1.0015 + step_s + cached_s - 1.0012) * 1e3)
+
+
+def test_the_configurations_a_file_holds_are_those_the_model_can_take(tmp_path):
+    path = tmp_path / "goodput-x.json"
+    results = [
+        {"config": "baseline"},
+        {"config": "relay"},
+        {"config": "relay-nospare-2p-mps"},
+        {"config": "baseline"},
+    ]
+    path.write_text(json.dumps({"results": results}))
+    assert modelled_configs(path) == ["baseline"]  # the relay without its step costs is refused
+    results[1]["ranker_step_costs"] = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.0}}
+    path.write_text(json.dumps({"results": results}))
+    assert modelled_configs(path) == ["baseline", "relay"]
+    for bad in ("{", json.dumps({"results": [1]}), json.dumps({"nothing": []})):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="cannot read"):
+            modelled_configs(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        modelled_configs(tmp_path / "missing.json")
