@@ -54,9 +54,9 @@ replays, same seed, same lead-in, the measured window only counted):
     the batch before, issues copies and plans: their mean time per batch from the file's loop_*
     sections where it has them (`host_step_s`). `--launch-scale` scales both, 0 turns them off
     (the device-only model of earlier checks).
-Not modelled yet: the router and several rankers, the
-copy engine as a resource, the signal path's tail, the interpreter lock shared with the event
-loop (it is inside the measured host times, not modelled as a resource).
+Not modelled yet: the router and several rankers, the copy engine as a resource, the signal
+path's tail, the interpreter lock shared with the event loop (it is inside the measured host
+times, not modelled as a resource).
 
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
@@ -457,7 +457,7 @@ class _Report(NamedTuple):
     dues: tuple[float, ...]
     busy: float  # device busy share over the last 2 s (DeviceTime.recent_busy_fraction)
     queue_depth: int
-    resident_bytes: int
+    leased_bytes: int  # psi admitted and not yet consumed (StatsReply.hbm_leased_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -742,7 +742,7 @@ def simulate(
         if known and ledger.reported_at != known[-1].at:
             rep = known[-1]
             budget = setup.hbm_budget_bytes if policy is not None else 0  # no footprint test otherwise
-            ledger.report(rep.at, budget, rep.resident_bytes, rep.backlog, rep.queue_depth, rep.dues)
+            ledger.report(rep.at, budget, rep.leased_bytes, rep.backlog, rep.queue_depth, rep.dues)
 
     def signal(r: PlannedRequest, t: float) -> None:
         """A pre-inference signal (every request: the `preinfer-all` policy): psi held is kept,
@@ -1338,6 +1338,7 @@ def load_model(
     if view is not None and changes.get("lead_test_only", 0.0) == 0.0:
         record = next(r for r in result["results"] if r["config"] == config and r["workload"] == chosen)
         admission = dataclasses.replace(AdmissionPolicy.of_run(record), **(trigger_settings or {}))
+        view = dataclasses.replace(view, stats_interval_s=admission.stats_interval_s)  # its Stats polls
     elif trigger_settings:
         raise ValueError("--trigger-setting: the trigger's admission is modelled for relay only (not with "
                          "--lead-test-only or --exact-lead-test)")  # fmt: skip

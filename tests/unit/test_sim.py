@@ -655,11 +655,17 @@ def test_the_command_models_the_triggers_admission_and_takes_its_settings_as_wha
     result = json.loads(path.read_text())
     result["results"][0]["ranker_step_costs"] = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0,
                                                            "per_pair_ns": 0.02}}  # fmt: skip
-    result["results"][0]["trigger_settings"] = {"spare_min_saving": 0.0, "max_backlog": 16}
+    result["results"][0]["trigger_settings"] = {
+        "spare_min_saving": 0.0,
+        "max_backlog": 16,
+        "stats_interval_s": 0.1,
+    }
     path.write_text(json.dumps(result))
     model = load_model(path, "relay")
     assert model.setup.admission is not None
     assert (model.setup.admission.spare_min_saving, model.setup.admission.max_backlog) == (0.0, 16)
+    assert model.setup.trigger is not None
+    assert model.setup.trigger.stats_interval_s == 0.1  # the run's trigger polled its rankers that often
     assert load_model(path, "relay", changes={"lead_test_only": 1.0}).setup.admission is None
     asked = load_model(path, "relay", trigger_settings={"spare_min_saving": 0.3})
     assert asked.setup.admission is not None
