@@ -1074,6 +1074,32 @@ def modelled_configs(result_path: Path) -> list[str]:
     return list(dict.fromkeys(usable))
 
 
+def measured_trigger_shares(result: dict[str, Any], config: str, workload: str) -> list[dict[str, Any]]:
+    """The trigger's decisions at each of the file's points of `config`, as shares of its events
+    (its counters, `trigger_<reason>`; admissions by ground where the point has them), what the
+    model's points report as `trigger_<label>`: [{"rate_rps", "trigger_<label>": share, ...}]."""
+    out = []
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            counts = {
+                k[len("trigger_") :]: float(v)
+                for k, v in p.items()
+                if k.startswith("trigger_") and "lag" not in k and isinstance(v, (int, float))
+            }
+            grounds = {k: v for k, v in counts.items() if k.startswith("admitted_")}
+            if grounds:  # the admissions by ground replace their total
+                counts.pop("admitted", None)
+            else:
+                counts = {k: v for k, v in counts.items() if not k.startswith("admitted_")}
+            events = sum(counts.values())
+            if events > 0:
+                shares = {f"trigger_{k}": v / events for k, v in sorted(counts.items())}
+                out.append({"rate_rps": float(p["rate_rps"]), **shares})
+    return sorted(out, key=lambda row: row["rate_rps"])
+
+
 def preinfer_ms_per_psi(result: dict[str, Any], config: str, workload: str) -> float | None:
     """The device time one psi's pre-inference cost in service, as the file measured it: the
     median over the configuration's points of their pre-inference device seconds over the psi
@@ -1547,6 +1573,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else None,
         "preinfer_ms_per_psi_measured": preinfer_ms_per_psi(result, args.config, workload),
         "points": points,
+        # The trigger's decisions at the file's points, beside the modelled points' (relay).
+        "measured_trigger": measured_trigger_shares(result, args.config, workload)
+        if setup.admission is not None
+        else [],
     }
     spread = (
         f" (seeds: {min(f[0] for f in searches):.1f}-{max(f[0] for f in searches):.1f})"
@@ -1568,6 +1598,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  {pt['rate_rps']:8.1f} req/s  p99 {pt['p99_ms']:7.1f} ms  {verdict}  busy {pt['busy']:.2f}  {shares}"
             + (f"  | trigger: {admitted}" if admitted else "")
         )
+    if summary["measured_trigger"]:
+        print("  the trigger as measured (the file's points, shares of its events):")
+        for row in summary["measured_trigger"]:
+            shares = " ".join(
+                f"{k[len('trigger_') :]} {v:.2f}"
+                for k, v in row.items()
+                if k.startswith("trigger_") and v >= 0.005
+            )
+            print(f"  {row['rate_rps']:8.1f} req/s  | trigger: {shares}")
     if args.json is not None:
         write_result(args.json, result.get("machine", {}), summary)
     return 0

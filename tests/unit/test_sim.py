@@ -27,6 +27,7 @@ from relaygr.sim import (
     host_step_s,
     load_model,
     main,
+    measured_trigger_shares,
     modelled_configs,
     parse_trigger_settings,
     preinfer_ms_per_psi,
@@ -734,3 +735,16 @@ def test_the_configurations_a_file_holds_are_those_the_model_can_take(tmp_path):
             modelled_configs(path)
     with pytest.raises(ValueError, match="cannot read"):
         modelled_configs(tmp_path / "missing.json")
+
+
+def test_the_measured_triggers_decisions_are_shares_of_its_events_as_the_model_reports_them():
+    result = {"results": [{"config": "relay", "workload": "L16384", "points": [
+        {"rate_rps": 35.0, "trigger_admitted": 300.0, "trigger_admitted_spare": 250.0, "trigger_admitted_risk": 50.0,
+         "trigger_adds_work": 200.0, "trigger_too_late": 0.0, "trigger_event_lags": 500, "trigger_event_lag_ms_sum": 9.0},
+        {"rate_rps": 30.0, "trigger_admitted": 100.0, "trigger_not_at_risk": 300.0},  # before the grounds were counted
+    ]}, {"config": "baseline", "workload": "L16384", "points": [{"rate_rps": 10.0}]}]}  # fmt: skip
+    low, high = measured_trigger_shares(result, "relay", "L16384")
+    assert low == {"rate_rps": 30.0, "trigger_admitted": 0.25, "trigger_not_at_risk": 0.75}
+    assert high == {"rate_rps": 35.0, "trigger_adds_work": 0.4, "trigger_admitted_risk": 0.1,
+                    "trigger_admitted_spare": 0.5, "trigger_too_late": 0.0}  # fmt: skip
+    assert measured_trigger_shares(result, "baseline", "L16384") == []  # no trigger counters
