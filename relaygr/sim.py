@@ -400,6 +400,10 @@ class TriggerView:
     stats_interval_s: float = 0.2
 
 
+# The trigger's own defaults (TriggerConfig): what AdmissionPolicy's fields default to.
+_TRIGGER_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TriggerConfig)}
+
+
 @dataclasses.dataclass(frozen=True)
 class AdmissionPolicy:
     """The trigger's admission as it runs (services/trigger/service.py, decide): every retrieval
@@ -408,29 +412,23 @@ class AdmissionPolicy:
     median of the recent batches against psi per call, a psi's cost as the scheduler plans it,
     the instance's offered load (OfferedLoad), the keys' returns (ReturnRate), the device's busy
     share over the last 2 s and its queue as of the last Stats report, its footprint and backlog
-    in the ledger, and the lead test (TriggerView). Its settings are the trigger's (TriggerConfig,
-    ADMISSION_SETTINGS): `of_run` takes them from a run's record."""
+    in the ledger, and the lead test (TriggerView). Its settings are the trigger's
+    (ADMISSION_SETTINGS), defaulting to the trigger's defaults; `of_run` takes a run's."""
 
-    slo_ms: float = 50.0
-    risk_fraction: float = 0.5
-    max_extra_work: float = 0.15
-    spare_busy_max: float = 0.8
-    spare_min_saving: float = 0.1
-    load_window_s: float = 2.0
-    prefetch: bool = False
-    reuse_window_s: float = 600.0
-    footprint_fraction: float = 0.9
-    max_backlog: int = 32
-    lease_slack_ms: float = 500.0
-    max_lease_ms: float = 30_000.0
-    stats_interval_s: float = 0.2
-    suffix_tokens_estimate: int = 320
-
-    @classmethod
-    def trigger_defaults(cls) -> AdmissionPolicy:
-        """The trigger's own defaults (TriggerConfig), whatever this class's say."""
-        defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TriggerConfig)}
-        return cls(**{name: defaults[name] for name in ADMISSION_SETTINGS})
+    slo_ms: float = _TRIGGER_DEFAULTS["slo_ms"]
+    risk_fraction: float = _TRIGGER_DEFAULTS["risk_fraction"]
+    max_extra_work: float = _TRIGGER_DEFAULTS["max_extra_work"]
+    spare_busy_max: float = _TRIGGER_DEFAULTS["spare_busy_max"]
+    spare_min_saving: float = _TRIGGER_DEFAULTS["spare_min_saving"]
+    load_window_s: float = _TRIGGER_DEFAULTS["load_window_s"]
+    prefetch: bool = _TRIGGER_DEFAULTS["prefetch"]
+    reuse_window_s: float = _TRIGGER_DEFAULTS["reuse_window_s"]
+    footprint_fraction: float = _TRIGGER_DEFAULTS["footprint_fraction"]
+    max_backlog: int = _TRIGGER_DEFAULTS["max_backlog"]
+    lease_slack_ms: float = _TRIGGER_DEFAULTS["lease_slack_ms"]
+    max_lease_ms: float = _TRIGGER_DEFAULTS["max_lease_ms"]
+    stats_interval_s: float = _TRIGGER_DEFAULTS["stats_interval_s"]
+    suffix_tokens_estimate: int = _TRIGGER_DEFAULTS["suffix_tokens_estimate"]
 
     @classmethod
     def of_run(cls, record: dict[str, Any]) -> AdmissionPolicy:
@@ -441,12 +439,8 @@ class AdmissionPolicy:
         settings = record.get("trigger_settings")
         if settings:
             known = {f.name for f in dataclasses.fields(cls)}
-            return dataclasses.replace(
-                cls.trigger_defaults(), **{k: v for k, v in settings.items() if k in known}
-            )
-        return dataclasses.replace(
-            cls.trigger_defaults(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0))
-        )
+            return dataclasses.replace(cls(), **{k: v for k, v in settings.items() if k in known})
+        return dataclasses.replace(cls(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0)))
 
 
 class _Report(NamedTuple):

@@ -567,7 +567,8 @@ def test_the_triggers_view_comes_from_the_files_points():
 
 def test_the_modelled_triggers_settings_are_the_triggers_own_or_a_runs():
     defaults = load_config(TriggerConfig, ["--rankers", "127.0.0.1:1"], env={})
-    assert AdmissionPolicy.trigger_defaults() == AdmissionPolicy(
+    assert {f.name for f in dataclasses.fields(AdmissionPolicy)} == set(ADMISSION_SETTINGS)
+    assert AdmissionPolicy() == AdmissionPolicy(
         **{name: getattr(defaults, name) for name in ADMISSION_SETTINGS}
     )
     # A run that recorded its trigger's settings is modelled by them (names the model does not
