@@ -691,14 +691,13 @@ def simulate(
         assert offered is not None
         assert returns is not None
         decided = r.t_retrieval_s + view.event_lag_ms / 1e3
-        sync_ledger(decided)
+        report = sync_ledger(decided)
         ledger.forget_expired(decided)
         returning = returns.observe(key, decided)
         suffix = policy.suffix_tokens_estimate
         full = full_ms(r.prefix_len, suffix)
-        known = [rep for rep in reports if rep.at <= decided]
-        depth = known[-1].queue_depth if known else 0
-        busy = known[-1].busy if known else None
+        depth = report.queue_depth if report is not None else 0
+        busy = report.busy if report is not None else None
         predicted = full * (1 + depth)  # LatencyModel.predict: its compute and the queue ahead
         offered.add(decided, full)
         load = offered.fraction(decided)
@@ -730,13 +729,17 @@ def simulate(
             decisions.append((r.t_retrieval_s, label))
         return reason
 
-    def sync_ledger(decided: float) -> None:
-        """The trigger's ledger as of its last Stats report before `decided`."""
+    def sync_ledger(decided: float) -> _Report | None:
+        """The trigger's ledger as of its last Stats report before `decided`; that report (None:
+        none yet)."""
         known = [rep for rep in reports if rep.at <= decided]
-        if known and ledger.reported_at != known[-1].at:
-            rep = known[-1]
+        if not known:
+            return None
+        rep = known[-1]
+        if ledger.reported_at != rep.at:
             budget = setup.hbm_budget_bytes if policy is not None else 0  # no footprint test otherwise
             ledger.report(rep.at, budget, rep.leased_bytes, rep.backlog, rep.queue_depth, rep.dues)
+        return rep
 
     def signal(r: PlannedRequest, t: float) -> None:
         """A pre-inference signal (every request: the `preinfer-all` policy): psi held is kept,
@@ -756,11 +759,10 @@ def simulate(
             ready_at[key] = t + draw_reload_ms() / 1e3
             return
         pid = next_id()
-        if policy is not None:
-            pass  # the lead test was the trigger's, in its decision
-        elif view is not None:
-            # The trigger's test as it runs: decided at the event's lag, on the last report it
-            # had then and its own admissions since.
+        # The lead test alone (with the trigger's whole admission, its decision included it):
+        if view is not None and policy is None:
+            # as the trigger runs it: decided at the event's lag, on the last report it had then
+            # and its own admissions since;
             decided = r.t_retrieval_s + view.event_lag_ms / 1e3
             sync_ledger(decided)
             ahead_count = ledger.backlog_ahead(decided, need_by)
@@ -768,10 +770,10 @@ def simulate(
                 return
             queued_s = (view.trip_ms + view.preinfer_ms * (1 + ahead_count)) / 1e3
             ledger.admit(key, 0, decided, math.inf, queued_until=decided + queued_s, due=need_by)
-        elif setup.lead_test:
-            # The trigger's too_late (services/trigger/admission.py): refused when the backlog
-            # due no later than it would not let it start before its call comes; the call then
-            # ranks in full.
+        elif view is None and setup.lead_test:
+            # or by the model's exact queue: the trigger's too_late (services/trigger/admission.py)
+            # refuses it when the backlog due no later than it would not let it start before its
+            # call comes; the call then ranks in full.
             ahead = sum(
                 scheduler.remaining_seconds(p.item.done, p.item.length)
                 for p in productions.values()
