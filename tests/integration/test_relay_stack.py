@@ -23,6 +23,7 @@ from services.trigger.config import ADMISSION_SETTINGS
 from shared.broker import EmbeddedBroker
 from shared.dlq import read_dead_letter
 from shared.kafka import KafkaSettings, make_producer
+from shared.placement import Instance, preference
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
 from shared.protos import ranker_pb2_grpc as pb_grpc
@@ -108,8 +109,16 @@ async def test_long_requests_are_relayed_short_ones_ranked_in_full(stack):
     # Decisions made before the trigger has fitted its model would use the FLOPs estimate.
     await asyncio.to_thread(stack["trigger"].wait_event, "latency_model_calibrated", 60)
     await asyncio.sleep(0.5)  # the rest of the warm-up samples reach the fit
-    long_users = [make_user(i, LONG) for i in range(4)]
-    short_users = [make_user(100 + i, SHORT) for i in range(4)]
+    # Two users of each kind placed on each ranker (the placement's own choice on idle rankers:
+    # the rankers' ports are random, so fixed ids could all land on one).
+    idle = [Instance(t, 0.0) for t in stack["targets"]]
+
+    def placed(first_id: int) -> list[int]:
+        ids = range(first_id, first_id + 1000)
+        return [u for t in stack["targets"] for u in [u for u in ids if preference(u, idle)[0] == t][:2]]
+
+    long_users = [make_user(u, LONG) for u in placed(10_000)]
+    short_users = [make_user(u, SHORT) for u in placed(20_000)]
     # A lead time of 2 s: four pre-inferences of 2500 tokens share 2 CPU cores with everything else.
     replies = await asyncio.gather(
         *(one_request(stack, p, s, f"L{i}", gap_s=2.0) for i, (p, s) in enumerate(long_users)),
