@@ -24,6 +24,7 @@ from relaygr.sim import (
     call_deadline_s,
     call_slo_s,
     goodput,
+    host_costs,
     host_step_s,
     load_model,
     main,
@@ -283,6 +284,15 @@ def test_the_hosts_time_between_launches_comes_from_the_loop_sections_and_slows_
         "results": [{"config": "relay-nospare", "workload": "L4096", "points": [{"graph_replays_full": 9.0}]}]
     }
     assert host_step_s(older, "relay-nospare", "L4096") == 0.0  # no loop sections recorded
+    # Where the points count their copies (demotions, reloads), the copies' section is priced per
+    # copy apart: 0.3 s over 100 batches plus 0.1 s over 50 copies, the same 1 ms a batch on
+    # average at the measured copies.
+    counted = dict(point, demotions=40.0, reloads=10.0)
+    copies = {"results": [{"config": "relay", "workload": "L4096", "points": [counted, counted]}]}
+    per_batch, per_copy = host_costs(copies, "relay", "L4096")
+    assert (per_batch, per_copy) == (pytest.approx(0.3 / 400 * 1), pytest.approx(0.1 / 50))
+    assert host_step_s(copies, "relay", "L4096") == pytest.approx(0.4 / 400)
+    assert host_costs(result, "relay-nospare", "L4096") == (pytest.approx(0.4 / 400), 0.0)  # none counted
 
     # Calls against psi of 1 ms, 1.1 ms apart, launched in 0.2 ms: the device keeps up until the
     # host also spends 2 ms a batch between launches (2.2 ms a batch: +1.1 ms of queue a call).
@@ -749,3 +759,25 @@ def test_the_measured_triggers_decisions_are_shares_of_its_events_as_the_model_r
     assert high == {"rate_rps": 35.0, "trigger_adds_work": 0.4, "trigger_admitted_risk": 0.1,
                     "trigger_admitted_spare": 0.5, "trigger_too_late": 0.0}  # fmt: skip
     assert measured_trigger_shares(result, "baseline", "L16384") == []  # no trigger counters
+
+
+def test_each_copy_of_psi_costs_the_host_its_issue_and_no_dram_tier_issues_none():
+    # Users who come back, close together, after HBM (room for two psi) evicted them: with a
+    # DRAM tier each eviction is a demotion and each return a reload, each costing the host 5 ms
+    # before the next batch's launch, which the calls behind it wait for; without a DRAM tier,
+    # they are ranked in full and the host issues no copy.
+    launching = dataclasses.replace(CACHED, launches=(0.2e-3,))
+    cal = Calibration(dataclasses.replace(FULL, launches=(0.2e-3,)), launching,
+                      {"full_recompute": (0.0,), "hbm_hit": (0.0,), "dram_reload": (0.0,)}, (1.0,), batches=0)  # fmt: skip
+    users = range(1, 7)
+    calls = [request(u, 1.0 + 0.05 * u, u) for u in users]
+    calls += [request(100 + u, 2.0 + 0.001 * u, u, session_index=1) for u in users]  # 1 ms apart
+    two = Setup(
+        psi=True, hbm_budget_bytes=2 * 4096 * PSI_BYTES_PER_TOKEN, scheduler=SchedulerConfig(max_wait_s=0.0)
+    )
+    tier = simulate(calls, cal, dataclasses.replace(two, copy_issue_s=5e-3))
+    assert [s.path for s in tier].count("dram_reload") >= 4
+    free = simulate(calls, cal, two)  # the same, the copies' issue not priced
+    assert sum(s.latency_ms for s in tier) > sum(s.latency_ms for s in free)
+    none = simulate(calls, cal, dataclasses.replace(two, copy_issue_s=5e-3, dram_bytes=0))
+    assert "dram_reload" not in {s.path for s in none}
