@@ -672,7 +672,14 @@ def test_the_command_models_the_triggers_admission_and_takes_its_settings_as_wha
         "max_backlog": 16,
         "stats_interval_s": 0.1,
     }
+    for p in result["results"][0]["points"]:  # the device loop's sections and the copies it issued
+        p.update(graph_replays_cached=100.0, loop_settle_wall_s=0.1, loop_plan_wall_s=0.1, loop_copies_wall_s=0.1,
+                 demotions=40.0, reloads=10.0)  # fmt: skip
     path.write_text(json.dumps(result))
+    measured_rate = load_model(path, "relay")
+    assert (measured_rate.setup.host_step_s, measured_rate.setup.copy_issue_s) == (pytest.approx(3e-3), 0.0)
+    apart = load_model(path, "relay", changes={"copies_apart": 1.0})  # a tier's what-if
+    assert (apart.setup.host_step_s, apart.setup.copy_issue_s) == (pytest.approx(2e-3), pytest.approx(2e-3))
     model = load_model(path, "relay")
     assert model.setup.admission is not None
     assert (model.setup.admission.spare_min_saving, model.setup.admission.max_backlog) == (0.0, 16)
