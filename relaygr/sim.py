@@ -1397,8 +1397,9 @@ def load_model(
     # priced per copy the model issues: its copies can differ from the run's (at L16384, k10d,
     # the ranker demoted ~18 psi a second where the model's LRU evicts fewer, and the split
     # alone moved the modelled limit 41 -> 46 req/s), so the checks keep the measured rate.
-    per_batch_s, per_copy_s = host_costs(result, config, chosen)
-    if not changes.get("copies_apart", 0.0) or config.startswith("baseline"):
+    if changes.get("copies_apart", 0.0) and not config.startswith("baseline"):
+        per_batch_s, per_copy_s = host_costs(result, config, chosen)
+    else:
         per_batch_s, per_copy_s = host_step_s(result, config, chosen), 0.0
     admission = None
     if view is not None and changes.get("lead_test_only", 0.0) == 0.0:
