@@ -380,6 +380,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             totals[f"host_lookup_{result}"] += samples.get(
                 f'relaygr_ranker_host_lookups_total{{result="{result}"}}', 0.0
             )
+        # Candidates for host DRAM the demotion gate did not copy (services/ranker/demotion_gate.py).
+        totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
         for reason in ("cheaper", "copy_engine_under_load", "recompute_cheaper"):
             name = f'relaygr_ranker_reload_decisions_total{{decision="{reason}"}}'
             totals[f"reload_decision_{reason}"] += samples.get(name, 0.0)
@@ -772,6 +774,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
                     "preinfers_expired",
                     "late_signals",
                     "signal_trips",
+                    "demotions_skipped",
                 )
             )
         },

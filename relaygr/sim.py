@@ -1192,6 +1192,22 @@ def call_slo_s(result: dict[str, Any], config: str, workload: str) -> float:
     return math.inf
 
 
+def graph_full_tokens(result: dict[str, Any], config: str, workload: str) -> int:
+    """The longest full ranking the file's ranker replayed alone as a captured graph (its
+    `ranker_step_costs.graph_tokens`: full rankings and pre-inference steps share the ladder); 0
+    where it recorded none (a CPU run, or a file from before the record). The model batches
+    full rankings by cost alone only then: on the GPU the scheduler batches a full ranking only
+    into a shape a captured graph holds, and the ranker captures one-sequence shapes alone
+    (services/ranker/graphs.py warm_full_keys). Modelled as batchable, the length mix's full
+    rankings shared batches the ranker never formed: the baseline's limit modelled 677 req/s
+    where an H200 met 337.5 (k11b; 426 with this)."""
+    for r in result.get("results", []):
+        if r.get("config") == config and r.get("workload") == workload:
+            costs = r.get("ranker_step_costs") or {}
+            return int(costs.get("graph_tokens", 0)) if costs.get("graph") else 0
+    return 0
+
+
 def host_step_s(result: dict[str, Any], config: str, workload: str) -> float:
     """The host's time per ranking batch between launches (settle, copies, plan), as the file's
     points measured it (loop_* wall seconds over the batches replayed or run eagerly in the same
@@ -1424,7 +1440,7 @@ def load_model(
         admission=admission,
         hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
-        graph_full_tokens=int(changes.get("graph_full_tokens", 0)),
+        graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
@@ -1495,8 +1511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cached-scale", type=float, default=1.0, help="calls against psi cost this x measured"
     )
     what_if.add_argument("--graph-full-tokens", type=int, default=None,
-                         help="full rankings batched only into captured graphs (batch-1 graphs up to this many "
-                         "tokens: 8192 on the GPU since 7f46ff9)")  # fmt: skip
+                         help="full rankings of at most this many tokens replay batch-1 graphs and are never "
+                         "batched (default: the file's ranker_step_costs.graph_tokens, 17408 on the GPU since "
+                         "17182da; 0: batched by cost alone, as on the CPU)")  # fmt: skip
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     what_if.add_argument("--launch-scale", type=float, default=1.0,
                          help="the host's launch of a batch takes this x measured (0: not modelled)")  # fmt: skip

@@ -42,6 +42,7 @@ def _whole_chunks(value: int) -> str | None:
 class Demotion(enum.StrEnum):
     """When consumed psi is copied to host DRAM (services/ranker/relay_cache.py)."""
 
+    EARNED = "earned"  # under pressure, while reloads pay for the copies (demotion_gate.py)
     PRESSURE = "pressure"  # when HBM nears its budget, the least recently used first: tiers add up
     CONSUMED = "consumed"  # as soon as it is consumed: DRAM holds a copy of what HBM holds
 
@@ -221,11 +222,17 @@ class RankerConfig(TlsSettings):
                                           "prefix's psi in the cache, written by the same pass, so that the "
                                           "user's next call reads it (0: never: plain full inference)",
                                           check=non_negative)  # fmt: skip
-    demotion: Demotion = setting(Demotion.PRESSURE, env="RELAYGR_RANKER_DEMOTION",
+    demotion: Demotion = setting(Demotion.EARNED, env="RELAYGR_RANKER_DEMOTION",
                                  help="when consumed psi is copied to host DRAM: under HBM pressure, the "
                                  "least recently used first, so that DRAM holds what HBM no longer does "
-                                 "and the tiers' capacities add up; or as soon as it is consumed (DRAM "
-                                 "then duplicates HBM, and adds nothing unless larger)")  # fmt: skip
+                                 "and the tiers' capacities add up (pressure), and only while reloads "
+                                 "pay for the copies' host time, else a sample (earned); or as soon as "
+                                 "it is consumed (consumed: DRAM then duplicates HBM, and adds nothing "
+                                 "unless larger)")  # fmt: skip
+    demotion_sample_every: int = setting(8, env="RELAYGR_RANKER_DEMOTION_SAMPLE_EVERY",
+                                         help="demotion earned: while copies do not pay, one candidate in "
+                                         "this many is still copied, so that their yield keeps being "
+                                         "measured (1: every one)", check=positive)  # fmt: skip
     demotion_reserve_fraction: float = setting(0.05, env="RELAYGR_RANKER_DEMOTION_RESERVE_FRACTION",
                                                help="under pressure: psi copied to host DRAM ahead of its "
                                                "eviction, as a fraction of the HBM budget (the room admissions "

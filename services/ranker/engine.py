@@ -348,6 +348,7 @@ class _CallJob(_Job):
 
 # Ranking batches measured before the full-vs-cached saving is read from their fit.
 _MIN_SAVING_BATCHES = 16
+_MIN_COPIES_TIMED = 32  # copies issued before their host time per copy is reported
 
 
 @dataclass
@@ -433,6 +434,7 @@ class Engine:
         # after a pre-inference step.
         self._last_batch_end: torch.cuda.Event | float | None = None
         self.loop_time = LoopTime()
+        self._copies_issued = 0  # host <-> device copies the loop issued (host_ms_per_copy)
         self.copy_stages = CopyStages()  # where each psi copy's time goes (copy_stages.py)
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
@@ -885,6 +887,17 @@ class Engine:
             for t in self._threads
         ]
         return report
+
+    def host_ms_per_copy(self) -> float | None:
+        """The device loop's host time per host <-> device copy it issued: its `copies` section
+        (polling and issuing, loop_time.py) over the copies issued, in ms; None before
+        _MIN_COPIES_TIMED were. What one demotion costs the loop (the event loop's share, the
+        expander's reserve and commit, is not in it)."""
+        issued = self._copies_issued
+        if issued < _MIN_COPIES_TIMED:
+            return None
+        wall, _cpu = self.loop_time.snapshot()["copies"]
+        return wall / issued * 1e3
 
     def reload_saving_s(self, prefix_len: int, suffix_len: int) -> float | None:
         """The device time a call against psi saves over a full ranking of the same call, from
@@ -1476,6 +1489,7 @@ class Engine:
         return bool(jobs)
 
     def _issue_copy(self, job: _CopyJob) -> None:
+        self._copies_issued += 1
         try:
             job.timer = SectionTimer(cuda=self._copy_stream is not None, pool=self._events)
             stream = self._reload_stream if job.work == "reload" else self._copy_stream

@@ -32,6 +32,11 @@ Demotion (copy to host DRAM, off the critical path, after the reply is sent):
     HBM budget held only psi still in HBM and served no reload in any point;
   * on consumption (`demote_under_pressure` False): every consumed psi is copied at once; DRAM
     then duplicates HBM and adds capacity only where it is larger.
+Under pressure, a `demotion_gate` (services/ranker/demotion_gate.py; the default) copies a
+candidate only while the tier earns its copies: reloads per demotion (measured) times the device
+time a reload saves against the host time a copy costs; otherwise one candidate in its sample,
+and the rest are evicted without a copy. On an H200 with 120 GB of HBM beside a 64 GiB arena,
+the length mix made ~2000 demotions a point and 0-5 reloads.
 
 Every cached path is an optimisation: any failure falls back to ranking the whole sequence. Only
 bad input (the caller's) and Overdue (the call's admission budget ran out) propagate.
@@ -63,6 +68,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from services.ranker.copy_stages import RELOAD_PATH_STAGES, CopyStages
 from services.ranker.cost_model import CostModel
+from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
 from services.ranker.psi import Psi, PsiKey
@@ -183,12 +189,14 @@ class RelayCache:
         ranking_psi_min_tokens: int = 0,
         demote_under_pressure: bool = True,
         demotion_reserve_bytes: int = 0,
+        demotion_gate: DemotionGate | None = None,
         arrived_ttl_s: float = 60.0,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
-        psi; `demote_under_pressure`, `demotion_reserve_bytes`: when consumed psi is copied to
-        host DRAM (module docstring); `arrived_ttl_s`: how long a ranking call's arrival is
-        remembered, to refuse the signal of its request that comes after it."""
+        psi; `demote_under_pressure`, `demotion_reserve_bytes`, `demotion_gate`: when consumed
+        psi is copied to host DRAM, and whether (module docstring; no gate: every candidate is);
+        `arrived_ttl_s`: how long a ranking call's arrival is remembered, to refuse the signal
+        of its request that comes after it."""
         self.cache = cache
         self.engine = engine
         self.costs = costs
@@ -202,6 +210,9 @@ class RelayCache:
         self._demote_under_pressure = demote_under_pressure
         self._demotion_reserve_bytes = max(0, demotion_reserve_bytes)
         self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
+        self.demotion_gate = demotion_gate
+        self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
+        self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
         self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
         self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
@@ -320,6 +331,8 @@ class RelayCache:
                     stamps["copied"] = time.perf_counter()
                 self._on_event("reload", "ok" if psi is not None else "failed")
                 self.reloads += psi is not None
+                if psi is not None and self.demotion_gate is not None:
+                    self.demotion_gate.reloaded()
                 if psi is None:
                     self._on_event("fallback", "reload_failed")
                     self._settle_prefetch(key, "failed")
@@ -379,6 +392,7 @@ class RelayCache:
         `deadline` (time.monotonic()) orders it on the device and bounds any wait; a call the
         engine has not started by `start_by` (time.perf_counter()) fails with Overdue."""
         self._arrived.add(request_id)
+        self._suffix_tokens += 0.05 * (suffix.length - self._suffix_tokens)
         ranked = await self._rank(key, request_id, prefix, suffix, deadline, after_reply, start_by)
         if ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN):
             self._settle_prefetch(key, "used")
@@ -659,8 +673,28 @@ class RelayCache:
             return
         in_flight = sum(self._demoting.values())
         reserve = max(self._demotion_reserve_bytes, self._largest_admitted)
-        for key in self.cache.demotion_candidates(reserve, in_flight):
-            self._start_demotion(cast(PsiKey, key))
+        candidates = self.cache.demotion_candidates(reserve, in_flight)
+        gate = self.demotion_gate
+        copy_ms = self.engine.host_ms_per_copy() if gate is not None and candidates else None
+        for key in candidates:
+            psi_key = cast(PsiKey, key)
+            if gate is not None and not gate.admits(psi_key.user_id, self._saving_ms(psi_key), copy_ms):
+                # Not copied: the entry stays an evictable hot copy, and the admission that
+                # needs its room drops it (counted as evicted without a host copy).
+                self.demotions_skipped += 1
+                self._on_event("demotion", "skipped")
+                continue
+            self._start_demotion(psi_key)
+
+    def _saving_ms(self, key: PsiKey) -> float | None:
+        """Device time a reload of this psi would save a call (a full ranking against a call
+        against psi, at the recent calls' suffix length); None before that was measured."""
+        view = self.cache.lookup(key)
+        per_token = self._psi_bytes(1)
+        if view is None or per_token <= 0:
+            return None
+        saving_s = self.engine.reload_saving_s(view.nbytes // per_token, max(1, round(self._suffix_tokens)))
+        return None if saving_s is None else saving_s * 1e3
 
     def _start_demotion(self, key: PsiKey) -> None:
         view = self.cache.lookup(key)
@@ -682,6 +716,8 @@ class RelayCache:
             self._on_event("demotion", "ok" if ok else "failed")
             if ok:
                 self.demotion_lag_ms.append((time.perf_counter() - started_at) * 1e3)
+                if self.demotion_gate is not None:
+                    self.demotion_gate.demoted()
             self.cache.demoted(key, ok, keep=self._keep_demoted)
         if ok:
             self.demote_ahead()  # admissions meanwhile may need more room

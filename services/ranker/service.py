@@ -52,6 +52,7 @@ from services.ranker.call_cost import CallWork
 from services.ranker.config import Demotion, RankerConfig
 from services.ranker.copy_stages import CopyStagesCollector
 from services.ranker.cost_model import CostModel
+from services.ranker.demotion_gate import DemotionGate
 from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
@@ -259,7 +260,10 @@ class RankerService(pb_grpc.RankerServicer):
             keep_demoted=config.keep_demoted,
             on_event=self._relay_event,
             ranking_psi_min_tokens=config.ranking_psi_min_tokens,
-            demote_under_pressure=config.demotion is Demotion.PRESSURE,
+            demote_under_pressure=config.demotion in (Demotion.PRESSURE, Demotion.EARNED),
+            demotion_gate=DemotionGate(config.demotion_sample_every)
+            if config.demotion is Demotion.EARNED
+            else None,
             demotion_reserve_bytes=int(config.demotion_reserve_fraction * self.cache.budget_bytes),
         )
         self.registry.register(
@@ -544,7 +548,7 @@ class RankerService(pb_grpc.RankerServicer):
             # served no reload at all). Demotion under pressure (the default) avoids this.
             log.warning("host_tier_smaller_than_hbm", arena_bytes=arena, hbm_budget_bytes=self.cache.budget_bytes,
                         effect="psi evicted from HBM is rarely still in DRAM: few reloads",
-                        remedy="RELAYGR_RANKER_DEMOTION=pressure")  # fmt: skip
+                        remedy="RELAYGR_RANKER_DEMOTION=earned (the default) or pressure")  # fmt: skip
 
     def _relay_event(self, kind: str, label: str) -> None:
         """Counts what the relay cache reports (services/ranker/relay_cache.py)."""
@@ -774,7 +778,26 @@ class RankerService(pb_grpc.RankerServicer):
             psi_from_rankings=self.relay.psi_from_rankings,
             device_busy=self.engine.device_time.recent_busy_fraction(),
             signal_trip_p90_ms=percentile(list(self._signal_trip_ms), 90) if self._signal_trip_ms else 0.0,
+            preinfer_plan=self._preinfer_plan(),
         )
+
+    def _preinfer_plan(self) -> list[pb.PreinferSample]:
+        """The device time the scheduler plans for psi of each length of preinfer_plan_lengths
+        (StatsReply.preinfer_plan); none before the steps were measured at start-up."""
+        step_s = self.costs.step_s
+        if step_s is None:
+            return []
+        return [
+            pb.PreinferSample(prefix_len=n, device_ms=step_s(n) * 1e3)
+            for n in preinfer_plan_lengths(self.config.max_prefix_tokens)
+        ]
+
+
+def preinfer_plan_lengths(max_prefix_tokens: int) -> list[int]:
+    """The prefix lengths a ranker prices psi at in its Stats: powers of two from 256 tokens, and
+    its longest prefix (a few samples: the trigger fits a + b n + c n^2 through them)."""
+    lengths = [n for n in (256 << i for i in range(24)) if n < max_prefix_tokens]
+    return [*lengths, max_prefix_tokens] if max_prefix_tokens > 0 else []
 
 
 def serve(config: RankerConfig) -> int:

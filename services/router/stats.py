@@ -39,7 +39,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     (a trigger that asks the router judges the room for pre-inference by the busiest device and
     the slowest signal path); rank_p50/p99 are this router's own (`rank`); recent_batches is
     empty; expander_connected is true only if every ranker has its host tier;
-    preinfer_due_in_ms the rankers' lists merged, the earliest MAX_PREINFER_DUES."""
+    preinfer_due_in_ms the rankers' lists merged, the earliest MAX_PREINFER_DUES; preinfer_plan
+    the highest price any ranker plans for each length (a pre-inference may land on the slowest)."""
     stats = list(rankers)
     versions = {s.model_version for s in stats}
     return pb.StatsReply(
@@ -81,4 +82,14 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
         preinfer_due_in_ms=heapq.nsmallest(
             MAX_PREINFER_DUES, itertools.chain.from_iterable(s.preinfer_due_in_ms for s in stats)
         ),
+        preinfer_plan=_highest_plan(stats),
     )
+
+
+def _highest_plan(stats: list[pb.StatsReply]) -> list[pb.PreinferSample]:
+    """Per prefix length, the highest planned device time among the rankers' preinfer_plan."""
+    highest: dict[int, float] = {}
+    for s in stats:
+        for sample in s.preinfer_plan:
+            highest[sample.prefix_len] = max(highest.get(sample.prefix_len, 0.0), sample.device_ms)
+    return [pb.PreinferSample(prefix_len=n, device_ms=ms) for n, ms in sorted(highest.items())]

@@ -30,7 +30,7 @@ import collections
 import contextlib
 import statistics
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -139,6 +139,10 @@ class TriggerService:
         # time of a whole pre-inference, from the rankers' measurements.
         self.full_work = LatencyModel(self.spec, config.assumed_tflops, refit_interval_s=REFIT_INTERVAL_S)
         self.preinfer_work = LatencyModel(self.spec, config.assumed_tflops, refit_interval_s=REFIT_INTERVAL_S)
+        # What each ranker plans a psi to cost (StatsReply.preinfer_plan), and a fit through it:
+        # the price before pre-inferences were measured.
+        self._preinfer_plans: dict[str, tuple[tuple[int, float], ...]] = {}
+        self._plan_models: dict[str, LatencyModel] = {}
         self.limits = RequestLimits()
         self.ledgers: dict[str, InstanceLedger] = {t: InstanceLedger() for t in config.rankers}
         self.membership = (
@@ -479,13 +483,39 @@ class TriggerService:
 
     def preinfer_ms(self, prefix_len: int) -> float:
         """A pre-inference's device work: fitted on the rankers' whole pre-inferences once there
-        are MIN_PREINFER_SAMPLES of them, before that a full ranking of the prefix (built in one
-        chunk, that is what it costs). Not from the first one or two: a fresh ranker's first
+        are MIN_PREINFER_SAMPLES of them; before that what the rankers plan a psi of that length
+        to cost (their scheduler's measured steps, StatsReply.preinfer_plan), and before any plan
+        a full ranking of the prefix. Not from the first one or two: a fresh ranker's first
         pre-inferences can include compiles seconds long, and a price set by them admitted no
-        pre-inference by reuse again, so no sample came to correct it (a GPU run on the mix)."""
+        pre-inference by reuse again, so no sample came to correct it (a GPU run on the mix).
+        Not the full ranking's while a plan exists: a graph step builds psi cheaper than a full
+        ranking of the prefix costs, and priced so at 4096 tokens on an H200 (k11a, 4 samples
+        from the warm-up) every at-risk event added work by the test, so none was admitted and
+        no sample came either (the same run without the host tier measured ~2/3 of that price)."""
         if self.preinfer_work.sample_count >= MIN_PREINFER_SAMPLES:
             return self.preinfer_work.full_ms(prefix_len)
-        return self.full_work.full_ms(prefix_len)
+        planned = self.planned_preinfer_ms(prefix_len)
+        return planned if planned is not None else self.full_work.full_ms(prefix_len)
+
+    def _absorb_plan(self, target: str, plan: Sequence[pb.PreinferSample]) -> None:
+        """Keeps `target`'s planned psi prices, and a fit through them when they changed."""
+        prices = tuple(
+            (p.prefix_len, round(p.device_ms, 3)) for p in plan if p.prefix_len > 0 and p.device_ms > 0
+        )
+        if self._preinfer_plans.get(target, ()) == prices:
+            return
+        self._preinfer_plans[target] = prices
+        if not prices:
+            self._plan_models.pop(target, None)
+            return
+        model = LatencyModel(self.spec, self.config.assumed_tflops, window=len(prices))
+        model.observe([Sample(n, ms) for n, ms in prices])
+        self._plan_models[target] = model
+
+    def planned_preinfer_ms(self, prefix_len: int) -> float | None:
+        """The highest price the rankers plan for psi of this length (a pre-inference may land
+        on any of them); None before any reported a plan."""
+        return max((m.full_ms(prefix_len) for m in self._plan_models.values()), default=None)
 
     def reuse_pays(self, prefix_len: int, tokens: int, target: str = "") -> bool:
         """Whether pre-inferring this prefix saves device work over the calls expected on it
@@ -543,6 +573,8 @@ class TriggerService:
                              return_fraction=round(self.returns.fraction(), 3),
                              cached_call_ms=round(self.cached_call_ms(), 3),
                              full_work=self.full_work.describe(), preinfer_work=self.preinfer_work.describe(),
+                             planned_preinfer_4k_ms=_rounded(self.planned_preinfer_ms(4096)),
+                             preinfer_4k_ms=round(self.preinfer_ms(4096), 3),
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
 
@@ -582,9 +614,14 @@ class TriggerService:
         if newest_pre < seen_pre:
             seen_pre = 0
         self._seen_preinfer_seq[target] = max(seen_pre, newest_pre)
+        self._absorb_plan(target, stats.preinfer_plan)
         self.preinfer_work.observe([Sample(p.prefix_len, p.device_ms) for p in stats.recent_preinfers
                                     if p.seq > seen_pre and p.prefix_len > 0])  # fmt: skip
         self.latency.observe([Sample(max(1, s.tokens // s.batch), s.compute_ms) for s in fresh])
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
 
 
 def serve(config: TriggerConfig) -> int:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.ranker.config import RankerConfig
 from services.ranker.engine import EngineStopped
-from services.ranker.service import RankerService
+from services.ranker.service import RankerService, preinfer_plan_lengths
 from services.ranker.wire import by_reference
 from shared.config import load_config
 from shared.protos import ranker_pb2 as pb
@@ -118,6 +118,14 @@ async def test_stats_count_a_pre_inference_once_and_list_its_deadline(ranker, mo
     await wait_produced(stub)
     stats = await stub.Stats(pb.StatsRequest(), timeout=5)
     assert (stats.preinfer_backlog, len(stats.preinfer_due_in_ms)) == (0, 0)
+    # The price it plans for psi by length (the trigger's before it measured pre-inferences):
+    # the scheduler's own plan, dearer the longer the prefix.
+    plan = {p.prefix_len: p.device_ms for p in stats.preinfer_plan}
+    assert list(plan) == preinfer_plan_lengths(service.config.max_prefix_tokens)
+    assert plan[4096] == pytest.approx(service.engine.scheduler.remaining_seconds(0, 4096) * 1e3, rel=0.05)
+    prices = list(plan.values())
+    assert prices[0] > 0
+    assert prices == sorted(prices)
 
 
 @pytest.mark.parametrize("ranker", [TAKE_OVER], indirect=True)

@@ -13,10 +13,12 @@ import torch
 
 from kernels.device import accelerator
 from services.ranker.cost_model import CostModel
+from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
+from services.ranker.host_tier import HostTier
 from services.ranker.model import HSTURanker
-from services.ranker.psi import PsiKey
+from services.ranker.psi import Psi, PsiKey
 from services.ranker.relay_cache import Produce, RecentIds, RelayCache, Served
 from services.ranker.wire import PrefixReference, rank_inputs
 from shared.modelspec import preset
@@ -249,6 +251,64 @@ async def test_two_calls_of_a_new_user_compute_its_prefix_once(keeping):
     again = await keeping.rank(key, prefix, suffix)
     assert again.served is Served.HBM_HIT
     assert close(again.result.scores, want)
+
+
+class CopyingHost:
+    """A host tier that holds nothing and takes every demotion (the copy itself is not the
+    subject here): records which keys it was given."""
+
+    connected = True
+    indexed = False
+
+    def __init__(self) -> None:
+        self.demoted: list[PsiKey] = []
+
+    def may_hold(self, key: PsiKey) -> bool:
+        return False
+
+    async def demote(self, key: PsiKey, psi: Psi, engine: Engine) -> bool:
+        self.demoted.append(key)
+        return True
+
+
+async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(keeping, monkeypatch):
+    """Every consumed psi is a candidate (a reserve as large as the budget). Once a copy is
+    measured to cost more host time than reloads save (no reload at all here), only the
+    sampled users' psi is copied; the others stay evictable hot copies, counted as skipped."""
+    r = keeping
+    host = CopyingHost()
+    gate = DemotionGate(sample_every=2, min_demotions=1)
+    r.relay = RelayCache(
+        r.cache, r.engine, CostModel(r.model.spec, assumed_tflops=0.05, h2d_gbps=5.0), r.model.spec.psi_bytes,
+        r.spawn, join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: r.events.append((k, v)),
+        ranking_psi_min_tokens=512, demotion_reserve_bytes=r.cache.budget_bytes, demotion_gate=gate,
+    )  # fmt: skip
+    r.relay.host = cast(HostTier, host)
+    monkeypatch.setattr(r.engine, "host_ms_per_copy", lambda: 0.3)
+    monkeypatch.setattr(r.engine, "reload_saving_s", lambda prefix_len, suffix_len: 0.0016)
+    keys = []
+    prefixes, suffixes = users(50, 6, prefix_len=600)  # users 0-5
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"g{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        want = r.model.full([p], [s])[0]
+        ranked = await r.rank(key, prefix, suffix)
+        assert ranked.served is Served.FULL_RECOMPUTE
+        assert close(ranked.result.scores, want)
+        for after in r.after:
+            after(None)  # the reply is sent: the consumed psi is a candidate for host DRAM
+        r.after.clear()
+        await asyncio.gather(*r.tasks)
+        keys.append(key)
+    first, rest = keys[0], keys[1:]
+    assert host.demoted[0] == first  # before any copy was measured the gate is open
+    assert gate.reload_yield == 0.0
+    assert [k for k in host.demoted[1:] if k in rest] == [k for k in rest if k.user_id % 2 == 0]
+    skipped = {k for k in rest if k.user_id % 2}
+    assert skipped  # the seeds give both kinds
+    assert r.relay.demotions_skipped >= len(skipped)
+    assert ("demotion", "skipped") in r.events
+    assert all(r.state(k) is EntryState.CONSUMED for k in skipped)  # still hot in HBM
 
 
 async def test_a_preinference_not_started_within_its_lease_is_dropped_and_frees_its_room(take_over):

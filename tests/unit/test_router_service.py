@@ -23,6 +23,7 @@ from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from services.router.config import RouterConfig
 from services.router.service import RouterService
+from services.router.stats import RankLatencies, fleet_stats
 from shared.broker import free_port
 from shared.config import ConfigError, load_config
 from shared.membership import Membership
@@ -754,3 +755,19 @@ def test_header_limits_are_validated():
         load_config(RouterConfig, [*base, "--reset-burst", "0"])
     with pytest.raises(ConfigError, match="> 0"):
         load_config(RouterConfig, [*base, "--reset-rate-per-s", "0"])
+
+
+def test_the_fleets_planned_psi_price_is_the_dearest_rankers_per_length():
+    def plan(*prices: tuple[int, float]) -> pb.StatsReply:
+        return pb.StatsReply(
+            preinfer_plan=[pb.PreinferSample(prefix_len=n, device_ms=ms) for n, ms in prices]
+        )
+
+    merged = fleet_stats("router@x", [plan((256, 0.6), (4096, 2.1)), plan((4096, 4.0), (8192, 7.5)), plan()],
+                         RankLatencies())  # fmt: skip
+    assert [(p.prefix_len, p.device_ms) for p in merged.preinfer_plan] == [
+        (256, 0.6),
+        (4096, 4.0),
+        (8192, 7.5),
+    ]
+    assert not fleet_stats("router@x", [], RankLatencies()).preinfer_plan

@@ -421,6 +421,9 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     model = load_model(path, "relay")
     assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)  # no psi measured
     assert model.setup.preinfer_trip_ms is not None  # every signal pre-inferred (no trigger modelled)
+    # Full rankings up to the file's graph size replay alone, as on its GPU; 0 batches them by cost.
+    assert model.setup.graph_full_tokens == 17408
+    assert load_model(path, "relay", changes={"graph_full_tokens": 0}).setup.graph_full_tokens == 0
     # The signal's trip as a what-if: a slower (or faster) signal path than the file's.
     slow = load_model(path, "relay", changes={"signal_trip_ms": 45.0})
     assert slow.setup.preinfer_trip_ms == 45.0

@@ -328,6 +328,38 @@ def test_reuse_admission_survives_compile_stalls_in_the_first_pre_inferences():
     assert t.reuse_pays(4096, 4416)
 
 
+def test_before_pre_inferences_are_measured_the_rankers_plan_prices_them():
+    # H200, L4096 (k11a): four pre-inferences measured in the warm-up (too few to price by), so a
+    # psi was priced as a full ranking of its prefix, every at-risk event "added work", none was
+    # admitted, and no measurement came to correct the price. The ranker's own plan prices it.
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1,127.0.0.1:2")
+    full, cached = [(1, 4416, 3.3)] * 8, [(2, 2.3)] * 8  # full rankings 3.3 ms, 1.15 ms a call on psi
+    t._absorb("127.0.0.1:1", stats_reply(full, cached, [(4096, 4.2)] * 4))
+    assert t.preinfer_ms(4096) == pytest.approx(t.full_work.full_ms(4096))  # no plan: the proxy
+    assert not t.risk_adds_little(4096, 4416)  # ~3.1 + 1.15 ms > 1.15 x 3.3 ms
+    planned = stats_reply([], [], [])
+    planned.preinfer_plan.extend(
+        pb.PreinferSample(prefix_len=n, device_ms=0.5 + 0.0004 * n)
+        for n in (256, 512, 1024, 2048, 4096, 8192)
+    )
+    t._absorb("127.0.0.1:1", planned)
+    assert t.preinfer_ms(4096) == pytest.approx(0.5 + 0.0004 * 4096, rel=0.02)
+    assert t.risk_adds_little(4096, 4416)  # 2.14 + 1.15 ms <= 1.15 x 3.3 ms
+    # Another ranker that plans dearer psi sets the price (a pre-inference may land there); once
+    # it leaves the plans, the cheaper one prices again.
+    dearer = stats_reply([], [], [])
+    dearer.preinfer_plan.extend(
+        pb.PreinferSample(prefix_len=n, device_ms=0.001 * n) for n in (256, 1024, 4096)
+    )
+    t._absorb("127.0.0.1:2", dearer)
+    assert t.preinfer_ms(4096) == pytest.approx(4.096, rel=0.05)
+    t._absorb("127.0.0.1:2", stats_reply([], [], []))
+    assert t.preinfer_ms(4096) == pytest.approx(2.14, rel=0.02)
+    # Measured pre-inferences, once there are enough, price it whatever the plan says.
+    t._absorb("127.0.0.1:1", stats_reply([], [], [(4096, 3.0)] * 12))  # seq 5-12 are new
+    assert t.preinfer_ms(4096) == pytest.approx(3.0, rel=0.2)
+
+
 async def test_too_late_uses_the_signal_trip_the_rankers_measure():
     service = await with_healthy_ranker()
     try:
