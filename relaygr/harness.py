@@ -753,6 +753,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "starved_gaps_over_1ms": device["starved_gaps"] - device_before["starved_gaps"],
         # The caching allocator freed every cached block and retried: each a device-wide stall.
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
+        # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
+        "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # Pre-inference steps over the point (and its lead-in), by graph replay or eager: steps,
@@ -774,7 +776,6 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
                     "preinfers_expired",
                     "late_signals",
                     "signal_trips",
-                    "demotions_skipped",
                 )
             )
         },

@@ -57,6 +57,7 @@ from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
+from services.ranker.host_cost import HostCost
 from services.ranker.loop_time import LoopTimeCollector
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
@@ -279,6 +280,9 @@ class RankerService(pb_grpc.RankerServicer):
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._signal_at: dict[PsiKey, float] = {}  # PreInfer arrival, for the lead time
         self._signal_trip_ms: collections.deque[float] = collections.deque(maxlen=512)
+        # Requests handled (Rank and PreInfer) and the host's CPU per request (host_cost.py).
+        self._requests = 0
+        self._host_cost = HostCost()
         self.admission = AdmissionLimiter(config.admission, time.monotonic)
         self._overload_logged_at = float("-inf")
         self._preinfers_shed = 0
@@ -579,6 +583,7 @@ class RankerService(pb_grpc.RankerServicer):
     async def PreInfer(
         self, request: pb.PreInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreInferReply:
+        self._requests += 1
         try:
             if not request.request_id:
                 raise WireError("request_id is required")
@@ -640,6 +645,7 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankReply:
         started = time.perf_counter()
+        self._requests += 1
         remaining = context.time_remaining()
         # Admission first: O(1), before any decoding or engine work, so that a refusal is fast.
         admitted = self.admission.try_acquire(_call_work(request), remaining)
@@ -720,6 +726,7 @@ class RankerService(pb_grpc.RankerServicer):
     # ------------------------------------------------------------------ Stats
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
+        self._host_cost.observe(time.monotonic(), self._host_cpu_s(), self._requests)
         window = list(self._rank_ms)
         rank_p50, rank_p99 = percentiles(window, (50, 99)) if window else (0.0, 0.0)  # one sort, polled often
         samples = [
@@ -779,7 +786,15 @@ class RankerService(pb_grpc.RankerServicer):
             device_busy=self.engine.device_time.recent_busy_fraction(),
             signal_trip_p90_ms=percentile(list(self._signal_trip_ms), 90) if self._signal_trip_ms else 0.0,
             preinfer_plan=self._preinfer_plan(),
+            host_ms_per_request=self._host_cost.ms_per_request() or 0.0,
         )
+
+    def _host_cpu_s(self) -> float:
+        """The process's CPU seconds so far, less the device loop's waits (they spin while the
+        device works: not host work a request adds)."""
+        loop = self.engine.loop_time.snapshot()
+        waits = sum(loop[section][1] for section in ("settle_wait", "idle", "fill_wait"))
+        return time.process_time() - waits
 
     def _preinfer_plan(self) -> list[pb.PreinferSample]:
         """The device time the scheduler plans for psi of each length of preinfer_plan_lengths

@@ -40,7 +40,8 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
     the slowest signal path); rank_p50/p99 are this router's own (`rank`); recent_batches is
     empty; expander_connected is true only if every ranker has its host tier;
     preinfer_due_in_ms the rankers' lists merged, the earliest MAX_PREINFER_DUES; preinfer_plan
-    the highest price any ranker plans for each length (a pre-inference may land on the slowest)."""
+    the highest price any ranker plans for each length (a pre-inference may land on the slowest),
+    and host_ms_per_request the highest ranker's."""
     stats = list(rankers)
     versions = {s.model_version for s in stats}
     return pb.StatsReply(
@@ -83,6 +84,7 @@ def fleet_stats(instance_id: str, rankers: Iterable[pb.StatsReply], rank: RankLa
             MAX_PREINFER_DUES, itertools.chain.from_iterable(s.preinfer_due_in_ms for s in stats)
         ),
         preinfer_plan=_highest_plan(stats),
+        host_ms_per_request=max((s.host_ms_per_request for s in stats), default=0.0),
     )
 
 

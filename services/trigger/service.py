@@ -166,6 +166,7 @@ class TriggerService:
         # Per target: its rankers' full rankings keep psi from this prefix length on (0: none).
         self._ranking_psi_min: dict[str, int] = {}
         self._device_busy: dict[str, float] = {}  # per target: its last reported busy share
+        self._host_ms: dict[str, float] = {}  # per target: host CPU ms per request, as reported
         self._signal_trip_s: dict[str, float] = {}  # per target: its reported signal trip (p90)
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
         # the rankers' cached batches: their time per call).
@@ -421,7 +422,7 @@ class TriggerService:
         # to bring back but what an earlier pre-inference left, rarely at such lengths).
         keeps = self._ranking_psi_min.get(target, 0)
         prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
-        adds_little = self.risk_adds_little(meta.prefix_len, tokens)
+        adds_little = self.risk_adds_little(meta.prefix_len, tokens, target)
         spare = self.has_spare(target) and self.spare_shortens(tokens)
         now_unix_ms = int(time.time() * 1e3)
         # The ranking call's planned time: its deadline less the SLO it was given.
@@ -517,25 +518,39 @@ class TriggerService:
         on any of them); None before any reported a plan."""
         return max((m.full_ms(prefix_len) for m in self._plan_models.values()), default=None)
 
+    def host_ms(self, target: str) -> float:
+        """What one request costs `target`'s host (StatsReply.host_ms_per_request); 0 before it
+        reported one."""
+        return self._host_ms.get(target, 0.0)
+
     def reuse_pays(self, prefix_len: int, tokens: int, target: str = "") -> bool:
-        """Whether pre-inferring this prefix saves device work over the calls expected on it
-        (admission.reuse_pays) on `target`, whose full rankings may keep psi themselves; never
-        with the reuse window at 0, nor before any full ranking was measured (the FLOPs prior
-        says nothing of a device's fixed costs per step)."""
+        """Whether pre-inferring this prefix saves work over the calls expected on it
+        (admission.reuse_pays) on `target`, whose full rankings may keep psi themselves: each
+        request, the pre-inference's signal too, costs its device work plus what a request costs
+        the target's host. Never with the reuse window at 0, nor before any full ranking was
+        measured (the FLOPs prior says nothing of a device's fixed costs per step)."""
         if self.config.reuse_window_s <= 0 or not self.full_work.measured:
             return False
         keeps = self._ranking_psi_min.get(target, 0)
-        return reuse_pays(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
-                          self.returns.expected_later(), 0 < keeps <= prefix_len)  # fmt: skip
+        host = self.host_ms(target)
+        return reuse_pays(self.full_work.full_ms(tokens) + host, self.preinfer_ms(prefix_len) + host,
+                          self.cached_call_ms() + host, self.returns.expected_later(),
+                          0 < keeps <= prefix_len)  # fmt: skip
 
-    def risk_adds_little(self, prefix_len: int, tokens: int) -> bool:
-        """Whether pre-inferring this prefix for risk alone adds little device work
-        (admission.adds_little_work, by max_extra_work); True before any full ranking was measured
-        (nothing to judge by: the latency test alone decides, as before)."""
+    def risk_adds_little(self, prefix_len: int, tokens: int, target: str = "") -> bool:
+        """Whether pre-inferring this prefix for risk alone adds little work on `target`
+        (admission.adds_little_work, by max_extra_work): the pre-inference and the call against
+        its psi are two requests where the full ranking is one, each at its device work plus what
+        a request costs the target's host. On an H200 at 4096 tokens (k11e), priced by device
+        time alone (2.1 + 1.15 ms against a full ranking's 3.3), 1627 pre-inferences were admitted
+        at 250 req/s on a host-bound ranker and its limit fell from 250 to 197.5 req/s; with
+        ~1.3 ms of host a request they add work (5.85 against 4.6 ms). True before any full
+        ranking was measured (nothing to judge by: the latency test alone decides, as before)."""
         if not self.full_work.measured:
             return True
-        return adds_little_work(self.full_work.full_ms(tokens), self.preinfer_ms(prefix_len), self.cached_call_ms(),
-                                self.config.max_extra_work)  # fmt: skip
+        host = self.host_ms(target)
+        return adds_little_work(self.full_work.full_ms(tokens) + host, self.preinfer_ms(prefix_len) + host,
+                                self.cached_call_ms() + host, self.config.max_extra_work)  # fmt: skip
 
     def lease_deadline_unix_ms(self, meta: EventMeta, now_unix_ms: int) -> int:
         """When an admitted pre-inference's lease ends: its ranking deadline plus the slack, but
@@ -574,6 +589,7 @@ class TriggerService:
                              cached_call_ms=round(self.cached_call_ms(), 3),
                              full_work=self.full_work.describe(), preinfer_work=self.preinfer_work.describe(),
                              planned_preinfer_4k_ms=_rounded(self.planned_preinfer_ms(4096)),
+                             host_ms_per_request={t: round(ms, 3) for t, ms in self._host_ms.items()},
                              preinfer_4k_ms=round(self.preinfer_ms(4096), 3),
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
@@ -597,6 +613,8 @@ class TriggerService:
             self._psi_per_token[target] = stats.psi_bytes_per_token
         self._ranking_psi_min[target] = stats.ranking_psi_min_tokens
         self._device_busy[target] = stats.device_busy
+        if stats.host_ms_per_request > 0:
+            self._host_ms[target] = stats.host_ms_per_request
         if stats.signal_trip_p90_ms > 0:
             self._signal_trip_s[target] = stats.signal_trip_p90_ms / 1e3
         newest = max((s.seq for s in stats.recent_batches), default=0)

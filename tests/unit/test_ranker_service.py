@@ -126,6 +126,12 @@ async def test_stats_count_a_pre_inference_once_and_list_its_deadline(ranker, mo
     prices = list(plan.values())
     assert prices[0] > 0
     assert prices == sorted(prices)
+    # The host's CPU per request, between two Stats readings with enough requests between them.
+    assert stats.host_ms_per_request == 0.0  # a few requests so far: no figure
+    for i in range(40):
+        await stub.PreInfer(preinfer_request(prefixes[0], f"again{i}"), timeout=5)  # held: answered at once
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.host_ms_per_request > 0
 
 
 @pytest.mark.parametrize("ranker", [TAKE_OVER], indirect=True)

@@ -771,3 +771,5 @@ def test_the_fleets_planned_psi_price_is_the_dearest_rankers_per_length():
         (8192, 7.5),
     ]
     assert not fleet_stats("router@x", [], RankLatencies()).preinfer_plan
+    hosts = [pb.StatsReply(host_ms_per_request=ms) for ms in (0.8, 1.4, 0.0)]
+    assert fleet_stats("router@x", hosts, RankLatencies()).host_ms_per_request == 1.4  # the dearest host

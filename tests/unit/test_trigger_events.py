@@ -360,6 +360,39 @@ def test_before_pre_inferences_are_measured_the_rankers_plan_prices_them():
     assert t.preinfer_ms(4096) == pytest.approx(3.0, rel=0.2)
 
 
+def test_each_request_is_priced_at_what_it_costs_the_rankers_host_too():
+    # H200, L4096 (k11e): full ranking 3.3 ms, psi 2.1, a call against psi 1.15 on the device;
+    # ~1.3 ms of host CPU a request. By device time a pre-inference for risk adds little (3.25
+    # against 3.3 x 1.15); as two requests against one on a host-bound ranker it adds work.
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1,127.0.0.1:2")
+    planned = stats_reply([(1, 4416, 3.3)] * 8, [(2, 2.3)] * 8, [])
+    planned.preinfer_plan.extend(
+        pb.PreinferSample(prefix_len=n, device_ms=0.000513 * n) for n in (1024, 2048, 4096)
+    )
+    t._absorb("127.0.0.1:1", planned)
+    assert t.risk_adds_little(4096, 4416, "127.0.0.1:1")  # no host figure yet: device time alone
+    hosted = stats_reply([], [], [])
+    hosted.preinfer_plan.extend(planned.preinfer_plan)  # every reply of a calibrated ranker has it
+    hosted.host_ms_per_request = 1.3
+    t._absorb("127.0.0.1:1", hosted)
+    assert t.host_ms("127.0.0.1:1") == 1.3
+    assert not t.risk_adds_little(4096, 4416, "127.0.0.1:1")
+    assert t.risk_adds_little(4096, 4416, "127.0.0.1:2")  # another ranker: none reported
+    # A figure of 0 (too few requests in its window) keeps the last one.
+    hosted.host_ms_per_request = 0.0
+    t._absorb("127.0.0.1:1", hosted)
+    assert t.host_ms("127.0.0.1:1") == 1.3
+    # Reuse: the signal is one more request to pay for from the calls' savings.
+    for user in range(300):  # sessions of 3: about 2 later calls
+        for _ in range(3):
+            t.returns.observe((user, 1), 0.0)
+    expected = t.returns.expected_later()
+    saving, psi = (1 + expected) * (3.3 - 1.15), t.preinfer_ms(4096)
+    assert saving > psi  # by device time it pays
+    assert t.reuse_pays(4096, 4416, "127.0.0.1:2")
+    assert t.reuse_pays(4096, 4416, "127.0.0.1:1") == (saving > psi + 1.3)
+
+
 async def test_too_late_uses_the_signal_trip_the_rankers_measure():
     service = await with_healthy_ranker()
     try:
