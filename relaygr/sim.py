@@ -369,6 +369,11 @@ class Setup:
     # The host's time to issue one copy of psi (a demotion to DRAM, a reload from it), added to
     # the next batch's host step, also times launch_scale (host_costs); 0: inside host_step_s.
     copy_issue_s: float = 0.0
+    # The event loop's work per request (decoding, validating, answering a Rank call or a
+    # PreInfer signal) held under the interpreter lock the device loop's host work shares: owed
+    # by each arrival, paid while the device loop waits for the device or for work, else it
+    # delays the loop's next launch; 0: not modelled (the event loop as if it had its own CPU).
+    request_host_s: float = 0.0
     # The deadline the ranker's scheduler orders calls by and lets short work pass over long
     # by: the benchmarks' gRPC timeout (relaygr.replay's rank_timeout_s), or the rankers'
     # latency target where the file's run set one (call_deadline_s()).
@@ -656,6 +661,16 @@ def simulate(
         return ids
 
     copy_debt = 0.0  # the host's time owed for copies issued since the last batch's host step
+    lock_debt = 0.0  # the event loop's time under the interpreter lock, owed by arrivals (Setup)
+
+    def owe_request() -> None:
+        nonlocal lock_debt
+        lock_debt += setup.request_host_s
+
+    def pay_while_waiting(seconds: float) -> None:
+        """The device loop waits `seconds` (for the device, for work): the event loop runs then."""
+        nonlocal lock_debt
+        lock_debt = max(0.0, lock_debt - max(seconds, 0.0))
 
     def copied() -> None:
         nonlocal copy_debt
@@ -876,10 +891,14 @@ def simulate(
             )
             next_report += view.stats_interval_s
         while j < len(signals) and signals[j].t_retrieval_s + trip_s <= now:
+            before = len(producing)
             signal(signals[j], signals[j].t_retrieval_s + trip_s)
+            if len(producing) > before or policy is None:  # a PreInfer the ranker handles
+                owe_request()
             j += 1
         while i < len(by_arrival) and by_arrival[i].t_rank_s <= now:
             arrive(by_arrival[i], by_arrival[i].t_rank_s)
+            owe_request()
             i += 1
         waiting = {rid for t, rid in reloads if t > now}
         ready = [q[0] for rid, q in queue.items() if rid not in waiting]
@@ -889,6 +908,7 @@ def simulate(
             if device_free > now:
                 # Nothing to launch ahead: the engine collects the batch in flight first, and a
                 # call that comes meanwhile is launched after it (its launch then on the path).
+                pay_while_waiting(device_free - now)
                 now = device_free
                 continue
             next_times = [t for t, rid in reloads if t > now]
@@ -900,6 +920,7 @@ def simulate(
                 next_times.append(now + plan.wait_s)
             if not next_times:
                 break
+            pay_while_waiting(min(next_times) - now)
             now = max(now, min(next_times))
             continue
         if plan.chunks:
@@ -921,7 +942,9 @@ def simulate(
                 begin = max(device_free, now + launch)
                 now += launch
             else:
+                pay_while_waiting(device_free - now)
                 begin = now = max(now, device_free)  # run in place: after the batch in flight
+                pay_while_waiting(seconds)
                 now += seconds
             end = device_free = begin + seconds
             if preinfer_steps is not None:
@@ -952,6 +975,7 @@ def simulate(
         if batch[0][0].kind is RankKind.CACHED:
             cached_ms.append(seconds * 1e3 / len(batch))  # what the trigger prices a call against psi by
         if launch_s <= 0.0:
+            lock_debt = 0.0  # the device-only model: no host
             now = max(now, device_free) + seconds  # the device-only model: back to back
             device_free = now
             if policy is not None:
@@ -965,8 +989,12 @@ def simulate(
         if policy is not None:
             busy_spans.append((device_free - seconds, device_free))
         serve(batch, seconds, device_free)
-        now = max(now + launch_s, ahead_ends) + setup.launch_scale * (setup.host_step_s + copy_debt)
-        copy_debt = 0.0
+        # The event loop's owed work runs while this launch waits for the batch ahead; what
+        # the wait does not cover delays the loop (one interpreter lock).
+        now = max(now + launch_s + lock_debt, ahead_ends) + setup.launch_scale * (
+            setup.host_step_s + copy_debt
+        )
+        lock_debt = copy_debt = 0.0
     return out
 
 
@@ -1442,6 +1470,7 @@ def load_model(
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
         graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
+        request_host_s=float(changes.get("request_host_ms", 0.0)) / 1e3,
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
     )
@@ -1517,6 +1546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     what_if.add_argument("--launch-scale", type=float, default=1.0,
                          help="the host's launch of a batch takes this x measured (0: not modelled)")  # fmt: skip
+    what_if.add_argument("--request-host-ms", type=float, default=None,
+                         help="the event loop's work per request (Rank call or PreInfer) under the interpreter "
+                         "lock the device loop shares, delaying its launches where the loop does not wait "
+                         "for the device (0: not modelled, the default)")  # fmt: skip
     what_if.add_argument("--call-deadline-s", type=float, default=None,
                          help="the deadline the ranker's scheduler orders calls by, from their arrival "
                          "(default: the benchmarks' 10 s gRPC timeout): how much its passing full "
@@ -1576,7 +1609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("lead_test_only", 1.0 if args.lead_test_only else None),
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
-               ("copies_apart", 1.0 if args.copies_apart else None))
+               ("copies_apart", 1.0 if args.copies_apart else None),
+               ("request_host_ms", args.request_host_ms))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

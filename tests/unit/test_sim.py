@@ -307,6 +307,29 @@ def test_the_hosts_time_between_launches_comes_from_the_loop_sections_and_slows_
     assert max(hits(simulate(calls, cal, dataclasses.replace(single, host_step_s=2e-3)))) > 10.0
 
 
+def test_the_event_loops_work_per_request_delays_the_device_loop_only_where_it_does_not_wait():
+    # Calls against psi of 1 ms, 1.1 ms apart, launched in 0.2 ms. The event loop's 0.5 ms a
+    # request fits in the device loop's waits for the device (1 ms batches): no delay. At 1.5 ms a
+    # request the one interpreter lock holds 1.7 ms of host work a call against 1.1 ms between
+    # calls: a growing queue.
+    quick = dataclasses.replace(CACHED, launches=(0.2e-3,))
+    cal = Calibration(FULL, quick, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
+    users = range(1, 41)
+    calls = [request(u, 1.0, u) for u in users]
+    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
+    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
+    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    alone = max(hits(simulate(calls, cal, single)))
+    assert max(hits(simulate(calls, cal, dataclasses.replace(single, request_host_s=0.5e-3)))) < alone + 1.0
+    assert max(hits(simulate(calls, cal, dataclasses.replace(single, request_host_s=1.5e-3)))) > alone + 10.0
+    # Spread out (one call every 10 ms) the loop waits for work most of the time: no delay.
+    sparse = [request(u, 1.0 + u * 0.01, u) for u in users]
+    loaded = dataclasses.replace(single, request_host_s=1.5e-3)
+    assert [s.latency_ms for s in simulate(sparse, cal, loaded)] == pytest.approx(
+        [s.latency_ms for s in simulate(sparse, cal, single)], abs=0.01
+    )
+
+
 def test_calls_are_due_by_the_rankers_latency_target_where_the_file_records_one():
     def file(**record):
         return {"results": [{"config": "relay-nospare", "workload": "L4096", **record}]}
