@@ -82,6 +82,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (4.0-4.6 ms against 5.2-5.6 collected serially, H100, L4096) and the 15% rule then turned
     # away every first call at risk at 137.5 req/s (la2: half the calls ranked in full).
     "relay-extra50": {"trigger_args": ("--max-extra-work", "0.5")},
+    # Every request priced at its device time plus the ranker's host time per request
+    # (RELAYGR_TRIGGER_HOST_COST): for a ranker bound by its host (L4096 on an H200, k11e).
+    "relay-hostcost": {"trigger_args": ("--host-cost", "true")},
     # Pre-inference steps may last up to 10 ms beyond their fixed cost (the ranker's default is
     # 5): at 4096 tokens two queued first touches then share a step (a step of 4 cost 2.65 ms a
     # user on an H100 against 3.6 alone) for up to ~5 ms more wait of a ranking call behind it.

@@ -437,6 +437,9 @@ class AdmissionPolicy:
     max_lease_ms: float = _TRIGGER_DEFAULTS["max_lease_ms"]
     stats_interval_s: float = _TRIGGER_DEFAULTS["stats_interval_s"]
     suffix_tokens_estimate: int = _TRIGGER_DEFAULTS["suffix_tokens_estimate"]
+    # Not modelled: the model has no host figure per request, so a run with it on is modelled
+    # as priced by device time alone.
+    host_cost: bool = _TRIGGER_DEFAULTS["host_cost"]
 
     @classmethod
     def of_run(cls, record: dict[str, Any]) -> AdmissionPolicy:

@@ -54,9 +54,10 @@ when the device has least to spare. At 4096 tokens on an H100 (full ranking 4.3 
 risk at 100 req/s and the relay's P99 went to 113 ms where the baseline's was 40.5 ms. At longer
 prefixes, attention dominates both passes and the call against psi is a small share: the work
 term lets them through. Where the host is the bottleneck, device time is not the whole price:
-the trigger adds to each request it weighs (the signal, the call against psi, the full ranking)
-what a request costs the ranker's host (StatsReply.host_ms_per_request; TriggerService.
-risk_adds_little, reuse_pays). At 4096 tokens on an H200 a pre-inference for risk added little
+the trigger can add to each request it weighs (the signal, the call against psi, the full
+ranking) what a request costs the ranker's host (StatsReply.host_ms_per_request; the setting
+host_cost, off by default: not yet measured, and at 16384 tokens, where the device binds, it
+would refuse pre-inference the relay gains 3x from). At 4096 tokens on an H200 a pre-inference for risk added little
 by device time (2.1 + 1.15 ms against 3.3), and admitting 1627 of them at 250 req/s took the
 relay's limit from 250 to 197.5 req/s on a ranker bound by its host (k11a, k11e).
 

@@ -19,7 +19,7 @@ from shared.tls import TlsSettings
 ADMISSION_SETTINGS = (
     "slo_ms", "risk_fraction", "max_extra_work", "spare_busy_max", "spare_min_saving", "load_window_s",
     "prefetch", "reuse_window_s", "footprint_fraction", "max_backlog", "lease_slack_ms", "max_lease_ms",
-    "stats_interval_s", "suffix_tokens_estimate",
+    "stats_interval_s", "suffix_tokens_estimate", "host_cost",
 )  # fmt: skip
 
 
@@ -50,6 +50,14 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                     "say, while the instance's device is busy less than this share of the "
                                     "time (its own report, pre-inference included): the prefix leaves the "
                                     "critical path for idle device time (0: never)", check=share)  # fmt: skip
+    host_cost: bool = setting(False, env="RELAYGR_TRIGGER_HOST_COST",
+                              help="price every request the work and reuse tests weigh (a pre-inference "
+                              "signal, a call against psi, a full ranking) at its device time plus what a "
+                              "request costs the ranker's host (StatsReply.host_ms_per_request): for a "
+                              "ranker bound by its host (4096 tokens on an H200). Off by default: at 16384 "
+                              "tokens (~5 ms of host a request) it would also refuse pre-inference where "
+                              "the device binds and the relay measured 3x the baseline; not yet measured "
+                              "either way")  # fmt: skip
     spare_min_saving: float = setting(0.1, env="RELAYGR_TRIGGER_SPARE_MIN_SAVING",
                                       help="the spare term admits only where the call against psi is measured "
                                       "to save at least this share of the SLO against the full ranking (at "

@@ -519,15 +519,15 @@ class TriggerService:
         return max((m.full_ms(prefix_len) for m in self._plan_models.values()), default=None)
 
     def host_ms(self, target: str) -> float:
-        """What one request costs `target`'s host (StatsReply.host_ms_per_request); 0 before it
-        reported one."""
-        return self._host_ms.get(target, 0.0)
+        """What one request costs `target`'s host (StatsReply.host_ms_per_request) where the
+        work is priced with it (host_cost); 0 otherwise, and before it reported one."""
+        return self._host_ms.get(target, 0.0) if self.config.host_cost else 0.0
 
     def reuse_pays(self, prefix_len: int, tokens: int, target: str = "") -> bool:
         """Whether pre-inferring this prefix saves work over the calls expected on it
         (admission.reuse_pays) on `target`, whose full rankings may keep psi themselves: each
-        request, the pre-inference's signal too, costs its device work plus what a request costs
-        the target's host. Never with the reuse window at 0, nor before any full ranking was
+        request, the pre-inference's signal too, costs its device work (plus, with host_cost,
+        what a request costs the target's host). Never with the reuse window at 0, nor before any full ranking was
         measured (the FLOPs prior says nothing of a device's fixed costs per step)."""
         if self.config.reuse_window_s <= 0 or not self.full_work.measured:
             return False
@@ -540,8 +540,8 @@ class TriggerService:
     def risk_adds_little(self, prefix_len: int, tokens: int, target: str = "") -> bool:
         """Whether pre-inferring this prefix for risk alone adds little work on `target`
         (admission.adds_little_work, by max_extra_work): the pre-inference and the call against
-        its psi are two requests where the full ranking is one, each at its device work plus what
-        a request costs the target's host. On an H200 at 4096 tokens (k11e), priced by device
+        its psi are two requests where the full ranking is one, each at its device work (plus,
+        with host_cost, what a request costs the target's host). On an H200 at 4096 tokens (k11e), priced by device
         time alone (2.1 + 1.15 ms against a full ranking's 3.3), 1627 pre-inferences were admitted
         at 250 req/s on a host-bound ranker and its limit fell from 250 to 197.5 req/s; with
         ~1.3 ms of host a request they add work (5.85 against 4.6 ms). True before any full
@@ -590,6 +590,7 @@ class TriggerService:
                              full_work=self.full_work.describe(), preinfer_work=self.preinfer_work.describe(),
                              planned_preinfer_4k_ms=_rounded(self.planned_preinfer_ms(4096)),
                              host_ms_per_request={t: round(ms, 3) for t, ms in self._host_ms.items()},
+                             host_cost=self.config.host_cost,
                              preinfer_4k_ms=round(self.preinfer_ms(4096), 3),
                              **self.latency.describe())  # fmt: skip
             await asyncio.sleep(self.config.stats_interval_s)
