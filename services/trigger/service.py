@@ -499,9 +499,11 @@ class TriggerService:
         return planned if planned is not None else self.full_work.full_ms(prefix_len)
 
     def _absorb_plan(self, target: str, plan: Sequence[pb.PreinferSample]) -> None:
-        """Keeps `target`'s planned psi prices, and a fit through them when they changed."""
+        """Keeps `target`'s planned psi prices, and a fit through them when they changed (to
+        10 us: the ranker's step fit moves them a little with every step it measures, and a
+        refit on every Stats poll would cost the event loop for nothing)."""
         prices = tuple(
-            (p.prefix_len, round(p.device_ms, 3)) for p in plan if p.prefix_len > 0 and p.device_ms > 0
+            (p.prefix_len, round(p.device_ms, 2)) for p in plan if p.prefix_len > 0 and p.device_ms > 0
         )
         if self._preinfer_plans.get(target, ()) == prices:
             return

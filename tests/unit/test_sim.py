@@ -16,6 +16,7 @@ from relaygr.sim import (
     AdmissionPolicy,
     Calibration,
     KindCost,
+    Served,
     Setup,
     StepCosts,
     TriggerView,
@@ -247,6 +248,21 @@ def test_pre_inference_serves_calls_from_psi_joins_a_late_one_and_never_computes
     assert steps == []
 
 
+def quick_hits(launch_s: float = 0.2e-3) -> tuple[Calibration, list[PlannedRequest], Setup]:
+    """40 users' calls against psi of 1 ms each, 1.1 ms apart, each launched in `launch_s` (after
+    a first full ranking each), one call a batch."""
+    quick = dataclasses.replace(CACHED, launches=(launch_s,))
+    cal = Calibration(FULL, quick, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
+    users = range(1, 41)
+    calls = [request(u, 1.0, u) for u in users]
+    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
+    return cal, calls, Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
+
+
+def hits(served: list[Served]) -> list[float]:
+    return [s.latency_ms for s in served if s.path == "hbm_hit"]
+
+
 def test_launches_are_calibrated_by_shape_and_a_long_one_leaves_the_device_idle():
     # Records that carry the host's launch time: calibrated per shape class, like device time.
     records = [dict(record(s, "full_recompute", 4096, 3.0, 10.0), launch_ms=0.5) for s in range(1, 30)]
@@ -260,13 +276,7 @@ def test_launches_are_calibrated_by_shape_and_a_long_one_leaves_the_device_idle(
     # Back-to-back calls against psi of 1 ms each whose launches take 2 ms: launched ahead of the
     # batch before them, each still starts 2 ms after the host planned it, so the calls queue up
     # behind the host, not the device. Modelled device-only (launch_scale 0), they do not.
-    slow_launch = dataclasses.replace(CACHED, launches=(2e-3,))
-    cal = Calibration(FULL, slow_launch, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
-    users = range(1, 41)
-    calls = [request(u, 1.0, u) for u in users]  # first calls keep psi ...
-    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
-    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
-    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    cal, calls, single = quick_hits(launch_s=2e-3)  # first calls keep psi ...
     device_only = hits(simulate(calls, cal, dataclasses.replace(single, launch_scale=0.0)))
     host_paced = hits(simulate(calls, cal, single))
     assert len(device_only) == len(host_paced) == 40
@@ -296,13 +306,7 @@ def test_the_hosts_time_between_launches_comes_from_the_loop_sections_and_slows_
 
     # Calls against psi of 1 ms, 1.1 ms apart, launched in 0.2 ms: the device keeps up until the
     # host also spends 2 ms a batch between launches (2.2 ms a batch: +1.1 ms of queue a call).
-    quick = dataclasses.replace(CACHED, launches=(0.2e-3,))
-    cal = Calibration(FULL, quick, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
-    users = range(1, 41)
-    calls = [request(u, 1.0, u) for u in users]
-    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
-    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
-    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    cal, calls, single = quick_hits()
     assert max(hits(simulate(calls, cal, single))) < 3.0
     assert max(hits(simulate(calls, cal, dataclasses.replace(single, host_step_s=2e-3)))) > 10.0
 
@@ -312,18 +316,12 @@ def test_the_event_loops_work_per_request_delays_the_device_loop_only_where_it_d
     # request fits in the device loop's waits for the device (1 ms batches): no delay. At 1.5 ms a
     # request the one interpreter lock holds 1.7 ms of host work a call against 1.1 ms between
     # calls: a growing queue.
-    quick = dataclasses.replace(CACHED, launches=(0.2e-3,))
-    cal = Calibration(FULL, quick, {"full_recompute": (0.0,), "hbm_hit": (0.0,)}, (), batches=0)
-    users = range(1, 41)
-    calls = [request(u, 1.0, u) for u in users]
-    calls += [request(100 + k, 2.0 + k * 0.0011, u, session_index=1) for k, u in enumerate(users)]
-    single = Setup(psi=True, scheduler=SchedulerConfig(max_batch=1, max_wait_s=0.0))
-    hits = lambda out: [s.latency_ms for s in out if s.path == "hbm_hit"]  # noqa: E731
+    cal, calls, single = quick_hits()
     alone = max(hits(simulate(calls, cal, single)))
     assert max(hits(simulate(calls, cal, dataclasses.replace(single, request_host_s=0.5e-3)))) < alone + 1.0
     assert max(hits(simulate(calls, cal, dataclasses.replace(single, request_host_s=1.5e-3)))) > alone + 10.0
     # Spread out (one call every 10 ms) the loop waits for work most of the time: no delay.
-    sparse = [request(u, 1.0 + u * 0.01, u) for u in users]
+    sparse = [request(u, 1.0 + u * 0.01, u) for u in range(1, 41)]
     loaded = dataclasses.replace(single, request_host_s=1.5e-3)
     assert [s.latency_ms for s in simulate(sparse, cal, loaded)] == pytest.approx(
         [s.latency_ms for s in simulate(sparse, cal, single)], abs=0.01
