@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 log = get_logger("ranker.relay_cache")
 
 _MAX_PREFETCHED = 100_000  # prefetched keys awaiting an outcome (each ends used, wasted or failed)
+_MAX_DECLINED = 65_536  # demotion candidates the gate declined, remembered to count each once
 
 Spawn = Callable[[Awaitable[None], str], "asyncio.Task[None]"]
 OnEvent = Callable[[str, str], None]
@@ -213,6 +214,7 @@ class RelayCache:
         self.demotion_gate = demotion_gate
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
         self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
+        self._declined: collections.OrderedDict[PsiKey, None] = collections.OrderedDict()  # counted
         self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
         self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
@@ -680,10 +682,16 @@ class RelayCache:
             psi_key = cast(PsiKey, key)
             if gate is not None and not gate.admits(psi_key.user_id, self._saving_ms(psi_key), copy_ms):
                 # Not copied: the entry stays an evictable hot copy, and the admission that
-                # needs its room drops it (counted as evicted without a host copy).
-                self.demotions_skipped += 1
-                self._on_event("demotion", "skipped")
+                # needs its room drops it (counted as evicted without a host copy). Counted once
+                # (a candidate stays one, and is asked about again, until it is evicted).
+                if psi_key not in self._declined:
+                    self._declined[psi_key] = None
+                    if len(self._declined) > _MAX_DECLINED:
+                        self._declined.popitem(last=False)
+                    self.demotions_skipped += 1
+                    self._on_event("demotion", "skipped")
                 continue
+            self._declined.pop(psi_key, None)
             self._start_demotion(psi_key)
 
     def _saving_ms(self, key: PsiKey) -> float | None:

@@ -306,7 +306,7 @@ async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(ke
     assert [k for k in host.demoted[1:] if k in rest] == [k for k in rest if k.user_id % 2 == 0]
     skipped = {k for k in rest if k.user_id % 2}
     assert skipped  # the seeds give both kinds
-    assert r.relay.demotions_skipped >= len(skipped)
+    assert r.relay.demotions_skipped == len(skipped)  # each once, however often it was a candidate
     assert ("demotion", "skipped") in r.events
     assert all(r.state(k) is EntryState.CONSUMED for k in skipped)  # still hot in HBM
 
