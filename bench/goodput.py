@@ -207,7 +207,8 @@ class Runner:
                                          "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released", "resident_bytes_max",
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
-                                         "dram_used_bytes_max", "alloc_retries", "demotions_skipped")},
+                                         "dram_used_bytes_max", "alloc_retries", "demotions_skipped",
+                                         "ranking_psi_declined")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},

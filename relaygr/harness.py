@@ -83,8 +83,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # away every first call at risk at 137.5 req/s (la2: half the calls ranked in full).
     "relay-extra50": {"trigger_args": ("--max-extra-work", "0.5")},
     # Every request priced at its device time plus the ranker's host time per request
-    # (RELAYGR_TRIGGER_HOST_COST): for a ranker bound by its host (L4096 on an H200, k11e).
+    # (RELAYGR_TRIGGER_HOST_COST; the default since k12a, where it met >= 250 req/s at L4096 on
+    # an H200 against 225 without), and the ablation: device time only.
     "relay-hostcost": {"trigger_args": ("--host-cost", "true")},
+    "relay-devicecost": {"trigger_args": ("--host-cost", "false")},
+    # Every full ranking of ranking_psi_min_tokens or more keeps psi (no keep gate: keep_gate.py).
+    "relay-keepall": {"ranker_args": ("--ranking-psi-keep", "always")},
     # Pre-inference steps may last up to 10 ms beyond their fixed cost (the ranker's default is
     # 5): at 4096 tokens two queued first touches then share a step (a step of 4 cost 2.65 ms a
     # user on an H100 against 3.6 alone) for up to ~5 ms more wait of a ranking call behind it.
@@ -385,6 +389,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
         # Candidates for host DRAM the demotion gate did not copy (services/ranker/demotion_gate.py).
         totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
+        # Full rankings the keep gate let go without keeping psi (services/ranker/keep_gate.py).
+        totals["ranking_psi_declined"] += samples.get("relaygr_ranker_ranking_psi_declined_total", 0.0)
         for reason in ("cheaper", "copy_engine_under_load", "recompute_cheaper"):
             name = f'relaygr_ranker_reload_decisions_total{{decision="{reason}"}}'
             totals[f"reload_decision_{reason}"] += samples.get(name, 0.0)
@@ -758,6 +764,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
+        # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
+        "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # Pre-inference steps over the point (and its lead-in), by graph replay or eager: steps,
@@ -813,9 +821,15 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}{_gpu_util(rankers)}, idle with "
-          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_compute_by_path(s)}"
+          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_kept(rankers)}{_compute_by_path(s)}"
           f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
+
+
+def _kept(rankers: dict[str, Any]) -> str:
+    """Full rankings that kept psi, and those the keep gate let go without, for the progress line."""
+    kept, declined = rankers.get("psi_from_rankings", 0), rankers.get("ranking_psi_declined", 0)
+    return f"  psi kept {kept:.0f} (declined {declined:.0f})" if kept or declined else ""
 
 
 def _gpu_util(rankers: dict[str, Any]) -> str:

@@ -47,6 +47,13 @@ class Demotion(enum.StrEnum):
     CONSUMED = "consumed"  # as soon as it is consumed: DRAM holds a copy of what HBM holds
 
 
+class Keep(enum.StrEnum):
+    """Which full rankings keep their prefix's psi (services/ranker/relay_cache.py)."""
+
+    EARNED = "earned"  # while later calls' reads of kept psi pay for keeping it (keep_gate.py)
+    ALWAYS = "always"  # every one of at least ranking_psi_min_tokens
+
+
 class Device(enum.StrEnum):
     AUTO = "auto"  # cuda, else npu, else cpu
     CPU = "cpu"
@@ -222,6 +229,15 @@ class RankerConfig(TlsSettings):
                                           "prefix's psi in the cache, written by the same pass, so that the "
                                           "user's next call reads it (0: never: plain full inference)",
                                           check=non_negative)  # fmt: skip
+    ranking_psi_keep: Keep = setting(Keep.EARNED, env="RELAYGR_RANKER_RANKING_PSI_KEEP",
+                                     help="which full rankings of at least ranking_psi_min_tokens keep psi: "
+                                     "every one (always), or only while the calls that read kept psi save "
+                                     "more device time than keeping it costs the host, measured, else a "
+                                     "sample of users (earned)")  # fmt: skip
+    ranking_psi_sample_every: int = setting(8, env="RELAYGR_RANKER_RANKING_PSI_SAMPLE_EVERY",
+                                            help="ranking_psi_keep earned: while keeping psi does not pay, "
+                                            "one user in this many still keeps it, so that its reads keep "
+                                            "being measured (1: every one)", check=positive)  # fmt: skip
     demotion: Demotion = setting(Demotion.EARNED, env="RELAYGR_RANKER_DEMOTION",
                                  help="when consumed psi is copied to host DRAM: under HBM pressure, the "
                                  "least recently used first, so that DRAM holds what HBM no longer does "

@@ -349,6 +349,7 @@ class _CallJob(_Job):
 # Ranking batches measured before the full-vs-cached saving is read from their fit.
 _MIN_SAVING_BATCHES = 16
 _MIN_COPIES_TIMED = 32  # copies issued before their host time per copy is reported
+_MIN_KEPT_TIMED = 32  # psi kept by full rankings before their host time per psi is reported
 
 
 @dataclass
@@ -435,6 +436,8 @@ class Engine:
         self._last_batch_end: torch.cuda.Event | float | None = None
         self.loop_time = LoopTime()
         self._copies_issued = 0  # host <-> device copies the loop issued (host_ms_per_copy)
+        self._psis_kept = 0  # psi blocks allocated for full rankings that keep psi (host_ms_per_keep)
+        self._keep_alloc_cpu_s = 0.0  # the device loop's CPU allocating them
         self.copy_stages = CopyStages()  # where each psi copy's time goes (copy_stages.py)
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
         self._preinfers_built = 0
@@ -899,6 +902,17 @@ class Engine:
         wall, _cpu = self.loop_time.snapshot()["copies"]
         return wall / issued * 1e3
 
+    def host_ms_per_keep(self) -> float | None:
+        """The device loop's CPU time per psi a full ranking kept: allocating its block (with its
+        timestamps' copy) and issuing the copy of its K/V, in ms; None before _MIN_KEPT_TIMED
+        were. Read on the event loop while the device loop adds to it: a torn read is off by
+        one psi at most."""
+        kept = self._psis_kept
+        if kept < _MIN_KEPT_TIMED:
+            return None
+        copies = self.graphs.stats.keep_copy_cpu_s if self.graphs is not None else 0.0
+        return (self._keep_alloc_cpu_s + copies) / kept * 1e3
+
     def reload_saving_s(self, prefix_len: int, suffix_len: int) -> float | None:
         """The device time a call against psi saves over a full ranking of the same call, from
         the ranking batches measured so far (rank_costs, the same pair and token counts its
@@ -1173,7 +1187,10 @@ class Engine:
                 def new_psis() -> list[Psi | None]:
                     # Once: a graph that falls back to the eager pass has not called it.
                     if not any(p is not None for p in kept):
+                        allocating_from = time.thread_time()
                         kept[:] = [self.model.new_psi(j.prefix) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                        self._keep_alloc_cpu_s += time.thread_time() - allocating_from
+                        self._psis_kept += sum(1 for p in kept if p is not None)
                     return kept
 
                 if self.graphs is not None:

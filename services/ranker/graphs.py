@@ -256,6 +256,9 @@ class GraphStats:
     # By family (CACHED, FULL, PREINFER): replays, and batches that ran eagerly.
     replays_by_family: dict[str, int] = field(default_factory=dict)
     eager_by_family: dict[str, int] = field(default_factory=dict)
+    # Host CPU seconds issuing the copies of full rankings' K/V into the psi they keep
+    # (launch_full with psis): part of what keeping psi costs (keep_gate.py).
+    keep_copy_cpu_s: float = 0.0
 
     def counts(self) -> dict[str, dict[str, int]]:
         """{family: {"replays": n, "eager": n}} for every family (0 where none ran)."""
@@ -396,11 +399,13 @@ class RankGraphs:
                 self._check_kept(prefixes, psis)
             assert psis is not None
             assert self._kv_out is not None
+            copying_from = time.thread_time()
             start = 0
             for p, psi, n in zip(prefixes, psis, tokens.lengths, strict=True):
                 if psi is not None:
                     psi.kv.copy_(self._kv_out[:, :, start : start + p.length])
                 start += n
+            self.stats.keep_copy_cpu_s += time.thread_time() - copying_from
         return self._launched(slot, graph, tokens)
 
     def _check_kept(self, prefixes: Sequence[UserPrefix], psis: Sequence[Psi | None]) -> None:

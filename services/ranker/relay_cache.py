@@ -71,6 +71,7 @@ from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
+from services.ranker.keep_gate import KeepGate
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from services.ranker.wire import FallbackPrefix, PrefixReference, PrefixRequired
@@ -191,11 +192,14 @@ class RelayCache:
         demote_under_pressure: bool = True,
         demotion_reserve_bytes: int = 0,
         demotion_gate: DemotionGate | None = None,
+        keep_gate: KeepGate | None = None,
         arrived_ttl_s: float = 60.0,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
         psi; `demote_under_pressure`, `demotion_reserve_bytes`, `demotion_gate`: when consumed
         psi is copied to host DRAM, and whether (module docstring; no gate: every candidate is);
+        `keep_gate`: whether a full ranking of a prefix that long keeps psi (no gate: every one
+        does);
         `arrived_ttl_s`: how long a ranking call's arrival is remembered, to refuse the signal
         of its request that comes after it."""
         self.cache = cache
@@ -212,6 +216,10 @@ class RelayCache:
         self._demotion_reserve_bytes = max(0, demotion_reserve_bytes)
         self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
         self.demotion_gate = demotion_gate
+        self.keep_gate = keep_gate
+        self.ranking_psi_declined = 0  # full rankings the keep gate ranked without keeping psi
+        self._keep_loop_cpu_s = 0.0  # the event loop's CPU keeping psi (admission, production, lease)
+        self._keep_loop_timed = 0
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
         self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
         self._declined: collections.OrderedDict[PsiKey, None] = collections.OrderedDict()  # counted
@@ -442,6 +450,10 @@ class RelayCache:
             self._on_event("fallback", "prefix_mismatch")
             self.cache.unpin(key)
         elif claim.outcome is Claim.HIT:
+            if self.keep_gate is not None:
+                view = self.cache.lookup(key)
+                if view is not None and view.source == "ranking":
+                    self.keep_gate.read()
             try:
                 result = await self.engine.rank_cached(suffix, claim.handle, key, start_by, deadline=deadline)
                 return Ranked(served, result, cache_ms, 1.0)
@@ -454,7 +466,7 @@ class RelayCache:
                 self.cache.unpin(key)
                 after_reply(lambda _context: self._after_consume(key))
         tokens = prefix.tensors()  # a call by reference with nothing to read: PrefixRequired
-        if self.ranking_psi_min_tokens and prefix.length >= self.ranking_psi_min_tokens:
+        if self._keeps_psi(key, prefix.length, suffix.length):
             kept = await self._rank_keeping_psi(
                 key, request_id, tokens, suffix, deadline, after_reply, start_by
             )
@@ -462,6 +474,31 @@ class RelayCache:
                 return Ranked(Served.FULL_RECOMPUTE, kept, cache_ms, 0.0)
         result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
         return Ranked(Served.FULL_RECOMPUTE, result, cache_ms, 0.0)
+
+    def _keeps_psi(self, key: PsiKey, prefix_len: int, suffix_len: int) -> bool:
+        """Whether this call's full ranking keeps its prefix's psi: long enough, and the keep gate
+        (keep_gate.py) finds that reads of kept psi pay for keeping it at this length."""
+        if not self.ranking_psi_min_tokens or prefix_len < self.ranking_psi_min_tokens:
+            return False
+        gate = self.keep_gate
+        if gate is None:
+            return True
+        saving_s = self.engine.reload_saving_s(prefix_len, suffix_len)
+        if gate.admits(key.user_id, None if saving_s is None else saving_s * 1e3, self.host_ms_per_keep()):
+            return True
+        self.ranking_psi_declined += 1
+        self._on_event("ranking_psi", "declined")
+        return False
+
+    def host_ms_per_keep(self) -> float | None:
+        """Host time one psi kept by a full ranking costs: the device loop's (allocation and
+        copies, Engine.host_ms_per_keep) and the event loop's (admission, production, lease);
+        None before the device loop's was measured."""
+        device_loop = self.engine.host_ms_per_keep()
+        if device_loop is None:
+            return None
+        timed = self._keep_loop_timed
+        return device_loop + (self._keep_loop_cpu_s / timed * 1e3 if timed else 0.0)
 
     async def _rank_keeping_psi(
         self,
@@ -479,14 +516,17 @@ class RelayCache:
         meanwhile join this production, as they would a pre-inference's."""
         if self.cache.lookup(key) is not None:
             return None  # held in some state (e.g. a psi of another length): admitting would re-lease it
+        admitting_from = time.thread_time()
         admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "ranking")
         if admitted.outcome is not Admission.ADMITTED:
             return None
         production = _Production(asyncio.Event(), reload=False)
         self._productions[key] = production
+        loop_cpu_s = time.thread_time() - admitting_from
         stored = False
         try:
             result = await self.engine.rank_full(prefix, suffix, start_by, deadline=deadline, keep_psi=True)
+            storing_from = time.thread_time()
             if result.psi is not None:
                 stored = self.cache.produced(key, result.psi)
         finally:
@@ -498,10 +538,14 @@ class RelayCache:
         if stored:
             self.psi_from_rankings += 1
             self._on_event("ranking_psi", "kept")
+            if self.keep_gate is not None:
+                self.keep_gate.kept()
             claim = self.cache.claim(key)
             if claim.outcome is Claim.HIT:  # consumed by this call: its lease ends
                 self.cache.unpin(key)
                 after_reply(lambda _context: self._after_consume(key))
+            self._keep_loop_cpu_s += loop_cpu_s + time.thread_time() - storing_from
+            self._keep_loop_timed += 1
         return result
 
     async def _relay(

@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.call_cost import CallWork
-from services.ranker.config import Demotion, RankerConfig
+from services.ranker.config import Demotion, Keep, RankerConfig
 from services.ranker.copy_stages import CopyStagesCollector
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
@@ -58,6 +58,7 @@ from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
 from services.ranker.host_cost import HostCost
+from services.ranker.keep_gate import KeepGate
 from services.ranker.loop_time import LoopTimeCollector
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
@@ -152,6 +153,10 @@ class _Metrics:
         self.ranking_psi = Counter("relaygr_ranker_psi_from_rankings",
                                    "full rankings that kept their prefix's psi in the cache (written by the "
                                    "same pass) for the user's next call", registry=registry)  # fmt: skip
+        self.ranking_psi_declined = Counter("relaygr_ranker_ranking_psi_declined",
+                                            "full rankings long enough to keep psi that did not: reads of "
+                                            "kept psi did not pay for keeping it (keep_gate.py)",
+                                            registry=registry)  # fmt: skip
         self.content_mismatch = Counter("relaygr_ranker_prefix_content_mismatch",
                                         "ranking calls whose prefix tokens differ from those of psi held under "
                                         "the same (user, prefix version): ranked without it",
@@ -266,6 +271,9 @@ class RankerService(pb_grpc.RankerServicer):
             if config.demotion is Demotion.EARNED
             else None,
             demotion_reserve_bytes=int(config.demotion_reserve_fraction * self.cache.budget_bytes),
+            keep_gate=KeepGate(config.ranking_psi_sample_every)
+            if config.ranking_psi_keep is Keep.EARNED
+            else None,
         )
         self.registry.register(
             CopyStagesCollector(
@@ -575,6 +583,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.content_mismatch.inc()
         elif kind == "prefetch":
             m.prefetches.labels(label).inc()
+        elif kind == "ranking_psi" and label == "declined":
+            m.ranking_psi_declined.inc()
         elif kind == "ranking_psi":
             m.ranking_psi.inc()
 

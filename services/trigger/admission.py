@@ -56,10 +56,12 @@ prefixes, attention dominates both passes and the call against psi is a small sh
 term lets them through. Where the host is the bottleneck, device time is not the whole price:
 the trigger can add to each request it weighs (the signal, the call against psi, the full
 ranking) what a request costs the ranker's host (StatsReply.host_ms_per_request; the setting
-host_cost, off by default: not yet measured, and at 16384 tokens, where the device binds, it
-would refuse pre-inference the relay gains 3x from). At 4096 tokens on an H200 a pre-inference for risk added little
+host_cost, on by default). At 4096 tokens on an H200 a pre-inference for risk added little
 by device time (2.1 + 1.15 ms against 3.3), and admitting 1627 of them at 250 req/s took the
-relay's limit from 250 to 197.5 req/s on a ranker bound by its host (k11a, k11e).
+relay's limit from 250 to 197.5 req/s on a ranker bound by its host (k11a, k11e); priced with
+the host's time, the relay met at least 250 req/s where it met 225 without (k12a, one run). At
+16384 tokens, where the device binds, the spare term admits the pre-inferences either way (k12b:
+345 and 352 a point, 42.2 and 38.0 req/s met, one step of the search apart).
 
 Why the spare term: the two terms above count device time, but a ranking call's latency is
 its queue plus its own compute, and the queue is made by bursts of arrivals (Poisson: at 100

@@ -17,6 +17,7 @@ from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, EngineConfig
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.host_tier import HostTier
+from services.ranker.keep_gate import KeepGate
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.relay_cache import Produce, RecentIds, RelayCache, Served
@@ -358,3 +359,63 @@ def test_recent_ids_forget_after_their_ttl_and_beyond_their_bound():
     assert len(ids) == 3  # the oldest went first
     assert not ids.seen("b")
     assert ids.seen("e")
+
+
+async def test_the_keep_gate_keeps_psi_only_for_a_sample_while_reads_do_not_pay(keeping, monkeypatch):
+    """Once psi kept by full rankings is measured never to be read (each user calls once here)
+    while keeping one costs more host time than a read would save, only the sampled users'
+    rankings keep psi; the others rank in full without it, counted as declined, with the same
+    scores. A user whose psi was kept is then served from it (a read the gate counts)."""
+    r = keeping
+    gate = KeepGate(sample_every=2, min_kept=1)
+    r.relay = RelayCache(
+        r.cache, r.engine, CostModel(r.model.spec, assumed_tflops=0.05, h2d_gbps=5.0), r.model.spec.psi_bytes,
+        r.spawn, join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: r.events.append((k, v)),
+        ranking_psi_min_tokens=512, keep_gate=gate,
+    )  # fmt: skip
+    monkeypatch.setattr(r.engine, "host_ms_per_keep", lambda: 1.0)
+    monkeypatch.setattr(r.engine, "reload_saving_s", lambda prefix_len, suffix_len: 0.0003)
+    prefixes, suffixes = users(60, 6, prefix_len=600)  # users 0-5
+    calls = []
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"k{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        want = r.model.full([p], [s])[0]
+        ranked = await r.rank(key, prefix, suffix)
+        assert ranked.served is Served.FULL_RECOMPUTE
+        assert close(ranked.result.scores, want)
+        calls.append((key, prefix, suffix, want))
+    first, rest = calls[0][0], [c[0] for c in calls[1:]]
+    assert r.state(first) is EntryState.CONSUMED  # before any psi was measured the gate is open
+    keep_ms = r.relay.host_ms_per_keep()  # the device loop's (1.0 here) and the event loop's
+    assert keep_ms is not None
+    assert keep_ms >= 1.0
+    kept = {k for k in rest if r.state(k) is not None}
+    assert kept == {k for k in rest if k.user_id % 2 == 0}
+    declined = [k for k in rest if k.user_id % 2]
+    assert declined  # the seeds give both kinds
+    assert r.relay.ranking_psi_declined == len(declined)
+    assert ("ranking_psi", "declined") in r.events
+    assert gate.reuse == 0.0
+    key, prefix, suffix, want = next(c for c in calls[1:] if c[0] in kept)
+    again = await r.rank(key, prefix, suffix)  # the sampled user comes back: read from kept psi
+    assert again.served is Served.HBM_HIT
+    assert close(again.result.scores, want)
+    assert gate.reuse is not None
+    assert gate.reuse > 0.0
+
+
+async def test_what_keeping_psi_costs_the_host_is_measured_once_enough_psi_was_kept(keeping):
+    """The device loop times allocating each kept psi (and, with graphs, issuing its copy); the
+    event loop its admission and lease: reported per psi once 32 were kept, not before."""
+    r = keeping
+    prefixes, suffixes = users(70, 32, prefix_len=520)
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        assert r.relay.host_ms_per_keep() is None
+        prefix, suffix = rank_inputs(rank_request(p, s, f"m{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        await r.rank(key, prefix, suffix)
+    assert r.relay.psi_from_rankings == 32
+    keep_ms = r.relay.host_ms_per_keep()
+    assert keep_ms is not None
+    assert 0.0 < keep_ms < 1000.0

@@ -364,7 +364,7 @@ def test_each_request_is_priced_at_what_it_costs_the_rankers_host_too():
     # H200, L4096 (k11e): full ranking 3.3 ms, psi 2.1, a call against psi 1.15 on the device;
     # ~1.3 ms of host CPU a request. By device time a pre-inference for risk adds little (3.25
     # against 3.3 x 1.15); as two requests against one on a host-bound ranker it adds work.
-    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1,127.0.0.1:2", "--host-cost", "true")
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1,127.0.0.1:2")  # on by default
     planned = stats_reply([(1, 4416, 3.3)] * 8, [(2, 2.3)] * 8, [])
     planned.preinfer_plan.extend(
         pb.PreinferSample(prefix_len=n, device_ms=0.000513 * n) for n in (1024, 2048, 4096)
@@ -391,8 +391,8 @@ def test_each_request_is_priced_at_what_it_costs_the_rankers_host_too():
     assert saving > psi  # by device time it pays
     assert t.reuse_pays(4096, 4416, "127.0.0.1:2")
     assert t.reuse_pays(4096, 4416, "127.0.0.1:1") == (saving > psi + 1.3)
-    # Off (the default), the host's figure is reported and logged, not priced.
-    plain = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
+    # Off, the host's figure is reported and logged, not priced.
+    plain = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1", "--host-cost", "false")
     plain._absorb("127.0.0.1:1", planned)
     hosted.host_ms_per_request = 1.3
     plain._absorb("127.0.0.1:1", hosted)
