@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,13 +275,17 @@ class HbmCache:
         self._pin(e, +1)
         return e.handle
 
-    def demotion_candidates(self, reserve_bytes: int, in_flight_bytes: int = 0) -> list[Hashable]:
+    def demotion_candidates(
+        self, reserve_bytes: int, in_flight_bytes: int = 0, settled: Container[Hashable] = ()
+    ) -> list[Hashable]:
         """CONSUMED entries to copy to host DRAM now so that admitting `reserve_bytes` more psi
         evicts only entries with a host copy: the least recently used first, as many as the
         bytes to free exceed what DEMOTED entries and the `in_flight_bytes` of copies under way
         already cover (a DEMOTED entry read by a call at the moment counts: it is evictable once
         the call is done). Empty while the budget has room. (Demotion under pressure: the host
-        tier then holds what HBM no longer does, and the two tiers' capacities add up.)"""
+        tier then holds what HBM no longer does, and the two tiers' capacities add up.)
+        CONSUMED entries in `settled` (decided already: evicted without a copy) count as
+        covered and are not picked."""
         needed = self._used + max(reserve_bytes, 0) - self.budget_bytes
         covered = in_flight_bytes + self._bytes_by_state[EntryState.DEMOTED]
         picked: list[Hashable] = []
@@ -289,7 +293,8 @@ class HbmCache:
             return picked
         for e in self._lru.values():
             if e.state is EntryState.CONSUMED and e.pins == 0:
-                picked.append(e.key)
+                if e.key not in settled:
+                    picked.append(e.key)
                 covered += e.nbytes
                 if covered >= needed:
                     break

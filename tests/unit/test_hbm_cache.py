@@ -215,6 +215,19 @@ def test_under_pressure_the_least_recently_used_consumed_psi_is_demoted_ahead_of
     assert c.demotion_candidates(reserve_bytes=30) == ["c"]  # leased "d" is never a candidate
 
 
+def test_settled_candidates_cover_their_room_without_being_picked_again(clock):
+    """Entries decided already (the demotion gate let them go without a copy) count as covered:
+    the next candidates are the ones after them, and none while they cover the reserve."""
+    c = make(clock)  # budget 100
+    for t, key in enumerate(["a", "b", "c"]):
+        clock.now = float(t)
+        consumed(c, clock, key, 30)
+    assert c.demotion_candidates(reserve_bytes=50) == ["a", "b"]
+    assert c.demotion_candidates(reserve_bytes=50, settled={"a"}) == ["b"]
+    assert c.demotion_candidates(reserve_bytes=30, settled={"a"}) == []  # "a" alone covers 20 over
+    assert c.demotion_candidates(reserve_bytes=80, settled={"a", "b"}) == ["c"]  # 70 over
+
+
 def test_release_without_host_tier(clock):
     c = make(clock)
     c.admit("u", 10, lease())
