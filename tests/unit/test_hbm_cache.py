@@ -228,6 +228,31 @@ def test_settled_candidates_cover_their_room_without_being_picked_again(clock):
     assert c.demotion_candidates(reserve_bytes=80, settled={"a", "b"}) == ["c"]  # 70 over
 
 
+def test_eviction_takes_demoted_psi_least_recently_used_first_then_consumed(clock):
+    """Hot copies (DEMOTED) go before consumed psi without a copy, whatever their age; among
+    them the least recently used first, a copy demoted late by its last use, not by its copy."""
+    c = make(clock, budget=120)
+    for t, key in enumerate(["a", "b", "c", "d"]):
+        clock.now = float(t)
+        consumed(c, clock, key, 30)
+    for key in ("c", "a"):  # c's copy finishes first, a's later: a was used before c
+        c.pin_for_copy(key)
+        c.demoted(key, ok=True, keep=True)
+    clock.now = 10.0
+    assert c.admit("e", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("a") is None  # the oldest hot copy went first
+    assert [k for k in ("b", "c", "d") if c.lookup(k) is not None] == ["b", "c", "d"]
+    c.claim("c")  # read again: now the most recently used hot copy ...
+    c.unpin("c")
+    c.produced("e", "psi-e")
+    assert c.admit("f", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("c") is None  # ... and still a hot copy: it goes before b and d
+    assert c.lookup("b") is not None
+    assert c.admit("g", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("b") is None  # then consumed psi, least recently used first
+    assert c.counters.evicted_undemoted == 1
+
+
 def test_release_without_host_tier(clock):
     c = make(clock)
     c.admit("u", 10, lease())
@@ -286,9 +311,10 @@ def test_invariants_under_random_operations(sequence):
         assert all(e.state not in (EntryState.EXPIRED, EntryState.FREED) for e in entries)  # terminal: gone
         # The bookkeeping that spares eviction a sort: unleased entries, least recently used first.
         unleased = [e for e in entries if e.state in (EntryState.CONSUMED, EntryState.DEMOTED)]
-        assert set(c._lru) == {e.key for e in unleased}
-        used_at = [e.last_used for e in c._lru.values()]
-        assert used_at == sorted(used_at)
+        for state in (EntryState.CONSUMED, EntryState.DEMOTED):  # one order per state
+            assert set(c._lru[state]) == {e.key for e in unleased if e.state is state}
+            used_at = [e.last_used for e in c._lru[state].values()]
+            assert used_at == sorted(used_at)
         assert c.leased_bytes == sum(
             e.nbytes for e in entries if e.state in (EntryState.PRODUCING, EntryState.RESIDENT)
         )
