@@ -149,6 +149,9 @@ class HbmCache:
     _lru: dict[EntryState, collections.OrderedDict[Hashable, _Entry]] = field(
         default_factory=lambda: {state: collections.OrderedDict() for state in _UNLEASED}
     )
+    # RESIDENT entries (leased psi waiting for its call): the expiry pass, every 50 ms, reads
+    # only these (a pass over every entry cost ~0.25 ms with 2666 mix-sized psi held).
+    _resident: dict[Hashable, _Entry] = field(default_factory=dict)
     _bytes_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
     _count_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
     # Bytes of unleased entries that a call or a copy holds pinned: evictable bytes are the
@@ -332,15 +335,8 @@ class HbmCache:
         """RESIDENT entries past their lease deadline become EXPIRED (wasted pre-inferences)."""
         now = self.clock()
         gone: list[Hashable] = []
-        if not self._count_by_state[EntryState.RESIDENT]:
-            return gone  # the common case under load: nothing leased is waiting (runs every 50 ms)
-        for e in list(self._entries.values()):
-            if (
-                e.state is EntryState.RESIDENT
-                and e.pins == 0
-                and e.lease is not None
-                and e.lease.deadline < now
-            ):
+        for e in list(self._resident.values()):
+            if e.pins == 0 and e.lease is not None and e.lease.deadline < now:
                 self.counters.expired += 1
                 self._move(e, EntryState.EXPIRED)
                 gone.append(e.key)
@@ -412,6 +408,10 @@ class HbmCache:
             self._pinned_unleased_bytes += e.nbytes if to in _UNLEASED else -e.nbytes
         if e.state in _UNLEASED:
             del self._lru[e.state][e.key]
+        elif e.state is EntryState.RESIDENT:
+            del self._resident[e.key]
+        if to is EntryState.RESIDENT:
+            self._resident[e.key] = e
         if to is EntryState.DEMOTED:
             self._insert_by_use(self._lru[to], e)
         elif to in _UNLEASED:

@@ -311,6 +311,7 @@ def test_invariants_under_random_operations(sequence):
         assert all(e.state not in (EntryState.EXPIRED, EntryState.FREED) for e in entries)  # terminal: gone
         # The bookkeeping that spares eviction a sort: unleased entries, least recently used first.
         unleased = [e for e in entries if e.state in (EntryState.CONSUMED, EntryState.DEMOTED)]
+        assert set(c._resident) == {e.key for e in entries if e.state is EntryState.RESIDENT}
         for state in (EntryState.CONSUMED, EntryState.DEMOTED):  # one order per state
             assert set(c._lru[state]) == {e.key for e in unleased if e.state is state}
             used_at = [e.last_used for e in c._lru[state].values()]
