@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Callable, Container, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,7 @@ class _Entry:
     pins: int = 0
     handle: Any = None
     last_used: float = 0.0
+    settled: bool = False  # CONSUMED, to be evicted without a host copy (settle())
 
 
 @dataclass
@@ -152,6 +153,12 @@ class HbmCache:
     # RESIDENT entries (leased psi waiting for its call): the expiry pass, every 50 ms, reads
     # only these (a pass over every entry cost ~0.25 ms with 2666 mix-sized psi held).
     _resident: dict[Hashable, _Entry] = field(default_factory=dict)
+    # CONSUMED entries settled to go without a host copy (settle()), in the order settled: out
+    # of the demotion candidates' order, their bytes counted as covered. Kept in that order and
+    # re-weighed on every call, ~130 of them on the length mix cost the event loop 0.3-0.6 ms a
+    # call (2-core build machine), then, counted apart but still walked past, ~60 us.
+    _settled: collections.OrderedDict[Hashable, _Entry] = field(default_factory=collections.OrderedDict)
+    _settled_bytes: int = 0
     _bytes_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
     _count_by_state: collections.Counter[EntryState] = field(default_factory=collections.Counter)
     # Bytes of unleased entries that a call or a copy holds pinned: evictable bytes are the
@@ -263,6 +270,9 @@ class HbmCache:
         if e.state is EntryState.RESIDENT:
             self._move(e, EntryState.CONSUMED)
             e.lease = None
+        if e.settled:  # read again: a demotion candidate again
+            self._unsettle(e)
+            self._lru[EntryState.CONSUMED][key] = e
         self._pin(e, +1)
         e.last_used = self.clock()
         self._lru[e.state].move_to_end(key)  # unleased now (CONSUMED, or a hot copy hit again): the newest
@@ -283,30 +293,40 @@ class HbmCache:
         self._pin(e, +1)
         return e.handle
 
-    def demotion_candidates(
-        self, reserve_bytes: int, in_flight_bytes: int = 0, settled: Container[Hashable] = ()
-    ) -> list[Hashable]:
+    def demotion_candidates(self, reserve_bytes: int, in_flight_bytes: int = 0) -> list[Hashable]:
         """CONSUMED entries to copy to host DRAM now so that admitting `reserve_bytes` more psi
         evicts only entries with a host copy: the least recently used first, as many as the
         bytes to free exceed what DEMOTED entries and the `in_flight_bytes` of copies under way
         already cover (a DEMOTED entry read by a call at the moment counts: it is evictable once
         the call is done). Empty while the budget has room. (Demotion under pressure: the host
         tier then holds what HBM no longer does, and the two tiers' capacities add up.)
-        CONSUMED entries in `settled` (decided already: evicted without a copy) count as
-        covered and are not picked."""
+        Settled entries (settle()) count as covered and are not picked."""
         needed = self._used + max(reserve_bytes, 0) - self.budget_bytes
-        covered = in_flight_bytes + self._bytes_by_state[EntryState.DEMOTED]
+        covered = in_flight_bytes + self._bytes_by_state[EntryState.DEMOTED] + self._settled_bytes
         picked: list[Hashable] = []
         if covered >= needed:
             return picked
         for e in self._lru[EntryState.CONSUMED].values():
             if e.pins == 0:
-                if e.key not in settled:
-                    picked.append(e.key)
+                picked.append(e.key)
                 covered += e.nbytes
                 if covered >= needed:
                     break
         return picked
+
+    def settle(self, key: Hashable) -> bool:
+        """An unpinned CONSUMED entry goes without a host copy when its room is needed (the
+        demotion gate declined it): no longer a demotion candidate, its bytes count as covered,
+        and eviction takes it before the other consumed psi, until a call reads it again
+        (claim). False when the entry is not one to settle."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.CONSUMED or e.pins or e.settled:
+            return False
+        del self._lru[EntryState.CONSUMED][key]
+        self._settled[key] = e
+        self._settled_bytes += e.nbytes
+        e.settled = True
+        return True
 
     def demoted(self, key: Hashable, ok: bool, keep: bool) -> None:
         """The demotion copy finished (ok) or failed; unpins. On success the entry is DEMOTED and,
@@ -347,8 +367,8 @@ class HbmCache:
     def _evictable(self) -> Iterator[_Entry]:
         """Unpinned unleased entries in eviction order: demoted psi first (a copy is safe in host
         DRAM), then consumed; least recently used first within each."""
-        for state in (EntryState.DEMOTED, EntryState.CONSUMED):
-            for e in self._lru[state].values():
+        for order in (self._lru[EntryState.DEMOTED], self._settled, self._lru[EntryState.CONSUMED]):
+            for e in order.values():
                 if e.pins == 0:
                     yield e
 
@@ -383,6 +403,11 @@ class HbmCache:
             self._move(e, EntryState.FREED)
         return True
 
+    def _unsettle(self, e: _Entry) -> None:
+        del self._settled[e.key]
+        self._settled_bytes -= e.nbytes
+        e.settled = False
+
     @staticmethod
     def _insert_by_use(order: collections.OrderedDict[Hashable, _Entry], e: _Entry) -> None:
         """Inserts e where its last use puts it. A demoted entry was last used before its copy
@@ -406,7 +431,9 @@ class HbmCache:
         self._count_by_state[e.state] -= 1
         if e.pins and (e.state in _UNLEASED) != (to in _UNLEASED):
             self._pinned_unleased_bytes += e.nbytes if to in _UNLEASED else -e.nbytes
-        if e.state in _UNLEASED:
+        if e.settled:
+            self._unsettle(e)
+        elif e.state in _UNLEASED:
             del self._lru[e.state][e.key]
         elif e.state is EntryState.RESIDENT:
             del self._resident[e.key]

@@ -83,7 +83,6 @@ if TYPE_CHECKING:
 log = get_logger("ranker.relay_cache")
 
 _MAX_PREFETCHED = 100_000  # prefetched keys awaiting an outcome (each ends used, wasted or failed)
-_MAX_DECLINED = 65_536  # demotion candidates the gate declined, remembered to count each once
 
 Spawn = Callable[[Awaitable[None], str], "asyncio.Task[None]"]
 OnEvent = Callable[[str, str], None]
@@ -222,7 +221,6 @@ class RelayCache:
         self._keep_loop_timed = 0
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
         self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
-        self._declined: collections.OrderedDict[PsiKey, None] = collections.OrderedDict()  # counted
         self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
         self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
@@ -450,7 +448,6 @@ class RelayCache:
             self._on_event("fallback", "prefix_mismatch")
             self.cache.unpin(key)
         elif claim.outcome is Claim.HIT:
-            self._declined.pop(key, None)  # read again: a demotion candidate to decide anew
             if self.keep_gate is not None:
                 view = self.cache.lookup(key)
                 if view is not None and view.source == "ranking":
@@ -708,7 +705,6 @@ class RelayCache:
         admitted = self.cache.admit(key, nbytes, lease, source)
         self._largest_admitted = max(self._largest_admitted, nbytes)
         if admitted.outcome is Admission.ADMITTED:
-            self._declined.pop(key, None)  # a new entry (an earlier one went without a copy)
             self.demote_ahead()
         return admitted
 
@@ -721,24 +717,21 @@ class RelayCache:
             return
         in_flight = sum(self._demoting.values())
         reserve = max(self._demotion_reserve_bytes, self._largest_admitted)
-        # Candidates the gate declined count as covered (they go without a copy) and are not
-        # asked about again: asked on every admission and consumption, the ~130 of them a full
-        # HBM holds on the length mix (a reserve of 6 GB in psi of ~45 MB) cost the event loop
-        # ~0.6 ms a call (2-core build machine), on the path of every call that kept or read psi.
-        candidates = self.cache.demotion_candidates(reserve, in_flight, settled=self._declined)
+        # A candidate the gate declines is settled in the cache (HbmCache.settle): covered, and
+        # not asked about again until a call reads it. Asked on every admission and consumption,
+        # the ~130 of them a full HBM holds on the length mix (a reserve of 6 GB in psi of ~45 MB)
+        # cost the event loop ~0.3-0.6 ms a call (2-core build machine; bench.cache_costs).
+        candidates = self.cache.demotion_candidates(reserve, in_flight)
         gate = self.demotion_gate
         copy_ms = self.engine.host_ms_per_copy() if gate is not None and candidates else None
         for key in candidates:
             psi_key = cast(PsiKey, key)
             if gate is not None and not gate.admits(psi_key.user_id, self._saving_ms(psi_key), copy_ms):
                 # Not copied: the entry stays an evictable hot copy, and the admission that
-                # needs its room drops it (counted as evicted without a host copy). Decided once,
-                # until a call reads it again (_rank: it is consumed anew).
-                self._declined[psi_key] = None
-                if len(self._declined) > _MAX_DECLINED:
-                    self._declined.popitem(last=False)
-                self.demotions_skipped += 1
-                self._on_event("demotion", "skipped")
+                # needs its room drops it (counted as evicted without a host copy).
+                if self.cache.settle(psi_key):
+                    self.demotions_skipped += 1
+                    self._on_event("demotion", "skipped")
                 continue
             self._start_demotion(psi_key)
 

@@ -216,16 +216,28 @@ def test_under_pressure_the_least_recently_used_consumed_psi_is_demoted_ahead_of
 
 
 def test_settled_candidates_cover_their_room_without_being_picked_again(clock):
-    """Entries decided already (the demotion gate let them go without a copy) count as covered:
-    the next candidates are the ones after them, and none while they cover the reserve."""
+    """Entries settled to go without a copy (the demotion gate declined them) count as covered:
+    the next candidates are the ones after them, none while they cover the reserve, and
+    eviction takes them before the other consumed psi, until a call reads one again."""
     c = make(clock)  # budget 100
     for t, key in enumerate(["a", "b", "c"]):
         clock.now = float(t)
         consumed(c, clock, key, 30)
     assert c.demotion_candidates(reserve_bytes=50) == ["a", "b"]
-    assert c.demotion_candidates(reserve_bytes=50, settled={"a"}) == ["b"]
-    assert c.demotion_candidates(reserve_bytes=30, settled={"a"}) == []  # "a" alone covers 20 over
-    assert c.demotion_candidates(reserve_bytes=80, settled={"a", "b"}) == ["c"]  # 70 over
+    assert c.settle("a")
+    assert not c.settle("a")  # once
+    assert c.demotion_candidates(reserve_bytes=50) == ["b"]
+    assert c.demotion_candidates(reserve_bytes=30) == []  # "a" alone covers 20 over
+    assert c.settle("b")
+    assert c.demotion_candidates(reserve_bytes=80) == ["c"]  # 70 over
+    clock.now = 5.0
+    c.claim("a")  # read again: a candidate again, the most recently used
+    c.unpin("a")
+    assert c.demotion_candidates(reserve_bytes=80) == ["c", "a"]
+    assert c.admit("d", 30, lease()).outcome is Admission.ADMITTED
+    assert c.lookup("b") is None  # the settled one went first
+    assert c.counters.evicted_undemoted == 1
+    assert not c.settle("d")  # leased: not one to settle
 
 
 def test_eviction_takes_demoted_psi_least_recently_used_first_then_consumed(clock):
@@ -268,7 +280,9 @@ def test_release_without_host_tier(clock):
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "produce", "fail", "claim", "unpin", "copy", "demote", "release", "tick"]),
+        st.sampled_from(
+            ["admit", "produce", "fail", "claim", "unpin", "copy", "demote", "release", "tick", "settle"]
+        ),
         st.integers(0, 4),
         st.integers(1, 60),
     ),
@@ -303,6 +317,8 @@ def test_invariants_under_random_operations(sequence):
                 c.demoted(key, ok=size % 2 == 0, keep=size % 3 == 0)
         elif op == "release":
             c.release(key)
+        elif op == "settle":
+            c.settle(key)
         elif op == "tick":
             clock.now += size / 10
             c.expire()
@@ -313,9 +329,14 @@ def test_invariants_under_random_operations(sequence):
         unleased = [e for e in entries if e.state in (EntryState.CONSUMED, EntryState.DEMOTED)]
         assert set(c._resident) == {e.key for e in entries if e.state is EntryState.RESIDENT}
         for state in (EntryState.CONSUMED, EntryState.DEMOTED):  # one order per state
-            assert set(c._lru[state]) == {e.key for e in unleased if e.state is state}
+            held = {e.key for e in unleased if e.state is state and not e.settled}
+            assert set(c._lru[state]) == held
             used_at = [e.last_used for e in c._lru[state].values()]
             assert used_at == sorted(used_at)
+        settled = [e for e in entries if e.settled]
+        assert all(e.state is EntryState.CONSUMED and e.pins == 0 for e in settled)
+        assert set(c._settled) == {e.key for e in settled}
+        assert c._settled_bytes == sum(e.nbytes for e in settled)
         assert c.leased_bytes == sum(
             e.nbytes for e in entries if e.state in (EntryState.PRODUCING, EntryState.RESIDENT)
         )
