@@ -16,9 +16,11 @@ Entry lifecycle (transitions asserted in `_move`):
   refused (and counted) rather than evicting psi that a ranking call is about to use.
 * `lookup` has no side effects: it never extends a lease, pins, or reorders anything.
 * CONSUMED and DEMOTED entries are unleased and evictable (DEMOTED first: their psi is safe in
-  host DRAM; then least recently used). The caller chooses whether a DEMOTED entry stays as a hot
-  copy (a returning user hits HBM without a reload) or is freed at once. An entry pinned by a
-  running computation or copy is never freed.
+  host DRAM; then CONSUMED entries settled to go without a copy, `settle`; then least recently
+  used). The caller chooses whether a DEMOTED entry stays as a hot copy (a returning user hits
+  HBM without a reload) or is freed at once. An entry pinned by a running computation or copy is
+  never freed. Under pressure `demotion_candidates` names the CONSUMED entries to copy ahead of
+  their eviction; a settled one is no longer named (a read makes it a candidate again).
 * EXPIRED and FREED are terminal: the entry leaves the table and its bytes are released.
 
 Keys may come in groups (`group_of`: the ranker groups psi keys by (user, prefix version, model),
