@@ -18,54 +18,30 @@ and the gate opens again when the workload changes (users coming back later, a l
 Until `min_demotions` copies were measured the gate is open: the tier is assumed to pay.
 
 Either cost unknown (nothing measured yet) keeps the gate open. The yield counts every reload
-from host DRAM (a call's own, or a prefetch ahead of it) against every demotion.
+from host DRAM (a call's own, or a prefetch ahead of it) against every demotion. The mechanism is
+yield_gate.py's (shared with the keep gate).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from services.ranker.yield_gate import YieldGate
 
 
-@dataclass
-class DemotionGate:
-    sample_every: int = 8  # closed: one candidate in this many is still copied (1: always copy)
-    min_demotions: int = 256  # measured before the gate may close
-    memory: float = 1024.0  # demotions the yield averages over (exponential decay)
-    _demotions: float = 0.0
-    _reloads: float = 0.0
-    _measured: int = 0
+class DemotionGate(YieldGate):
+    """Copies to host DRAM (actions), paid back by reloads (returns)."""
 
-    def __post_init__(self) -> None:
-        if self.sample_every < 1 or self.min_demotions < 0 or self.memory < 1:
-            raise ValueError("sample_every and memory >= 1, min_demotions >= 0")
+    def __init__(self, sample_every: int = 8, min_demotions: int = 256, memory: float = 1024.0) -> None:
+        super().__init__(sample_every, min_demotions, memory)
 
     def demoted(self) -> None:
         """One psi copied to host DRAM."""
-        keep = 1.0 - 1.0 / self.memory
-        self._demotions = self._demotions * keep + 1.0
-        self._reloads *= keep
-        self._measured += 1
+        self.acted()
 
     def reloaded(self) -> None:
         """One psi brought back from host DRAM (instead of recomputed)."""
-        self._reloads += 1.0
+        self.returned()
 
     @property
     def reload_yield(self) -> float | None:
-        """Reloads per demotion over about the last `memory` demotions; None before
-        `min_demotions` were measured."""
-        if self._measured < max(self.min_demotions, 1):
-            return None
-        return self._reloads / self._demotions
-
-    def earns(self, saving_ms: float | None, copy_ms: float | None) -> bool:
-        """Whether copying psi whose reload saves `saving_ms` of device time pays for the
-        `copy_ms` of host time a copy costs, at the measured yield."""
-        y = self.reload_yield
-        if y is None or saving_ms is None or copy_ms is None:
-            return True
-        return y * saving_ms >= copy_ms
-
-    def admits(self, user_id: int, saving_ms: float | None, copy_ms: float | None) -> bool:
-        """Whether to copy this candidate: the tier earns its copies, or it is one of the sample."""
-        return self.earns(saving_ms, copy_ms) or user_id % self.sample_every == 0
+        """Reloads per demotion, recent; None before `min_demotions` were measured."""
+        return self.returns_per_action

@@ -18,54 +18,29 @@ host time keeping one costs, and keeps psi when the product pays. When it does n
 keeps one user in `sample_every` (by user id: the same users each time), so that the reuse
 keeps being measured and the gate opens again when the workload changes (users coming back more
 often, longer prefixes). Until `min_kept` were measured the gate is open, as it is while either
-cost is unknown.
+cost is unknown. The mechanism is yield_gate.py's (shared with the demotion gate).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from services.ranker.yield_gate import YieldGate
 
 
-@dataclass
-class KeepGate:
-    sample_every: int = 8  # closed: one user in this many still keeps psi (1: always keep)
-    min_kept: int = 128  # kept before the gate may close
-    memory: float = 1024.0  # kept psi the reuse averages over (exponential decay)
-    _kept: float = 0.0
-    _reads: float = 0.0
-    _measured: int = 0
+class KeepGate(YieldGate):
+    """psi kept by full rankings (actions), paid back by later calls reading it (returns)."""
 
-    def __post_init__(self) -> None:
-        if self.sample_every < 1 or self.min_kept < 0 or self.memory < 1:
-            raise ValueError("sample_every and memory >= 1, min_kept >= 0")
+    def __init__(self, sample_every: int = 8, min_kept: int = 128, memory: float = 1024.0) -> None:
+        super().__init__(sample_every, min_kept, memory)
 
     def kept(self) -> None:
         """One full ranking's psi entered the cache."""
-        decay = 1.0 - 1.0 / self.memory
-        self._kept = self._kept * decay + 1.0
-        self._reads *= decay
-        self._measured += 1
+        self.acted()
 
     def read(self) -> None:
         """One later call read a psi a full ranking kept (a hit, or a join of its production)."""
-        self._reads += 1.0
+        self.returned()
 
     @property
     def reuse(self) -> float | None:
-        """Calls that read a kept psi per psi kept, over about the last `memory` kept; None
-        before `min_kept` were measured."""
-        if self._measured < max(self.min_kept, 1):
-            return None
-        return self._reads / self._kept
-
-    def earns(self, saving_ms: float | None, keep_ms: float | None) -> bool:
-        """Whether keeping psi whose reads save `saving_ms` of device time each pays for the
-        `keep_ms` of host time keeping it costs, at the measured reuse."""
-        r = self.reuse
-        if r is None or saving_ms is None or keep_ms is None:
-            return True
-        return r * saving_ms >= keep_ms
-
-    def admits(self, user_id: int, saving_ms: float | None, keep_ms: float | None) -> bool:
-        """Whether this full ranking keeps psi: keeping earns, or the user is one of the sample."""
-        return self.earns(saving_ms, keep_ms) or user_id % self.sample_every == 0
+        """Calls that read a kept psi per psi kept, recent; None before `min_kept` were measured."""
+        return self.returns_per_action

@@ -12,12 +12,12 @@ def test_open_until_enough_demotions_are_measured_or_while_a_cost_is_unknown():
     for _ in range(3):
         gate.demoted()
     assert gate.reload_yield is None
-    assert gate.admits(1, saving_ms=1.0, copy_ms=100.0)  # not measured enough: assumed to pay
+    assert gate.admits(1, saving_ms=1.0, cost_ms=100.0)  # not measured enough: assumed to pay
     gate.demoted()
     assert gate.reload_yield == 0.0
-    assert not gate.earns(saving_ms=1.0, copy_ms=0.3)
-    assert gate.earns(saving_ms=None, copy_ms=0.3)  # nothing to weigh by: open
-    assert gate.earns(saving_ms=1.0, copy_ms=None)
+    assert not gate.earns(saving_ms=1.0, cost_ms=0.3)
+    assert gate.earns(saving_ms=None, cost_ms=0.3)  # nothing to weigh by: open
+    assert gate.earns(saving_ms=1.0, cost_ms=None)
 
 
 def test_copies_pay_when_yield_times_saving_covers_the_copy():
@@ -30,21 +30,21 @@ def test_copies_pay_when_yield_times_saving_covers_the_copy():
         if i % 12 == 0:
             gate.reloaded()
     assert gate.reload_yield == pytest.approx(1 / 12, rel=0.1)
-    assert not gate.earns(saving_ms=1.6, copy_ms=0.3)
-    assert gate.earns(saving_ms=16.0, copy_ms=0.4)
+    assert not gate.earns(saving_ms=1.6, cost_ms=0.3)
+    assert gate.earns(saving_ms=16.0, cost_ms=0.4)
 
 
 def test_closed_it_still_copies_a_fixed_sample_of_users_and_reopens_when_reloads_come():
     gate = DemotionGate(sample_every=4, min_demotions=10, memory=50.0)
     for _ in range(50):
         gate.demoted()
-    admitted = [u for u in range(40) if gate.admits(u, saving_ms=2.0, copy_ms=0.3)]
+    admitted = [u for u in range(40) if gate.admits(u, saving_ms=2.0, cost_ms=0.3)]
     assert admitted == list(range(0, 40, 4))  # the same users each time: their yield is measured
     for _ in range(50):  # the sample's copies now come back: a later workload, a larger arena
         gate.demoted()
         gate.reloaded()
     assert gate.reload_yield == pytest.approx(1.0, rel=0.4)
-    assert all(gate.admits(u, saving_ms=2.0, copy_ms=0.3) for u in range(40))
+    assert all(gate.admits(u, saving_ms=2.0, cost_ms=0.3) for u in range(40))
 
 
 def test_recent_demotions_weigh_most():
