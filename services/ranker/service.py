@@ -33,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import math
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -65,6 +66,7 @@ from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
+from services.ranker.yield_gate import YieldGate
 from shared.lifecycle import Lifecycle, pin_process, set_timer_slack, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, HostStalls, serve_metrics
@@ -93,6 +95,16 @@ _OUTCOME: dict[Produce, pb.PreInferReply.Outcome] = {
     Produce.ALREADY_PRODUCING: pb.PreInferReply.ALREADY_PRODUCING,
     Produce.REFUSED: pb.PreInferReply.REFUSED,
 }
+
+
+def _or_nan(read: Callable[[], float | None]) -> Callable[[], float]:
+    """A gauge's reading of a figure that may not be measured yet (None: NaN)."""
+
+    def value() -> float:
+        figure = read()
+        return math.nan if figure is None else figure
+
+    return value
 
 
 class _Metrics:
@@ -161,6 +173,16 @@ class _Metrics:
                                         "ranking calls whose prefix tokens differ from those of psi held under "
                                         "the same (user, prefix version): ranked without it",
                                         registry=registry)  # fmt: skip
+        # What the gates weigh (yield_gate.py), read at scrape time: why psi is or is not kept
+        # by full rankings and copied to host DRAM. NaN while not yet measured (the gate is open).
+        self.gate_returns = Gauge("relaygr_ranker_gate_returns_per_action",
+                                  "keep gate: later calls reading psi per psi kept by a full ranking; "
+                                  "demotion gate: reloads per copy to host DRAM (recent; NaN before measured)",
+                                  ["gate"], registry=registry)  # fmt: skip
+        self.gate_cost_ms = Gauge("relaygr_ranker_gate_host_ms_per_action",
+                                  "host time one action costs, as the gate weighs it: keeping a full "
+                                  "ranking's psi, or copying psi to host DRAM (NaN before measured)",
+                                  ["gate"], registry=registry)  # fmt: skip
         self.hbm_bytes = Gauge("relaygr_ranker_hbm_bytes", "psi bytes in accelerator memory", ["kind"],
                                registry=registry)  # fmt: skip
         self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
@@ -295,6 +317,15 @@ class RankerService(pb_grpc.RankerServicer):
         self._overload_logged_at = float("-inf")
         self._preinfers_shed = 0
         # Read at scrape time: nothing to update on the Rank path.
+        gates: list[tuple[str, YieldGate | None, Callable[[], float | None]]] = [
+            ("keep", self.relay.keep_gate, self.relay.host_ms_per_keep),
+            ("demotion", self.relay.demotion_gate, self.engine.host_ms_per_copy),
+        ]
+        for name, gate, cost in gates:
+            if gate is not None:
+                returns = functools.partial(getattr, gate, "returns_per_action")
+                self.metrics.gate_returns.labels(name).set_function(_or_nan(returns))
+                self.metrics.gate_cost_ms.labels(name).set_function(_or_nan(cost))
         self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
         self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
         self.metrics.rank_inflight_work.set_function(lambda: self.admission.inflight_work_s * 1e3)

@@ -5,6 +5,7 @@ background task exits 1, SIGTERM drains the calls in flight)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import time
@@ -224,6 +225,21 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
         reply = await stub.Rank(rank_request(short[0], short_suffixes[0], f"s{i}"), timeout=30)
         assert reply.served_by == pb.FULL_RECOMPUTE
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_from_rankings == 1
+
+
+async def test_the_gates_figures_are_exported_and_nan_until_measured(ranker):
+    service, _, _ = ranker
+    metric = service.registry.get_sample_value
+    for gate in ("keep", "demotion"):  # both on by default; nothing measured yet
+        assert math.isnan(metric("relaygr_ranker_gate_returns_per_action", {"gate": gate}))
+        assert math.isnan(metric("relaygr_ranker_gate_host_ms_per_action", {"gate": gate}))
+    assert service.relay.keep_gate is not None
+    for _ in range(service.relay.keep_gate.min_actions):
+        service.relay.keep_gate.kept()
+    service.relay.keep_gate.read()
+    assert metric("relaygr_ranker_gate_returns_per_action", {"gate": "keep"}) == pytest.approx(
+        service.relay.keep_gate.reuse
+    )
 
 
 async def test_a_prefetch_only_signal_re_leases_held_psi_and_never_computes_it(ranker):
