@@ -103,6 +103,7 @@ class AdmitResult:
 class ClaimResult:
     outcome: Claim
     handle: Any = None
+    source: str = ""  # a HIT's: where its psi came from (_Entry.source)
 
 
 @dataclass
@@ -279,7 +280,7 @@ class HbmCache:
         e.last_used = self.clock()
         self._lru[e.state].move_to_end(key)  # unleased now (CONSUMED, or a hot copy hit again): the newest
         self.counters.hits += 1
-        return ClaimResult(Claim.HIT, e.handle)
+        return ClaimResult(Claim.HIT, e.handle, e.source)
 
     def unpin(self, key: Hashable) -> None:
         e = self._entries.get(key)

@@ -448,10 +448,8 @@ class RelayCache:
             self._on_event("fallback", "prefix_mismatch")
             self.cache.unpin(key)
         elif claim.outcome is Claim.HIT:
-            if self.keep_gate is not None:
-                view = self.cache.lookup(key)
-                if view is not None and view.source == "ranking":
-                    self.keep_gate.read()
+            if self.keep_gate is not None and claim.source == "ranking":
+                self.keep_gate.read()
             try:
                 result = await self.engine.rank_cached(suffix, claim.handle, key, start_by, deadline=deadline)
                 return Ranked(served, result, cache_ms, 1.0)

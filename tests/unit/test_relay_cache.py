@@ -60,6 +60,17 @@ class Relay:
             ranking_psi_min_tokens=ranking_psi_min_tokens,
         )  # fmt: skip
 
+    def rebuild(self, **kwargs: object) -> RelayCache:
+        """A relay cache over the same cache and engine, full rankings keeping psi from 512
+        tokens, with these settings (e.g. a gate)."""
+        self.relay = RelayCache(
+            self.cache, self.engine, CostModel(self.model.spec, assumed_tflops=0.05, h2d_gbps=5.0),
+            self.model.spec.psi_bytes, self.spawn, join_margin_ms=5.0, keep_demoted=True,
+            on_event=lambda k, v: self.events.append((k, v)), ranking_psi_min_tokens=512,
+            **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return self.relay
+
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self.tasks.append(task)
@@ -279,11 +290,7 @@ async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(ke
     r = keeping
     host = CopyingHost()
     gate = DemotionGate(sample_every=2, min_demotions=1)
-    r.relay = RelayCache(
-        r.cache, r.engine, CostModel(r.model.spec, assumed_tflops=0.05, h2d_gbps=5.0), r.model.spec.psi_bytes,
-        r.spawn, join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: r.events.append((k, v)),
-        ranking_psi_min_tokens=512, demotion_reserve_bytes=r.cache.budget_bytes, demotion_gate=gate,
-    )  # fmt: skip
+    r.rebuild(demotion_reserve_bytes=r.cache.budget_bytes, demotion_gate=gate)
     r.relay.host = cast(HostTier, host)
     monkeypatch.setattr(r.engine, "host_ms_per_copy", lambda: 0.3)
     monkeypatch.setattr(r.engine, "reload_saving_s", lambda prefix_len, suffix_len: 0.0016)
@@ -384,11 +391,7 @@ async def test_the_keep_gate_keeps_psi_only_for_a_sample_while_reads_do_not_pay(
     scores. A user whose psi was kept is then served from it (a read the gate counts)."""
     r = keeping
     gate = KeepGate(sample_every=2, min_kept=1)
-    r.relay = RelayCache(
-        r.cache, r.engine, CostModel(r.model.spec, assumed_tflops=0.05, h2d_gbps=5.0), r.model.spec.psi_bytes,
-        r.spawn, join_margin_ms=5.0, keep_demoted=True, on_event=lambda k, v: r.events.append((k, v)),
-        ranking_psi_min_tokens=512, keep_gate=gate,
-    )  # fmt: skip
+    r.rebuild(keep_gate=gate)
     monkeypatch.setattr(r.engine, "host_ms_per_keep", lambda: 1.0)
     monkeypatch.setattr(r.engine, "reload_saving_s", lambda prefix_len, suffix_len: 0.0003)
     prefixes, suffixes = users(60, 6, prefix_len=600)  # users 0-5
