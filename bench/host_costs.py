@@ -206,7 +206,8 @@ def graph_ops(
         pending.wait()
 
     def keep() -> Any:
-        return graphs.launch_full(prefixes, suffixes, lambda: [model.new_psi(p) for p in prefixes])
+        # As the engine allocates them: once the replay is issued, timestamps left to the graph.
+        return graphs.launch_full(prefixes, suffixes, lambda ts: [model.new_psi(p, ts) for p in prefixes])
 
     return [
         ("launch_full", lambda: graphs.launch_full(prefixes, suffixes), wait),

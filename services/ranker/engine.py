@@ -1184,11 +1184,13 @@ class Engine:
                 prefixes = [j.prefix for j in batch]
                 keeps = any(j.keep_psi for j in batch)
 
-                def new_psis() -> list[Psi | None]:
-                    # Once: a graph that falls back to the eager pass has not called it.
+                def new_psis(timestamps: bool = True) -> list[Psi | None]:
+                    # Once: a graph that falls back to the eager pass has not called it. A
+                    # graph copies the timestamps itself (RankGraphs.launch_full).
                     if not any(p is not None for p in kept):
                         allocating_from = time.thread_time()
-                        kept[:] = [self.model.new_psi(j.prefix) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                        new = self.model.new_psi
+                        kept[:] = [new(j.prefix, timestamps) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
                         self._keep_alloc_cpu_s += time.thread_time() - allocating_from
                         self._psis_kept += sum(1 for p in kept if p is not None)
                     return kept
@@ -1337,10 +1339,10 @@ class Engine:
             return None
         jobs = [t for t in takes if t is not None]
 
-        def psis() -> list[Psi | None]:
+        def psis(timestamps: bool = True) -> list[Psi | None]:
             for job in jobs:  # once the replay is issued, as a full ranking's kept psi
                 if job.psi is None:
-                    job.psi = self.model.new_psi(job.prefix)
+                    job.psi = self.model.new_psi(job.prefix, timestamps)
             return [job.psi for job in jobs]
 
         pending = graphs.launch_full([job.prefix for job in jobs], [j.suffix for j in batch], psis)

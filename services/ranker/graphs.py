@@ -52,6 +52,11 @@ from shared.logging import get_logger
 if TYPE_CHECKING:  # triton exists only where CUDA does: imported by RankGraphs at run time
     from kernels.hstu_attention.triton_impl import StaticBatch
 
+# A function that allocates the kept psi blocks once a full ranking's replay is issued
+# (RankGraphs.full): called with whether to write each block's timestamps (False: the graph
+# copies them from its staged batch).
+KeptPsis = Callable[[bool], Sequence[Psi | None]]
+
 log = get_logger("ranker.graphs")
 
 _MIN_TOKENS = 64
@@ -359,14 +364,16 @@ class RankGraphs:
         self,
         prefixes: Sequence[UserPrefix],
         suffixes: Sequence[RankingSuffix],
-        psis: Sequence[Psi | None] | Callable[[], Sequence[Psi | None]] | None = None,
+        psis: Sequence[Psi | None] | KeptPsis | None = None,
     ) -> list[torch.Tensor] | None:
         """Host float32 scores per user, as model.full computes them (the ranking pass against
         empty psi); None when this batch must run eagerly. With `psis` (full_keeps_kv only: else
         None), user b's prefix K/V are copied into psis[b] (None: not kept) after the replay.
-        `psis` may be a function that allocates them: it is called once the replay is issued,
-        so that the blocks' allocation (host work, ~0.3 ms a 4096-token psi in a busy ranker)
-        overlaps the device's pass instead of delaying its launch."""
+        `psis` may be a function that allocates them (KeptPsis): it is called once the replay is
+        issued, so that the blocks' allocation (host work, ~0.3 ms a 4096-token psi in a busy
+        ranker) overlaps the device's pass instead of delaying its launch. Every kept block's
+        timestamps are copied from the staged batch on the device too, so such a function need
+        not write them (it is called with False)."""
         pending = self.launch_full(prefixes, suffixes, psis)
         return pending.wait() if pending is not None else None
 
@@ -375,10 +382,14 @@ class RankGraphs:
         self,
         prefixes: Sequence[UserPrefix],
         suffixes: Sequence[RankingSuffix],
-        psis: Sequence[Psi | None] | Callable[[], Sequence[Psi | None]] | None = None,
+        psis: Sequence[Psi | None] | KeptPsis | None = None,
     ) -> PendingScores | None:
         """full() without waiting for the scores (as launch_rank). The kept psi blocks are
-        written by copies queued on the ranking stream: complete once the scores are."""
+        written by copies queued on the ranking stream: complete once the scores are. A kept
+        block's timestamps come from the batch's staged timestamps (profile tokens 0, then the
+        long-term behaviours', as HSTURanker.new_psi writes them): a device copy where the host
+        would fill a page-locked buffer and copy it over (on an H200 a full ranking that kept
+        psi took 0.3 ms more of the device loop's launch than one that did not, k13b)."""
         keep = callable(psis) or (psis is not None and any(p is not None for p in psis))
         if keep and not self.full_keeps_kv:
             self._fallback("kv_not_kept", FULL)
@@ -395,15 +406,17 @@ class RankGraphs:
         self._replay(key, graph)
         if keep:
             if callable(psis):
-                psis = psis()
+                psis = psis(False)
                 self._check_kept(prefixes, psis)
             assert psis is not None
             assert self._kv_out is not None
             copying_from = time.thread_time()
+            staged_ts = self._dev[self._slices["ts"]]
             start = 0
             for p, psi, n in zip(prefixes, psis, tokens.lengths, strict=True):
                 if psi is not None:
                     psi.kv.copy_(self._kv_out[:, :, start : start + p.length])
+                    psi.timestamps.copy_(staged_ts[start : start + p.length])
                 start += n
             self.stats.keep_copy_cpu_s += time.thread_time() - copying_from
         return self._launched(slot, graph, tokens)

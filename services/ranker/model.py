@@ -9,7 +9,7 @@ and the attention kernels:
 
 and, for psi built in chunks (the engine's scheduler, services/ranker/scheduler.py):
 
-  new_psi(prefix)                     psi's block, allocated for the whole prefix, nothing built
+  new_psi(prefix[, timestamps])       psi's block, allocated for the whole prefix, nothing built
   preinfer_chunks(chunks)             prefix tokens [start, end) against psi[:start], their K/V
                                       written in place into psi[start:end]
   rank_partial(prefixes, suffixes, psis, built)
@@ -370,12 +370,16 @@ class HSTURanker(nn.Module):
     # ------------------------------------------------------------------ psi built in chunks
 
     @torch.inference_mode()
-    def new_psi(self, prefix: UserPrefix) -> Psi:
+    def new_psi(self, prefix: UserPrefix, timestamps: bool = True) -> Psi:
         """psi's block for the whole prefix, on the model's device, with nothing built yet: chunks
-        (`preinfer_chunks`) or a ranking call (`rank_partial`) fill it in place."""
+        (`preinfer_chunks`) or a ranking call (`rank_partial`) fill it in place. With `timestamps`
+        False the prefix's timestamps are left unwritten too: for a caller that copies them from
+        a batch already on the device (RankGraphs.launch_full)."""
         n, spec = prefix.length, self.spec
         kv, ts, block = psi_memory(spec.num_layers, n, spec.hidden, self.item_emb.weight.dtype, self.device)
         key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
+        if not timestamps:
+            return Psi(key, kv, ts, block)
         # Profile tokens have timestamp 0, then the long-term behaviours'. On CUDA written into
         # one host buffer, page-locked, then copied: from pageable memory a copy returns only once
         # the stream has run it, behind any replay queued before (a full ranking keeping psi

@@ -158,20 +158,26 @@ def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
     ]
     for seed, shapes in enumerate(cases):
         prefixes, suffixes = batch(500 + seed, shapes)
-        psis = [model.new_psi(p) for p in prefixes]
-        if len(psis) > 1:
-            psis[1] = None  # this user keeps nothing
+        psis: list = [model.new_psi(p) for p in prefixes]
         if seed % 2:  # blocks allocated by a function the graph calls once its replay is issued
-            calls: list[int] = []
-            blocks = psis
+            calls: list[bool] = []
 
-            def make(b=blocks, c=calls):
-                c.append(1)
-                return b
+            def make(timestamps, p=prefixes, c=calls, out=psis):
+                c.append(timestamps)
+                # Left unwritten, and poisoned: the graph copies the timestamps from its batch.
+                out[:] = [model.new_psi(x, timestamps) for x in p]
+                for psi in out:
+                    psi.timestamps.fill_(-7)
+                if len(out) > 1:
+                    out[1] = None  # this user keeps nothing
+                return out
 
             graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, m=make: graphs.full(p, s, m))
-            assert calls  # called on the replay that returned the scores
+            assert calls
+            assert not any(calls)
         else:
+            if len(psis) > 1:
+                psis[1] = None  # this user keeps nothing
             graphed = with_capture(graphs, lambda p=prefixes, s=suffixes, k=psis: graphs.full(p, s, k))
         assert graphed is not None
         torch.cuda.synchronize()
@@ -180,6 +186,7 @@ def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
             if psi is None:
                 continue
             want = model.preinfer([p])[0]
+            assert torch.equal(psi.timestamps, want.timestamps)
             got = psi.kv.float()
             assert (got - want.kv.float()).abs().max() <= tol * max(float(want.kv.float().abs().max()), 1e-3)
             assert max_rel(model.rank_cached([s], [psi], [psi.key]), model.full([p], [s])) <= tol

@@ -185,3 +185,21 @@ def test_a_full_ranking_refuses_a_psi_not_its_prefixs(model):
         model.full(prefixes, suffixes, [model.new_psi(prefixes[1]), None])
     with pytest.raises(InvalidSequenceError, match="one psi"):
         model.full(prefixes, suffixes, [model.new_psi(prefixes[0])])
+
+
+def test_a_new_psi_block_holds_the_prefix_timestamps_unless_its_caller_copies_them(model):
+    """new_psi writes the timestamps a pre-inference's psi holds (profile tokens 0, then the
+    long-term behaviours'); with timestamps=False it leaves them to its caller (a full graph
+    copies them from its staged batch on the device), the block and key the same."""
+    prefixes, _ = batch(17, [Shape(5, 300, 4, 4)])
+    prefix = prefixes[0]
+    built = model.preinfer([prefix])[0]
+    psi = model.new_psi(prefix)
+    assert torch.equal(psi.timestamps, built.timestamps)
+    assert psi.timestamps[: prefix.profile.numel()].eq(0).all()
+    bare = model.new_psi(prefix, timestamps=False)
+    assert bare.key == psi.key
+    assert bare.prefix_len == prefix.length
+    assert bare.nbytes == psi.nbytes
+    assert bare.block is not None
+    assert bare.timestamps.data_ptr() == bare.block.data_ptr() + bare.kv.nbytes
