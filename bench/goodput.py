@@ -208,7 +208,8 @@ class Runner:
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
                                          "dram_used_bytes_max", "alloc_retries", "demotions_skipped",
-                                         "ranking_psi_declined")},
+                                         "ranking_psi_declined", "takeover_passes_partial",
+                                         "takeover_passes_full")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},

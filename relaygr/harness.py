@@ -89,6 +89,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-devicecost": {"trigger_args": ("--host-cost", "false")},
     # Every full ranking of ranking_psi_min_tokens or more keeps psi (no keep gate: keep_gate.py).
     "relay-keepall": {"ranker_args": ("--ranking-psi-keep", "always")},
+    # A call that takes over a started pre-inference always completes it by the eager partial
+    # pass (the default weighs it against the full graph, measured: services/ranker/takeover.py).
+    "relay-takeover-partial": {"ranker_args": ("--takeover-pass", "partial")},
     # Pre-inference steps may last up to 10 ms beyond their fixed cost (the ranker's default is
     # 5): at 4096 tokens two queued first touches then share a step (a step of 4 cost 2.65 ms a
     # user on an H100 against 3.6 alone) for up to ~5 ms more wait of a ranking call behind it.
@@ -391,6 +394,11 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
         # Full rankings the keep gate let go without keeping psi (services/ranker/keep_gate.py).
         totals["ranking_psi_declined"] += samples.get("relaygr_ranker_ranking_psi_declined_total", 0.0)
+        # Take-overs of started pre-inferences, by the pass that completed them (takeover.py).
+        for name in ("partial", "full"):
+            totals[f"takeover_passes_{name}"] += samples.get(
+                f'relaygr_ranker_takeover_passes_total{{pass="{name}"}}', 0.0
+            )
         for reason in ("cheaper", "copy_engine_under_load", "recompute_cheaper"):
             name = f'relaygr_ranker_reload_decisions_total{{decision="{reason}"}}'
             totals[f"reload_decision_{reason}"] += samples.get(name, 0.0)
@@ -766,6 +774,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
         "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
+        # Take-overs of started pre-inferences completed by the eager partial pass, by the full graph.
+        **{k: device[k] - device_before[k] for k in ("takeover_passes_partial", "takeover_passes_full")},
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # Pre-inference steps over the point (and its lead-in), by graph replay or eager: steps,
@@ -827,9 +837,14 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
 
 
 def _kept(rankers: dict[str, Any]) -> str:
-    """Full rankings that kept psi, and those the keep gate let go without, for the progress line."""
+    """Full rankings that kept psi, and those the keep gate let go without, and take-overs of
+    started pre-inferences by pass, for the progress line."""
     kept, declined = rankers.get("psi_from_rankings", 0), rankers.get("ranking_psi_declined", 0)
-    return f"  psi kept {kept:.0f} (declined {declined:.0f})" if kept or declined else ""
+    line = f"  psi kept {kept:.0f} (declined {declined:.0f})" if kept or declined else ""
+    partial, full = rankers.get("takeover_passes_partial", 0), rankers.get("takeover_passes_full", 0)
+    if partial or full:  # take-overs of started pre-inferences, by pass (takeover.py)
+        line += f"  take-overs partial {partial:.0f}, full graph {full:.0f}"
+    return line
 
 
 def _gpu_util(rankers: dict[str, Any]) -> str:

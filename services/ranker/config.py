@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from services.ranker.admission import AdmissionConfig
 from services.ranker.call_cost import CostPrior
+from services.ranker.takeover import TakeoverPolicy
 from shared import settings
 from shared.config import ConfigError, fraction, non_negative, port_number, positive, setting
 from shared.fingerprint import CHUNK_TOKENS
@@ -123,6 +124,12 @@ class RankerConfig(TlsSettings):
                                         "step budget by less than an eager step's fixed cost where that leaves "
                                         "one step fewer and less device time (at 16384 tokens on an H200: two "
                                         "steps, ~17 ms a psi, instead of three, 21.6); off until measured")  # fmt: skip
+    takeover_pass: TakeoverPolicy = setting(TakeoverPolicy.MEASURED, env="RELAYGR_RANKER_TAKEOVER_PASS",
+                                            help="how a ranking call that takes over a started pre-inference "
+                                            "completes it: the eager pass over the rest of the prefix (partial), "
+                                            "or the full ranking's CUDA graph over the whole sequence, where one "
+                                            "holds it, while partial passes measure dearer than full rankings of "
+                                            "their calls (measured; services/ranker/takeover.py)")  # fmt: skip
     latency_target_ms: float = setting(25.0, env="RELAYGR_RANKER_LATENCY_TARGET_MS",
                                        help="the latency a ranking call is scheduled to finish within on "
                                        "this instance (about half the ranking SLO; 25: half of 50 ms): calls "

@@ -106,6 +106,7 @@ from services.ranker.scheduler import (
     chunk_work,
 )
 from services.ranker.sequences import RankingSuffix, UserPrefix
+from services.ranker.takeover import TakeoverPass, TakeoverPolicy
 from shared.fingerprint import CHUNK_TOKENS
 from shared.lifecycle import name_os_thread
 from shared.logging import get_logger
@@ -172,6 +173,8 @@ class EngineConfig:
     # Pre-inference steps too: a step is launched behind the batch or step on the device and
     # settled after the next one is launched (off until measured on a GPU).
     chunks_ahead: bool = False
+    # A take-over of a started pre-inference: the eager partial pass or the full graph (takeover.py).
+    takeover_pass: TakeoverPolicy = TakeoverPolicy.MEASURED
     # The latency a ranking call is scheduled to finish within (from its submission): the
     # scheduler orders calls, and lets short work go ahead of long, by min(the call's own
     # deadline, submitted + this). A gRPC deadline says when a caller gives up, not when it
@@ -451,6 +454,8 @@ class Engine:
         self._first_prior: CostPrior | None = None
         self.first_costs: CostFit | None = None
         self.rank_costs = CostFit(config.step_prior)
+        # Which pass completes a take-over of a started pre-inference (device thread only).
+        self.takeover = TakeoverPass(config.takeover_pass)
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
@@ -1277,6 +1282,12 @@ class Engine:
         # Pairs as the scheduler's RankItems count them: prefix x computed tokens, 0 against psi.
         pairs = sum(j.prefix.length * (j.prefix.length - c + j.suffix.length)
                     for j, c in zip(batch, built, strict=True) if j.prefix is not None)  # fmt: skip
+        if kind is RankKind.PARTIAL and any(built) and self.rank_costs.measured >= _MIN_SAVING_BATCHES:
+            # An eager partial pass (a graph's take-over builds on nothing): against what full
+            # rankings of the same calls are predicted to take (takeover.py).
+            full_tokens = sum(j.prefix.length + j.suffix.length for j in batch if j.prefix is not None)
+            full_pairs = sum(j.prefix.length * (j.prefix.length + j.suffix.length) for j in batch if j.prefix is not None)  # fmt: skip
+            self.takeover.observe(seconds, self.rank_costs.coefficients.seconds(full_tokens, full_pairs))
         self.rank_costs.observe(tokens, pairs, seconds)
         for j in batch:
             if j.key is not None:
@@ -1331,13 +1342,20 @@ class Engine:
         """A partial batch whose pre-inferences had built nothing is a full ranking that leaves
         its psi in the pre-inferences' own blocks: the full family's CUDA graph, where one holds
         it, instead of the eager pass (at L8192 on an H200 such take-overs took 8.3 ms of host
-        launch at p50 for 9.5 ms on the device, the device idle meanwhile: h6c). None: run it
-        eagerly (something was built, full rankings keep no psi here, or no graph fits)."""
+        launch at p50 for 9.5 ms on the device, the device idle meanwhile: h6c). One whose
+        pre-inferences had built chunks too, while partial passes measure dearer than full
+        rankings (takeover.py): the graph rewrites the chunks with the same K/V. None: run it
+        eagerly (the partial pass chosen, full rankings keep no psi here, or no graph fits)."""
         graphs = self.graphs
         takes = [j.takes for j in batch]
-        if graphs is None or not graphs.full_keeps_kv or any(t is None or t.done for t in takes):
+        if graphs is None or not graphs.full_keeps_kv or any(t is None for t in takes):
             return None
         jobs = [t for t in takes if t is not None]
+        # Something built: the graph recomputes it, so only while partial passes measure dearer.
+        started = any(job.done for job in jobs)
+        if started and not self.takeover.wants_full():
+            self.takeover.ran(full=False)
+            return None
 
         def psis(timestamps: bool = True) -> list[Psi | None]:
             for job in jobs:  # once the replay is issued, as a full ranking's kept psi
@@ -1346,6 +1364,8 @@ class Engine:
             return [job.psi for job in jobs]
 
         pending = graphs.launch_full([job.prefix for job in jobs], [j.suffix for j in batch], psis)
+        if started:
+            self.takeover.ran(full=pending is not None)  # no graph for the shape: partial after all
         if pending is not None:
             for job in jobs:
                 job.done = job.prefix.length

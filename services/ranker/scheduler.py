@@ -46,7 +46,9 @@ its size; on a GPU a take-over is an eager pass while the pre-inference step and
 against psi replay CUDA graphs: at 4096 tokens on an H100 take-overs computed 6-18 ms where
 the whole pre-inference step (3.5-4 ms) plus the call against psi (~1.6) cost ~5.5. Since
 then a take-over of a pre-inference not started replays the full ranking's graph, keeping psi
-(Engine._launch_takeover_full); one of a started pre-inference is still an eager pass.
+(Engine._launch_takeover_full); one of a started pre-inference too while eager partial passes
+measure dearer than full rankings of their calls (services/ranker/takeover.py), else it is the
+eager partial pass.
 
 Step costs come from `services.ranker.call_cost.CostFit` (per batch + per token + per attention
 pair), which the engine fits to its own measured steps: one fit of pre-inference steps (what

@@ -65,6 +65,7 @@ from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
+from services.ranker.takeover import TakeoverPassCollector
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
 from services.ranker.yield_gate import YieldGate
 from shared.lifecycle import Lifecycle, pin_process, set_timer_slack, settle_heap
@@ -261,6 +262,7 @@ class RankerService(pb_grpc.RankerServicer):
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
                 launch_ahead=config.launch_ahead,
                 chunks_ahead=config.chunks_ahead,
+                takeover_pass=config.takeover_pass,
                 latency_target_s=config.latency_target_ms / 1e3 if config.latency_target_ms else math.inf,
                 slo_s=config.slo_ms / 1e3 if config.slo_ms else math.inf,
             ),
@@ -278,6 +280,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.registry.register(DeviceTimeCollector(self.engine.device_time))
         self.registry.register(LoopTimeCollector(self.engine.loop_time))
         self.registry.register(CopyStagesCollector(self.engine.copy_stages))
+        self.registry.register(TakeoverPassCollector(self.engine.takeover))
         self.relay = RelayCache(
             self.cache,
             self.engine,

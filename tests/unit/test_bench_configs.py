@@ -94,3 +94,13 @@ def test_the_progress_line_prices_a_pre_inference_by_the_psi_it_built():
     assert "pre-inference 10.0 ms/psi" in _admissions(rankers)
     assert "pre-inference" not in _admissions({**rankers, "device_preinfer_s": 0.0})
     assert "pre-inference" not in _admissions({**rankers, "psi_produced": 2.0})  # reloads only
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if CONFIGS[n].get("ranker_args")))
+def test_every_configurations_ranker_flags_are_ranker_settings(name):
+    """A configuration's own ranker flags load as the ranker's settings (a misspelt flag or value
+    would otherwise surface only as a ranker that does not start on the GPU)."""
+    from services.ranker.config import RankerConfig
+    from shared.config import load_config
+
+    load_config(RankerConfig, ["--device", "cpu", *CONFIGS[name]["ranker_args"]], env={})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import math
 import time
 
 import pytest
@@ -226,17 +227,29 @@ class FullGraphsStandIn:
         return 0
 
 
-@pytest.mark.parametrize("started", [False, True], ids=["not-started", "started"])
-async def test_a_take_over_of_nothing_built_goes_to_the_full_graphs(model, monkeypatch, started):
+@pytest.mark.parametrize(
+    ("started", "partial_dearer"),
+    [(False, False), (True, False), (True, True)],
+    ids=["not-started", "started", "started-partial-dearer"],
+)
+async def test_a_take_over_of_nothing_built_goes_to_the_full_graphs(
+    model, monkeypatch, started, partial_dearer
+):
     """A take-over of a pre-inference not started is a full ranking keeping psi in the
     pre-inference's block, given to the full family's graph (on a GPU: a replay instead of the
-    eager partial pass); one of a started pre-inference reads its chunks eagerly. Both exact."""
+    eager partial pass); one of a started pre-inference reads its chunks eagerly, and its time is
+    weighed against a full ranking's; while partial passes measure dearer than full rankings
+    (takeover.py), the full graph completes it too, rewriting the chunks. All exact."""
     prefixes, suffixes = batch(19, [Shape(2, 600, 4, 4)])
     prefix, suffix = prefixes[0], suffixes[0]
     key = model.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
     e = chunked(model, delay_s=1e-9)  # the rest never fits one step: the call takes over
     graphs = FullGraphsStandIn(model)
     e.graphs = graphs  # type: ignore[assignment]
+    for _ in range(32):  # a ranking fit measured enough to price a full ranking (1 ms each)
+        e.rank_costs.observe(prefix.length + suffix.length, prefix.length**2, 1e-3)
+    if partial_dearer:
+        e.takeover.observe(partial_s=3e-3, full_s=1e-3)
     with PreinferGate(model, monkeypatch, pause_before=(1,) if started else (), timeout_s=10.0) as gate:
         pre = asyncio.ensure_future(e.preinfer(prefix))
         if started:
@@ -258,15 +271,20 @@ async def test_a_take_over_of_nothing_built_goes_to_the_full_graphs(model, monke
     assert served is not None
     assert close(served.result.scores, model.full([prefix], [suffix])[0])
     assert close(psi.kv, model.preinfer([prefix])[0].kv)
+    assert torch.equal(psi.timestamps, model.preinfer([prefix])[0].timestamps)
     assert not e.producing(key)
-    if started:
+    if started and not partial_dearer:
         assert served.reused_tokens == 512
         assert graphs.full_launches == []  # it read the chunks built: the eager partial pass
+        assert e.takeover.passes == {"partial": 1, "full": 0}
+        assert math.isfinite(e.takeover.ratio)  # the partial pass measured against a full ranking
     else:
         assert served.reused_tokens == 0
-        assert gate.chunks == []
         assert graphs.full_launches == [[prefix.length]]
         assert e.recent_batches()[-1].tokens == prefix.length + suffix.length
+        assert e.takeover.passes == ({"partial": 0, "full": 1} if started else {"partial": 0, "full": 0})
+        if not started:
+            assert gate.chunks == []
 
 
 async def test_a_call_joins_a_preinference_not_started_that_fits_one_step(model, monkeypatch):
