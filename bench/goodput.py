@@ -332,6 +332,16 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
     }
 
 
+def stack_settings(stack: Stack) -> dict[str, Any]:
+    """What a search record carries of its stack for the capacity model (relaygr.sim)."""
+    return {
+        # The ranker's measured pre-inference step costs (the capacity model plans by them).
+        "ranker_step_costs": ranker_step_costs(stack),
+        # The trigger's admission settings (the capacity model models its decisions by them).
+        "trigger_settings": trigger_settings(stack),
+    }
+
+
 async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: SearchConfig,
                      earlier: list[dict[str, Any]],
                      on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -365,17 +375,16 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
             result = await runner.search(workload_config(workload, seeded), search, must_reach, compare)
         except asyncio.CancelledError:  # Ctrl-C or a time limit's SIGINT: keep what was measured
             if on_record is not None and runner.current is not None and runner.current.points():
+                # With what the capacity model needs too: a cut search's points are checked
+                # against it like a whole one's (k13c's were not: no step costs recorded).
                 on_record(
                     incomplete_record(name, workload, repeat, runner.current, args.slo_ms)
-                    | {"seed": repeat_seed(args, repeat)}
+                    | {"seed": repeat_seed(args, repeat), **stack_settings(stack)}
                 )
             raise
         record = record_of(name, workload, repeat, result, args.slo_ms) | {
             "seed": repeat_seed(args, repeat),
-            # The ranker's measured pre-inference step costs (the capacity model plans by them).
-            "ranker_step_costs": ranker_step_costs(stack),
-            # The trigger's admission settings (the capacity model models its decisions by them).
-            "trigger_settings": trigger_settings(stack),
+            **stack_settings(stack),
         }
         print(f"[{name}] {workload} repeat {repeat}: goodput {result.goodput_rps:.4g} req/s, first miss "
               f"{result.first_miss_rps}{censored_note(result)}", flush=True)  # fmt: skip
