@@ -19,6 +19,12 @@ time summed over the calls' span (`compute_share`, the critical path's share of 
 how late the load generator sent them (`lag_ms_p99`: a point it fell behind in is the client's).
 Send times stand for arrival times (the network is a constant offset at the rates measured).
 
+`--against FILE`: the same calls in another configuration's file of the same seed and rate (the
+workload is replayed identically: a call's `index` names it in both): each call's latency less
+its own there, on average and by 100 ms window of send time, the slowest windows with the
+take-overs and calls on pre-inferred psi just before them. Which moments make one configuration
+worse than the other, without the run-to-run spread between two searches' limits.
+
 `--by-path`: per file, one row per (served_by, batch size): calls, latency P50 / P99 and the P50
 of each stage the records time (queue, host launch, compute, cache lookup / reload, other server
 time, network), and the share of the file's calls at or over `--slow-ms` (default 40) that the
@@ -38,6 +44,7 @@ import argparse
 import collections
 import gzip
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,6 +195,59 @@ def slow_windows(
     return rows
 
 
+PAIRED_COLUMNS = ("file", "window_s", "calls", "mean_extra_ms", "max_extra_ms", "took_over", "psi_ahead")
+
+
+def _relayed(c: dict[str, Any]) -> bool:
+    """Whether a call's psi came from a pre-inference (joined, taken over, or a first call of its
+    session read from psi): what puts pre-inference work on the device shortly before it."""
+    by = c.get("served_by")
+    return by in ("inflight_join", "partial_prefix") or (by == "hbm_hit" and c.get("session_index") == 0)
+
+
+def paired(
+    name: str,
+    calls: Sequence[dict[str, Any]],
+    reference: Sequence[dict[str, Any]],
+    window_s: float = 0.1,
+    lead_s: float = 0.25,
+    top: int = 5,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The same calls in two records of one seed and rate (the workload generator replays the
+    same requests: each call's `index` names it in both): how much slower each call was in
+    `calls` than in `reference`, and the `top` windows of send time where it was slowest on
+    average, each with what the relay did just before it (within `lead_s`): take-overs
+    (partial_prefix) and calls served from pre-inferred psi (`_relayed`): whether its worst
+    moments follow pre-inference work. At 337.5 req/s on the mix (H200, k13a) the relay's worst
+    100 ms were 30 ms a call slower than the baseline's for the same calls, right after a
+    take-over of an 11.8k-token pre-inference."""
+    ref = {c["index"]: c for c in reference if c.get("status") == "OK" and "index" in c}
+    both = [(c, ref[c["index"]]) for c in calls if c.get("status") == "OK" and c.get("index") in ref]
+    summary: dict[str, Any] = {"file": name, "paired_calls": len(both)}
+    if not both:
+        return summary, []
+    extra = [c["latency_ms"] - r["latency_ms"] for c, r in both]
+    summary |= {"mean_extra_ms": round(statistics.fmean(extra), 2), "p50_extra_ms": round(_pct(extra, 50), 2),
+                "p99_ms": round(_pct([c["latency_ms"] for c, _ in both], 99), 2),
+                "reference_p99_ms": round(_pct([r["latency_ms"] for _, r in both], 99), 2)}  # fmt: skip
+    by_window: dict[int, list[float]] = collections.defaultdict(list)
+    for (c, _), x in zip(both, extra, strict=True):
+        by_window[int(c["at_s"] // window_s)].append(x)
+    ranked = sorted(by_window.items(), key=lambda kv: -statistics.fmean(kv[1]))[:top]
+    relayed = sorted((c["at_s"], c) for c in calls if c.get("status") == "OK" and _relayed(c))
+    rows = []
+    for index, xs in ranked:
+        start = index * window_s
+        ahead = [c for t, c in relayed if start - lead_s <= t < start + window_s]
+        rows.append({
+            "file": name, "window_s": round(start, 2), "calls": len(xs),
+            "mean_extra_ms": round(statistics.fmean(xs), 1), "max_extra_ms": round(max(xs), 1),
+            "took_over": [c["prefix_len"] for c in ahead if c.get("served_by") == "partial_prefix"],
+            "psi_ahead": len(ahead),
+        })  # fmt: skip
+    return summary, rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,10 +259,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="also the half-second windows holding the most slow calls")  # fmt: skip
     parser.add_argument("--slow-ms", type=float, default=40.0,
                         help="--by-path, --slow-windows: the latency from which a call counts as slow")  # fmt: skip
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a calls file of the same seed and rate (another configuration): each "
+                        "call compared with itself there, and the windows where it was slowest")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.slow_ms > 0:
         parser.error("--slow-ms must be > 0")
-    rows, path_rows, window_rows = [], [], []
+    reference = None
+    if args.against is not None:
+        try:
+            reference = read_calls(args.against)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"bench.calls: cannot read {args.against}: {exc}") from None
+    rows, path_rows, window_rows, pair_rows, pair_windows = [], [], [], [], []
     for path in args.files:
         try:
             calls = read_calls(path)
@@ -213,7 +282,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             path_rows += by_path(path.name, calls, args.slow_ms)
         if args.slow_windows:
             window_rows += slow_windows(path.name, calls, args.slow_ms)
+        if reference is not None:
+            summary, windows = paired(path.name, calls, reference)
+            pair_rows.append(summary)
+            pair_windows += windows
     print(markdown_table(rows, QUEUE_COLUMNS))
+    if reference is not None:
+        print()
+        print(f"against {args.against.name}, call for call:")
+        print(markdown_table(pair_rows, ("file", "paired_calls", "mean_extra_ms", "p50_extra_ms", "p99_ms",
+                                         "reference_p99_ms")))  # fmt: skip
+        print()
+        print(markdown_table(pair_windows, PAIRED_COLUMNS))
     if args.by_path:
         print()
         print(markdown_table(path_rows, PATH_COLUMNS))

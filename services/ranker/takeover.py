@@ -13,8 +13,9 @@ The partial pass computes fewer tokens, but it is an eager pass: its host launch
 time. On an H200 (k13a, the ML-100K mix, prefixes of 10-12k tokens whose first graph step had
 built 80-90%) partial passes took 11-27 ms, launch 8-28 ms, where a full ranking of the same
 length replays in ~11 ms with ~2-3 ms of launch; the engine thread, busy with each, held every
-ranking call behind it: the same calls, replayed at 337.5 req/s, took 27 ms more on average
-than the baseline's in the 100 ms after one such take-over, the relay's worst window. At 16384
+ranking call behind it: the same calls, replayed at 337.5 req/s, took 30 ms more on average
+than the baseline's in the 100 ms after one such take-over, the relay's worst window
+(`python -m bench.calls RELAY --against BASELINE`). At 16384
 tokens (k12b) partial passes took 11-14 ms against 19.5 for a full ranking: there they pay.
 The graph's pass spends the built chunks' device time for nothing (still counted as used psi).
 

@@ -136,3 +136,42 @@ def test_slow_windows_find_where_the_slow_calls_bunch_and_what_was_there(tmp_pat
     calls.main([str(path), "--slow-windows", "--slow-ms", "50"])
     out = capsys.readouterr().out
     assert "| p.jsonl | 4 | 19 |" in out
+
+
+def test_paired_calls_are_compared_with_themselves_and_the_worst_windows_name_what_came_before():
+    """--against: the same call (by index) in two files; the windows where the first file was
+    slowest, with the take-overs and calls on pre-inferred psi just before them."""
+
+    def c(index, at_s, latency_ms, served_by="full_recompute", session_index=1, prefix_len=100):
+        return {"index": index, "at_s": at_s, "latency_ms": latency_ms, "served_by": served_by,
+                "session_index": session_index, "prefix_len": prefix_len, "status": "OK"}  # fmt: skip
+
+    reference = [c(i, 0.05 * i, 5.0) for i in range(40)]
+    relay = [c(i, 0.05 * i, 5.0) for i in range(40)]
+    relay[20] = c(20, 1.0, 6.0, "partial_prefix", 0, 11795)  # a take-over at 1.0 s ...
+    relay[22] = c(22, 1.1, 45.0)  # ... and the calls after it slow
+    relay[23] = c(23, 1.15, 25.0)
+    relay[30] = c(30, 1.5, 6.0, "hbm_hit", 0)  # psi pre-inferred for a first call: no harm after
+    relay.append({"index": 99, "status": "UNAVAILABLE"})  # failed calls and unpaired ones: left out
+    summary, windows = calls.paired("relay", relay, reference, window_s=0.1, lead_s=0.25, top=2)
+    assert summary["paired_calls"] == 40
+    assert summary["mean_extra_ms"] == pytest.approx((1 + 40 + 20 + 1) / 40, abs=0.01)
+    assert windows[0]["window_s"] == pytest.approx(1.1)
+    assert windows[0]["mean_extra_ms"] == pytest.approx(30.0)  # calls 22 and 23
+    assert windows[0]["took_over"] == [11795]
+    assert windows[0]["psi_ahead"] == 1
+    assert calls.paired("x", relay, [])[1] == []  # nothing in common: no windows
+
+
+def test_against_reads_the_reference_and_prints_the_paired_tables(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    rows = [{"index": i, "at_s": 0.01 * i, "latency_ms": 5.0, "compute_ms": 1.0, "queue_ms": 0.0,
+             "served_by": "full_recompute", "status": "OK"} for i in range(10)]  # fmt: skip
+    a.write_text("".join(json.dumps(dict(r, latency_ms=7.0)) + "\n" for r in rows))
+    b.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calls.main([str(a), "--against", str(b)])
+    out = capsys.readouterr().out
+    assert "against b.jsonl, call for call" in out
+    assert "| a.jsonl | 10 | 2 |" in out
+    with pytest.raises(SystemExit, match="cannot read"):
+        calls.main([str(a), "--against", str(tmp_path / "missing.jsonl")])
