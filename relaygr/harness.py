@@ -405,7 +405,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         for kind in STEP_KINDS:  # pre-inference steps by graph replay or eager (device_time.py)
             label = f'{{kind="{kind}"}}'
             for what, metric in (("steps", "steps"), ("seconds", "step_seconds"),
-                                 ("prefixes", "step_prefixes"), ("over_10ms", "steps_over_10ms")):  # fmt: skip
+                                 ("prefixes", "step_prefixes"), ("over_10ms", "steps_over_10ms"),
+                                 ("held_calls", "held_calls"), ("held_s", "held_call_seconds")):  # fmt: skip
                 totals[f"preinfer_{kind}_{what}"] += samples.get(
                     f"relaygr_ranker_preinfer_{metric}_total{label}", 0.0
                 )
@@ -569,7 +570,9 @@ def _admissions(rankers: dict[str, Any]) -> str:
         line += "  steps " + ", ".join(
             f"{kind} {n:g} ({rankers.get(f'preinfer_{kind}_seconds', 0.0) / n * 1e3:.1f} ms, "
             f"{rankers.get(f'preinfer_{kind}_prefixes', 0.0) / n:.1f} prefixes, "
-            f"{rankers.get(f'preinfer_{kind}_over_10ms', 0.0):g} over 10 ms)"
+            f"{rankers.get(f'preinfer_{kind}_over_10ms', 0.0):g} over 10 ms, "
+            f"{rankers.get(f'preinfer_{kind}_held_calls', 0.0):g} calls held "
+            f"{rankers.get(f'preinfer_{kind}_held_s', 0.0) * 1e3:.0f} ms)"
             for kind, n in steps.items()
             if n > 0
         )
@@ -779,7 +782,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
         **{k: device[k] - device_before[k] for k in device if k.startswith("graph_")},
         # Pre-inference steps over the point (and its lead-in), by graph replay or eager: steps,
-        # device seconds, prefixes built from, steps over 10 ms.
+        # device seconds, prefixes built from, steps over 10 ms, ranking calls held behind them
+        # and their waits within them.
         **{k: device[k] - device_before[k] for k in device if k.startswith("preinfer_")},
         # The device loop's own time over the point, by section: wall and thread-CPU seconds.
         **{k: device[k] - device_before[k] for k in device if k.startswith("loop_")},

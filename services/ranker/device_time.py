@@ -97,8 +97,9 @@ class DeviceTimeSnapshot:
     starved_s: float = 0.0
     starved_gaps_over_1ms: int = 0
     fill_wait_s: float = 0.0
-    # Pre-inference steps by kind (STEP_KINDS): (steps, seconds, prefixes, steps over 10 ms).
-    preinfer_steps: dict[str, tuple[int, float, int, int]] | None = None
+    # Pre-inference steps by kind (STEP_KINDS): (steps, seconds, prefixes, steps over 10 ms,
+    # ranking calls that waited while one ran, and the seconds of their waits within it).
+    preinfer_steps: dict[str, tuple[int, float, int, int, int, float]] | None = None
     # Pre-inferences started: (count, seconds waited in all, waits over 50 ms, joined by then).
     preinfer_starts: tuple[int, float, int, int] = (0, 0.0, 0, 0)
     # Pre-inferences completed: (count, seconds from first step to complete, seconds from
@@ -132,7 +133,7 @@ class DeviceTime:
         self._starved_s = 0.0
         self._starved_gaps = 0
         self._fill_wait_s = 0.0
-        self._steps = {kind: [0, 0.0, 0, 0] for kind in STEP_KINDS}
+        self._steps = {kind: [0, 0.0, 0, 0, 0, 0.0] for kind in STEP_KINDS}
         self._starts = [0, 0.0, 0, 0]
         self._dones = [0, 0.0, 0.0, 0, 0]
         self._readings: collections.deque[tuple[float, float]] = collections.deque()  # (clock, busy_s)
@@ -144,15 +145,21 @@ class DeviceTime:
         with self._lock:
             self._work_s[work] += max(0.0, seconds)
 
-    def preinfer_step(self, graphed: bool, prefixes: int, seconds: float) -> None:
+    def preinfer_step(
+        self, graphed: bool, prefixes: int, seconds: float, held_calls: int = 0, held_s: float = 0.0
+    ) -> None:
         """One pre-inference step of `prefixes` prefixes' chunks, by a graph replay or eagerly,
-        that took `seconds` of device time (also add it to "preinfer" with `add`)."""
+        that took `seconds` of device time (also add it to "preinfer" with `add`); `held_calls`
+        ranking calls waited while it ran, `held_s` seconds in all within it: what the step cost
+        the calls (a step runs when none waits, so these came during it)."""
         with self._lock:
             step = self._steps["graph" if graphed else "eager"]
             step[0] += 1
             step[1] += max(0.0, seconds)
             step[2] += prefixes
             step[3] += seconds > _LONG_STEP_S
+            step[4] += max(0, held_calls)
+            step[5] += max(0.0, held_s)
 
     def preinfer_started(self, wait_s: float, joined: bool) -> None:
         """A pre-inference's first step was launched `wait_s` after it was submitted; `joined`:
@@ -259,7 +266,8 @@ class DeviceTime:
             return DeviceTimeSnapshot(
                 dict(self._work_s), busy, self._unused_s, self._unused,
                 self._gap_s, self._starved_s, self._starved_gaps, self._fill_wait_s,
-                {kind: (int(n), float(sec), int(pre), int(long)) for kind, (n, sec, pre, long) in self._steps.items()},
+                {kind: (int(n), float(sec), int(pre), int(long), int(calls), float(held))
+                 for kind, (n, sec, pre, long, calls, held) in self._steps.items()},
                 (int(self._starts[0]), float(self._starts[1]), int(self._starts[2]), int(self._starts[3])),
                 (int(self._dones[0]), float(self._dones[1]), float(self._dones[2]), int(self._dones[3]),
                  int(self._dones[4])),
@@ -393,6 +401,14 @@ class DeviceTimeCollector(Collector):
                     "prefixes built from in pre-inference steps, by kind",
                 ),
                 ("relaygr_ranker_preinfer_steps_over_10ms", "pre-inference steps of over 10 ms, by kind"),
+                (
+                    "relaygr_ranker_preinfer_held_calls",
+                    "ranking calls that waited while a pre-inference step ran, by the step's kind",
+                ),
+                (
+                    "relaygr_ranker_preinfer_held_call_seconds",
+                    "those calls' waits within the steps, by kind",
+                ),
             )
         ]
         for kind, values in (snap.preinfer_steps or {}).items():

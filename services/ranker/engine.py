@@ -390,6 +390,7 @@ class _ChunksInFlight:
     work: list[tuple[Chunk, _PreInferJob]]
     timer: SectionTimer
     graphed: bool  # replayed a graph (first chunks), else eager
+    began: float = 0.0  # time.monotonic() at its launch: the ranking calls' waits behind it count from here
 
 
 class Engine:
@@ -1443,7 +1444,7 @@ class Engine:
         with self._cv:
             for c, job in work:
                 job.done = c.end
-        return _ChunksInFlight(work, timer, graphed)
+        return _ChunksInFlight(work, timer, graphed, launched_at)
 
     def _complete_chunks(self, flight: _ChunksInFlight) -> None:
         work = flight.work
@@ -1459,8 +1460,13 @@ class Engine:
         finally:
             self.device_time.end()
         tokens, pairs = chunk_work(c for c, _ in work)
+        ended = time.monotonic()
+        with self._cv:  # the calls that came while the step held the device loop, and how long
+            held = [
+                ended - max(j.submitted, flight.began) for j in self._ranks.values() if j.submitted < ended
+            ]
         self.device_time.add("preinfer", seconds)
-        self.device_time.preinfer_step(flight.graphed, len(work), seconds)
+        self.device_time.preinfer_step(flight.graphed, len(work), seconds, len(held), sum(held))
         # Graph steps and eager steps cost differently (IterationScheduler.chunk_seconds): each fit
         # learns from its own kind.
         fit = self.first_costs if flight.graphed and self.first_costs is not None else self.step_costs

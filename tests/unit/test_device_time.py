@@ -101,8 +101,8 @@ async def test_engine_books_rank_and_preinfer_time_and_unused_psi():
     # Both pre-inferences ran as eager steps on the CPU (no graphs), their time all of "preinfer".
     steps = snap.preinfer_steps
     assert steps is not None
-    assert steps["graph"] == (0, 0.0, 0, 0)
-    n, seconds, prefixes, _ = steps["eager"]
+    assert steps["graph"] == (0, 0.0, 0, 0, 0, 0.0)
+    n, seconds, prefixes, *_ = steps["eager"]
     assert n >= 1
     assert prefixes >= 2  # each step builds one or more of the two prefixes
     assert seconds == pytest.approx(snap.work_s["preinfer"])
@@ -152,15 +152,20 @@ def test_preinfer_completions_count_their_build_times_and_those_after_their_call
 def test_preinfer_steps_are_counted_by_kind():
     ledger = DeviceTime()
     ledger.preinfer_step(True, 1, 0.005)
-    ledger.preinfer_step(False, 4, 0.020)
-    ledger.preinfer_step(False, 1, 0.004)
+    ledger.preinfer_step(False, 4, 0.020, held_calls=3, held_s=0.021)
+    ledger.preinfer_step(False, 1, 0.004, held_calls=1, held_s=0.002)
     steps = ledger.snapshot().preinfer_steps
-    assert steps == {"graph": (1, 0.005, 1, 0), "eager": (2, pytest.approx(0.024), 5, 1)}
+    assert steps == {
+        "graph": (1, 0.005, 1, 0, 0, 0.0),
+        "eager": (2, pytest.approx(0.024), 5, 1, 4, pytest.approx(0.023)),
+    }
     registry = CollectorRegistry()
     registry.register(DeviceTimeCollector(ledger))
     samples = parse_metrics(generate_latest(registry).decode())
     assert samples['relaygr_ranker_preinfer_steps_over_10ms_total{kind="eager"}'] == 1
     assert samples['relaygr_ranker_preinfer_step_seconds_total{kind="graph"}'] == pytest.approx(0.005)
+    assert samples['relaygr_ranker_preinfer_held_calls_total{kind="eager"}'] == 4
+    assert samples['relaygr_ranker_preinfer_held_call_seconds_total{kind="eager"}'] == pytest.approx(0.023)
 
 
 def test_starved_time_is_the_part_of_a_gap_a_waiting_call_saw():

@@ -108,6 +108,7 @@ async def test_ranking_overtakes_a_long_preinference(monkeypatch):
         try:
             pre = asyncio.ensure_future(e.preinfer(long_prefixes[0]))
             await gate.wait_reached(1)  # chunk 0 done: the pre-inference is under way
+            submitted = time.monotonic()
             rank = asyncio.ensure_future(e.rank_cached(suffixes[0], psi, psi.key))
             await eventually(lambda: e.rank_queue_depth == 1, "the ranking call is queued")
             gate.open(1)  # chunk 1 runs; the ranking call must come next, before chunk 2
@@ -120,6 +121,11 @@ async def test_ranking_overtakes_a_long_preinference(monkeypatch):
             assert result.scores.numel() == 4
         finally:
             e.stop()
+    # The one call that came during chunk 1's step is counted as held behind it, for the part
+    # of the step it waited through (at most the time since it was queued).
+    eager = e.device_time.snapshot().preinfer_steps["eager"]  # type: ignore[index]
+    assert eager[4] == 1
+    assert 0 < eager[5] < time.monotonic() - submitted
 
 
 async def test_psi_is_built_in_aligned_chunks_equal_to_one_preinference(model, monkeypatch):
