@@ -9,6 +9,8 @@ from bench import goodput, relay
 from relaygr import demo
 from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms, ranker_slo_ms
 from relaygr.launcher import StackConfig
+from services.ranker.config import RankerConfig
+from shared.config import load_config
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -94,13 +96,14 @@ def test_the_progress_line_prices_a_pre_inference_by_the_psi_it_built():
     assert "pre-inference 10.0 ms/psi" in _admissions(rankers)
     assert "pre-inference" not in _admissions({**rankers, "device_preinfer_s": 0.0})
     assert "pre-inference" not in _admissions({**rankers, "psi_produced": 2.0})  # reloads only
+    # Its steps by kind, with the ranking calls they held and for how long.
+    steps = {**rankers, "preinfer_eager_steps": 2.0, "preinfer_eager_seconds": 0.02, "preinfer_eager_prefixes": 2.0,
+             "preinfer_eager_held_calls": 5.0, "preinfer_eager_held_s": 0.031}  # fmt: skip
+    assert "eager 2 (10.0 ms, 1.0 prefixes, 0 over 10 ms, 5 calls held 31 ms)" in _admissions(steps)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CONFIGS if CONFIGS[n].get("ranker_args")))
 def test_every_configurations_ranker_flags_are_ranker_settings(name):
     """A configuration's own ranker flags load as the ranker's settings (a misspelt flag or value
     would otherwise surface only as a ranker that does not start on the GPU)."""
-    from services.ranker.config import RankerConfig
-    from shared.config import load_config
-
     load_config(RankerConfig, ["--device", "cpu", *CONFIGS[name]["ranker_args"]], env={})
