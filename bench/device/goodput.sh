@@ -1,7 +1,8 @@
 #!/bin/bash
 # usage: LIMIT=545 [PYSPY_S=20] [GPU_TESTS="tests/gpu/x.py ..."] bench/device/goodput.sh COMMIT TAG CONFIGS WORKLOADS [bench.goodput args...]
-# GPU_TESTS: pytest files run first (their tail printed and kept in /tmp/r/gpu-tests.log); the
-# search runs whatever they say (their time counts against the call's, not against LIMIT).
+# GPU_TESTS: pytest files run first (their tail printed and kept in /tmp/r/gpu-tests.log); if
+# they fail, no search runs (the lease's time is not spent measuring broken code). Their time
+# counts against the call's, not against LIMIT.
 # PYSPY_S: a py-spy profile (non-blocking, every thread, idle frames included, raw collapsed
 # stacks) of the first ranker for that many seconds from each search's first point, one file a
 # search under /tmp/r/pyspy-<n>.txt (py-spy's wheel in .whl/).
@@ -52,7 +53,12 @@ profile_searches() {
 if [ -n "${GPU_TESTS:-}" ]; then
   # shellcheck disable=SC2086  # a list of files
   timeout 300 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS > /tmp/r/gpu-tests.log 2>&1
-  echo "gpu tests: exit $?"; tail -5 /tmp/r/gpu-tests.log
+  status=$?
+  echo "gpu tests: exit $status"; tail -15 /tmp/r/gpu-tests.log
+  if [ "$status" -ne 0 ]; then
+    tar czf "$OUT/r.tgz" -C /tmp r
+    exit 1
+  fi
 fi
 
 watcher=""

@@ -12,7 +12,10 @@ Every new token sees every prefix token.
 
 psi layout (what the cache owns and moves): one contiguous tensor per user, [L, 2, P, H*D]
 (layer-major, then K/V, then token, then head-interleaved features). A layer's K or V is one
-contiguous [P, H*D] slab, so a reload can be done layer by layer with large copies.
+contiguous [P, H*D] slab, so a reload can be done layer by layer with large copies. A sequence
+may read only the first `lens[b]` tokens of its block (psi built in part: pre-inference chunks,
+a take-over's partial pass): the block's own length P is then the layer stride (`strides[b]`),
+and the kernels read the built part in place instead of a contiguous copy of it.
 """
 
 from __future__ import annotations
@@ -130,36 +133,58 @@ class PrefixKV:
     """
 
     kv: tuple[torch.Tensor, ...]  # per sequence [L, 2, P_b, H*D]
-    lens: torch.Tensor  # [B] int64
-    timestamps: torch.Tensor  # [sum P_b] int64
+    lens: torch.Tensor  # [B] int64: the tokens read of each block (its first ones)
+    timestamps: torch.Tensor  # [sum lens] int64
     ts_offsets: torch.Tensor  # [B + 1] int64
     kv_offsets: torch.Tensor  # [B] int64
     kv_base: torch.Tensor
     lens_host: tuple[int, ...]
+    # [B] int64: each block's own length P_b, its layer stride (the same tensor as `lens` where
+    # every block is read whole).
+    strides: torch.Tensor | None = None
+
+    @property
+    def layer_strides(self) -> torch.Tensor:
+        return self.strides if self.strides is not None else self.lens
+
+    def read(self, b: int, layer: int, kv: int) -> torch.Tensor:
+        """Sequence b's prefix K (kv 0) or V (1) of `layer` as the kernels read it:
+        [lens[b], H*D], a view of its block."""
+        return self.kv[b][layer, kv, : self.lens_host[b]]
 
     @staticmethod
-    def build(kv: list[torch.Tensor], timestamps: list[torch.Tensor]) -> PrefixKV:
-        if not kv or len(kv) != len(timestamps):
-            raise ValueError("one psi block and one timestamp vector per sequence are required")
+    def build(
+        kv: list[torch.Tensor], timestamps: list[torch.Tensor], lens: list[int] | None = None
+    ) -> PrefixKV:
+        """`lens[b]`: read only block b's first that many tokens (default: all of it); its
+        timestamps are those tokens' (timestamps[b] holds lens[b])."""
+        if not kv or len(kv) != len(timestamps) or (lens is not None and len(lens) != len(kv)):
+            raise ValueError("one psi block, one timestamp vector (and one length) per sequence are required")
         base = kv[0]
-        lens, offsets = [], []
-        for block, ts in zip(kv, timestamps, strict=True):
+        reads, strides, offsets = [], [], []
+        for b, (block, ts) in enumerate(zip(kv, timestamps, strict=True)):
             if block.dim() != 4 or block.shape[1] != 2:
                 raise ValueError(f"psi block must be [L, 2, P, H*D], got {tuple(block.shape)}")
             if not block.is_contiguous() or block.dtype != base.dtype or block.device != base.device:
                 raise ValueError("psi blocks must be contiguous, of one dtype and on one device")
-            if ts.numel() != block.shape[2]:
-                raise ValueError(f"psi holds {block.shape[2]} tokens but {ts.numel()} timestamps")
+            n = int(block.shape[2]) if lens is None else int(lens[b])
+            if not 0 <= n <= block.shape[2]:
+                raise ValueError(f"reading {n} tokens of a psi block of {block.shape[2]}")
+            if ts.numel() != n:
+                raise ValueError(f"psi read for {n} tokens but {ts.numel()} timestamps")
             delta = block.data_ptr() - base.data_ptr()
             if block.numel() and (block.data_ptr() % PSI_ALIGNMENT_BYTES or delta % block.element_size()):
                 raise ValueError(f"psi blocks must start {PSI_ALIGNMENT_BYTES}-byte aligned")
-            lens.append(int(block.shape[2]))
+            reads.append(n)
+            strides.append(int(block.shape[2]))
             offsets.append(delta // block.element_size() if block.numel() else 0)
         ts_offsets = [0]
-        for n in lens:
+        for n in reads:
             ts_offsets.append(ts_offsets[-1] + n)
         dev = base.device
-        device_lens, device_ts_offsets, device_offsets = _sections_to_device([lens, ts_offsets, offsets], dev)
+        whole = reads == strides
+        sections = [reads, ts_offsets, offsets] if whole else [reads, ts_offsets, offsets, strides]
+        device_lens, device_ts_offsets, device_offsets, *device_strides = _sections_to_device(sections, dev)
         return PrefixKV(
             kv=tuple(kv),
             lens=device_lens,
@@ -167,5 +192,6 @@ class PrefixKV:
             ts_offsets=device_ts_offsets,
             kv_offsets=device_offsets,
             kv_base=base,
-            lens_host=tuple(lens),
+            lens_host=tuple(reads),
+            strides=device_strides[0] if device_strides else None,
         )

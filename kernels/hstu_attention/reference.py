@@ -112,9 +112,8 @@ def hstu_attention_reference(
         keys_k = k[start : start + n].float()
         keys_v = v[start : start + n].float()
         if prefix is not None and plen > 0:
-            block = prefix.kv[b]
-            keys_k = torch.cat([block[layer, 0].view(plen, num_heads, head_dim).float(), keys_k])
-            keys_v = torch.cat([block[layer, 1].view(plen, num_heads, head_dim).float(), keys_v])
+            keys_k = torch.cat([prefix.read(b, layer, 0).view(plen, num_heads, head_dim).float(), keys_k])
+            keys_v = torch.cat([prefix.read(b, layer, 1).view(plen, num_heads, head_dim).float(), keys_v])
         num_keys = keys_k.shape[0]
         j_new = torch.arange(num_keys, device=q.device) - plen  # index among new tokens (<0: prefix)
         index = plan.rab_index[b]

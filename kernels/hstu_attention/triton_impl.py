@@ -276,7 +276,7 @@ def _hstu_attention_fwd(
     Q, K, V, Out, Partial, Arrivals,
     total, stride_t, stride_ot, stride_oh,
     seq_offsets, n_hist_ptr, ts64, ts32, fits_ptr,
-    KVBase, prefix_kv_offsets, prefix_lens, pts64, pts32, pts_offsets,
+    KVBase, prefix_kv_offsets, prefix_lens, prefix_strides, pts64, pts32, pts_offsets,
     bias_tables, pos_by_distance, dist_len, layer, splits, n_row_blocks, alpha_half, inv_norm,
     H: tl.constexpr, NB_POS: tl.constexpr, NB_TIME: tl.constexpr, POS_BITS: tl.constexpr,
     TIME_BITS: tl.constexpr, HAS_PREFIX: tl.constexpr, FAST_SILU: tl.constexpr, POS_BY_DIST: tl.constexpr,
@@ -363,13 +363,16 @@ def _hstu_attention_fwd(
     if HAS_PREFIX:
         lo_p = tl.minimum(u_lo, n_blocks) * BLOCK_N
         hi_p = tl.minimum(tl.minimum(u_hi, n_blocks) * BLOCK_N, plen)
-        k_base = KVBase + tl.load(prefix_kv_offsets + b) + (layer * 2).to(tl.int64) * plen * hd
+        # The block's own length strides its layers (psi built in part is read in place: its
+        # first plen tokens of a longer block; PrefixKV.layer_strides).
+        stride = tl.load(prefix_strides + b).to(tl.int64)
+        k_base = KVBase + tl.load(prefix_kv_offsets + b) + (layer * 2).to(tl.int64) * stride * hd
         rows_p = tl.maximum(plen, 1)  # a descriptor needs a non-empty shape; empty prefixes load nothing
         pk_desc = tl.make_tensor_descriptor(
             k_base, shape=[rows_p, hd], strides=[hd, 1], block_shape=[BLOCK_N, BLOCK_D]
         )
         pv_desc = tl.make_tensor_descriptor(
-            k_base + plen.to(tl.int64) * hd, shape=[rows_p, hd], strides=[hd, 1], block_shape=[BLOCK_N, BLOCK_D]
+            k_base + stride * hd, shape=[rows_p, hd], strides=[hd, 1], block_shape=[BLOCK_N, BLOCK_D]
         )  # fmt: skip
         p_start = tl.load(pts_offsets + b)
     do_diagonal = pid_s == 0
@@ -623,6 +626,7 @@ class _Prefix:
     lens: torch.Tensor
     timestamps: torch.Tensor
     ts_offsets: torch.Tensor
+    strides: torch.Tensor  # each block's layer stride in tokens (its length; `lens` where read whole)
 
 
 def _launch_attention(
@@ -665,13 +669,13 @@ def _launch_attention(
     has_prefix = prefix is not None
     pos_by_distance = plan.pos_by_distance if plan.pos_by_distance is not None else plan.bias_tables
     if prefix is None:  # never read
-        prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets)
+        prefix = _Prefix(q, seq_offsets, seq_offsets, timestamps, seq_offsets, seq_offsets)
     _hstu_attention_fwd[launch_grid](
         q, k, v, target, partial, arrivals,
         total, stride_t, target.stride(0), target.stride(1),
         seq_offsets, n_hist, timestamps, plan.ts32, plan.fits,
-        prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, plan.prefix_ts32, prefix.ts_offsets,
-        plan.bias_tables, pos_by_distance, pos_by_distance.shape[-1], layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
+        prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.strides, prefix.timestamps, plan.prefix_ts32,
+        prefix.ts_offsets, plan.bias_tables, pos_by_distance, pos_by_distance.shape[-1], layer, splits, grid[0], 0.5 * params.alpha, params.inv_norm,
         H=num_heads, NB_POS=plan.nb_pos, NB_TIME=plan.nb_time, POS_BITS=params.pos_mantissa_bits,
         TIME_BITS=params.time_mantissa_bits, HAS_PREFIX=has_prefix,
         FAST_SILU=config.fast_silu, POS_BY_DIST=plan.pos_by_distance is not None, SPLIT=splits > 1, MIN_SPLIT_BLOCKS=MIN_SPLIT_BLOCKS,
@@ -719,7 +723,12 @@ def hstu_attention_triton(
     prefix_d = None
     if has_prefix and prefix is not None:
         prefix_d = _Prefix(
-            prefix.kv_base, prefix.kv_offsets, prefix.lens, prefix.timestamps, prefix.ts_offsets
+            prefix.kv_base,
+            prefix.kv_offsets,
+            prefix.lens,
+            prefix.timestamps,
+            prefix.ts_offsets,
+            prefix.layer_strides,
         )
     grid = (triton.cdiv(seq.max_len, bm), seq.batch_size * num_heads, splits)
     return _launch_attention(q, k, v, stride_t, seq.offsets, seq.n_hist, seq.timestamps, prefix_d, plan,
@@ -821,7 +830,8 @@ def hstu_attention_static(
     stride_t = _check_qkv(q, k, v)
     g = batch.grid
     grid = (triton.cdiv(g.max_len, g.config.block_m), g.batch * q.shape[1], g.splits)
+    # Complete psi only (graphs rank against psi whole): each block's length is its stride.
     prefix = _Prefix(batch.kv_anchor, batch.kv_offsets, batch.prefix_lens, batch.prefix_timestamps,
-                     batch.prefix_ts_offsets)  # fmt: skip
+                     batch.prefix_ts_offsets, batch.prefix_lens)  # fmt: skip
     return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, batch.timestamps, prefix,
                              plan, layer, params, grid, g.config)  # fmt: skip

@@ -150,15 +150,6 @@ class PrefixChunk:
             raise ValueError(f"psi of {self.psi.prefix_len} tokens for a {self.prefix.length}-token prefix")
 
 
-def built_prefix(psi: Psi, built: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """psi's first `built` tokens as the kernels read a prefix: one contiguous [L, 2, built, H*D]
-    block (a copy unless built is the whole psi: the kernels address a block's layers with its
-    own length as the stride) and its timestamps."""
-    if built == psi.prefix_len:
-        return psi.kv, psi.timestamps
-    return psi.kv[:, :, :built].contiguous(), psi.timestamps[:built]
-
-
 @dataclass(frozen=True)
 class _Tokens:
     """A jagged batch ready for the layers: embeddings' indices and layout, on the model's device."""
@@ -448,10 +439,16 @@ class HSTURanker(nn.Module):
         attention too (a ranking needs its output; a chunk only its K/V)."""
         prefix = None
         if any(c for _, c in targets):
-            blocks = [built_prefix(psi, c) for psi, c in targets if psi is not None]
-            if len(blocks) != len(targets):
+            psis = [psi for psi, _ in targets if psi is not None]
+            if len(psis) != len(targets):
                 raise ValueError("a sequence that reads psi needs its psi")
-            prefix = PrefixKV.build([kv for kv, _ in blocks], [ts for _, ts in blocks])
+            # The built part read in place: the first c tokens of each block (the kernels stride
+            # its layers by the block's own length), not a contiguous copy of them (320-500 MB a
+            # step at 10-16k tokens of the bench preset, allocated while HBM is full).
+            splits = [c for _, c in targets]
+            prefix = PrefixKV.build(
+                [p.kv for p in psis], [p.timestamps[:c] for p, c in zip(psis, splits, strict=True)], splits
+            )
         seq = tokens.seq
         attend = self._prepare(seq, prefix)
         x = self._embed(tokens)

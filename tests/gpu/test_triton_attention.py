@@ -65,6 +65,31 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+def test_triton_reads_the_first_tokens_of_longer_blocks_in_place(dim):
+    """psi built in part: each sequence reads its block's first reads[b] tokens in place (the
+    block's length strides its layers); as the reference over contiguous copies of them."""
+    gen = torch.Generator().manual_seed(dim)
+    heads, layers = (2 if dim == 256 else 4), 3
+    lengths, n_hist, blocks_len, reads = [320, 257, 64], [64, 0, 64], [4096, 700, 300], [2560, 0, 300]
+    q, k, v, seq, _, pb, tb, params = random_case(dim, lengths, n_hist, None, heads=heads, dim=dim)
+    blocks = [
+        torch.randn(layers, 2, p, heads * dim, generator=gen).to("cuda", torch.bfloat16) for p in blocks_len
+    ]
+    block_ts = [torch.randint(-(10**6), 10**6, (p,), generator=gen).cuda() for p in blocks_len]
+    in_place = PrefixKV.build(blocks, [t[:n] for t, n in zip(block_ts, reads, strict=True)], reads)
+    copied = PrefixKV.build(
+        [b[:, :, :n].contiguous() for b, n in zip(blocks, reads, strict=True)],
+        [t[:n] for t, n in zip(block_ts, reads, strict=True)],
+    )
+    plan = plan_triton(seq, in_place, pb, tb, params)
+    reference = plan_reference(seq, copied, pb, tb, params)
+    for layer in range(layers):
+        want = hstu_attention_reference(q, k, v, seq, copied, layer, reference, params)
+        got = hstu_attention_triton(q, k, v, seq, in_place, plan, layer, params)
+        assert_bf16_close(got, want)
+
+
 @pytest.mark.parametrize("dim", [16, 64, 256])
 @pytest.mark.parametrize(("lengths", "n_hist", "plens"), CASES)
 def test_triton_matches_reference(dim, lengths, n_hist, plens):

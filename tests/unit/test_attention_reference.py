@@ -95,3 +95,49 @@ def test_log_bucket_exact_for_small_then_logarithmic():
     assert int(b[-1]) == 4 * 20  # x + 1 = 2**20: exponent 20, mantissa 0
     assert int(log_bucket(torch.tensor(10**12), 2, 50)) == 49  # clamped
     assert int(log_bucket(torch.tensor(-5), 2, 50)) == 0  # negative distances clamp to 0
+
+
+def test_a_prefix_read_in_part_in_place_equals_a_copy_of_that_part():
+    """PrefixKV.build(..., lens): each sequence reads its block's first lens[b] tokens in place
+    (psi built in part), the block's own length its layer stride; the same attention as over a
+    contiguous copy of those tokens, exactly."""
+    gen = torch.Generator().manual_seed(3)
+    heads, dim, layers = 2, 4, 3
+    lengths, n_hist = [5, 3, 4], [3, 3, 4]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
+    ts = torch.randint(0, 5000, (total,), generator=gen)
+    ts[[3, 4]] = 4000
+    blocks = [torch.randn(layers, 2, p, heads * dim, generator=gen) for p in (7, 4, 6)]
+    block_ts = [torch.randint(0, 5000, (b.shape[2],), generator=gen) for b in blocks]
+    reads = [3, 0, 6]  # in part, nothing, whole
+    in_place = PrefixKV.build(blocks, [t[:n] for t, n in zip(block_ts, reads, strict=True)], reads)
+    copied = PrefixKV.build(
+        [b[:, :, :n].contiguous() for b, n in zip(blocks, reads, strict=True)],
+        [t[:n] for t, n in zip(block_ts, reads, strict=True)],
+    )
+    assert in_place.lens_host == copied.lens_host == (3, 0, 6)
+    assert in_place.layer_strides.tolist() == [7, 4, 6]
+    assert copied.strides is None  # read whole: the lengths are the strides
+    assert torch.equal(in_place.read(0, 2, 1), blocks[0][2, 1, :3])
+    pos, time = torch.randn(layers, heads, 12, generator=gen), torch.randn(layers, heads, 20, generator=gen)
+    params = AttentionParams(alpha=0.5, inv_norm=1 / 7, pos_mantissa_bits=1, time_mantissa_bits=2)
+    seq = SeqLayout.build(lengths, n_hist, ts)
+    for layer in range(layers):
+        want = hstu_attention_reference(
+            q, k, v, seq, copied, layer, plan_reference(seq, copied, pos, time, params), params
+        )
+        got = hstu_attention_reference(
+            q, k, v, seq, in_place, layer, plan_reference(seq, in_place, pos, time, params), params
+        )
+        assert torch.equal(got, want)
+
+
+def test_a_prefix_read_past_its_block_or_with_other_timestamps_is_refused():
+    block = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="reading 5 tokens of a psi block of 4"):
+        PrefixKV.build([block], [torch.zeros(5, dtype=torch.int64)], [5])
+    with pytest.raises(ValueError, match="2 tokens but 4 timestamps"):
+        PrefixKV.build([block], [torch.zeros(4, dtype=torch.int64)], [2])
+    with pytest.raises(ValueError, match="one length"):
+        PrefixKV.build([block], [torch.zeros(2, dtype=torch.int64)], [2, 2])
