@@ -1367,6 +1367,9 @@ class Engine:
         pending = graphs.launch_full([job.prefix for job in jobs], [j.suffix for j in batch], psis)
         if started:
             self.takeover.ran(full=pending is not None)  # no graph for the shape: partial after all
+            if pending is not None:
+                for job in jobs:  # the chunks built are computed again: their time went for nothing
+                    self.device_time.expired_unused(job.key, count=False)
         if pending is not None:
             for job in jobs:
                 job.done = job.prefix.length

@@ -17,7 +17,8 @@ ranking call behind it: the same calls, replayed at 337.5 req/s, took 30 ms more
 than the baseline's in the 100 ms after one such take-over, the relay's worst window
 (`python -m bench.calls RELAY --against BASELINE`). At 16384
 tokens (k12b) partial passes took 11-14 ms against 19.5 for a full ranking: there they pay.
-The graph's pass spends the built chunks' device time for nothing (still counted as used psi).
+The graph's pass spends the built chunks' device time for nothing: it is counted as unused
+pre-inference time (relaygr_ranker_unused_psi_device_seconds), not as another unused psi.
 
 So the choice is measured: each partial pass's time against what the engine's ranking fit
 predicts for full rankings of the same calls (an exponentially weighted ratio); a take-over

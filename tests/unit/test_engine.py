@@ -289,6 +289,10 @@ async def test_a_take_over_of_nothing_built_goes_to_the_full_graphs(
         assert graphs.full_launches == [[prefix.length]]
         assert e.recent_batches()[-1].tokens == prefix.length + suffix.length
         assert e.takeover.passes == ({"partial": 0, "full": 1} if started else {"partial": 0, "full": 0})
+        # The chunk the graph computed again counts as unused device time (not as another psi).
+        snap = e.device_time.snapshot()
+        assert (snap.unused_psi_s > 0) == started
+        assert snap.unused_psi == 0
         if not started:
             assert gate.chunks == []
 
