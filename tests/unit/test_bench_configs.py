@@ -10,6 +10,7 @@ from relaygr import demo
 from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms, ranker_slo_ms
 from relaygr.launcher import StackConfig
 from services.ranker.config import RankerConfig
+from services.trigger.config import TriggerConfig
 from shared.config import load_config
 
 
@@ -107,3 +108,9 @@ def test_every_configurations_ranker_flags_are_ranker_settings(name):
     """A configuration's own ranker flags load as the ranker's settings (a misspelt flag or value
     would otherwise surface only as a ranker that does not start on the GPU)."""
     load_config(RankerConfig, ["--device", "cpu", *CONFIGS[name]["ranker_args"]], env={})
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if CONFIGS[n].get("trigger_args")))
+def test_every_configurations_trigger_flags_are_trigger_settings(name):
+    """The same for a configuration's own trigger flags."""
+    load_config(TriggerConfig, ["--rankers", "127.0.0.1:1", *CONFIGS[name]["trigger_args"]], env={})
