@@ -835,12 +835,12 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}{_gpu_util(rankers)}, idle with "
-          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_kept(rankers)}{_compute_by_path(s)}"
+          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_kept_and_taken_over(rankers)}{_compute_by_path(s)}"
           f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
     return point
 
 
-def _kept(rankers: dict[str, Any]) -> str:
+def _kept_and_taken_over(rankers: dict[str, Any]) -> str:
     """Full rankings that kept psi, and those the keep gate let go without, and take-overs of
     started pre-inferences by pass, for the progress line."""
     kept, declined = rankers.get("psi_from_rankings", 0), rankers.get("ranking_psi_declined", 0)
