@@ -82,6 +82,7 @@ import numpy as np
 from relaygr.search import Point, SearchConfig, find_limit, recorded_client_bound
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.rank_queue import RankQueue
 from services.ranker.scheduler import (
     Chunk,
     IterationScheduler,
@@ -636,6 +637,8 @@ def simulate(
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
     queue: dict[int, tuple[RankItem, PlannedRequest, str, float]] = {}
+    # The calls the engine plans from, as it holds them (no call waiting for its copy).
+    rank_queue = RankQueue()
     view = setup.trigger if setup.lead_test else None
     policy = setup.admission if view is not None else None
     ledger = InstanceLedger()
@@ -849,6 +852,7 @@ def simulate(
                 due_by=due_by,
             )
             queue[item.id] = (item, r, path, t)
+            rank_queue.add(item)
             return
         path = "full_recompute"
         if setup.psi and key in hbm:
@@ -868,7 +872,9 @@ def simulate(
         kind = RankKind.CACHED if cached else RankKind.FULL
         item = RankItem(next_id(), kind, deadline, t, tokens, pairs, due_by=due_by)
         queue[item.id] = (item, r, path, t)
-        if path == "dram_reload":
+        if path != "dram_reload":
+            rank_queue.add(item)
+        else:
             reloads.append((t + draw_reload_ms() / 1e3, item.id))
             dram.pop(key)
             keep(key, r.prefix_len)  # back in HBM (a reload is admitted like any psi)
@@ -903,10 +909,13 @@ def simulate(
             arrive(by_arrival[i], by_arrival[i].t_rank_s)
             owe_request()
             i += 1
-        waiting = {rid for t, rid in reloads if t > now}
-        ready = [q[0] for rid, q in queue.items() if rid not in waiting]
+        landed = [rid for t, rid in reloads if t <= now]
+        if landed:  # copies done: their calls join the engine's queue
+            for rid in landed:
+                rank_queue.add(queue[rid][0])
+            reloads = [(t, rid) for t, rid in reloads if t > now]
         pending = [p.item for p in productions.values()]
-        plan = scheduler.plan(now, ready, pending) if ready or pending else None
+        plan = scheduler.plan(now, rank_queue, pending) if len(rank_queue) or pending else None
         if plan is None or plan.empty:
             if device_free > now:
                 # Nothing to launch ahead: the engine collects the batch in flight first, and a
@@ -968,9 +977,11 @@ def simulate(
                     ready_at[production.key] = now  # in place, its end; ahead, its launch
                     for item, r, arrived in production.waiters:
                         queue[item.id] = (item, r, "inflight_join", arrived)
+                        rank_queue.add(item)
             continue
         batch = [queue.pop(rid) for rid in plan.rank]
-        reloads = [(t, rid) for t, rid in reloads if rid in queue]
+        for rid in plan.rank:
+            rank_queue.remove(rid)
         cost = cal.full if batch[0][0].kind is RankKind.FULL else (cal.cached or cal.full)
         tokens = sum(b[0].tokens for b in batch)
         seconds = cost.draw_s(tokens, sum(b[0].pairs for b in batch), rng, len(batch))

@@ -11,7 +11,7 @@ commit=$1; tag=$2; configs=$3; workloads=$4; shift 4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RELAYGR_COMMIT=$commit
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2
-mkdir -p /tmp/r
+rm -rf /tmp/r && mkdir -p /tmp/r && touch /tmp/r.started
 
 ranker_pid() {
   # The ranker's own process: argv names the module (matching /proc/*/cmdline with grep would
@@ -71,5 +71,8 @@ timeout -s INT -k 30 "${LIMIT:-540}" python3 -m bench.goodput --configs "$config
   --calls-dir /tmp/r/calls "$@" 2>&1 | tee /tmp/r/goodput.log | grep -vE '^\{' | tail -60
 [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
 sleep 1
+# Only this call's files: on k14's lease (2026-11-30) /tmp/r also held calls and results of runs
+# from a day before (another lease's /tmp on the same host), which looked like this run's.
+find /tmp/r -type f ! -newer /tmp/r.started -print -delete | sed 's/^/stale, left out: /'
 tar czf "$OUT/r.tgz" -C /tmp r
 ls -la /tmp/r

@@ -94,6 +94,7 @@ from services.ranker.graphs import (
 from services.ranker.loop_time import LoopTime
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
+from services.ranker.rank_queue import RankQueue
 from services.ranker.scheduler import (
     Chunk,
     IterationScheduler,
@@ -410,6 +411,9 @@ class Engine:
         self._on_fatal = on_fatal
         self._cv = threading.Condition(threading.RLock())
         self._ranks: dict[int, _RankJob] = {}
+        # The same calls as the scheduler reads them, kept in deadline order across steps
+        # (rank_queue.py: planning a step may not grow with the backlog).
+        self._rank_queue = RankQueue()
         self._preinfers: dict[int, _PreInferJob] = {}
         self.preinfers_expired = 0  # dropped unstarted at the end of their lease
         self._producing: dict[PsiKey, _PreInferJob] = {}
@@ -517,9 +521,28 @@ class Engine:
     def _push_rank(self, job: _RankJob) -> asyncio.Future[Any]:
         with self._cv:
             self._check_running()
-            self._ranks[job.id] = job
+            self._enqueue_rank(job)
             self._cv.notify()
         return job.future
+
+    def _enqueue_rank(self, job: _RankJob) -> None:
+        """Under the lock, on the event loop: queues a ranking call. A call whose caller leaves
+        (its future cancelled) leaves the queue at once rather than when a step is planned."""
+        self._ranks[job.id] = job
+        self._rank_queue.add(job.item())
+        job.future.add_done_callback(functools.partial(self._rank_left, job))
+
+    def _rank_left(self, job: _RankJob, future: asyncio.Future[Any]) -> None:
+        """On the event loop, once a call's future is done: a cancelled one still queued is
+        dropped (the pre-inference it took over goes back to its chunks)."""
+        if not future.cancelled():
+            return
+        with self._cv:
+            if self._ranks.pop(job.id, None) is None:
+                return  # already in a step, or dropped
+            self._rank_queue.remove(job.id)
+            if job.takes is not None:
+                self._hand_back(job.takes)
 
     def _rank_job(
         self,
@@ -653,7 +676,7 @@ class Engine:
                     takes=job,
                     start_by=start_by,
                 )
-                self._ranks[rank.id] = rank
+                self._enqueue_rank(rank)
                 self._cv.notify()
         if decision is Relay.JOIN:
             psi: Psi = await asyncio.shield(job.future)
@@ -1012,6 +1035,8 @@ class Engine:
             with section("plan"), self._cv:
                 plan = self._plan()
                 batch = [self._ranks.pop(i) for i in plan.rank]
+                for i in plan.rank:
+                    self._rank_queue.remove(i)
             launched: _InFlight | _ChunksInFlight | None = None
             if batch:
                 with section("launch"):
@@ -1103,18 +1128,15 @@ class Engine:
     def _plan(self) -> Plan:
         """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
         scheduler."""
-        now = time.perf_counter()
-        for rid, rank in list(self._ranks.items()):
-            if rank.alive() and rank.start_by >= now:
-                continue
-            del self._ranks[rid]
+        mono = time.monotonic()
+        for item in self._rank_queue.overdue(mono):  # calls that left are gone already (_rank_left)
+            rank = self._ranks.pop(item.id)
             if rank.alive():
-                rank.resolve(error=Overdue(time.monotonic() - rank.submitted))
+                rank.resolve(error=Overdue(mono - rank.submitted))
             if rank.takes is not None:
                 self._hand_back(rank.takes)
         for job in [j for j in self._preinfers.values() if not j.alive()]:
             self._abandon(job)
-        mono = time.monotonic()
         # Pre-inferences are built first come, first served between ranking steps: under load
         # some wait past their lease. Built then, their psi came after their call and delayed
         # every pre-inference behind them, which then came late too (H100, L4096, after an
@@ -1128,9 +1150,7 @@ class Engine:
                 error=PreinferExpired(f"not started within its lease ({mono - job.expires_at:.3f} s late)")
             )
         return self.scheduler.plan(
-            time.monotonic(),
-            [j.item() for j in self._ranks.values()],
-            [j.item() for j in self._preinfers.values()],
+            time.monotonic(), self._rank_queue, [j.item() for j in self._preinfers.values()]
         )
 
     def _hand_back(self, job: _PreInferJob) -> None:
@@ -1632,6 +1652,7 @@ class Engine:
         for job in pending:
             job.resolve(error=EngineStopped("the engine stopped before this job ran"))
         self._ranks.clear()
+        self._rank_queue.clear()
         self._preinfers.clear()
         self._producing.clear()
         self._copies.clear()

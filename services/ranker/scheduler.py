@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.ranker.call_cost import CostFit
+from services.ranker.rank_queue import RankQueue
 from shared.fingerprint import CHUNK_TOKENS
 
 __all__ = [
@@ -79,6 +80,10 @@ __all__ = [
 ]
 
 
+# Calls a step is planned from, earliest deadline first (RankQueue.window): batches of up to
+# max_batch and the calls that may go before the earliest are chosen among them.
+PLAN_WINDOW_BATCHES = 4
+MIN_PLAN_WINDOW = 16
 # A call of the earliest call's kind is short when predicted at most this share of its time
 # (it may then run first, in a batch of its own) ...
 SHORT_FRACTION = 0.25
@@ -234,6 +239,7 @@ class IterationScheduler:
         self.graph_tokens = graph_tokens
         self.graph_batch = graph_batch
         self.full_replays = full_replays
+        self.window_size = max(MIN_PLAN_WINDOW, PLAN_WINDOW_BATCHES * config.max_batch)
         # First chunks that absorb a step (chunk_size), by (remaining, budget, the fits'
         # coefficients): planned per step and per queued prefix, each search ~100 fits.
         self._chunk_memo: dict[tuple[object, ...], int] = {}
@@ -384,8 +390,14 @@ class IterationScheduler:
             seconds = self.remaining_seconds(item.done, item.length)
         return now + seconds > due_by
 
-    def plan(self, now: float, ranks: Sequence[RankItem], preinfers: Sequence[PreinferItem]) -> Plan:
-        """The next step, from what is queued (items the caller knows are alive)."""
+    def plan(
+        self, now: float, ranks: RankQueue | Sequence[RankItem], preinfers: Sequence[PreinferItem]
+    ) -> Plan:
+        """The next step, from what is queued (calls the caller knows are alive). The engine
+        passes its RankQueue, which keeps the calls in deadline order across steps so that a
+        step is planned from the earliest PLAN_WINDOW of them whatever the backlog; a sequence
+        is queued afresh (tests, the capacity model)."""
+        queue = ranks if isinstance(ranks, RankQueue) else RankQueue(ranks)
         runnable = [p for p in preinfers if not p.taken and p.remaining > 0]
         joined = sorted(
             (p for p in runnable if p.joined_deadline is not None),
@@ -393,17 +405,20 @@ class IterationScheduler:
         )
         # Doomed work waits while work that can still meet its deadline is queued (module
         # docstring); then it is all there is, and runs earliest deadline first.
-        live_ranks = [r for r in ranks if not self.doomed(now, r)]
+        window = queue.window(self.window_size, lambda r: self.doomed(now, r))
         live_joined = [p for p in joined if not self.doomed(now, p)]
-        if live_ranks or live_joined:
-            ranks, joined = live_ranks, live_joined
-        first_rank = min(ranks, key=lambda r: (r.deadline, r.submitted)) if ranks else None
+        if not window.doomed or live_joined:
+            joined = live_joined
+        calls = [] if window.doomed and live_joined else window.calls
+        first_rank = calls[0] if calls else None
         joined_deadline = joined[0].joined_deadline if joined else None
         if joined_deadline is not None and (first_rank is None or joined_deadline <= first_rank.deadline):
             return self._chunks(joined)  # a waiting call's psi is the most urgent work
         if first_rank is not None:
-            lead, cap_s = self._lead(now, ranks, first_rank)
-            return self._rank_batch(now, ranks, lead, cap_s)
+            # More calls queued than the window holds: the slack is gone (each takes at least
+            # a per-batch cost), the order is earliest deadline first (_lead).
+            lead, cap_s = (first_rank, float("inf")) if window.more else self._lead(now, calls, first_rank)
+            return self._rank_batch(now, calls, lead, cap_s)
         # Earliest need first: the calls come in another order than their signals (the
         # retrieval -> ranking gap varies: 20-200 ms in the benchmarks), and in signal order a
         # burst built psi needed in 200 ms before psi needed in 20 ms, whose call then waited

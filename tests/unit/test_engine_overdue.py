@@ -52,3 +52,25 @@ async def test_a_call_past_its_start_by_fails_overdue_and_the_others_run(engine,
         await engine.rank_cached(suffixes[0], psi, psi.key, start_by=time.perf_counter() - 1e-3)
     ok = await engine.rank_cached(suffixes[0], psi, psi.key, start_by=time.perf_counter() + 60.0)
     assert ok.scores.numel() == 4
+
+
+async def test_a_call_whose_caller_left_leaves_the_queue_before_any_step(model):
+    # Not started: no step runs, so only the call's own cancellation can take it out (a queue
+    # of calls nobody waits for would be planned over at every step).
+    idle = Engine(model, accelerator("cpu"), EngineConfig(max_batch=8, max_wait_s=0.0))
+    prefixes, suffixes = batch(2, [Shape(2, 60, 4, 4)] * 2)
+    left = asyncio.ensure_future(idle.rank_full(prefixes[0], suffixes[0]))
+    stays = asyncio.ensure_future(idle.rank_full(prefixes[1], suffixes[1]))
+    await asyncio.sleep(0)
+    assert idle.rank_queue_depth == 2
+    left.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    await asyncio.sleep(0)  # the future's callbacks run
+    assert idle.rank_queue_depth == 1
+    idle.start()
+    try:
+        result = await stays
+        assert torch.allclose(result.scores, model.full(prefixes[1:], suffixes[1:])[0], atol=1e-5, rtol=0)
+    finally:
+        idle.stop()
