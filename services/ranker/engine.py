@@ -527,7 +527,9 @@ class Engine:
 
     def _enqueue_rank(self, job: _RankJob) -> None:
         """Under the lock, on the event loop: queues a ranking call. A call whose caller leaves
-        (its future cancelled) leaves the queue at once rather than when a step is planned."""
+        (its future cancelled) leaves the queue at once rather than when a step is planned. A
+        partial call is planned by the prefix built when it took over: a chunk that was under way
+        then and lands later only makes it cheaper than planned."""
         self._ranks[job.id] = job
         self._rank_queue.add(job.item())
         job.future.add_done_callback(functools.partial(self._rank_left, job))
