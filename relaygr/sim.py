@@ -82,6 +82,7 @@ import numpy as np
 from relaygr.search import Point, SearchConfig, find_limit, recorded_client_bound
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
 from services.ranker.scheduler import (
     Chunk,
@@ -375,6 +376,10 @@ class Setup:
     # by each arrival, paid while the device loop waits for the device or for work, else it
     # delays the loop's next launch; 0: not modelled (the event loop as if it had its own CPU).
     request_host_s: float = 0.0
+    # What the trigger prices one request to the ranker's host at, where its admission has
+    # host_cost on (StatsReply.host_ms_per_request: services/ranker/host_cost.py); estimated from
+    # the run's points (request_host_ms()); 0: device time alone.
+    trigger_host_ms: float = 0.0
     # The deadline the ranker's scheduler orders calls by and lets short work pass over long
     # by: the benchmarks' gRPC timeout (relaygr.replay's rank_timeout_s), or the rankers'
     # latency target where the file's run set one (call_deadline_s()).
@@ -438,8 +443,8 @@ class AdmissionPolicy:
     max_lease_ms: float = _TRIGGER_DEFAULTS["max_lease_ms"]
     stats_interval_s: float = _TRIGGER_DEFAULTS["stats_interval_s"]
     suffix_tokens_estimate: int = _TRIGGER_DEFAULTS["suffix_tokens_estimate"]
-    # Not modelled: the model has no host figure per request, so a run with it on is modelled
-    # as priced by device time alone.
+    # With it the trigger adds the ranker's host ms per request to each request it prices, as
+    # the rankers report it (Setup.trigger_host_ms: estimated from the file's points).
     host_cost: bool = _TRIGGER_DEFAULTS["host_cost"]
 
     @classmethod
@@ -447,12 +452,17 @@ class AdmissionPolicy:
         """The settings a goodput record's trigger ran with (`trigger_settings`, recorded since
         2026-11-29's twenty-second session). A record without them is from a trigger of before
         then: the defaults of the time, which had no spare_min_saving (0: every spare admission
-        passed the saving test), and its `risk_fraction` / `slo_ms` as the record gives them."""
+        passed the saving test), and its `risk_fraction` / `slo_ms` as the record gives them.
+        Settings without `host_cost` are from a trigger that priced by device time alone (host
+        pricing came in the twenty-fourth session)."""
         settings = record.get("trigger_settings")
         if settings:
             known = {f.name for f in dataclasses.fields(cls)}
-            return dataclasses.replace(cls(), **{k: v for k, v in settings.items() if k in known})
-        return dataclasses.replace(cls(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0)))
+            chosen = {"host_cost": False, **{k: v for k, v in settings.items() if k in known}}
+            return dataclasses.replace(cls(), **chosen)
+        return dataclasses.replace(
+            cls(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0)), host_cost=False
+        )
 
 
 class _Report(NamedTuple):
@@ -736,8 +746,13 @@ def simulate(
         cached = statistics.median(cached_ms) if cached_ms else full_ms(0, suffix)
         prefix = psi_cost_ms(r.prefix_len)
         keeps = setup.psi and 0 < setup.keep_min_tokens <= r.prefix_len
-        pays = policy.reuse_window_s > 0 and reuse_pays(full, prefix, cached, returns.expected_later(), keeps)
-        adds_little = adds_little_work(full, prefix, cached, policy.max_extra_work)
+        # Each request priced with what it costs the ranker's host too (the trigger's host_cost):
+        # the pre-inference and the call against psi are two requests where a full ranking is one.
+        host = setup.trigger_host_ms if policy.host_cost else 0.0
+        pays = policy.reuse_window_s > 0 and reuse_pays(
+            full + host, prefix + host, cached + host, returns.expected_later(), keeps
+        )
+        adds_little = adds_little_work(full + host, prefix + host, cached + host, policy.max_extra_work)
         spare = (
             busy is not None
             and busy < policy.spare_busy_max
@@ -1290,6 +1305,32 @@ def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[flo
     return seconds / batches, (copy_s / copies if copies else 0.0), copies / batches
 
 
+def request_host_ms(result: dict[str, Any], config: str, workload: str) -> float:
+    """The ranker's host CPU ms per request as its Stats report it to the trigger (HostCost: the
+    process's CPU less the device loop's waits, over the requests), estimated from the file's
+    points: the ranker's cores over the point less the share of the loop's wall time that its
+    waiting sections (settle_wait, idle, fill_wait) spent on the CPU (the loop's counters span
+    the point's lead-in too), over the point's calls; the median over the points, 0 where the
+    file has no CPU figures. On k14c (H200, L4096, relay) it gives 3.0-3.1 ms at 200-250 req/s
+    where the trigger's log said 2.98-3.17."""
+    figures = []
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            cores, calls = p.get("cpu_cores_ranker_0"), float(p.get("calls", 0) or 0)
+            duration = float(p.get("duration_s", 0.0) or 0.0)
+            walls = [p.get(f"loop_{section}_wall_s") for section in LOOP_SECTIONS]
+            if cores is None or calls <= 0 or duration <= 0 or any(w is None for w in walls):
+                continue
+            loop_wall = sum(float(w) for w in walls)
+            waits = sum(float(p.get(f"loop_{section}_cpu_s", 0.0) or 0.0)
+                        for section in ("settle_wait", "idle", "fill_wait"))  # fmt: skip
+            waiting_cores = waits / loop_wall if loop_wall > 0 else 0.0
+            figures.append(max(0.0, float(cores) - waiting_cores) * duration / calls * 1e3)
+    return statistics.median(figures) if figures else 0.0
+
+
 def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
     """The highest rate met and the lowest missed among a file's points of one configuration."""
     met, missed = 0.0, math.inf
@@ -1485,6 +1526,7 @@ def load_model(
         graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
         request_host_s=float(changes.get("request_host_ms", 0.0)) / 1e3,
+        trigger_host_ms=float(changes.get("trigger_host_ms", request_host_ms(result, config, chosen))),
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
     )
@@ -1564,6 +1606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="the event loop's work per request (Rank call or PreInfer) under the interpreter "
                          "lock the device loop shares, delaying its launches where the loop does not wait "
                          "for the device (0: not modelled, the default)")  # fmt: skip
+    what_if.add_argument("--trigger-host-ms", type=float, default=None,
+                         help="what the trigger prices a request to the ranker's host at, where its admission "
+                         "has host_cost on (default: estimated from the file's points; 0: device time alone)")  # fmt: skip
     what_if.add_argument("--call-deadline-s", type=float, default=None,
                          help="the deadline the ranker's scheduler orders calls by, from their arrival "
                          "(default: the benchmarks' 10 s gRPC timeout): how much its passing full "
@@ -1624,7 +1669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
                ("copies_apart", 1.0 if args.copies_apart else None),
-               ("request_host_ms", args.request_host_ms))
+               ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:
@@ -1680,6 +1725,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "call_slo_s": None if math.isinf(setup.call_slo_s) else setup.call_slo_s,
         "host_step_ms": setup.host_step_s * 1e3,
         "copy_issue_ms": setup.copy_issue_s * 1e3,
+        # What the modelled trigger priced a request to the ranker's host at (0: device time).
+        "trigger_host_ms": setup.trigger_host_ms
+        if setup.admission is not None and setup.admission.host_cost
+        else 0.0,
         # relay: what building one psi costs in the model, and in the file's points.
         "preinfer_ms_per_psi_modelled": _modelled_ms_per_psi(setup.preinfer_steps, modelled, setup.scheduler)
         if setup.preinfer_steps is not None

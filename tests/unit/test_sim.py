@@ -33,6 +33,7 @@ from relaygr.sim import (
     modelled_configs,
     parse_trigger_settings,
     preinfer_ms_per_psi,
+    request_host_ms,
     scaled,
     shape_of,
     signal_trip_ms,
@@ -614,6 +615,10 @@ def test_the_modelled_triggers_settings_are_the_triggers_own_or_a_runs():
     assert recorded.spare_min_saving == defaults.spare_min_saving
     old = AdmissionPolicy.of_run({"slo_ms": 30.0})
     assert (old.spare_min_saving, old.slo_ms) == (0.0, 30.0)
+    # Host pricing as recorded; a record of before it priced by device time alone.
+    assert not recorded.host_cost
+    assert not old.host_cost
+    assert AdmissionPolicy.of_run({"trigger_settings": {"host_cost": True}}).host_cost
     assert parse_trigger_settings(["spare_min_saving=0.2", "max-backlog=4", "prefetch=true"]) == {
         "spare_min_saving": 0.2, "max_backlog": 4, "prefetch": True,
     }  # fmt: skip
@@ -668,6 +673,41 @@ def test_the_modelled_trigger_admits_by_risk_only_where_pre_inference_adds_littl
     served = simulate(calls, EXACT, _admission_setup(policy, dear, slo_ms=8.0), decisions=decided)
     assert [label for _, label in decided] == ["adds_work"] * 3
     assert {s.path for s in served} == {"full_recompute"}
+
+
+def test_the_modelled_trigger_prices_each_request_with_the_rankers_host_time_as_the_trigger_does():
+    # The at-risk case above (8 ms SLO; 2.4 ms step + 0.86 ms call for a 5 ms ranking) with 3 ms
+    # of host a request: two requests (8.26 + 3) where the full ranking is one (8 x 1.15 = 9.2):
+    # the trigger with host_cost refuses it as adding work, as on the H200 at 4096 tokens (k14c).
+    calls = [request(i, 1.0 + 0.2 * i, user=i) for i in range(3)]
+    policy = AdmissionPolicy(slo_ms=8.0, reuse_window_s=0.0, spare_busy_max=0.0, host_cost=True)
+    setup = dataclasses.replace(_admission_setup(policy, slo_ms=8.0), trigger_host_ms=3.0)
+    decided: list[tuple[float, str]] = []
+    served = simulate(calls, EXACT, setup, decisions=decided)
+    assert [label for _, label in decided] == ["adds_work"] * 3
+    assert {s.path for s in served} == {"full_recompute"}
+    decided.clear()
+    device_only = dataclasses.replace(setup, admission=dataclasses.replace(policy, host_cost=False))
+    simulate(calls, EXACT, device_only, decisions=decided)
+    assert [label for _, label in decided] == ["admitted_risk"] * 3
+
+
+def test_the_rankers_host_time_per_request_is_estimated_from_the_points_as_it_reports_it():
+    # 0.8 cores over a 10 s point of 2000 calls; the loop's waits spent 4 s of CPU in 20 s of
+    # loop time (the lead-in too): 0.2 cores of waiting. (0.8 - 0.2) x 10 s / 2000 = 3 ms.
+    sections = {f"loop_{s}_wall_s": 0.0 for s in ("copies", "plan", "launch", "settle", "fill_wait", "other")}
+    point = {"cpu_cores_ranker_0": 0.8, "calls": 2000, "duration_s": 10.0, **sections,
+             "loop_settle_wait_wall_s": 8.0, "loop_idle_wall_s": 12.0,
+             "loop_settle_wait_cpu_s": 3.5, "loop_idle_cpu_s": 0.5}  # fmt: skip
+    result = {
+        "results": [{"config": "relay", "workload": "L4096", "points": [point, {**point, "calls": 1000}]}]
+    }
+    assert request_host_ms(result, "relay", "L4096") == pytest.approx((3.0 + 6.0) / 2)
+    assert request_host_ms(result, "baseline", "L4096") == 0.0  # not in the file
+    older = {
+        "results": [{"config": "relay", "workload": "L4096", "points": [{"calls": 10, "duration_s": 10.0}]}]
+    }
+    assert request_host_ms(older, "relay", "L4096") == 0.0  # no CPU figures recorded
 
 
 def test_the_modelled_trigger_prices_reuse_and_knows_psi_it_admitted():
