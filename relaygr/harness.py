@@ -89,6 +89,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-devicecost": {"trigger_args": ("--host-cost", "false")},
     # Every full ranking of ranking_psi_min_tokens or more keeps psi (no keep gate: keep_gate.py).
     "relay-keepall": {"ranker_args": ("--ranking-psi-keep", "always")},
+    # The spare term without its waits test (RELAYGR_TRIGGER_SPARE_PRICES_WAITS, on by default
+    # since the twenty-sixth session): pre-inferences into "idle" device time whatever they make
+    # other calls wait.
+    "relay-spare-waits-unpriced": {"trigger_args": ("--spare-prices-waits", "false")},
     # A call that takes over a started pre-inference always completes it by the eager partial
     # pass (the default weighs it against the full graph, measured: services/ranker/takeover.py).
     "relay-takeover-partial": {"ranker_args": ("--takeover-pass", "partial")},

@@ -105,6 +105,7 @@ from services.trigger.admission import (
     decide,
     reuse_pays,
     risk_threshold_ms,
+    spare_outweighs_waits,
     spare_shortens,
     too_late,
 )
@@ -446,6 +447,9 @@ class AdmissionPolicy:
     # With it the trigger adds the ranker's host ms per request to each request it prices, as
     # the rankers report it (Setup.trigger_host_ms: estimated from the file's points).
     host_cost: bool = _TRIGGER_DEFAULTS["host_cost"]
+    # The spare term weighs the waits a pre-inference imposes on other calls (its call rate from
+    # the events the trigger routes, OfferedLoad.rate).
+    spare_prices_waits: bool = _TRIGGER_DEFAULTS["spare_prices_waits"]
 
     @classmethod
     def of_run(cls, record: dict[str, Any]) -> AdmissionPolicy:
@@ -453,16 +457,22 @@ class AdmissionPolicy:
         2026-11-29's twenty-second session). A record without them is from a trigger of before
         then: the defaults of the time, which had no spare_min_saving (0: every spare admission
         passed the saving test), and its `risk_fraction` / `slo_ms` as the record gives them.
-        Settings without `host_cost` are from a trigger that priced by device time alone (host
-        pricing came in the twenty-fourth session)."""
+        Settings a record lacks are from a trigger of before them, which had them off
+        (_LATER_SETTINGS: host pricing came in the twenty-fourth session, the spare term's waits
+        in the twenty-sixth)."""
         settings = record.get("trigger_settings")
         if settings:
             known = {f.name for f in dataclasses.fields(cls)}
-            chosen = {"host_cost": False, **{k: v for k, v in settings.items() if k in known}}
-            return dataclasses.replace(cls(), **chosen)
+            return dataclasses.replace(
+                cls(), **{**_LATER_SETTINGS, **{k: v for k, v in settings.items() if k in known}}
+            )
         return dataclasses.replace(
-            cls(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0)), host_cost=False
+            cls(), spare_min_saving=0.0, slo_ms=float(record.get("slo_ms", 50.0)), **_LATER_SETTINGS
         )
+
+
+# Trigger settings added after runs were recorded, as the triggers before them behaved.
+_LATER_SETTINGS: dict[str, Any] = {"host_cost": False, "spare_prices_waits": False}
 
 
 class _Report(NamedTuple):
@@ -757,6 +767,10 @@ def simulate(
             busy is not None
             and busy < policy.spare_busy_max
             and spare_shortens(full, cached, policy.slo_ms, policy.spare_min_saving)
+            and (
+                not policy.spare_prices_waits
+                or spare_outweighs_waits(full, cached, prefix, offered.rate(decided))
+            )
         )
         ahead = ledger.backlog_ahead(decided, need_by)
         late = too_late(r.t_rank_s - decided, view.trip_ms / 1e3, prefix, ahead)

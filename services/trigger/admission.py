@@ -11,8 +11,9 @@ A retrieval event is pre-inferred only if (in this order):
                                                                                  -> else ADDS_WORK
      unless the key is new, the instance's device has room (`spare`: its measured busy
      share under spare_busy_max) and the call against psi is at most half the full ranking
-     and saves at least spare_min_saving x SLO of it (spare_shortens): then step 2 admits it
-     whatever the work term says (below);
+     and saves at least spare_min_saving x SLO of it (spare_shortens), and (spare_prices_waits)
+     more than its pre-inference would make other calls wait (spare_outweighs_waits): then
+     step 2 admits it whatever the work term says (below);
   3. its psi fits the instance's HBM budget share (resident + admitted bytes)   -> else FOOTPRINT_BOUND
   4. the instance's pre-inference backlog is under its bound                    -> else LOAD_BOUND
   5. its pre-inference is predicted to start before its ranking call comes (the signal's trip
@@ -76,6 +77,19 @@ key seen for the first time qualifies (a returning one has psi from its earlier 
 rankings keep psi, and the reuse term decides it otherwise); the busy share is the rankers'
 own measurement (StatsReply.device_busy, pre-inference included), so admitting more raises it
 and the term turns itself off as the device fills.
+
+Why the spare term weighs waits: "idle" device time is idle only on average. A pre-inference
+step, once launched, is not preempted: every ranking call that arrives during it waits for the
+rest of it (the ranker counts them: relaygr_ranker_preinfer_held_calls). At a call rate lam and a
+pre-inference of d ms those waits add up to about lam x d^2 / 2 (lam d calls, d / 2 each), and
+they fall on calls the pre-inference does nothing for, which make the P99. The saving is one
+call's: full - cached. On the length mix on an H200 (k14b, relay at 300 req/s) the spare term
+pre-inferred 37 of the mix's longest prefixes a point (13.3 ms of device time each) for ~8 ms
+saved each, and their steps held 128 calls for 0.7 s in all (~19 ms a psi; lam d^2 / 2 = 27):
+the relay's P99 was 37.7 ms where the baseline's was 18.0. At 16384 tokens and ~35 req/s the
+same test gives ~7 ms of waits against ~16.5 saved, at 8192 tokens and ~90 req/s ~4 against 6-7:
+admitted there as before. d is the pre-inference's whole planned time (its steps' waits are
+smaller where it is built in several: the test errs towards refusing).
 
 Why the lead test: a pre-inference not yet started when its call comes is joined or taken over
 by the call (no work twice) but takes nothing off the critical path (one that started leaves the
@@ -231,16 +245,25 @@ class OfferedLoad:
             raise ValueError("window_s must be > 0")
         self.window_s = window_s
         self._ms = 0.0
+        self._events = 0.0  # events routed, decayed the same way
         self._at: float | None = None
 
     def _decay(self, now: float) -> None:
         if self._at is not None and now > self._at:
-            self._ms *= math.exp(-(now - self._at) / self.window_s)
+            decay = math.exp(-(now - self._at) / self.window_s)
+            self._ms *= decay
+            self._events *= decay
         self._at = now if self._at is None else max(self._at, now)
 
     def add(self, now: float, full_ms: float) -> None:
         self._decay(now)
         self._ms += full_ms
+        self._events += 1.0
+
+    def rate(self, now: float) -> float:
+        """Events (ranking calls to come) per second routed to the instance, over the window."""
+        self._decay(now)
+        return self._events / self.window_s
 
     def fraction(self, now: float) -> float:
         """rho: the offered work per unit of time (1.0: the instance is saturated)."""
@@ -328,6 +351,14 @@ def spare_shortens(full_ms: float, cached_ms: float, slo_ms: float = 0.0, min_sa
     180 req/s against 250. At 8192 tokens the saving was 6-7 ms, at 16384 ~16.5 (where the
     relay met ~3x the baseline's rate): a tenth of the SLO (the default) tells them apart."""
     return cached_ms <= SPARE_MAX_CACHED_SHARE * full_ms and full_ms - cached_ms >= min_saving * slo_ms
+
+
+def spare_outweighs_waits(full_ms: float, cached_ms: float, preinfer_ms: float, calls_per_s: float) -> bool:
+    """Whether a pre-inference for the spare term saves its call more (full - cached) than it
+    makes other calls wait: at `calls_per_s`, about calls_per_s x d x d / 2 for a pre-inference
+    of d = preinfer_ms that nothing preempts (module docstring)."""
+    waits_ms = max(calls_per_s, 0.0) * max(preinfer_ms, 0.0) ** 2 / 2e3
+    return full_ms - cached_ms > waits_ms
 
 
 def adds_little_work(full_ms: float, prefix_ms: float, cached_ms: float, max_extra: float) -> bool:

@@ -48,6 +48,7 @@ from services.trigger.admission import (
     decide,
     reuse_pays,
     risk_threshold_ms,
+    spare_outweighs_waits,
     spare_shortens,
     too_late,
 )
@@ -423,7 +424,14 @@ class TriggerService:
         keeps = self._ranking_psi_min.get(target, 0)
         prefetch = self.config.prefetch and not 0 < meta.prefix_len < keeps
         adds_little = self.risk_adds_little(meta.prefix_len, tokens, target)
-        spare = self.has_spare(target) and self.spare_shortens(tokens)
+        spare = (
+            self.has_spare(target)
+            and self.spare_shortens(tokens)
+            and (
+                not self.config.spare_prices_waits
+                or self.spare_outweighs_waits(meta.prefix_len, tokens, offered, now)
+            )
+        )
         now_unix_ms = int(time.time() * 1e3)
         # The ranking call's planned time: its deadline less the SLO it was given.
         lead_s = (meta.ranking_deadline_unix_ms - self.config.slo_ms - now_unix_ms) / 1e3
@@ -471,6 +479,17 @@ class TriggerService:
             self.cached_call_ms(),
             self.config.slo_ms,
             self.config.spare_min_saving,
+        )
+
+    def spare_outweighs_waits(self, prefix_len: int, tokens: int, offered: OfferedLoad, now: float) -> bool:
+        """Whether the spare term's saving on this call outweighs the waits its pre-inference
+        would impose on the instance's other calls (admission.spare_outweighs_waits), at the
+        instance's call rate as the trigger sees events routed to it."""
+        return spare_outweighs_waits(
+            self.full_work.full_ms(tokens),
+            self.cached_call_ms(),
+            self.preinfer_ms(prefix_len),
+            offered.rate(now),
         )
 
     def cached_call_ms(self) -> float:

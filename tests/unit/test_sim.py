@@ -619,6 +619,8 @@ def test_the_modelled_triggers_settings_are_the_triggers_own_or_a_runs():
     assert not recorded.host_cost
     assert not old.host_cost
     assert AdmissionPolicy.of_run({"trigger_settings": {"host_cost": True}}).host_cost
+    assert not recorded.spare_prices_waits  # the spare term's waits test came later still
+    assert not old.spare_prices_waits
     assert parse_trigger_settings(["spare_min_saving=0.2", "max-backlog=4", "prefetch=true"]) == {
         "spare_min_saving": 0.2, "max_backlog": 4, "prefetch": True,
     }  # fmt: skip
@@ -656,6 +658,23 @@ def test_the_modelled_trigger_admits_new_users_into_spare_device_time_only_where
     busy = dataclasses.replace(no_reuse, spare_busy_max=0.0)  # no spare term at all
     simulate(calls, EXACT, _admission_setup(busy), decisions=decided)
     assert {label for _, label in decided} == {"not_at_risk"}
+
+
+def test_the_modelled_trigger_weighs_the_spare_terms_saving_against_the_waits_it_imposes():
+    # New users at 100 calls a second; a pre-inference is one 12 ms eager step and saves its call
+    # 4.1 ms (5.0 - 0.86): it would hold ~100 x 12^2 / 2 / 1000 = 7.2 ms of other calls' time.
+    calls = [request(i, 1.0 + 0.01 * i, user=i) for i in range(400)]
+    policy = AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05, spare_busy_max=1.0)
+    steps = StepCosts.parse("12,0,0")
+    decided: list[tuple[float, str]] = []
+    simulate(calls, EXACT, _admission_setup(policy, steps), decisions=decided)
+    settled = [label for t, label in decided if t >= 3.0]  # the rate estimate has its window
+    assert settled
+    assert "admitted_spare" not in settled
+    decided.clear()
+    unpriced = dataclasses.replace(policy, spare_prices_waits=False)
+    simulate(calls, EXACT, _admission_setup(unpriced, steps), decisions=decided)
+    assert "admitted_spare" in [label for t, label in decided if t >= 3.0]
 
 
 def test_the_modelled_trigger_admits_by_risk_only_where_pre_inference_adds_little_work():

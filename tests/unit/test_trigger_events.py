@@ -10,6 +10,7 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from services.ranker.wire import checked_prefix
+from services.trigger.admission import OfferedLoad
 from services.trigger.config import TriggerConfig
 from services.trigger.delivery import Kind
 from services.trigger.events import (
@@ -269,6 +270,24 @@ def stats_reply(
     ]
     return pb.StatsReply(recent_batches=batches, recent_preinfers=[
         pb.PreinferSample(prefix_len=n, device_ms=ms, seq=i + 1) for i, (n, ms) in enumerate(preinfers)])  # fmt: skip
+
+
+@pytest.mark.parametrize(("rate", "admits"), [(35.0, True), (300.0, False)])
+def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_instances_rate(rate, admits):
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
+    # 16384 tokens on an H200: full rankings 18.4 ms, calls against psi 1.9, a whole
+    # pre-inference 20 ms: 16.5 ms saved, against 35 / 300 calls a second x 20^2 / 2.
+    t._absorb("127.0.0.1:1", stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8))
+    offered = OfferedLoad(window_s=2.0)
+    now = 0.0
+    for _ in range(int(rate * 10)):  # ten seconds of events at the rate
+        now += 1.0 / rate
+        offered.add(now, 18.4)
+    assert t.spare_shortens(16704)
+    assert t.spare_outweighs_waits(16384, 16704, offered, now) is admits
+    assert trigger("--policy", "sequence", "--rankers", "127.0.0.1:1").config.spare_prices_waits
+    off = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1", "--spare-prices-waits", "false")
+    assert not off.config.spare_prices_waits
 
 
 def test_reuse_is_priced_by_the_rankers_measured_work_per_call():

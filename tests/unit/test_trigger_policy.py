@@ -18,6 +18,7 @@ from services.trigger.admission import (
     decide,
     reuse_pays,
     risk_threshold_ms,
+    spare_outweighs_waits,
     spare_shortens,
     too_late,
 )
@@ -309,6 +310,19 @@ def test_return_rate_is_bounded_in_memory_and_conservative_when_fresh():
         ReturnRate(window_s=-1.0)
 
 
+def test_the_spare_term_saves_its_call_more_than_its_pre_inference_makes_other_calls_wait():
+    # The mix's long prefixes on an H200 (k14b, 300 req/s): ~9.2 ms full, 1.2 against psi, 13.3
+    # ms of pre-inference: 8 ms saved against 300 x 13.3^2 / 2 = 26.5 ms of others' waits.
+    assert not spare_outweighs_waits(full_ms=9.2, cached_ms=1.2, preinfer_ms=13.3, calls_per_s=300.0)
+    # 16384 tokens at ~35 req/s (k10b, k12b): 18.4 / 1.9 ms, ~20 ms of pre-inference: 16.5
+    # saved against 7; 8192 tokens at ~90 req/s: 7.4 / 1.6, ~9 ms: 5.8 against 3.6.
+    assert spare_outweighs_waits(full_ms=18.4, cached_ms=1.9, preinfer_ms=20.0, calls_per_s=35.0)
+    assert spare_outweighs_waits(full_ms=7.4, cached_ms=1.6, preinfer_ms=9.0, calls_per_s=90.0)
+    # Nobody else to wait: any saving pays; no saving never does.
+    assert spare_outweighs_waits(full_ms=3.0, cached_ms=1.0, preinfer_ms=50.0, calls_per_s=0.0)
+    assert not spare_outweighs_waits(full_ms=1.0, cached_ms=1.0, preinfer_ms=0.0, calls_per_s=0.0)
+
+
 def test_offered_load_is_work_per_unit_time_and_decays():
     load = OfferedLoad(window_s=2.0)
     assert load.fraction(0.0) == 0.0
@@ -318,9 +332,11 @@ def test_offered_load_is_work_per_unit_time_and_decays():
         t += 0.04
         load.add(t, 16.0)
     assert load.fraction(t) == pytest.approx(0.4, rel=0.05)
+    assert load.rate(t) == pytest.approx(25.0, rel=0.05)  # and 25 events a second
     # No more traffic: the estimate decays by e every window.
     assert load.fraction(t + 2.0) == pytest.approx(0.4 / np.e, rel=0.05)
     assert load.fraction(t + 20.0) < 1e-3
+    assert load.rate(t + 20.0) < 0.1  # the event rate decays alike
     # A clock that steps back (events decided out of order) never inflates the estimate.
     late = OfferedLoad(window_s=2.0)
     late.add(10.0, 100.0)
