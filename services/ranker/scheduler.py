@@ -33,7 +33,11 @@ loop asks `plan()` before every step and runs what it returns:
     first hands every call the lateness of the ones ahead of it: calls that have missed keep
     the device while each new arrival queues behind them (L8192 on an H200, h7b, relay at 93.75
     req/s: 30 of the point's 32 slow calls within one half second of a burst). A doomed call is still
-    served, late (the engine drops one not started by its `start_by`, as before).
+    served, late (the engine drops one not started by its `start_by`, as before);
+  * a step is planned from the earliest PLAN_WINDOW_BATCHES x max_batch live calls of the
+    engine's RankQueue (rank_queue.py), so that planning costs the same whatever the backlog:
+    while it grew with the queue, a burst near the limit became a collapse (H200, mix, k14b).
+    With more calls queued than that, the order is earliest deadline first.
 
 What a ranking call does about a pre-inference of its psi still in the queue (`relay()`):
   * the predicted rest (all of it, if nothing is built yet) fits in one step (`step_budget_s`)
