@@ -328,6 +328,8 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
         "first_miss_rps": result.first_miss_rps,
         "censored": result.censored,
         "client_bound_rps": result.client_bound_rps,  # the load generator fell behind here (censored)
+        # A rate above the first miss that met (None: none): the limit is within the run's spread.
+        "met_above_miss_rps": result.met_above_miss_rps,
         "points": [p.record | {"phase": phase} for phase, p in result.points],
     }
 
@@ -498,7 +500,7 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
         footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
     json_path, md_path = write_result("goodput", run_config, records,
                                       ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored",
-                                       "client_bound_rps", "incomplete"],
+                                       "client_bound_rps", "met_above_miss_rps", "incomplete"],
                                       out_dir=out_dir, header=header, tag=args.tag, footer=footer,
                                       info=info)  # fmt: skip
     stem = json_path.with_suffix("")

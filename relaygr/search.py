@@ -89,6 +89,10 @@ class SearchResult:
     # The lowest rate the load generator could not offer on time (censored then: the search
     # stopped there, and the system's limit lies somewhere above goodput_rps).
     client_bound_rps: float | None = None
+    # The highest rate that met above the first miss (None: none did): the limit is set by a
+    # miss that a higher rate did not repeat, so the run's spread, not the system's cost,
+    # decided it (H200, k14c: the relay missed 200 req/s and met 250).
+    met_above_miss_rps: float | None = None
 
 
 class LimitSearch:
@@ -133,7 +137,16 @@ class LimitSearch:
     def result(self) -> SearchResult:
         if self._next is not None:
             raise RuntimeError("the search is not over")
-        return SearchResult(self._lo, self._hi, self._censored, list(self._points), self._client_bound)
+        above = [p.rate_rps for _, p in self._points
+                 if p.meets_slo and not p.client_bound and self._hi is not None and p.rate_rps > self._hi]  # fmt: skip
+        return SearchResult(
+            self._lo,
+            self._hi,
+            self._censored,
+            list(self._points),
+            self._client_bound,
+            max(above, default=None),
+        )
 
     def bounds(self) -> tuple[float, float | None]:
         """What the points measured so far say of the limit, for a search cut short: (the highest

@@ -181,6 +181,9 @@ def test_must_reach_keeps_stepping_the_grid_but_not_the_limit():
     assert [p.rate_rps for phase, p in result.points if phase == "grid"] == [10, 20, 40, 80, 160]
     check_bracket(result, 0.10)
     assert 20 <= result.goodput_rps <= 25 < result.first_miss_rps <= 40  # type: ignore[operator]
+    # The rates that met above the first miss say the limit is within the run's spread.
+    assert result.met_above_miss_rps == 160
+    assert find_limit(curve(55.0), GRID).met_above_miss_rps is None  # a monotone curve: none
 
 
 def test_compare_rates_are_measured_once_at_the_end_and_do_not_move_the_limit():
