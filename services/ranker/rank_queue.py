@@ -13,8 +13,9 @@ device serves, so a step's planning may not grow with it:
     walk from the front;
   * live calls and doomed ones (predicted to finish past their `due_by` even if started now:
     IterationScheduler.doomed) are held apart. A call found doomed moves to the doomed order
-    and stays there: for fixed step costs doom only comes with time, so each call is found
-    doomed once, not re-costed at every step behind a backlog of hopeless ones;
+    and stays there while the step costs stay as they were: for fixed costs doom only comes
+    with time, so each call is found doomed once, not re-costed at every step behind a backlog
+    of hopeless ones (when the costs change, the earliest doomed calls are judged again);
   * `window` gives the scheduler the earliest live calls, at most `limit` (or the earliest
     doomed ones when no call is live), and says whether more are queued behind them;
   * calls not started by their `start_by` are found by a heap (`overdue`), not by a scan.
@@ -109,11 +110,20 @@ class RankQueue:
                 gone.append(item)
         return gone
 
-    def window(self, limit: int, is_doomed: Callable[[RankItem], bool]) -> Window:
+    def window(self, limit: int, is_doomed: Callable[[RankItem], bool], recheck: bool = False) -> Window:
         """The earliest-deadline live calls, at most `limit`: those found doomed on the way are
-        moved to the doomed order. With no live call left, the earliest doomed ones."""
+        moved to the doomed order. With no live call left, the earliest doomed ones. `recheck`
+        (the step costs changed since the last window): the earliest `limit` doomed calls are
+        judged again first, and those no longer doomed go back to the live order (a call found
+        doomed while the costs were overestimated, e.g. before the fit had measured a batch,
+        would otherwise wait behind every live call until its start_by)."""
         calls: list[RankItem] = []
         live, items = self._live, self._items
+        if recheck:
+            for key in [k for k in self._doomed[:limit] if not is_doomed(items[k[3]])]:
+                del self._doomed[bisect.bisect_left(self._doomed, key)]
+                self._doomed_ids.discard(key[3])
+                live.insert(bisect.bisect_left(live, key), key)
         i = 0
         while i < len(live) and len(calls) < limit:
             key = live[i]

@@ -244,6 +244,7 @@ class IterationScheduler:
         self.graph_batch = graph_batch
         self.full_replays = full_replays
         self.window_size = max(MIN_PLAN_WINDOW, PLAN_WINDOW_BATCHES * config.max_batch)
+        self._window_costs: object = None  # the ranking fit's coefficients at the last window
         # First chunks that absorb a step (chunk_size), by (remaining, budget, the fits'
         # coefficients): planned per step and per queued prefix, each search ~100 fits.
         self._chunk_memo: dict[tuple[object, ...], int] = {}
@@ -409,7 +410,10 @@ class IterationScheduler:
         )
         # Doomed work waits while work that can still meet its deadline is queued (module
         # docstring); then it is all there is, and runs earliest deadline first.
-        window = queue.window(self.window_size, lambda r: self.doomed(now, r))
+        coefficients = self.rank_costs.coefficients
+        recheck = coefficients != self._window_costs
+        self._window_costs = coefficients
+        window = queue.window(self.window_size, lambda r: self.doomed(now, r), recheck=recheck)
         live_joined = [p for p in joined if not self.doomed(now, p)]
         if not window.doomed or live_joined:
             joined = live_joined

@@ -132,3 +132,26 @@ def test_a_backlog_past_the_window_is_served_earliest_deadline_first():
     hit = call(999, 2.0 + s.window_size)
     assert s.plan(0.0, [*fulls, hit], []).rank[0] == 0
     assert s.plan(0.0, [fulls[0], hit], []).rank == (999,)  # a short queue: the hit goes first
+
+
+def test_doomed_calls_are_judged_again_when_the_step_costs_change():
+    q = RankQueue([call(i, i / 10) for i in range(4)])
+    assert q.window(4, lambda item: True).doomed  # a dear fit: all doomed
+    assert q.window(4, never).doomed  # the same costs: they stay doomed, not re-costed
+    revived = q.window(4, lambda item: item.id >= 2, recheck=True)  # cheaper: 0 and 1 make it now
+    assert [c.id for c in revived.calls] == [0, 1]
+    assert not revived.doomed
+
+
+def test_the_scheduler_judges_doomed_calls_again_once_its_fit_learns_they_can_make_it():
+    fit = CostFit(CostPrior(per_batch_s=0.1))  # 100 ms a batch: every call due in 50 ms is doomed
+    s = IterationScheduler(SchedulerConfig(max_batch=8), fit)
+    q = RankQueue([call(i, 0.030 + i * MS, due_by=0.050) for i in range(3)])
+    assert s.plan(0.002, q, []).rank == (0, 1, 2)  # all doomed, served anyway (nothing else)
+    q = RankQueue([call(i, 0.030 + i * MS, due_by=0.050) for i in range(3)])
+    s.plan(0.002, q, [])
+    q.add(call(9, 0.5, due_by=10.0))  # a live call: the doomed ones wait behind it
+    assert s.plan(0.002, q, []).rank == (9,)
+    for _ in range(64):  # the fit measures 1 ms batches
+        fit.observe(320, 0, 0.001)
+    assert s.plan(0.002, q, []).rank[0] == 0  # judged again: live, and earliest
