@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Coroutine, Sequence
@@ -168,6 +169,11 @@ class TriggerService:
         self._ranking_psi_min: dict[str, int] = {}
         self._device_busy: dict[str, float] = {}  # per target: its last reported busy share
         self._host_ms: dict[str, float] = {}  # per target: host CPU ms per request, as reported
+        # Per target: its ranking calls (hits + misses) at its last report, and the rate they
+        # came at (calls/s, smoothed over load_window_s): every caller's, where this trigger sees
+        # only its partitions' events.
+        self._calls_reported: dict[str, tuple[float, int]] = {}
+        self._call_rate: dict[str, float] = {}
         self._signal_trip_s: dict[str, float] = {}  # per target: its reported signal trip (p90)
         # Reuse: how often keys come back (from the events) and what a cached call costs (from
         # the rankers' cached batches: their time per call).
@@ -429,7 +435,7 @@ class TriggerService:
             and self.spare_shortens(tokens)
             and (
                 not self.config.spare_prices_waits
-                or self.spare_outweighs_waits(meta.prefix_len, tokens, offered, now)
+                or self.spare_outweighs_waits(meta.prefix_len, tokens, target, offered, now)
             )
         )
         now_unix_ms = int(time.time() * 1e3)
@@ -481,16 +487,30 @@ class TriggerService:
             self.config.spare_min_saving,
         )
 
-    def spare_outweighs_waits(self, prefix_len: int, tokens: int, offered: OfferedLoad, now: float) -> bool:
+    def spare_outweighs_waits(
+        self, prefix_len: int, tokens: int, target: str, offered: OfferedLoad, now: float
+    ) -> bool:
         """Whether the spare term's saving on this call outweighs the waits its pre-inference
-        would impose on the instance's other calls (admission.spare_outweighs_waits), at the
-        instance's call rate as the trigger sees events routed to it."""
+        would impose on `target`'s other calls (admission.spare_outweighs_waits), at its call
+        rate: the higher of what its reports say (every caller's calls) and the events this
+        trigger routes to it (one trigger of several sees only its partitions' share)."""
+        rate = max(offered.rate(now), self._call_rate.get(target, 0.0))
         return spare_outweighs_waits(
-            self.full_work.full_ms(tokens),
-            self.cached_call_ms(),
-            self.preinfer_ms(prefix_len),
-            offered.rate(now),
+            self.full_work.full_ms(tokens), self.cached_call_ms(), self.preinfer_ms(prefix_len), rate
         )
+
+    def _absorb_call_rate(self, target: str, now: float, calls: int) -> None:
+        """`target`'s ranking calls per second between its reports, smoothed over load_window_s
+        (a count that went back: the instance restarted, the rate starts over)."""
+        before = self._calls_reported.get(target)
+        self._calls_reported[target] = (now, calls)
+        if before is None or calls < before[1] or now <= before[0]:
+            return
+        dt = now - before[0]
+        observed = (calls - before[1]) / dt
+        weight = 1.0 - math.exp(-dt / self.config.load_window_s)
+        rate = self._call_rate.get(target, observed)
+        self._call_rate[target] = rate + weight * (observed - rate)
 
     def cached_call_ms(self) -> float:
         """A cached ranking call's device work: the median over the rankers' recent cached
@@ -611,6 +631,7 @@ class TriggerService:
                              full_work=self.full_work.describe(), preinfer_work=self.preinfer_work.describe(),
                              planned_preinfer_4k_ms=_rounded(self.planned_preinfer_ms(4096)),
                              host_ms_per_request={t: round(ms, 3) for t, ms in self._host_ms.items()},
+                             call_rate={t: round(r, 1) for t, r in self._call_rate.items()},
                              host_cost=self.config.host_cost,
                              preinfer_4k_ms=round(self.preinfer_ms(4096), 3),
                              **self.latency.describe())  # fmt: skip
@@ -635,6 +656,7 @@ class TriggerService:
             self._psi_per_token[target] = stats.psi_bytes_per_token
         self._ranking_psi_min[target] = stats.ranking_psi_min_tokens
         self._device_busy[target] = stats.device_busy
+        self._absorb_call_rate(target, now, stats.hbm_hits + stats.hbm_misses)
         if stats.host_ms_per_request > 0:
             self._host_ms[target] = stats.host_ms_per_request
         if stats.signal_trip_p90_ms > 0:

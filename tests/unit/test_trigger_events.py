@@ -284,10 +284,33 @@ def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_i
         now += 1.0 / rate
         offered.add(now, 18.4)
     assert t.spare_shortens(16704)
-    assert t.spare_outweighs_waits(16384, 16704, offered, now) is admits
+    assert t.spare_outweighs_waits(16384, 16704, "127.0.0.1:1", offered, now) is admits
     assert trigger("--policy", "sequence", "--rankers", "127.0.0.1:1").config.spare_prices_waits
     off = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1", "--spare-prices-waits", "false")
     assert not off.config.spare_prices_waits
+
+
+def test_the_spare_terms_call_rate_is_the_rankers_own_where_this_trigger_sees_a_share():
+    # This trigger routed 35 events a second to the ranker, whose reports count 300 calls a
+    # second (other triggers' partitions): the waits are priced at 300.
+    t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
+    target = "127.0.0.1:1"
+    reply = stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8)
+    t._absorb(target, reply)
+    offered = OfferedLoad(window_s=2.0)
+    now = 0.0
+    for _ in range(350):
+        now += 1.0 / 35.0
+        offered.add(now, 18.4)
+    assert t.spare_outweighs_waits(16384, 16704, target, offered, now)
+    began = time.monotonic()
+    for step in range(1, 41):  # ten seconds of reports, 0.25 s apart
+        t._absorb_call_rate(target, began + 0.25 * step, 75 * step)
+    assert t._call_rate[target] == pytest.approx(300.0, rel=1e-3)
+    assert not t.spare_outweighs_waits(16384, 16704, target, offered, now)
+    t._absorb_call_rate(target, began + 11.0, 5)  # the ranker restarted: its count went back
+    t._absorb_call_rate(target, began + 11.25, 5)
+    assert t._call_rate[target] < 300.0
 
 
 def test_reuse_is_priced_by_the_rankers_measured_work_per_call():
