@@ -1128,8 +1128,9 @@ class Engine:
                 self._complete_chunks(flight)
 
     def _plan(self) -> Plan:
-        """Under the lock: drops jobs whose callers have gone or that are overdue, asks the
-        scheduler."""
+        """Under the lock: drops the ranking calls not started by their start_by (those whose
+        callers left are gone already: _rank_left), the pre-inferences whose callers left or
+        whose lease ran out unstarted; asks the scheduler."""
         mono = time.monotonic()
         for item in self._rank_queue.overdue(mono):  # calls that left are gone already (_rank_left)
             rank = self._ranks.pop(item.id)
@@ -1151,9 +1152,7 @@ class Engine:
             job.resolve(
                 error=PreinferExpired(f"not started within its lease ({mono - job.expires_at:.3f} s late)")
             )
-        return self.scheduler.plan(
-            time.monotonic(), self._rank_queue, [j.item() for j in self._preinfers.values()]
-        )
+        return self.scheduler.plan(mono, self._rank_queue, [j.item() for j in self._preinfers.values()])
 
     def _hand_back(self, job: _PreInferJob) -> None:
         """Under the lock: the call that took this pre-inference over left before its step. Its
