@@ -60,10 +60,9 @@ class RankQueue:
         self._items: dict[int, RankItem] = {}
         self._keys: dict[int, _Key] = {}
         self._doomed_ids: set[int] = set()
-        self._live: list[_Key] = []
         self._doomed: list[_Key] = []
         self._start_by: list[tuple[float, int]] = []  # a heap; entries of removed calls linger
-        self._live = sorted(self._insert(item) for item in items)
+        self._live: list[_Key] = sorted(self._insert(item) for item in items)
 
     def __len__(self) -> int:
         return len(self._items)
