@@ -501,7 +501,8 @@ class TriggerService:
 
     def _absorb_call_rate(self, target: str, now: float, calls: int) -> None:
         """`target`'s ranking calls per second between its reports, smoothed over load_window_s
-        (a count that went back: the instance restarted, the rate starts over)."""
+        (a count that went back: the instance restarted; the next interval counts from its new
+        count)."""
         before = self._calls_reported.get(target)
         self._calls_reported[target] = (now, calls)
         if before is None or calls < before[1] or now <= before[0]:
