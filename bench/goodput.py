@@ -140,6 +140,11 @@ def workload_name(workload: WorkloadConfig) -> str:
     return f"L{workload.fixed_prefix_len}" if workload.fixed_prefix_len else "mix"
 
 
+def _finite_or_none(value: float) -> float | None:
+    """A figure for the JSON: None where it is not a number (JSON has no NaN)."""
+    return value if math.isfinite(value) else None
+
+
 def write_calls(path: Path, calls: list[dict[str, Any]]) -> None:
     """One point's calls (RequestRecord.breakdown, in send order), one JSON line each."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +215,8 @@ class Runner:
                                          "dram_used_bytes_max", "alloc_retries", "demotions_skipped",
                                          "ranking_psi_declined", "takeover_passes_partial",
                                          "takeover_passes_full")},
+            # The rankers' host CPU ms per request as they report it (None where none did).
+            "ranker_host_ms_per_request": _finite_or_none(p.rankers.get("host_ms_per_request", math.nan)),
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},

@@ -1321,8 +1321,9 @@ def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[flo
 
 def request_host_ms(result: dict[str, Any], config: str, workload: str) -> float:
     """The ranker's host CPU ms per request as its Stats report it to the trigger (HostCost: the
-    process's CPU less the device loop's waits, over the requests), estimated from the file's
-    points: the ranker's cores over the point less the share of the loop's wall time that its
+    process's CPU less the device loop's waits, over the requests): the points' own record of it
+    where they have one (`ranker_host_ms_per_request`, since the twenty-sixth session), else
+    estimated from the file's points: the ranker's cores over the point less the share of the loop's wall time that its
     waiting sections (settle_wait, idle, fill_wait) spent on the CPU (the loop's counters span
     the point's lead-in too), over the point's calls; the median over the points, 0 where the
     file has no CPU figures. On k14c (H200, L4096, relay) it gives 3.0-3.1 ms at 200-250 req/s
@@ -1332,6 +1333,9 @@ def request_host_ms(result: dict[str, Any], config: str, workload: str) -> float
         if r["config"] != config or r["workload"] != workload:
             continue
         for p in r["points"]:
+            if p.get("ranker_host_ms_per_request") is not None:  # as the rankers reported it
+                figures.append(float(p["ranker_host_ms_per_request"]))
+                continue
             cores, calls = p.get("cpu_cores_ranker_0"), float(p.get("calls", 0) or 0)
             duration = float(p.get("duration_s", 0.0) or 0.0)
             walls = [p.get(f"loop_{section}_wall_s") for section in LOOP_SECTIONS]

@@ -180,6 +180,11 @@ class _Metrics:
                                   "keep gate: later calls reading psi per psi kept by a full ranking; "
                                   "demotion gate: reloads per copy to host DRAM (recent; NaN before measured)",
                                   ["gate"], registry=registry)  # fmt: skip
+        self.host_ms_per_request = Gauge("relaygr_ranker_host_ms_per_request",
+                                         "host CPU ms per request (Rank or PreInfer) over a recent window, "
+                                         "the device loop's waits excluded, as Stats reports it to the trigger "
+                                         "(host_cost.py; NaN before measured)", registry=registry)  # fmt: skip
+        self.host_ms_per_request.set(math.nan)
         self.gate_cost_ms = Gauge("relaygr_ranker_gate_host_ms_per_action",
                                   "host time one action costs, as the gate weighs it: keeping a full "
                                   "ranking's psi, or copying psi to host DRAM (NaN before measured)",
@@ -771,6 +776,8 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         self._host_cost.observe(time.monotonic(), self._host_cpu_s(), self._requests)
+        host_ms = self._host_cost.ms_per_request()
+        self.metrics.host_ms_per_request.set(math.nan if host_ms is None else host_ms)
         window = list(self._rank_ms)
         rank_p50, rank_p99 = percentiles(window, (50, 99)) if window else (0.0, 0.0)  # one sort, polled often
         samples = [
@@ -830,7 +837,7 @@ class RankerService(pb_grpc.RankerServicer):
             device_busy=self.engine.device_time.recent_busy_fraction(),
             signal_trip_p90_ms=percentile(list(self._signal_trip_ms), 90) if self._signal_trip_ms else 0.0,
             preinfer_plan=self._preinfer_plan(),
-            host_ms_per_request=self._host_cost.ms_per_request() or 0.0,
+            host_ms_per_request=host_ms or 0.0,
         )
 
     def _host_cpu_s(self) -> float:

@@ -143,6 +143,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert 0.0 <= point["client_gc_pause_ms_max"] <= point["client_gc_pause_ms_total"] + 1e-9
             assert 0.0 <= point["returning_share"] < 1.0
             assert point["calls"] >= 4  # the measured window's calls; the lead-in's are not counted
+            # The rankers' host ms per request as reported (None before they had a figure).
+            assert point["ranker_host_ms_per_request"] is None or point["ranker_host_ms_per_request"] > 0
             if sys.platform.startswith("linux"):  # the host's CPU shares, from /proc/stat
                 assert 0.0 <= point["host_cpu_steal"] <= 1.0
                 assert 0.0 < point["host_cpu_busy"] <= 1.0

@@ -133,6 +133,9 @@ async def test_stats_count_a_pre_inference_once_and_list_its_deadline(ranker, mo
         await stub.PreInfer(preinfer_request(prefixes[0], f"again{i}"), timeout=5)  # held: answered at once
     stats = await stub.Stats(pb.StatsRequest(), timeout=5)
     assert stats.host_ms_per_request > 0
+    # The same figure on its metrics page (what the benchmarks record per point).
+    gauge = service.metrics.host_ms_per_request._value.get()
+    assert gauge == pytest.approx(stats.host_ms_per_request)
 
 
 @pytest.mark.parametrize("ranker", [TAKE_OVER], indirect=True)

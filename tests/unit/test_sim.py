@@ -727,6 +727,13 @@ def test_the_rankers_host_time_per_request_is_estimated_from_the_points_as_it_re
         "results": [{"config": "relay", "workload": "L4096", "points": [{"calls": 10, "duration_s": 10.0}]}]
     }
     assert request_host_ms(older, "relay", "L4096") == 0.0  # no CPU figures recorded
+    # Points that recorded the rankers' own figure are taken at their word.
+    reported = {
+        "results": [
+            {"config": "relay", "workload": "L4096", "points": [{**point, "ranker_host_ms_per_request": 2.5}]}
+        ]
+    }
+    assert request_host_ms(reported, "relay", "L4096") == 2.5
 
 
 def test_the_modelled_trigger_prices_reuse_and_knows_psi_it_admitted():
