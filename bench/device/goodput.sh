@@ -13,7 +13,9 @@ commit=$1; tag=$2; configs=$3; workloads=$4; shift 4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RELAYGR_COMMIT=$commit
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader; nproc; free -g | head -2
-rm -rf /tmp/r && mkdir -p /tmp/r && touch /tmp/r.started
+# The mark is set back a minute: file times are coarse (a jiffy), and a file this call makes
+# at once must not look as old as the mark.
+rm -rf /tmp/r && mkdir -p /tmp/r && touch -d '1 minute ago' /tmp/r.started
 
 ranker_pid() {
   # The ranker's own process: argv names the module (matching /proc/*/cmdline with grep would
