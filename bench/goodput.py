@@ -204,7 +204,7 @@ class Runner:
             "by_served": s["by_served"],  # latency, queue and compute per path (hit, full, ...)
             **{k: s.get(k, 0.0) for k in _SERVED},
             # nvidia-smi's busy share of the stack's GPUs (None: not sampled, e.g. on the CPU).
-            "gpu_util": p.rankers["gpu_util"] if p.rankers["gpu_util"] == p.rankers["gpu_util"] else None,
+            "gpu_util": _finite_or_none(p.rankers["gpu_util"]),
             **{k: p.rankers[k] for k in ("busy_fraction", "starved_fraction", "starved_gaps_over_1ms",
                                          "device_gap_s", "device_starved_s", "device_fill_wait_s",
                                          "device_rank_s", "device_preinfer_s", "device_copy_s",
