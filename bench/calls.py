@@ -1,6 +1,6 @@
 """What a point's per-call records say about its tail (the files `bench.goodput --calls-dir` writes).
 
-    python -m bench.calls bench/results/calls/*.jsonl.gz      # a table, one row per file
+    python -m bench.calls bench/results/calls/*.jsonl.xz      # a table, one row per file
     python -m bench.calls a.jsonl --json out.json             # and the rows as JSON
     python -m bench.calls a.jsonl --by-path                   # and where each path's time goes
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import statistics
 import sys
@@ -50,6 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relaygr.compressed import open_text
 from relaygr.harness import markdown_table
 from shared.stats import percentile
 
@@ -58,9 +58,8 @@ QUEUE_COLUMNS = ("file", "calls", "served", "queue_ms_p50", "queue_ms_p99", "fif
 
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
-    """One point's calls (JSON lines, gzipped or not)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
+    """One point's calls (JSON lines; .xz, .gz or plain)."""
+    with open_text(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("files", nargs="+", type=Path, help="calls files (JSON lines, .gz or not)")
+    parser.add_argument("files", nargs="+", type=Path, help="calls files (JSON lines; .xz, .gz or plain)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--by-path", action="store_true", help="also a table by served_by and batch size")
     parser.add_argument("--slow-windows", action="store_true",

@@ -59,7 +59,7 @@ path's tail, the interpreter lock shared with the event loop (it is inside the m
 times, not modelled as a resource).
 
 Calibration comes only from a goodput result file and the per-call records beside it
-(bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.gz), never from
+(bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.xz), never from
 constants: the costs of a configuration on a workload are fitted on all its measured points.
 """
 
@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import gzip
 import json
 import math
 import re
@@ -79,6 +78,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from relaygr.compressed import open_text
 from relaygr.search import Point, SearchConfig, find_limit, recorded_client_bound
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
@@ -316,7 +316,7 @@ def scaled(cal: Calibration, full: float = 1.0, cached: float = 1.0) -> Calibrat
 def calls_files(result_file: Path, config: str, workload: str) -> list[Path]:
     """The per-call records of one configuration and workload beside a goodput result file."""
     stem = result_file.name.removesuffix(".json")
-    pattern = re.compile(re.escape(f"{stem}-{config}-{workload}-p") + r"\d+-[0-9.]+\.jsonl(\.gz)?$")
+    pattern = re.compile(re.escape(f"{stem}-{config}-{workload}-p") + r"\d+-[0-9.]+\.jsonl(\.gz|\.xz)?$")
     return sorted(
         p for p in (result_file.parent / "calls").glob(f"{stem}-{config}-*") if pattern.match(p.name)
     )
@@ -325,7 +325,7 @@ def calls_files(result_file: Path, config: str, workload: str) -> list[Path]:
 def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in paths:
-        with gzip.open(p, "rt") if p.suffix == ".gz" else p.open() as f:
+        with open_text(p) as f:
             out.extend(json.loads(line) for line in f if line.strip())
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 
 import pytest
 
@@ -67,6 +68,15 @@ def test_a_files_row_from_gzipped_records(tmp_path, capsys):
     assert row["compute_share"] == pytest.approx(200 / 990, abs=1e-3)
     assert row["lag_ms_p99"] == 0.0  # records without the client's send lag
     assert "p.jsonl.gz" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("suffix", "opener"), [(".xz", lzma.open), (".gz", gzip.open), ("", open)])
+def test_records_read_alike_however_they_are_stored(tmp_path, suffix, opener):
+    records = [call(i * 0.01, 2.0) for i in range(20)]
+    path = tmp_path / f"p.jsonl{suffix}"
+    with opener(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert calls.read_calls(path) == records
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):
