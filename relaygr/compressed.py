@@ -7,14 +7,14 @@ import lzma
 from pathlib import Path
 from typing import TextIO
 
-# xz keeps the committed per-call records ~40% smaller than gzip: the repository travels to the
-# GPU machine whole, under a size limit.
-_OPENERS = {".gz": gzip.open, ".xz": lzma.open}
-
 
 def open_text(path: Path) -> TextIO:
-    """`path` opened for reading as text, decompressed by its suffix (.gz, .xz) or plain."""
-    opener = _OPENERS.get(path.suffix)
-    if opener is None:
-        return path.open()
-    return opener(path, "rt")  # type: ignore[no-any-return]
+    """`path` opened for reading as text, decompressed by its suffix (.gz, .xz) or plain.
+
+    Committed per-call records are xz: ~30% smaller than gzip, and the repository travels to
+    the GPU machine whole, under a size limit."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    return path.open()
