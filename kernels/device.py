@@ -99,6 +99,17 @@ class Accelerator:
             "device_allocs": int(stats.get("num_device_alloc", 0)),
         }
 
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free for this process's next allocations, after its caching allocator
+        has handed back the blocks it holds unused (warm-up's temporaries; CUDA graphs' private
+        pools stay): what psi may still take. None on the CPU (no accelerator memory)."""
+        if self.backend == "cpu":
+            return None
+        module = torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
+        module.empty_cache()
+        free, _total = module.mem_get_info(self.index)
+        return int(free)
+
     def pin_host_range(self, address: int, nbytes: int) -> bool:
         """Registers host memory as page-locked for fast async copies; a no-op off CUDA.
 

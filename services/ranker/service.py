@@ -58,6 +58,7 @@ from services.ranker.device_time import DeviceTimeCollector
 from services.ranker.engine import Engine, EngineConfig, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
+from services.ranker.hbm_headroom import Verdict, judge
 from services.ranker.host_cost import HostCost
 from services.ranker.keep_gate import KeepGate
 from services.ranker.loop_time import LoopTimeCollector
@@ -68,6 +69,7 @@ from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.takeover import TakeoverPassCollector
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
 from services.ranker.yield_gate import YieldGate
+from shared.config import ConfigError
 from shared.lifecycle import Lifecycle, pin_process, set_timer_slack, settle_heap
 from shared.logging import get_logger
 from shared.metrics import LATENCY_MS_BUCKETS, GcPauses, HostStalls, serve_metrics
@@ -373,6 +375,7 @@ class RankerService(pb_grpc.RankerServicer):
         self._event_loop = asyncio.get_running_loop()
         self.engine.start()
         await self._warm_up()
+        self._check_hbm_headroom()
         opts = [
             ("grpc.max_receive_message_length", int(self.config.max_message_mb * 2**20)),
             ("grpc.max_send_message_length", int(self.config.max_message_mb * 2**20)),
@@ -483,6 +486,26 @@ class RankerService(pb_grpc.RankerServicer):
             log.info("ranker_stopped", instance=self.instance_id)
         finally:
             self._closed.set()
+
+    def _check_hbm_headroom(self) -> None:
+        """Refuses to serve with a psi budget over the device's free memory once warm, warns
+        where it leaves too little of it to fragmentation (hbm_headroom.py); one log line either
+        way. Per process: rankers that share a device must each be given a share of it."""
+        free = self.accel.free_memory_bytes()
+        if free is None:
+            return
+        headroom = judge(self.cache.budget_bytes, free)
+        fields = {
+            "budget_bytes": headroom.budget_bytes,
+            "free_bytes": free,
+            "advised_bytes": headroom.advised_bytes,
+        }
+        if headroom.verdict is Verdict.EXCEEDS:
+            raise ConfigError(headroom.message())
+        if headroom.verdict is Verdict.TIGHT:
+            log.warning("hbm_budget_tight", detail=headroom.message(), **fields)
+        else:
+            log.info("hbm_headroom", **fields)
 
     async def _warm_up(self) -> None:
         """Compiles every kernel variant before the first real request (a Triton JIT compile takes
