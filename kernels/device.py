@@ -85,9 +85,11 @@ class Accelerator:
 
     def allocator_stats(self) -> dict[str, int]:
         """The caching allocator's state: bytes reserved from the device and allocated to
-        tensors, and how often an allocation had to free every cached block and retry (a
-        synchronising stall of the whole device, tens of ms). {} where there is no such
-        allocator (the CPU); torch_npu mirrors the CUDA counters."""
+        tensors, how often an allocation had to free every cached block and retry (a
+        synchronising stall of the whole device, tens of ms), and how often it reserved memory
+        from the device and gave it back (cudaMalloc / cudaFree: slow, and a free synchronises
+        the device; in steady state psi blocks should come from the allocator's cache). {}
+        where there is no such allocator (the CPU); torch_npu mirrors the CUDA counters."""
         if self.backend == "cpu":
             return {}
         module = torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
@@ -97,6 +99,7 @@ class Accelerator:
             "allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
             "alloc_retries": int(stats.get("num_alloc_retries", 0)),
             "device_allocs": int(stats.get("num_device_alloc", 0)),
+            "device_frees": int(stats.get("num_device_free", 0)),
         }
 
     def free_memory_bytes(self) -> int | None:

@@ -377,6 +377,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         for key, value in copy_stage_counters(samples).items():
             totals[key] += value
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
+        totals["device_mallocs"] += samples.get("relaygr_ranker_device_mallocs_total", 0.0)
+        totals["device_frees"] += samples.get("relaygr_ranker_device_frees_total", 0.0)
         # A gauge: the host's CPU ms per request as the ranker last reported it (summed here,
         # averaged over the rankers by the point; NaN before any report).
         totals["host_ms_per_request"] += samples.get("relaygr_ranker_host_ms_per_request", math.nan)
@@ -780,6 +782,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "starved_gaps_over_1ms": device["starved_gaps"] - device_before["starved_gaps"],
         # The caching allocator freed every cached block and retried: each a device-wide stall.
         "alloc_retries": device["alloc_retries"] - device_before["alloc_retries"],
+        # Its reservations from the device and returns to it (cudaMalloc / cudaFree; a free
+        # synchronises the device): in steady state psi should come from its cache.
+        "device_mallocs": device["device_mallocs"] - device_before["device_mallocs"],
+        "device_frees": device["device_frees"] - device_before["device_frees"],
         # What a request cost the rankers' host at the point's end, as they report it to the
         # trigger (StatsReply.host_ms_per_request), mean over rankers; NaN where none reported.
         "host_ms_per_request": device["host_ms_per_request"] / max(1, len(stack.ranker_metrics_ports)),

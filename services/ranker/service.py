@@ -201,6 +201,12 @@ class _Metrics:
         self.alloc_retries = Counter("relaygr_ranker_allocator_retries",
                                      "allocations that freed every cached block and retried (a device-wide "
                                      "synchronising stall)", registry=registry)  # fmt: skip
+        self.device_mallocs = Counter("relaygr_ranker_device_mallocs",
+                                      "memory the caching allocator reserved from the device (cudaMalloc: slow; "
+                                      "psi blocks should come from its cache)", registry=registry)  # fmt: skip
+        self.device_frees = Counter("relaygr_ranker_device_frees",
+                                    "memory the caching allocator gave back to the device (cudaFree: synchronises "
+                                    "the device)", registry=registry)  # fmt: skip
 
 
 def _psi_name(key: Hashable) -> Hashable:
@@ -579,13 +585,13 @@ class RankerService(pb_grpc.RankerServicer):
 
     async def _expire_loop(self) -> None:
         reported = allocator_read = 0.0
-        retries = self.accel.allocator_stats().get("alloc_retries", 0)
+        allocator = self.accel.allocator_stats()
         while True:
             await asyncio.sleep(0.05)
             now = time.monotonic()
             if now - allocator_read >= ALLOCATOR_READ_EVERY_S:
                 allocator_read = now
-                retries = self._read_allocator(retries)
+                allocator = self._read_allocator(allocator)
             if now - reported >= STALL_REPORT_EVERY_S:
                 stall = self.engine.stall_report(STALL_AFTER_S)
                 if stall is not None:
@@ -597,20 +603,25 @@ class RankerService(pb_grpc.RankerServicer):
             self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
             self.metrics.expander_up.set(1 if self.host is not None and self.host.connected else 0)
 
-    def _read_allocator(self, retries_before: int) -> int:
-        """Exports the caching allocator's state; says when allocations had to retry (each a
-        stall of the device, which every queued call waits out). Returns the retry count."""
+    def _read_allocator(self, before: dict[str, int]) -> dict[str, int]:
+        """Exports the caching allocator's state (its counters as increments since `before`, the
+        previous reading); says when allocations had to retry (each a stall of the device, which
+        every queued call waits out). Returns this reading."""
         stats = self.accel.allocator_stats()
         if not stats:
-            return retries_before
+            return before
         self.metrics.device_memory.labels("reserved").set(stats["reserved_bytes"])
         self.metrics.device_memory.labels("allocated").set(stats["allocated_bytes"])
-        retries = stats["alloc_retries"]
-        if retries > retries_before:
-            self.metrics.alloc_retries.inc(retries - retries_before)
-            log.warning("allocator_retried", retries=retries - retries_before, reserved_bytes=stats["reserved_bytes"],
+        grown = {
+            key: stats[key] - before.get(key, 0) for key in ("alloc_retries", "device_allocs", "device_frees")
+        }
+        self.metrics.device_mallocs.inc(max(0, grown["device_allocs"]))
+        self.metrics.device_frees.inc(max(0, grown["device_frees"]))
+        if grown["alloc_retries"] > 0:
+            self.metrics.alloc_retries.inc(grown["alloc_retries"])
+            log.warning("allocator_retried", retries=grown["alloc_retries"], reserved_bytes=stats["reserved_bytes"],
                         allocated_bytes=stats["allocated_bytes"], hbm_budget_bytes=self.cache.budget_bytes)  # fmt: skip
-        return retries
+        return stats
 
     def _host_changed(self, connected: bool) -> None:
         log.info("host_tier", connected=connected)

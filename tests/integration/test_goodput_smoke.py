@@ -88,6 +88,7 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
                         "resident_bytes_max",
                         "prefetches_issued", "prefetches_used", "prefetches_wasted", "prefetches_failed",
                         "demotion_lag_p99_ms", "dram_evictions", "dram_used_bytes_max", "alloc_retries",
+                        "device_mallocs", "device_frees",
                         "gc_pause_s", "gc_pauses_over_20ms", "preinfers_expired", "late_signals",
                         "host_stalls_over_20ms_ranker", "host_stalls_over_20ms_router",
                         "host_stalls_over_20ms_trigger", "loop_stalls_over_20ms_ranker",
