@@ -170,6 +170,10 @@ class Runner:
         # earlier one left in the tiers: each point has its own version range.
         cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
                            a.min_duration_s, a.min_calls)  # fmt: skip
+        if getattr(a, "fresh_broker_per_point", False):
+            # Every point's events meet an empty broker: one search's records (~90k events by the
+            # last point of an H200 mix search) would otherwise slow the signal path with time.
+            await self.stack.renew_broker()
         p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0, load=self.load,
                             client_lag_bound_ms=a.client_lag_bound_ms)  # fmt: skip
         if getattr(a, "calls_dir", None):
@@ -545,7 +549,7 @@ def merge(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any], 
             )
     protocol = ("preset", "slo_ms", "rankers", "min_duration_s", "min_calls", "precision", "session_mean_requests",
                 "hbm_budget_mb", "arena_gb", "users", "recent", "candidates", "length_scale", "max_prefix_len",
-                "lead_in_s")  # fmt: skip
+                "lead_in_s", "fresh_broker_per_point")  # fmt: skip
     for key in protocol:
         values = {json.dumps(d["config"].get(key)) for d in docs}
         if len(values) > 1:
@@ -619,6 +623,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "measured window meets users returning from sessions begun before it (steady state; "
                    "0: the window starts cold and only ~1/3 of a 10 s point's calls return)")  # fmt: skip
     p.add_argument("--warmup-s", type=float, default=4.0, help="a discarded replay per stack")
+    p.add_argument("--fresh-broker-per-point", action=argparse.BooleanOptionalAction, default=True,
+                   help="an empty embedded broker before each point (Stack.renew_broker: Tansu's memory "
+                        "storage slows as its partitions fill)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--tag", default="", help="suffix of the result file name")

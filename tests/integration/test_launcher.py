@@ -14,12 +14,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from relaygr.harness import scrape_metrics
 from relaygr.launcher import RETRIEVAL_TOPIC, Stack, StackConfig
 from relaygr.processes import REPO
 from shared.kafka import KafkaSettings, make_producer
 from shared.protos import ranker_pb2_grpc as pb_grpc
 from tests.rankers import rank_request, users
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -220,3 +223,55 @@ def test_a_stopped_stack_leaves_no_descriptor_process_thread_shm_file_or_socket(
     assert [t.name for t in threading.enumerate() if t not in threads_before] == []
     leaked = {fd: target for fd, target in open_fds().items() if fds_before.get(fd) != target}
     assert leaked == {}
+
+
+async def _dead_letters(stack: Stack) -> float:
+    assert stack.trigger is not None
+    port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
+    return (await asyncio.to_thread(scrape_metrics, port)).get("relaygr_trigger_dead_letters_total", 0.0)
+
+
+async def _renewed_broker_serves(stack: Stack) -> None:
+    for renewal in range(2):
+        assert await stack.renew_broker()
+        producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap))
+        await producer.start()
+        try:
+            # The stack's topics were made again before renew_broker returned, as configured
+            # (a producer that came first would have made a topic of one partition).
+            partitions = await producer.partitions_for(RETRIEVAL_TOPIC)
+            assert len(partitions) == stack.config.partitions
+            # Empty: the event of the renewal before (or of no one) is not in it.
+            reader = AIOKafkaConsumer(bootstrap_servers=stack.bootstrap)
+            await reader.start()
+            try:
+                ends = await reader.end_offsets([TopicPartition(RETRIEVAL_TOPIC, p) for p in partitions])
+            finally:
+                await reader.stop()
+            assert sum(ends.values()) == 0
+            before = await _dead_letters(stack)
+            await producer.send_and_wait(RETRIEVAL_TOPIC, b"not an event", key=b"1")
+        finally:
+            await producer.stop()
+
+        async def decided(before: float = before) -> bool:
+            return await _dead_letters(stack) > before
+
+        # The trigger's consumer joined the new broker's group and read the new topic.
+        await eventually(decided, f"the trigger reads the broker renewed {renewal + 1} time(s)", bound_s=60)
+    prefixes, suffixes = users(2, 1, prefix_len=100)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.router_port}") as channel:
+        reply = await pb_grpc.RankerStub(channel).Rank(
+            rank_request(prefixes[0], suffixes[0], "renewed"), timeout=60
+        )
+    assert reply.scores
+
+
+def test_a_renewed_broker_is_empty_has_the_stacks_topics_and_the_services_use_it():
+    with Stack(StackConfig(rankers=1)) as stack:
+        asyncio.run(_renewed_broker_serves(stack))
+
+
+def test_a_stack_on_an_external_broker_is_not_renewed():
+    stack = Stack(StackConfig(rankers=1, kafka_bootstrap="127.0.0.1:1"))
+    assert asyncio.run(stack.renew_broker()) is False
