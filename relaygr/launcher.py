@@ -283,6 +283,9 @@ def run_until_interrupted(config: StackConfig) -> int:
             f"relaygr up: router on 127.0.0.1:{stack.router_port}, rankers {stack.ranker_targets}, "
             f"kafka {stack.bootstrap} (topic {RETRIEVAL_TOPIC}); Ctrl-C to stop"
         )
+        if stack.broker is not None:
+            say("relaygr up: the embedded broker is memory-only and keeps every record (it slows as its "
+                "partitions fill): for long runs use --kafka with Apache Kafka (compose/)")  # fmt: skip
         while not stop.wait(0.5):
             dead = [p.name for p in stack.processes if p.proc.poll() is not None]
             if dead:
