@@ -35,12 +35,17 @@ from services.router.config import Placement
 from services.trigger.admission import Policy
 from shared.broker import EmbeddedBroker
 from shared.config import choices
-from shared.kafka import KafkaSettings, ensure_topics
+from shared.kafka import KafkaSettings, ensure_topics, make_producer
 from shared.settings import DEFAULT_DLQ_TOPIC, DEFAULT_RETRIEVAL_TOPIC, DEFAULT_SIGNAL_TOPIC
 
 RETRIEVAL_TOPIC = DEFAULT_RETRIEVAL_TOPIC
 SIGNAL_TOPIC = DEFAULT_SIGNAL_TOPIC
 DLQ_TOPIC = DEFAULT_DLQ_TOPIC
+# The services' Kafka request timeout on the embedded broker (aiokafka's default is 40 s): after
+# a restart of Tansu (Stack.renew_broker) about one consumer in ten on the build machine waited
+# that long for a SyncGroup answer that never came; a timeout lets it join again.
+REQUEST_TIMEOUT_ENV = "RELAYGR_KAFKA_REQUEST_TIMEOUT_MS"
+EMBEDDED_REQUEST_TIMEOUT_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ class Stack:
                 self.bootstrap = self.broker.bootstrap
             asyncio.run(ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics()))
             env = {**os.environ, **c.env}
+            if self.broker is not None:  # it may be renewed (renew_broker): see EMBEDDED_REQUEST_TIMEOUT_MS
+                env.setdefault(REQUEST_TIMEOUT_ENV, str(EMBEDDED_REQUEST_TIMEOUT_MS))
             socket_path = self.expander_socket
             if c.expander:
                 self.start_expander()
@@ -195,23 +202,59 @@ class Stack:
         c = self.config
         return {RETRIEVAL_TOPIC: c.partitions, SIGNAL_TOPIC: c.partitions, DLQ_TOPIC: 1}
 
-    async def renew_broker(self) -> bool:
+    async def renew_broker(self, confirm_s: float = 3 * EMBEDDED_REQUEST_TIMEOUT_MS / 1e3) -> bool:
         """An empty embedded broker in place of the running one (same port, the stack's topics
-        made again before this returns), for a benchmark point that must not pay for the records
-        of the points before it: Tansu's memory storage keeps every record, and its fetches slow
-        as its partitions fill (bench/broker_growth.py, build machine, 32 partitions, 400 records
-        a second of 30 KB: produce -> consume p50 3.2 ms at 12k records held, 221 ms at 48k, 2.2 s
-        at 120k; an H200 mix search's trigger saw its event lag reach 881 ms, k15a). The services
-        reconnect as after any broker restart (bench.faults broker_restart: nothing lost); their
-        consumers start again from the new topics' first records. Call it from the thread that
+        made again), for a benchmark point that must not pay for the records of the points
+        before it: Tansu's memory storage keeps every record, and its fetches slow as its
+        partitions fill (bench/broker_growth.py, build machine, 32 partitions, 400 records a
+        second of 30 KB: produce -> consume p50 3.2 ms at 12k records held, 221 ms at 48k, 2.2 s
+        at 120k; an H200 mix search's trigger saw its event lag reach 881 ms, k15a).
+
+        Returns once the trigger and the router read the new broker: each is sent a malformed
+        record (dead-lettered, counted) and must count it within `confirm_s` (RuntimeError if
+        not). Their consumers rejoin within ~1.5 s as a rule; about one renewal in ten on the
+        build machine left a consumer's SyncGroup unanswered until its request timed out, which
+        this stack's services have at EMBEDDED_REQUEST_TIMEOUT_MS. Call it from the thread that
         started the stack. False, with nothing done, where the stack uses an external broker."""
         if self.broker is None:
             return False
-        # Killed, not drained: with clients connected Tansu takes its whole grace period (5 s) to
-        # stop on SIGTERM, and a memory-only broker has nothing to keep.
+        # Killed, not drained: with clients connected Tansu takes its whole grace period (5 s)
+        # to stop on SIGTERM, and a memory-only broker has nothing to keep.
         self.restart_broker(down_s=0.0, stop_timeout_s=0.2)
         await ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics())
+        if not await self._consumers_read(confirm_s):
+            raise RuntimeError(f"the services did not read the renewed broker within {confirm_s:g} s")
         return True
+
+    async def _consumers_read(self, within_s: float) -> bool:
+        """Whether the trigger and the router (those the stack runs) count a malformed record
+        sent to their topics within `within_s`."""
+        readers = [(p, topic, counter, ready) for p, topic, counter, ready in (
+            (self.trigger, RETRIEVAL_TOPIC, "relaygr_trigger_dead_letters_total", "trigger_ready"),
+            (self.router, SIGNAL_TOPIC, "relaygr_router_signals_total", "router_ready"),
+        ) if p is not None]  # fmt: skip
+        ports = [int(p.wait_event(ready)["metrics_port"]) for p, _, _, ready in readers]
+        before = [
+            await asyncio.to_thread(p.metric, port, counter)
+            for (p, _, counter, _), port in zip(readers, ports, strict=True)
+        ]
+        producer = make_producer(KafkaSettings(bootstrap=self.bootstrap))
+        await producer.start()
+        try:
+            for _, topic, _, _ in readers:
+                await producer.send_and_wait(topic, b"relaygr renew_broker probe", key=b"0")
+        finally:
+            await producer.stop()
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            now = [
+                await asyncio.to_thread(p.metric, port, counter)
+                for (p, _, counter, _), port in zip(readers, ports, strict=True)
+            ]
+            if all(n > b for n, b in zip(now, before, strict=True)):
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     def restart_broker(self, down_s: float = 1.0, stop_timeout_s: float = 5.0) -> None:
         """Stops the embedded broker (SIGTERM, SIGKILL after stop_timeout_s) and starts a new one

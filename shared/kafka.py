@@ -29,7 +29,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
 
-from shared.config import ConfigError, Secret, one_of, setting
+from shared.config import ConfigError, Secret, one_of, positive, setting
 from shared.wire import DEAD_LETTER_HEADROOM_BYTES, DEFAULT_MAX_RECORD_BYTES
 
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
@@ -68,6 +68,13 @@ class KafkaSettings:
     # when fetch_max_wait_ms runs out (aiokafka's 500 ms default put ~250 ms on every hop).
     fetch_max_wait_ms: int = setting(5, env="RELAYGR_KAFKA_FETCH_MAX_WAIT_MS",
                                      help="longest a fetch waits for data (the signal path's per-hop latency on Tansu)")  # fmt: skip
+    # aiokafka's default. A request to a broker that died with it in flight is awaited this long:
+    # the stacks on the embedded broker lower it (relaygr/launcher.py), whose restarts left a
+    # consumer's SyncGroup unanswered in about one restart in ten. Consumers' rebalance timeout
+    # is 3/4 of it, as aiokafka's defaults (40 s, 30 s): a broker may hold a JoinGroup that long.
+    request_timeout_ms: int = setting(40000, env="RELAYGR_KAFKA_REQUEST_TIMEOUT_MS",
+                                      help="longest a broker request is awaited (consumers' rebalance timeout: 3/4)",
+                                      check=positive)  # fmt: skip
     max_record_bytes: int = setting(DEFAULT_MAX_RECORD_BYTES, env="RELAYGR_KAFKA_MAX_RECORD_BYTES",
                                     help="max.message.bytes of the topics the services create, and the record "
                                     "limit assumed where the broker reports none", check=_record_bytes)  # fmt: skip
@@ -112,6 +119,7 @@ class KafkaSettings:
         args: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap,
             "security_protocol": self.security_protocol,
+            "request_timeout_ms": self.request_timeout_ms,
         }
         if self.uses_ssl:
             # No CA file: the system's trust store (create_ssl_context loads the defaults).
@@ -145,6 +153,7 @@ def consumer_args(settings: KafkaSettings, group_id: str, **overrides: Any) -> d
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
             "session_timeout_ms": settings.session_timeout_ms,
+            "rebalance_timeout_ms": settings.request_timeout_ms * 3 // 4,
             "heartbeat_interval_ms": settings.heartbeat_interval_ms,
             "fetch_max_wait_ms": settings.fetch_max_wait_ms,
             # One fetch holds a record at the limit (a larger one still comes, alone, but slower).

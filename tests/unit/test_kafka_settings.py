@@ -56,7 +56,20 @@ async def built_clients(settings: KafkaSettings) -> list[object]:
 
 def test_plaintext_passes_no_security_arguments():
     args = KafkaSettings(bootstrap="k:9092").client_args()
-    assert args == {"bootstrap_servers": "k:9092", "security_protocol": "PLAINTEXT"}
+    assert args == {
+        "bootstrap_servers": "k:9092",
+        "security_protocol": "PLAINTEXT",
+        "request_timeout_ms": 40000,
+    }
+
+
+def test_the_request_timeout_reaches_every_client_and_bounds_the_consumers_rebalance():
+    settings = KafkaSettings(bootstrap="k:9092", request_timeout_ms=5000)
+    assert producer_args(settings)["request_timeout_ms"] == 5000
+    assert admin_args(settings)["request_timeout_ms"] == 5000
+    consumer = consumer_args(settings, "g")
+    assert consumer["request_timeout_ms"] == 5000
+    assert consumer["rebalance_timeout_ms"] == 3750  # under the request timeout: a held JoinGroup is answered
 
 
 async def test_sasl_ssl_settings_reach_producer_consumer_and_admin(tmp_path):
