@@ -202,7 +202,9 @@ class Stack:
         c = self.config
         return {RETRIEVAL_TOPIC: c.partitions, SIGNAL_TOPIC: c.partitions, DLQ_TOPIC: 1}
 
-    async def renew_broker(self, confirm_s: float = 3 * EMBEDDED_REQUEST_TIMEOUT_MS / 1e3) -> bool:
+    async def renew_broker(
+        self, confirm_s: float = 3 * EMBEDDED_REQUEST_TIMEOUT_MS / 1e3, attempts: int = 2
+    ) -> bool:
         """An empty embedded broker in place of the running one (same port, the stack's topics
         made again), for a benchmark point that must not pay for the records of the points
         before it: Tansu's memory storage keeps every record, and its fetches slow as its
@@ -211,24 +213,34 @@ class Stack:
         at 120k; an H200 mix search's trigger saw its event lag reach 881 ms, k15a).
 
         Returns once the trigger and the router read the new broker: each is sent a malformed
-        record (dead-lettered, counted) and must count it within `confirm_s` (RuntimeError if
-        not). Their consumers rejoin within ~1.5 s as a rule; about one renewal in ten on the
-        build machine left a consumer's SyncGroup unanswered until its request timed out, which
-        this stack's services have at EMBEDDED_REQUEST_TIMEOUT_MS. Call it from the thread that
+        record (dead-lettered, counted) and must count it within `confirm_s`, else the broker is
+        renewed again, `attempts` times in all (then RuntimeError, naming the services behind and
+        their last log lines). Their consumers rejoin within ~1.5 s as a rule; about one renewal
+        in ten on the build machine left a consumer's SyncGroup unanswered until its request
+        timed out, which this stack's services have at EMBEDDED_REQUEST_TIMEOUT_MS, and one CI
+        run saw a consumer still behind after 15 s. Call it from the thread that
         started the stack. False, with nothing done, where the stack uses an external broker."""
         if self.broker is None:
             return False
-        # Killed, not drained: with clients connected Tansu takes its whole grace period (5 s)
-        # to stop on SIGTERM, and a memory-only broker has nothing to keep.
-        self.restart_broker(down_s=0.0, stop_timeout_s=0.2)
-        await ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics())
-        if not await self._consumers_read(confirm_s):
-            raise RuntimeError(f"the services did not read the renewed broker within {confirm_s:g} s")
-        return True
+        for attempt in range(attempts):
+            # Killed, not drained: with clients connected Tansu takes its whole grace period
+            # (5 s) to stop on SIGTERM, and a memory-only broker has nothing to keep.
+            self.restart_broker(down_s=0.0, stop_timeout_s=0.2)
+            await ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics())
+            behind = await self._consumers_behind(confirm_s)
+            if not behind:
+                return True
+            if attempt + 1 < attempts:
+                print(f"relaygr: {', '.join(p.name for p in behind)} did not read the renewed broker within "
+                      f"{confirm_s:g} s; renewing it again", file=sys.stderr, flush=True)  # fmt: skip
+        said = "; ".join(f"{p.name}: {' | '.join(str(r.get('raw') or r.get('event')) for r in p.records()[-6:])}"
+                         for p in behind)  # fmt: skip
+        raise RuntimeError(f"{', '.join(p.name for p in behind)} did not read the renewed broker within "
+                           f"{confirm_s:g} s, {attempts} times (their last log lines: {said})")  # fmt: skip
 
-    async def _consumers_read(self, within_s: float) -> bool:
-        """Whether the trigger and the router (those the stack runs) count a malformed record
-        sent to their topics within `within_s`."""
+    async def _consumers_behind(self, within_s: float) -> list[ServiceProcess]:
+        """Those of the trigger and the router (those the stack runs) that have not counted a
+        malformed record sent to their topics within `within_s`."""
         readers = [(p, topic, counter, ready) for p, topic, counter, ready in (
             (self.trigger, RETRIEVAL_TOPIC, "relaygr_trigger_dead_letters_total", "trigger_ready"),
             (self.router, SIGNAL_TOPIC, "relaygr_router_signals_total", "router_ready"),
@@ -251,10 +263,11 @@ class Stack:
                 await asyncio.to_thread(p.metric, port, counter)
                 for (p, _, counter, _), port in zip(readers, ports, strict=True)
             ]
-            if all(n > b for n, b in zip(now, before, strict=True)):
-                return True
+            behind = [p for (p, _, _, _), n, b in zip(readers, now, before, strict=True) if n <= b]
+            if not behind:
+                return []
             await asyncio.sleep(0.1)
-        return False
+        return behind
 
     def restart_broker(self, down_s: float = 1.0, stop_timeout_s: float = 5.0) -> None:
         """Stops the embedded broker (SIGTERM, SIGKILL after stop_timeout_s) and starts a new one
