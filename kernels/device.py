@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -83,6 +83,10 @@ class Accelerator:
         elif self.backend == "npu":
             torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
 
+    def _memory_module(self) -> Any:
+        """torch.cuda or torch.npu: the two name their memory functions alike."""
+        return torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
+
     def allocator_stats(self) -> dict[str, int]:
         """The caching allocator's state: bytes reserved from the device and allocated to
         tensors, how often an allocation had to free every cached block and retry (a
@@ -92,8 +96,7 @@ class Accelerator:
         where there is no such allocator (the CPU); torch_npu mirrors the CUDA counters."""
         if self.backend == "cpu":
             return {}
-        module = torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
-        stats = module.memory_stats(self.index)
+        stats = self._memory_module().memory_stats(self.index)
         return {
             "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
             "allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
@@ -108,7 +111,7 @@ class Accelerator:
         pools stay): what psi may still take. None on the CPU (no accelerator memory)."""
         if self.backend == "cpu":
             return None
-        module = torch.cuda if self.backend == "cuda" else torch.npu  # type: ignore[attr-defined]
+        module = self._memory_module()
         module.empty_cache()
         free, _total = module.mem_get_info(self.index)
         return int(free)

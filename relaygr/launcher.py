@@ -246,10 +246,14 @@ class Stack:
             (self.router, SIGNAL_TOPIC, "relaygr_router_signals_total", "router_ready"),
         ) if p is not None]  # fmt: skip
         ports = [int(p.wait_event(ready)["metrics_port"]) for p, _, _, ready in readers]
-        before = [
-            await asyncio.to_thread(p.metric, port, counter)
-            for (p, _, counter, _), port in zip(readers, ports, strict=True)
-        ]
+
+        async def counts() -> list[float]:
+            return [
+                await asyncio.to_thread(p.metric, port, counter)
+                for (p, _, counter, _), port in zip(readers, ports, strict=True)
+            ]
+
+        before = await counts()
         producer = make_producer(KafkaSettings(bootstrap=self.bootstrap))
         await producer.start()
         try:
@@ -259,10 +263,7 @@ class Stack:
             await producer.stop()
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            now = [
-                await asyncio.to_thread(p.metric, port, counter)
-                for (p, _, counter, _), port in zip(readers, ports, strict=True)
-            ]
+            now = await counts()
             behind = [p for (p, _, _, _), n, b in zip(readers, now, before, strict=True) if n <= b]
             if not behind:
                 return []

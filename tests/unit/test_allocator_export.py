@@ -6,24 +6,12 @@ from __future__ import annotations
 from services.ranker.config import RankerConfig
 from services.ranker.service import RankerService
 from shared.config import load_config
+from tests.accelerators import Reporting
 
 
 def reading(retries: int, mallocs: int, frees: int) -> dict[str, int]:
     return {"reserved_bytes": 3 << 30, "allocated_bytes": 2 << 30, "alloc_retries": retries,
             "device_allocs": mallocs, "device_frees": frees}  # fmt: skip
-
-
-class _Reporting:
-    """The ranker's CPU accelerator, its allocator reporting the given readings in turn."""
-
-    def __init__(self, accel, readings) -> None:
-        self._accel, self._readings = accel, readings
-
-    def __getattr__(self, name):
-        return getattr(self._accel, name)
-
-    def allocator_stats(self) -> dict[str, int]:
-        return next(self._readings)
 
 
 def sample(service: RankerService, name: str, labels: dict[str, str] | None = None) -> float | None:
@@ -33,7 +21,7 @@ def sample(service: RankerService, name: str, labels: dict[str, str] | None = No
 def test_the_allocators_counters_are_exported_as_increments(monkeypatch, capsys):
     service = RankerService(load_config(RankerConfig, ["--device", "cpu"]))
     readings = iter([reading(1, 10, 2), reading(3, 14, 5), reading(3, 14, 5)])
-    monkeypatch.setattr(service, "accel", _Reporting(service.accel, readings))
+    monkeypatch.setattr(service, "accel", Reporting(service.accel, readings=readings))
     first = service._read_allocator(reading(1, 8, 2))  # the reading at start: 2 mallocs since
     assert sample(service, "relaygr_ranker_device_mallocs_total") == 2
     assert sample(service, "relaygr_ranker_device_frees_total") == 0

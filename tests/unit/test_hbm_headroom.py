@@ -10,6 +10,7 @@ from services.ranker.config import RankerConfig
 from services.ranker.hbm_headroom import Verdict, judge
 from services.ranker.service import RankerService
 from shared.config import load_config
+from tests.accelerators import Reporting
 
 GIB = 2**30
 
@@ -59,22 +60,9 @@ def test_nonsense_is_refused(budget, free, margin):
         judge(budget, free, margin)
 
 
-class _DeviceOf:
-    """The ranker's CPU accelerator, reporting `free` bytes of device memory as an accelerator would."""
-
-    def __init__(self, accel, free: int) -> None:
-        self._accel, self._free = accel, free
-
-    def __getattr__(self, name):
-        return getattr(self._accel, name)
-
-    def free_memory_bytes(self) -> int:
-        return self._free
-
-
 async def test_the_ranker_refuses_to_start_with_a_budget_over_the_free_device_memory(monkeypatch):
     service = RankerService(load_config(RankerConfig, ["--device", "cpu", "--hbm-budget-mb", "2048"]))
-    monkeypatch.setattr(service, "accel", _DeviceOf(service.accel, 1 * GIB))
+    monkeypatch.setattr(service, "accel", Reporting(service.accel, free=1 * GIB))
     assert await asyncio.wait_for(service.run(install_signals=False), 120) == 1
     failure = service.lifecycle.failure
     assert failure is not None
@@ -84,7 +72,7 @@ async def test_the_ranker_refuses_to_start_with_a_budget_over_the_free_device_me
 
 async def test_the_ranker_serves_with_a_tight_budget_and_says_so(monkeypatch, capsys):
     service = RankerService(load_config(RankerConfig, ["--device", "cpu", "--hbm-budget-mb", "1000"]))
-    monkeypatch.setattr(service, "accel", _DeviceOf(service.accel, 1 * GIB))
+    monkeypatch.setattr(service, "accel", Reporting(service.accel, free=1 * GIB))
     await service.start()
     try:
         assert service.port != 0
