@@ -164,7 +164,7 @@ for _name in ("baseline", "relay"):
 # budget; the router places users on them as on two GPUs. The host work of one GPU's calls runs
 # under two interpreters: one process at ~240 calls/s on an H200 left calls waiting up to 59 ms
 # before its handler ran them (h4b). The two processes' kernels share the GPU by time slices.
-for _name in ("baseline", "relay-nospare"):
+for _name in ("baseline", "relay", "relay-nospare"):
     CONFIGS[f"{_name}-2p"] = {**CONFIGS[_name], "rankers_per_device": 2}
     # The same under an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the two processes'
     # kernels may run side by side. CUDA only.
