@@ -150,7 +150,7 @@ class Stack:
             if c.mps:
                 self.mps = MpsDaemon(self._run_dir)
                 self.mps.start()
-                ranker_env = {**env, **self.mps.env}
+                ranker_env = self.mps.client_env(env)
             for i in range(c.rankers):
                 # Calls scheduled to finish within half the stack's SLO (a configuration's own
                 # ranker_args come after, and win).

@@ -19,6 +19,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -39,6 +40,18 @@ class MpsDaemon:
     def env(self) -> dict[str, str]:
         """What a CUDA process needs in its environment to be this daemon's client."""
         return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir}
+
+    def client_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """`env` for a CUDA process of this daemon's: its directories added, and
+        CUDA_VISIBLE_DEVICES removed. The daemon was started with the stack's own device list
+        (e.g. CUDA_VISIBLE_DEVICES=1, one stack per GPU); its server sees those devices as 0..n-1,
+        and a client that keeps the variable names devices relative to the server's list, so
+        that "1" names none and torch sees no CUDA device (goodput-nvidia-h200-k16a, 2026-11-30:
+        the second of two stacks on one host). NVIDIA's MPS guide: a client sets no
+        CUDA_VISIBLE_DEVICES."""
+        client = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+        client.update(self.env)
+        return client
 
     def start(self, timeout_s: float = 30.0) -> None:
         binary = shutil.which(self._control)

@@ -20,6 +20,7 @@ FAKE = """#!/bin/sh
   echo "args=$*"
   echo "pipe=$CUDA_MPS_PIPE_DIRECTORY"
   echo "log=$CUDA_MPS_LOG_DIRECTORY"
+  echo "visible=${CUDA_VISIBLE_DEVICES-unset}"
   if [ "$1" != "-d" ]; then echo "input=$(cat)"; fi
 } >> "$FAKE_MPS_RECORD"
 exit "${FAKE_MPS_EXIT:-0}"
@@ -36,6 +37,7 @@ def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     record = tmp_path / "record.txt"
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return record
 
 
@@ -54,10 +56,27 @@ def test_the_daemon_runs_with_the_stack_s_own_directories_and_quits_once(tmp_pat
     daemon.stop()  # once only
     lines = fake_control.read_text().splitlines()
     assert lines == [
-        "args=-d", f"pipe={run_dir / 'mps-pipe'}", f"log={run_dir / 'mps-log'}",
-        "args=", f"pipe={run_dir / 'mps-pipe'}", f"log={run_dir / 'mps-log'}", "input=quit",
+        "args=-d", f"pipe={run_dir / 'mps-pipe'}", f"log={run_dir / 'mps-log'}", "visible=unset",
+        "args=", f"pipe={run_dir / 'mps-pipe'}", f"log={run_dir / 'mps-log'}", "visible=unset", "input=quit",
     ]  # fmt: skip
     assert daemon.server_running() is False  # no GPU here: nothing started a server
+
+
+def test_a_stack_on_one_gpu_of_several_gives_the_daemon_its_devices_and_the_clients_none(
+    tmp_path: Path, fake_control: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # One stack per GPU (bench/device/goodput_pair.sh): the daemon sees GPU 1 as its device 0;
+    # a client that kept CUDA_VISIBLE_DEVICES=1 would find no device behind the server.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    daemon = MpsDaemon(str(tmp_path))
+    daemon.start()
+    assert "visible=1" in fake_control.read_text().splitlines()
+    client = daemon.client_env({**os.environ, "RELAYGR_X": "kept"})
+    assert "CUDA_VISIBLE_DEVICES" not in client
+    assert client["RELAYGR_X"] == "kept"
+    assert client["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps-pipe")
+    assert client["CUDA_MPS_LOG_DIRECTORY"] == str(tmp_path / "mps-log")
+    daemon.stop()
 
 
 def test_a_control_program_that_fails_or_is_missing_is_a_clear_error(
