@@ -43,13 +43,17 @@ class MpsDaemon:
 
     def client_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """`env` for a CUDA process of this daemon's: its directories added, and
-        CUDA_VISIBLE_DEVICES removed. The daemon was started with the stack's own device list
+        CUDA_VISIBLE_DEVICES renumbered. The daemon was started with the stack's own device list
         (e.g. CUDA_VISIBLE_DEVICES=1, one stack per GPU); its server sees those devices as 0..n-1,
-        and a client that keeps the variable names devices relative to the server's list, so
-        that "1" names none and torch sees no CUDA device (goodput-nvidia-h200-k16a, 2026-11-30:
-        the second of two stacks on one host). NVIDIA's MPS guide: a client sets no
-        CUDA_VISIBLE_DEVICES."""
-        client = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+        and a client's list names devices of the server's, so that "1" names none (the control
+        log: "not a valid GPU ID in the MPS visible set"; torch: no CUDA GPUs). Measured on an
+        H200 pair (2026-11-30): a client with the variable unset failed at torch's import too;
+        one given "0" ran on the daemon's GPU."""
+        client = dict(env)
+        visible = client.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and visible.strip():
+            count = len([d for d in visible.split(",") if d.strip()])
+            client["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(count))
         client.update(self.env)
         return client
 

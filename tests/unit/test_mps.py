@@ -62,7 +62,7 @@ def test_the_daemon_runs_with_the_stack_s_own_directories_and_quits_once(tmp_pat
     assert daemon.server_running() is False  # no GPU here: nothing started a server
 
 
-def test_a_stack_on_one_gpu_of_several_gives_the_daemon_its_devices_and_the_clients_none(
+def test_a_stack_on_one_gpu_of_several_gives_the_daemon_its_devices_and_renumbers_the_clients(
     tmp_path: Path, fake_control: Path, monkeypatch: pytest.MonkeyPatch
 ):
     # One stack per GPU (bench/device/goodput_pair.sh): the daemon sees GPU 1 as its device 0;
@@ -72,7 +72,9 @@ def test_a_stack_on_one_gpu_of_several_gives_the_daemon_its_devices_and_the_clie
     daemon.start()
     assert "visible=1" in fake_control.read_text().splitlines()
     client = daemon.client_env({**os.environ, "RELAYGR_X": "kept"})
-    assert "CUDA_VISIBLE_DEVICES" not in client
+    assert client["CUDA_VISIBLE_DEVICES"] == "0"
+    assert daemon.client_env({"CUDA_VISIBLE_DEVICES": "2,3"})["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert "CUDA_VISIBLE_DEVICES" not in daemon.client_env({})  # every GPU: nothing to renumber
     assert client["RELAYGR_X"] == "kept"
     assert client["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps-pipe")
     assert client["CUDA_MPS_LOG_DIRECTORY"] == str(tmp_path / "mps-log")
