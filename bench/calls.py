@@ -233,7 +233,10 @@ def paired(
     for (c, _), x in zip(both, extra, strict=True):
         by_window[int(c["at_s"] // window_s)].append(x)
     ranked = sorted(by_window.items(), key=lambda kv: -statistics.fmean(kv[1]))[:top]
-    relayed = sorted((c["at_s"], c) for c in calls if c.get("status") == "OK" and _relayed(c))
+    # By time alone: calls stamped at the same instant must not be compared themselves (dicts).
+    relayed = sorted(
+        ((c["at_s"], c) for c in calls if c.get("status") == "OK" and _relayed(c)), key=lambda tc: tc[0]
+    )
     rows = []
     for index, xs in ranked:
         start = index * window_s

@@ -22,7 +22,9 @@ Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-
 A point at which the load generator fell behind its schedule (send lag P99 over
 `--client-lag-bound-ms`) measured the client, not the stack: it is `client_bound`, is no miss,
 and ends the search censored at the highest rate met below it (`client_bound_rps`), unless a
-real miss below it already bounds the limit. `--client-processes N` replays each point from N
+real miss below it already bounds the limit. A point measured while the stack was broken (the
+trigger or the router lost the broker renewed before it, and could not be restarted) is
+`stack_broken` and ends the search the same way (`stack_broken_rps`). `--client-processes N` replays each point from N
 processes (relaygr/load.py: users sharded across them) so that the client is not the limit.
 Each point measures max(`--min-duration-s`, `--min-calls` / rate) seconds (10 s and 400 calls by
 default) and records how many calls it sent, after `--lead-in-s` (10 s) of the same workload
@@ -89,7 +91,15 @@ from relaygr.harness import (
 )
 from relaygr.launcher import Stack
 from relaygr.load import LoadGenerator
-from relaygr.search import CLIENT_LAG_BOUND_MS, RATE_TOL, LimitSearch, Point, SearchConfig, SearchResult
+from relaygr.search import (
+    CLIENT_LAG_BOUND_MS,
+    RATE_TOL,
+    LimitSearch,
+    Point,
+    SearchConfig,
+    SearchResult,
+    recorded_beyond_reach,
+)
 from relaygr.workload import WorkloadConfig, generate
 
 HEADLINE = ("L4096", "mix")  # the workloads --repeats repeats unless --repeat-workloads names others
@@ -170,13 +180,18 @@ class Runner:
         # earlier one left in the tiers: each point has its own version range.
         cfg = point_config(dataclasses.replace(workload, version_base=self._points * 1_000_000), rate,
                            a.min_duration_s, a.min_calls)  # fmt: skip
+        broken = ""
         if getattr(a, "fresh_broker_per_point", False):
             # Every point's events meet an empty broker: one search's records (~90k events by the
             # last point of an H200 mix search) would otherwise slow the signal path with time.
             try:
                 await self.stack.renew_broker()
-            except RuntimeError as exc:  # measured anyway: a lost point costs more than a slow signal path
-                print(f"[{self.label}] warning: {exc}", flush=True)
+            except RuntimeError as exc:
+                # The trigger or the router is not reading: a relay would run without pre-inference
+                # (H200, k16e). Measured and kept, but marked: it is no miss of the configuration,
+                # and the search ends there censored (relaygr.search.Point.stack_broken).
+                broken = str(exc)
+                print(f"[{self.label}] STACK BROKEN, the search ends after this point: {exc}", flush=True)
         p = await run_point(self.stack, cfg, a.slo_ms, "rate", rate, eps_sample=0, load=self.load,
                             client_lag_bound_ms=a.client_lag_bound_ms)  # fmt: skip
         if getattr(a, "calls_dir", None):
@@ -197,6 +212,10 @@ class Runner:
             "lag_ms_p99": s["lag_ms_p99"],
             # The load generator fell behind (lag_ms_p99 over --client-lag-bound-ms): not the stack's point.
             "client_bound": s["client_bound"],
+            # The stack was broken when it ran (the renewed broker lost a service): no measurement
+            # of the configuration; `stack_broken_reason` says which service and what it logged.
+            "stack_broken": bool(broken),
+            **({"stack_broken_reason": broken[:2000]} if broken else {}),
             "client_processes": s["client_processes"],
             "client_loop_lag_ms_p99": s["client_loop_lag_ms_p99"],
             "client_loop_lag_ms_max": s["client_loop_lag_ms_max"],
@@ -263,7 +282,9 @@ class Runner:
             "slowest": p.slowest,
             "drain_s": None,  # until settle() has drained the stack after it
         }  # fmt: skip
-        return Point(rate, s["p99_ms"], p.ok, record, client_bound=s["client_bound"])
+        return Point(
+            rate, s["p99_ms"], p.ok, record, client_bound=s["client_bound"], stack_broken=bool(broken)
+        )
 
     async def settle(self, point: Point) -> None:
         """The next point starts from a quiet stack, whatever this one left queued (an overload's
@@ -283,6 +304,8 @@ class Runner:
 
 
 def censored_note(result: SearchResult) -> str:
+    if result.stack_broken_rps is not None and result.censored:
+        return f" (CENSORED: the stack was broken at {result.stack_broken_rps:g} req/s)"
     if result.client_bound_rps is not None and result.censored:
         return f" (CENSORED: the load generator fell behind at {result.client_bound_rps:g} req/s)"
     return " (CENSORED at the cap)" if result.censored else ""
@@ -323,6 +346,7 @@ def incomplete_record(
         "first_miss_rps": None,
         "censored": False,
         "client_bound_rps": search.client_bound_rps,
+        "stack_broken_rps": search.stack_broken_rps,
         "incomplete": True,
         "met_rps_max": met,
         "missed_rps_min": missed,
@@ -342,6 +366,7 @@ def record_of(config: str, workload: str, repeat: int, result: SearchResult, slo
         "first_miss_rps": result.first_miss_rps,
         "censored": result.censored,
         "client_bound_rps": result.client_bound_rps,  # the load generator fell behind here (censored)
+        "stack_broken_rps": result.stack_broken_rps,  # the stack was broken here (censored)
         # A rate above the first miss that met (None: none): the limit is within the run's spread.
         "met_above_miss_rps": result.met_above_miss_rps,
         "points": [p.record | {"phase": phase} for phase, p in result.points],
@@ -377,12 +402,13 @@ async def run_config(stack: Stack, name: str, args: argparse.Namespace, search: 
     for workload, repeat in plan(args):
         same = [r for r in earlier if r["workload"] == workload and r["repeat"] == repeat]
         must_reach = max((p["rate_rps"] for r in same for p in r["points"]
-                          if p["meets_slo"] and p["phase"] == "grid" and not p.get("client_bound")),
+                          if p["meets_slo"] and p["phase"] == "grid" and not recorded_beyond_reach(p)),
                          default=0.0)  # fmt: skip
         compare = []
         if workload == NEVER_WORSE:
+            reference = reference_for(name, [name, *(r["config"] for r in same)])
             compare = [
-                p["rate_rps"] for r in same if r["config"] == REFERENCE for p in r["points"] if p["meets_slo"]
+                p["rate_rps"] for r in same if r["config"] == reference for p in r["points"] if p["meets_slo"]
             ]
         print(f"[{name}] {workload} repeat {repeat}: grid from {search.grid[0]:g} req/s"
               f"{f', at least to {must_reach:g}' if must_reach else ''}", flush=True)  # fmt: skip
@@ -430,19 +456,40 @@ def summary_rows(records: list[dict[str, Any]], configs: list[str]) -> list[dict
                 medians[config] = statistics.median(values)
                 row[config] = f"{medians[config]:.4g} ({', '.join(f'{v:.4g}' for v in values)})"
         for config in configs:
-            if config != REFERENCE and config in medians and medians.get(REFERENCE):
-                row[f"{config} / {REFERENCE}"] = medians[config] / medians[REFERENCE]
+            reference = reference_for(config, configs)
+            if reference is not None and config in medians and medians.get(reference):
+                row[f"{config} / {reference}"] = medians[config] / medians[reference]
         rows.append(row)
     return rows
+
+
+def reference_for(config: str, configs: Sequence[str]) -> str | None:
+    """The configuration `config` is compared with: the baseline of the same layout or variant
+    among `configs` (relay-2p-mps against baseline-2p-mps, relay-edf against baseline-edf: the
+    baseline whose name after "baseline" ends `config`'s, the longest such), else the plain
+    baseline; a baseline's variant is compared with the plain baseline (a layout's ratio); None
+    for the plain baseline, or when no baseline ran."""
+    if config == REFERENCE:
+        return None
+    if config.startswith(REFERENCE):
+        return REFERENCE if REFERENCE in configs else None
+    matching = [c for c in configs if c.startswith(REFERENCE) and config.endswith(c[len(REFERENCE) :])]
+    return max(matching, key=len, default=None)
+
+
+def reference_columns(configs: Sequence[str]) -> list[str]:
+    """The ratio columns of the summary: each configuration over its reference (reference_for)."""
+    return [f"{c} / {ref}" for c in configs if (ref := reference_for(c, configs)) is not None]
 
 
 def never_worse_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For every rate at which the reference met the SLO on the never-worse workload: each other
     configuration's P99 at that rate (same repeat) beside the reference's, and their ratio."""
     rows = []
-    for ref in (r for r in records if r["workload"] == NEVER_WORSE and r["config"] == REFERENCE):
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    for ref in (r for r in records if r["workload"] == NEVER_WORSE and r["config"].startswith(REFERENCE)):
         others = [r for r in records if r["workload"] == NEVER_WORSE and r["repeat"] == ref["repeat"]
-                  and r["config"] != REFERENCE]  # fmt: skip
+                  and reference_for(r["config"], configs) == ref["config"]]  # fmt: skip
         for p in sorted((p for p in ref["points"] if p["meets_slo"]), key=lambda p: p["rate_rps"]):
             for other in others:
                 twin = next((q for q in other["points"]
@@ -451,6 +498,7 @@ def never_worse_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 rows.append({
                     "repeat": ref["repeat"],
                     "rate_rps": p["rate_rps"],
+                    "reference": ref["config"],
                     f"{REFERENCE}_p99_ms": p["p99_ms"],
                     "config": other["config"],
                     "p99_ms": twin["p99_ms"] if twin is not None else "not measured",
@@ -503,15 +551,32 @@ def write_report(records: list[dict[str, Any]], run_config: dict[str, Any], args
     header = (f"SLO {args.slo_ms:g} ms, preset {args.preset}, {args.rankers} ranker(s); {session}; each point "
               f">= {args.min_duration_s:g} s and >= {args.min_calls} calls; limits bisected to "
               f"{args.precision:.0%}.\n\n## Goodput (req/s): median (every repeat)\n\n"
-              + markdown_table(summary_rows(records, configs), ["workload", *configs,
-                               *[f"{c} / {REFERENCE}" for c in configs if c != REFERENCE]])
+              + markdown_table(summary_rows(records, configs), ["workload", *configs, *reference_columns(configs)])
               + "\n## Every search\n\n")  # fmt: skip
     footer = ""
     rows = never_worse_rows(records)
     if any(r["workload"] == NEVER_WORSE for r in records):
-        columns = ["repeat", "rate_rps", f"{REFERENCE}_p99_ms", "config", "p99_ms", "ratio", "not_worse"]
-        table = markdown_table(rows, columns) if rows else f"{REFERENCE} met the SLO at no rate.\n"
-        footer = f"\n## Never worse ({NEVER_WORSE}): every rate at which {REFERENCE} meets the SLO\n\n{table}"
+        columns = [
+            "repeat",
+            "rate_rps",
+            "reference",
+            f"{REFERENCE}_p99_ms",
+            "config",
+            "p99_ms",
+            "ratio",
+            "not_worse",
+        ]
+        references = [c for c in configs if c.startswith(REFERENCE)]
+        if rows:
+            table = markdown_table(rows, columns)
+        elif references:
+            table = f"{', '.join(references)} met the SLO at no rate beside another configuration.\n"
+        else:
+            table = f"no {REFERENCE} ran: nothing to compare with.\n"
+        footer = (
+            f"\n## Never worse ({NEVER_WORSE}): every rate at which a {REFERENCE} meets the SLO, beside the "
+            f"configurations compared with it\n\n{table}"
+        )
     json_path, md_path = write_result("goodput", run_config, records,
                                       ["config", "workload", "repeat", "goodput_rps", "first_miss_rps", "censored",
                                        "client_bound_rps", "met_above_miss_rps", "incomplete"],

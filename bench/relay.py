@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 def save_logs(stack: Stack, directory: Path, config: str) -> None:
     """Every service's log records so far, one JSON line each: <config>-<service>.jsonl."""
     directory.mkdir(parents=True, exist_ok=True)
-    for proc in stack.processes:
+    for proc in [*stack.retired, *stack.processes]:  # a respawned service's first process too
         lines = [orjson.dumps(record).decode() for record in proc.records()]
         (directory / f"{config}-{proc.name}.jsonl").write_text("".join(f"{line}\n" for line in lines))
 

@@ -18,6 +18,7 @@ The switches of StackConfig are the benchmark's configurations:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import signal
@@ -120,6 +121,8 @@ class Stack:
         self.broker: EmbeddedBroker | None = None
         self.bootstrap = config.kafka_bootstrap
         self.processes: list[ServiceProcess] = []
+        self.retired: list[ServiceProcess] = []  # stopped by respawn(); their logs are kept
+        self._spawned: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {}  # name: how it was started
         self.rankers: list[ServiceProcess] = []
         self.ranker_targets: list[str] = []
         self.ranker_metrics_ports: list[int] = []
@@ -213,26 +216,34 @@ class Stack:
         at 120k; an H200 mix search's trigger saw its event lag reach 881 ms, k15a).
 
         Returns once the trigger and the router read the new broker: each is sent a malformed
-        record (dead-lettered, counted) and must count it within `confirm_s`, else the broker is
-        renewed again, `attempts` times in all (then RuntimeError, naming the services behind and
-        their last log lines). Their consumers rejoin within ~1.5 s as a rule; about one renewal
-        in ten on the build machine left a consumer's SyncGroup unanswered until its request
-        timed out, which this stack's services have at EMBEDDED_REQUEST_TIMEOUT_MS, and one CI
-        run saw a consumer still behind after 15 s. Call it from the thread that
-        started the stack. False, with nothing done, where the stack uses an external broker."""
+        record (dead-lettered, counted) and must count it within `confirm_s`. A service behind is
+        restarted (respawn: same ports), and the check made again, `attempts` checks in all (then
+        RuntimeError, naming the services behind and their last log lines). Their consumers
+        rejoin within ~1.5 s as a rule; about one renewal in ten on the build machine left a
+        consumer's SyncGroup unanswered until its request timed out, which this stack's services
+        have at EMBEDDED_REQUEST_TIMEOUT_MS. On an H200 host (k16e, 2026-11-30) a trigger that
+        missed one renewal missed every later one, the broker renewed twice each time (its fetches
+        to the new broker failing with the connection closed): renewing the broker again does not
+        bring such a consumer back, a fresh process does. Call it from the thread that started
+        the stack. False, with nothing done, where the stack uses an external broker."""
         if self.broker is None:
             return False
+        # Killed, not drained: with clients connected Tansu takes its whole grace period (5 s) to
+        # stop on SIGTERM, and a memory-only broker has nothing to keep.
+        self.restart_broker(down_s=0.0, stop_timeout_s=0.2)
+        await ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics())
         for attempt in range(attempts):
-            # Killed, not drained: with clients connected Tansu takes its whole grace period
-            # (5 s) to stop on SIGTERM, and a memory-only broker has nothing to keep.
-            self.restart_broker(down_s=0.0, stop_timeout_s=0.2)
-            await ensure_topics(KafkaSettings(bootstrap=self.bootstrap), self._topics())
             behind = await self._consumers_behind(confirm_s)
             if not behind:
                 return True
             if attempt + 1 < attempts:
                 print(f"relaygr: {', '.join(p.name for p in behind)} did not read the renewed broker within "
-                      f"{confirm_s:g} s; renewing it again", file=sys.stderr, flush=True)  # fmt: skip
+                      f"{confirm_s:g} s; restarting them", file=sys.stderr, flush=True)  # fmt: skip
+                for process in behind:
+                    # On this thread, not a worker's: a child asks for SIGTERM when the thread
+                    # that started it ends (shared/lifecycle.py), and an executor's threads end
+                    # with the event loop.
+                    self.respawn(process)
         said = "; ".join(f"{p.name}: {' | '.join(str(r.get('raw') or r.get('event')) for r in p.records()[-6:])}"
                          for p in behind)  # fmt: skip
         raise RuntimeError(f"{', '.join(p.name for p in behind)} did not read the renewed broker within "
@@ -247,10 +258,15 @@ class Stack:
         ) if p is not None]  # fmt: skip
         ports = [int(p.wait_event(ready)["metrics_port"]) for p, _, _, ready in readers]
 
+        async def count(p: ServiceProcess, port: int, counter: str) -> float:
+            try:
+                return await asyncio.to_thread(p.metric, port, counter, 2.0)
+            except OSError:  # not answering (frozen, or gone): it counts as behind
+                return math.nan
+
         async def counts() -> list[float]:
             return [
-                await asyncio.to_thread(p.metric, port, counter)
-                for (p, _, counter, _), port in zip(readers, ports, strict=True)
+                await count(p, port, counter) for (p, _, counter, _), port in zip(readers, ports, strict=True)
             ]
 
         before = await counts()
@@ -264,7 +280,9 @@ class Stack:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             now = await counts()
-            behind = [p for (p, _, _, _), n, b in zip(readers, now, before, strict=True) if n <= b]
+            behind = [
+                p for (p, _, _, _), n, b in zip(readers, now, before, strict=True) if not n > b
+            ]  # NaN: behind
             if not behind:
                 return []
             await asyncio.sleep(0.1)
@@ -312,7 +330,31 @@ class Stack:
 
         process = ServiceProcess(module, *args, env=env, echo=echo, name=name)
         self.processes.append(process)
+        self._spawned[name] = (module, env, args)
         return process
+
+    def respawn(self, process: ServiceProcess) -> ServiceProcess:
+        """Stops the trigger or the router and starts it again with the same arguments, on the
+        same gRPC and metrics ports (clients and scrapers keep their addresses): a consumer that
+        did not come back to a renewed broker (renew_broker) starts afresh. Its old log records
+        stay in `retired`, under the name "<name>-retired-<n>"."""
+        ready = {"trigger": "trigger_ready", "router": "router_ready"}.get(process.name)
+        if ready is None or process.name not in self._spawned:
+            raise ValueError(f"only the trigger and the router are respawned, not {process.name}")
+        first = process.wait_event(ready)
+        module, env, args = self._spawned[process.name]
+        pinned = ["--metrics-port", str(first["metrics_port"])]
+        if process.name == "router":
+            pinned += ["--port", str(self.router_port)]
+        process.stop(5.0)
+        self.processes.remove(process)
+        name = process.name
+        process.name = f"{name}-retired-{sum(1 for p in self.retired if p.name.startswith(name)) + 1}"
+        self.retired.append(process)
+        fresh = self._spawn(name, module, env, *args, *pinned)  # later flags win
+        fresh.wait_event(ready, self.config.startup_timeout_s)
+        setattr(self, name, fresh)
+        return fresh
 
     def alive(self) -> Iterator[ServiceProcess]:
         return (p for p in self.processes if p.proc.poll() is None)

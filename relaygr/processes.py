@@ -93,9 +93,9 @@ class ServiceProcess:
             except ValueError:
                 self.log.append({"raw": line.rstrip()})
 
-    def metric(self, port: int, name: str) -> float:
+    def metric(self, port: int, name: str, timeout_s: float = 5.0) -> float:
         """Sum of a Prometheus metric's samples (all label sets) from the process's /metrics."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s).read().decode()
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name) and not line.startswith("#"):

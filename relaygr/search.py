@@ -19,6 +19,7 @@ __all__ = [
     "SearchConfig",
     "SearchResult",
     "find_limit",
+    "recorded_beyond_reach",
     "recorded_client_bound",
 ]
 CLIENT_LAG_BOUND_MS = 10.0  # bench.goodput's default --client-lag-bound-ms
@@ -35,6 +36,17 @@ class Point:
     # The load generator fell behind its schedule: the point measured the client, not the system,
     # and says nothing of the system's limit at this rate (a miss here is not the system's).
     client_bound: bool = False
+    # The stack was broken when the point ran (bench.goodput: a service did not come back after
+    # the broker was renewed, so the relay ran without its trigger or router): the point says
+    # nothing of the configuration either, and nothing after it can be trusted (H200, k16e: the
+    # relay's trigger lost the renewed broker after its overload point, and the bisection's
+    # three points ran without pre-inference).
+    stack_broken: bool = False
+
+    @property
+    def beyond_reach(self) -> bool:
+        """The point measured something other than the configuration: no miss, no met rate."""
+        return self.client_bound or self.stack_broken
 
 
 def recorded_client_bound(record: dict[str, Any], bound_ms: float = CLIENT_LAG_BOUND_MS) -> bool:
@@ -43,6 +55,12 @@ def recorded_client_bound(record: dict[str, Any], bound_ms: float = CLIENT_LAG_B
     if "client_bound" in record:
         return bool(record["client_bound"])
     return float(record.get("lag_ms_p99", 0.0)) > bound_ms
+
+
+def recorded_beyond_reach(record: dict[str, Any], bound_ms: float = CLIENT_LAG_BOUND_MS) -> bool:
+    """Whether a goodput file's point measured something other than its configuration: the load
+    generator (recorded_client_bound) or a broken stack (`stack_broken`)."""
+    return recorded_client_bound(record, bound_ms) or bool(record.get("stack_broken", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +102,7 @@ class SearchConfig:
 class SearchResult:
     goodput_rps: float  # the highest rate that met below the first miss (0: none met)
     first_miss_rps: float | None  # None only when censored
-    censored: bool  # the limit is above goodput_rps: the cap met, or the load generator fell behind
+    censored: bool  # the limit is above goodput_rps: the cap met, the load generator fell behind, or the stack broke
     points: list[tuple[str, Point]]  # (phase, point) in measurement order
     # The lowest rate the load generator could not offer on time (censored then: the search
     # stopped there, and the system's limit lies somewhere above goodput_rps).
@@ -93,6 +111,8 @@ class SearchResult:
     # miss that a higher rate did not repeat, so the run's spread, not the system's cost,
     # decided it (H200, k14c: the relay missed 200 req/s and met 250).
     met_above_miss_rps: float | None = None
+    # The lowest rate measured with the stack broken (censored then, as for the client).
+    stack_broken_rps: float | None = None
 
 
 class LimitSearch:
@@ -122,6 +142,7 @@ class LimitSearch:
         self._lo = 0.0
         self._hi: float | None = None
         self._client_bound: float | None = None
+        self._stack_broken: float | None = None
 
     def next_rate(self) -> float | None:
         """The next rate to measure, or None when the search is over."""
@@ -138,7 +159,7 @@ class LimitSearch:
         if self._next is not None:
             raise RuntimeError("the search is not over")
         above = [p.rate_rps for _, p in self._points
-                 if p.meets_slo and not p.client_bound and self._hi is not None and p.rate_rps > self._hi]  # fmt: skip
+                 if p.meets_slo and not p.beyond_reach and self._hi is not None and p.rate_rps > self._hi]  # fmt: skip
         return SearchResult(
             self._lo,
             self._hi,
@@ -146,6 +167,7 @@ class LimitSearch:
             list(self._points),
             self._client_bound,
             max(above, default=None),
+            self._stack_broken,
         )
 
     def bounds(self) -> tuple[float, float | None]:
@@ -154,13 +176,18 @@ class LimitSearch:
         misses = self._misses()
         hi = min(misses) if misses else None
         met = [p.rate_rps for _, p in self._points
-               if p.meets_slo and not p.client_bound and (hi is None or p.rate_rps < hi)]  # fmt: skip
+               if p.meets_slo and not p.beyond_reach and (hi is None or p.rate_rps < hi)]  # fmt: skip
         return max(met, default=0.0), hi
 
     @property
     def client_bound_rps(self) -> float | None:
         """The lowest rate the load generator fell behind at so far (None: none)."""
         return self._client_bound
+
+    @property
+    def stack_broken_rps(self) -> float | None:
+        """The lowest rate measured with the stack broken so far (None: none)."""
+        return self._stack_broken
 
     def points(self) -> list[tuple[str, Point]]:
         """(phase, point) measured so far."""
@@ -176,19 +203,22 @@ class LimitSearch:
         return [
             p.rate_rps
             for phase, p in self._points
-            if phase != "compare" and not p.meets_slo and not p.client_bound
+            if phase != "compare" and not p.meets_slo and not p.beyond_reach
         ]
 
     def _met_below(self, rate: float) -> float:
         return max(
-            (p.rate_rps for _, p in self._points if p.meets_slo and not p.client_bound and p.rate_rps < rate),
+            (p.rate_rps for _, p in self._points if p.meets_slo and not p.beyond_reach and p.rate_rps < rate),
             default=0.0,
         )
 
     def _advance(self, point: Point) -> float | None:
-        if point.client_bound:
+        if point.beyond_reach:
             rate = point.rate_rps
-            self._client_bound = rate if self._client_bound is None else min(self._client_bound, rate)
+            if point.client_bound:
+                self._client_bound = rate if self._client_bound is None else min(self._client_bound, rate)
+            else:
+                self._stack_broken = rate if self._stack_broken is None else min(self._stack_broken, rate)
             if self._phase != "compare":
                 return self._client_ceiling(rate)
         if self._phase == "grid":
@@ -217,7 +247,8 @@ class LimitSearch:
         return self._compare_next()
 
     def _client_ceiling(self, rate: float) -> float | None:
-        """The load generator could not offer `rate`: nothing at or above it can be measured."""
+        """The load generator could not offer `rate`, or the stack broke there: nothing at or
+        above it can be measured."""
         misses = [m for m in self._misses() if m < rate]
         if misses:  # a real miss below the ceiling bounds the limit: bisect up to it
             return self._start_bisect()

@@ -79,7 +79,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from relaygr.compressed import open_text
-from relaygr.search import Point, SearchConfig, find_limit, recorded_client_bound
+from relaygr.search import Point, SearchConfig, find_limit, recorded_beyond_reach
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
@@ -290,7 +290,7 @@ def met_files(result: dict[str, Any], config: str, workload: str, files: Sequenc
         for r in result["results"]
         if r["config"] == config and r["workload"] == workload
         for p in r["points"]
-        if p["meets_slo"] and not recorded_client_bound(p)
+        if p["meets_slo"] and not recorded_beyond_reach(p)
     }
     out = []
     for f in files:
@@ -1356,7 +1356,9 @@ def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[
         if r["config"] != config or r["workload"] != workload:
             continue
         for p in r["points"]:
-            if recorded_client_bound(p):  # the load generator's point, not the stack's
+            if recorded_beyond_reach(
+                p
+            ):  # the load generator's point, or a broken stack's: not the configuration's
                 continue
             if p["meets_slo"]:
                 met = max(met, float(p["rate_rps"]))

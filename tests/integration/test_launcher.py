@@ -287,6 +287,53 @@ def test_a_renewed_broker_is_empty_has_the_stacks_topics_and_the_services_use_it
         asyncio.run(_renewed_broker_serves(stack))
 
 
+def test_a_service_that_does_not_read_the_renewed_broker_is_restarted_on_its_ports():
+    # As the H200's trigger in k16e: after one renewal it never read the broker again. Here the
+    # trigger is frozen (SIGSTOP) across a renewal: renew_broker restarts it on the same metrics
+    # port, keeps the first process's log, and the stack ranks and decides as before.
+    with Stack(StackConfig(rankers=1)) as stack:
+        assert stack.trigger is not None
+        frozen = stack.trigger
+        metrics_port = int(frozen.wait_event("trigger_ready")["metrics_port"])
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            assert asyncio.run(stack.renew_broker(confirm_s=4.0)) is True
+        finally:
+            if frozen.proc.poll() is None:
+                os.kill(frozen.proc.pid, signal.SIGCONT)
+        assert stack.trigger is not frozen
+        assert frozen.proc.poll() is not None  # stopped, not left behind
+        assert [p.name for p in stack.retired] == ["trigger-retired-1"]
+        assert frozen not in stack.processes
+        assert stack.trigger in stack.processes
+        assert int(stack.trigger.wait_event("trigger_ready")["metrics_port"]) == metrics_port
+        assert any(r.get("event") == "trigger_ready" for r in frozen.records())  # its log kept
+        # The router, respawned by hand, keeps the address its clients were given.
+        assert stack.router is not None
+        router_port = stack.router_port
+        stack.respawn(stack.router)
+        assert int(stack.router.wait_event("router_ready")["port"]) == router_port
+        with pytest.raises(ValueError, match="only the trigger and the router"):
+            stack.respawn(stack.rankers[0])
+
+        async def after() -> None:
+            before = await _dead_letters(stack)
+            producer = make_producer(KafkaSettings(bootstrap=stack.bootstrap))
+            await producer.start()
+            try:
+                await producer.send_and_wait(RETRIEVAL_TOPIC, b"not an event", key=b"2")
+            finally:
+                await producer.stop()
+
+            async def decided() -> bool:
+                return await _dead_letters(stack) > before
+
+            await eventually(decided, "the restarted trigger reads the renewed broker", bound_s=60)
+            await _ranks_through_the_router(stack, "respawned")
+
+        asyncio.run(after())
+
+
 def test_a_stack_on_an_external_broker_is_not_renewed():
     stack = Stack(StackConfig(rankers=1, kafka_bootstrap="127.0.0.1:1"))
     assert asyncio.run(stack.renew_broker()) is False

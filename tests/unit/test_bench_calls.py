@@ -171,6 +171,9 @@ def test_paired_calls_are_compared_with_themselves_and_the_worst_windows_name_wh
     assert windows[0]["took_over"] == [11795]
     assert windows[0]["psi_ahead"] == 1
     assert calls.paired("x", relay, [])[1] == []  # nothing in common: no windows
+    # Two calls on psi stamped at the same instant (records rounded to the millisecond).
+    relay[31] = c(31, 1.5, 6.0, "hbm_hit", 0)
+    assert calls.paired("relay", relay, reference, window_s=0.1, lead_s=0.25, top=2)[0]["paired_calls"] == 40
 
 
 def test_against_reads_the_reference_and_prints_the_paired_tables(tmp_path, capsys):

@@ -10,16 +10,18 @@ import random
 import pytest
 
 from bench.goodput import (
+    censored_note,
     incomplete_record,
     never_worse_rows,
     parse_args,
     plan,
     point_config,
+    reference_for,
     repeat_seed,
     summary_rows,
     workload_config,
 )
-from relaygr.search import LimitSearch, Point, SearchConfig, find_limit
+from relaygr.search import LimitSearch, Point, SearchConfig, find_limit, recorded_beyond_reach
 from relaygr.workload import WorkloadConfig, generate
 
 SLO = 50.0
@@ -148,6 +150,30 @@ def test_a_client_bound_point_in_the_bisection_censors_at_the_highest_met_below_
     assert result.client_bound_rps == 120
     assert result.goodput_rps == 80
     assert [p.rate_rps for _, p in result.points] == [10, 20, 40, 80, 160, 120]
+
+
+def test_a_point_on_a_broken_stack_ends_the_search_censored_at_the_highest_met_below_it():
+    """As k16e's relay at L16384 (H200): met 33.75, missed 50.6, then its trigger lost the
+    renewed broker and the bisection's 42.2 ran without pre-inference. That point is no miss of
+    the relay's, and nothing after it can be trusted: the limit is >= 33.75, censored."""
+    system = curve(45)
+
+    def measure(rate: float) -> Point:
+        if rate == 60:
+            return Point(rate, 77.5, False, {"stack_broken": True}, stack_broken=True)
+        return system(rate)
+
+    result = find_limit(measure, GRID)
+    assert result.censored
+    assert result.first_miss_rps is None
+    assert result.stack_broken_rps == 60
+    assert result.client_bound_rps is None
+    assert result.goodput_rps == 40
+    assert [p.rate_rps for _, p in result.points] == [10, 20, 40, 80, 60]
+    assert recorded_beyond_reach({"stack_broken": True, "lag_ms_p99": 1.0})
+    assert recorded_beyond_reach({"client_bound": True})
+    assert not recorded_beyond_reach({"client_bound": False, "stack_broken": False})
+    assert censored_note(result) == " (CENSORED: the stack was broken at 60 req/s)"
 
 
 def test_a_real_miss_below_the_client_ceiling_still_bisects_the_limit():
@@ -294,6 +320,29 @@ def test_never_worse_rows_set_every_rate_the_baseline_met_beside_the_relay():
     assert [(r["rate_rps"], r["p99_ms"]) for r in rows] == [(10, 21.0), (20, "not measured")]
     assert math.isclose(rows[0]["ratio"], 21.0 / 20.0)
     assert rows[0]["not_worse"] is True
+
+
+def test_each_configuration_is_compared_with_the_baseline_of_its_layout():
+    configs = ["baseline", "baseline-2p-mps", "relay", "relay-2p-mps", "relay-nospare-2p-mps", "relay-edf"]
+    assert reference_for("relay-2p-mps", configs) == "baseline-2p-mps"
+    assert reference_for("relay-nospare-2p-mps", configs) == "baseline-2p-mps"
+    assert reference_for("relay", configs) == "baseline"
+    assert reference_for("relay-edf", configs) == "baseline"  # no baseline-edf ran
+    assert reference_for("baseline-2p-mps", configs) == "baseline"  # the layout's own ratio
+    assert reference_for("baseline", configs) is None
+    assert reference_for("relay-2p-mps", ["relay-2p-mps"]) is None  # nothing to compare with
+    assert reference_for("baseline-2p-mps", ["baseline-2p-mps", "relay-2p-mps"]) is None
+    records = [
+        _record("baseline-2p-mps", 0, 20, [(10, 20.0), (20, 40.0), (40, 80.0)]),
+        _record("relay-2p-mps", 0, 20, [(10, 21.0), (20, 60.0), (40, 80.0)]),
+    ]
+    (row,) = summary_rows(records, ["baseline-2p-mps", "relay-2p-mps"])
+    assert row["relay-2p-mps / baseline-2p-mps"] == pytest.approx(1.0)
+    rows = never_worse_rows(records)
+    assert [(r["reference"], r["config"], r["rate_rps"], r["not_worse"]) for r in rows] == [
+        ("baseline-2p-mps", "relay-2p-mps", 10, True),
+        ("baseline-2p-mps", "relay-2p-mps", 20, False),
+    ]
 
 
 def test_summary_gives_the_median_over_repeats_and_the_ratio():
