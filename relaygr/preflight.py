@@ -81,17 +81,19 @@ def service_configs(config: StackConfig, env: Mapping[str, str] | None = None) -
     return ServiceConfigs(tuple(rankers), router, trigger, expander)
 
 
-def check_devices(device: str, count: int) -> None:
-    """With device "cuda", ranker i runs on GPU i: `count` GPUs must be visible. Imports torch
-    only then (a second or two). Raises ConfigError."""
+def check_devices(device: str, count: int, per_device: int = 1) -> None:
+    """With device "cuda", ranker i runs on GPU i // per_device: the GPUs `count` rankers need
+    must be visible. Imports torch only then (a second or two). Raises ConfigError."""
     if device != "cuda":
         return
     from kernels.device import visible_devices
 
+    needed = -(-count // per_device)
     visible = visible_devices("cuda")
-    if visible < count:
+    if visible < needed:
+        layout = "GPU i" if per_device == 1 else f"GPU i // {per_device}"
         raise ConfigError(
-            f"--device cuda runs ranker i on GPU i: {count} ranker(s) need {count} GPU(s), torch sees {visible}"
+            f"--device cuda runs ranker i on {layout}: {count} ranker(s) need {needed} GPU(s), torch sees {visible}"
         )
 
 
@@ -103,5 +105,5 @@ def check_stack(config: StackConfig, env: Mapping[str, str] | None = None) -> Se
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     configs = service_configs(config, env)
-    check_devices(config.device, config.rankers)
+    check_devices(config.device, config.rankers, config.rankers_per_device)
     return configs

@@ -66,6 +66,9 @@ UP_CASES = [
     (["--preset", "bogus"], "bench"),  # the presets are listed
     (["--device", "tpu"], "cuda"),
     (["--device", "cuda", "--rankers", "4096"], "GPU"),  # more rankers than GPUs, anywhere
+    (["--device", "cuda", "--rankers", "4096", "--rankers-per-gpu", "2"], "2048 GPU"),
+    (["--rankers-per-gpu", "0"], "--rankers-per-gpu"),
+    (["--mps"], "mps is for rankers on CUDA devices"),
     (["--policy", "sometimes"], "--policy"),
     (["--placement", "random"], "--placement"),
     (["--placement", "round_robin", "--rankers", "1"], "round_robin"),
