@@ -74,6 +74,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The host-tier arena at 24 GiB whatever --arena-gb says: beside `relay` in one run, whether
     # pinning most of the host's memory (80 of 128 GiB on the H100 machines) stalls the host.
     "relay-arena24": {"arena_gb": 24.0},
+    # The host-tier arena at 100 GiB: at L16384 on an H200 (k16e, 2026-11-30) HBM was full at
+    # 33.75 req/s (115 GB, 512 MiB a user), the 48 GiB arena held ~96 users' psi, and the demotion
+    # gate skipped 329 of 369 evictions (too few reloads to pay): whether a DRAM tier that holds
+    # the working set moves the relay's limit. Beside `relay` on a two-GPU host (251 GiB).
+    "relay-arena100": {"arena_gb": 100.0},
     # The ranker's GIL switch interval at 0.1 ms (default 0.05): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
     "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
