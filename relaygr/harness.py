@@ -15,6 +15,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -453,6 +454,21 @@ async def expander_counters(stack: Stack) -> dict[str, float]:
     }
 
 
+async def scrape_signal_path(port: int, service: str) -> dict[str, float]:
+    """The trigger's or the router's /metrics; {} (said once per call) when it does not answer:
+    such a service is behind, and the next broker renewal restarts it (Stack.renew_broker). A
+    frozen trigger's scrape timing out had ended a whole benchmark run (build machine, SIGSTOP)."""
+    try:
+        return await asyncio.to_thread(scrape_metrics, port, timeout_s=2.0)
+    except OSError as exc:
+        print(
+            f"relaygr: the {service}'s metrics (port {port}) did not answer: {exc!r}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {}
+
+
 _TRIGGER_COUNTER = re.compile(r'relaygr_trigger_(decisions|admitted)_total\{(?:reason|ground)="(\w+)"\}')
 
 
@@ -464,7 +480,7 @@ async def trigger_counters(stack: Stack) -> dict[str, float]:
         return {}
     port = int(stack.trigger.wait_event("trigger_ready")["metrics_port"])
     out: dict[str, float] = {}
-    samples = await asyncio.to_thread(scrape_metrics, port)
+    samples = await scrape_signal_path(port, "trigger")
     for key, value in samples.items():
         match = _TRIGGER_COUNTER.fullmatch(key)
         if match:
@@ -502,7 +518,10 @@ async def stall_counters(stack: Stack) -> dict[str, float]:
     out: dict[str, float] = collections.defaultdict(float)
     for kind, port in ports:
         if port is not None:
-            samples = await asyncio.to_thread(scrape_metrics, port)
+            if kind in ("trigger", "router"):
+                samples = await scrape_signal_path(port, kind)
+            else:
+                samples = await asyncio.to_thread(scrape_metrics, port)
             out[f"host_stalls_over_20ms_{kind}"] += _observed_over(
                 samples, "relaygr_host_stall_seconds", "0.02"
             )
@@ -522,7 +541,7 @@ async def signal_path_total(stack: Stack) -> float:
     )
     port = _metrics_port(stack.router, "router_ready")
     if port is not None:
-        samples = await asyncio.to_thread(scrape_metrics, port)
+        samples = await scrape_signal_path(port, "router")
         total += sum(v for k, v in samples.items() if k.startswith("relaygr_router_signals_total{"))
     return total
 

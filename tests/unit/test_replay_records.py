@@ -212,3 +212,18 @@ async def test_the_replay_times_its_own_garbage_collections_and_stops_after():
     summary = result.summary(1000.0)
     assert 0.0 < summary["client_gc_pause_ms_max"] <= summary["client_gc_pause_ms_total"]
     assert len(gc.callbacks) == callbacks  # the replay's timer is gone with it
+
+
+def test_a_signal_path_service_that_does_not_answer_its_metrics_reads_as_empty(capsys):
+    # A frozen trigger's scrape timed out and ended a whole benchmark run; now it reads as {}
+    # (behind), said on stderr, and the next broker renewal restarts it.
+    import asyncio
+    import socket
+
+    from relaygr.harness import scrape_signal_path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: refused
+        assert asyncio.run(scrape_signal_path(port, "trigger")) == {}
+    assert f"the trigger's metrics (port {port}) did not answer" in capsys.readouterr().err
