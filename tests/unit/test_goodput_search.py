@@ -430,3 +430,38 @@ def test_a_search_record_carries_what_the_capacity_model_needs_of_its_stack():
         "ranker_step_costs": {},
         "trigger_settings": {},
     }
+
+
+class _RenewalFails:
+    """A stack whose broker renewal leaves a service behind (Stack.renew_broker raises)."""
+
+    def __init__(self, trigger_policy: str) -> None:
+        self.config = type("Config", (), {"trigger_policy": trigger_policy})()
+
+    async def renew_broker(self) -> bool:
+        raise RuntimeError("trigger did not read the renewed broker within 15 s, 2 times")
+
+
+@pytest.mark.parametrize(("policy", "broken"), [("sequence", True), ("off", False)])
+def test_a_renewal_that_leaves_the_signal_path_behind_breaks_only_a_configuration_that_uses_it(
+    monkeypatch, policy, broken
+):
+    # A relay measured without its trigger is no measurement of the relay (k16e); the baseline's
+    # calls never touch Kafka, so its point stands.
+    import asyncio
+    import collections
+
+    from bench import goodput
+    from relaygr import harness
+
+    async def fake_point(*_args, **_kwargs) -> harness.Point:
+        summary = collections.defaultdict(float, {"meets_slo": True, "p99_ms": 20.0, "client_bound": False})
+        return harness.Point("rate", 10.0, summary, collections.defaultdict(float), 0.0)
+
+    monkeypatch.setattr(goodput, "run_point", fake_point)
+    args = parse_args(["--configs", "relay"])
+    runner = goodput.Runner(_RenewalFails(policy), args, label="relay")  # type: ignore[arg-type]
+    point = asyncio.run(runner.measure(workload_config("L4096", WorkloadConfig()), 10.0))
+    assert point.stack_broken is broken
+    assert point.record["stack_broken"] is broken
+    assert ("stack_broken_reason" in point.record) is broken
