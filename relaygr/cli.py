@@ -108,6 +108,8 @@ def _up(args: argparse.Namespace) -> int:
     from relaygr.launcher import StackConfig, run_until_interrupted
     from relaygr.preflight import check_stack, one_line
 
+    if args.rankers_per_gpu > 1 and args.device != "cuda":
+        fail("--rankers-per-gpu places ranker processes on GPUs: it needs --device cuda")
     config = StackConfig(
         rankers=args.rankers,
         device=args.device,

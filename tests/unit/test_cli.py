@@ -68,6 +68,7 @@ UP_CASES = [
     (["--device", "cuda", "--rankers", "4096"], "GPU"),  # more rankers than GPUs, anywhere
     (["--device", "cuda", "--rankers", "4096", "--rankers-per-gpu", "2"], "2048 GPU"),
     (["--rankers-per-gpu", "0"], "--rankers-per-gpu"),
+    (["--rankers-per-gpu", "2"], "needs --device cuda"),
     (["--mps"], "mps is for rankers on CUDA devices"),
     (["--policy", "sometimes"], "--policy"),
     (["--placement", "random"], "--placement"),
