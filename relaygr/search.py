@@ -220,7 +220,7 @@ class LimitSearch:
             else:
                 self._stack_broken = rate if self._stack_broken is None else min(self._stack_broken, rate)
             if self._phase != "compare":
-                return self._client_ceiling(rate)
+                return self._ceiling(rate)
         if self._phase == "grid":
             i = len([1 for phase, _ in self._points if phase == "grid"])
             missed = bool(self._misses())
@@ -246,7 +246,7 @@ class LimitSearch:
             return self._bisect_next()
         return self._compare_next()
 
-    def _client_ceiling(self, rate: float) -> float | None:
+    def _ceiling(self, rate: float) -> float | None:
         """The load generator could not offer `rate`, or the stack broke there: nothing at or
         above it can be measured."""
         misses = [m for m in self._misses() if m < rate]
