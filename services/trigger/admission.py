@@ -82,14 +82,24 @@ Why the spare term weighs waits: "idle" device time is idle only on average. A p
 step, once launched, is not preempted: every ranking call that arrives during it waits for the
 rest of it (the ranker counts them: relaygr_ranker_preinfer_held_calls). At a call rate lam and a
 pre-inference of d ms those waits add up to about lam x d^2 / 2 (lam d calls, d / 2 each), and
-they fall on calls the pre-inference does nothing for, which make the P99. The saving is one
-call's: full - cached. On the length mix on an H200 (k14b, relay at 300 req/s) the spare term
-pre-inferred 37 of the mix's longest prefixes a point (13.3 ms of device time each) for ~8 ms
-saved each, and their steps held 128 calls for 0.7 s in all (~19 ms a psi; lam d^2 / 2 = 27):
-the relay's P99 was 37.7 ms where the baseline's was 18.0. At 16384 tokens and ~35 req/s the
-same test gives ~7 ms of waits against ~16.5 saved, at 8192 tokens and ~90 req/s ~4 against 6-7:
-admitted there as before. d is the pre-inference's whole planned time (its steps' waits are
-smaller where it is built in several: the test errs towards refusing).
+they fall on calls the pre-inference does nothing for, which make the P99. Turned away, the
+call does not vanish: its full ranking of f ms runs on the critical path, as unpreempted, and
+holds the calls behind it lam x f^2 / 2 just the same. So the saving is the call's own (f - c,
+c the call against psi) plus lam x (f^2 - c^2) / 2 of others' waits, against lam x d^2 / 2. On the
+length mix on an H200 (k14b, relay at 300 req/s) the spare term pre-inferred 37 of the mix's
+longest prefixes a point (13.3 ms of device time each; full rankings ~9.2 ms, calls against psi
+~1.2) and their steps held 128 calls for 0.7 s in all (~19 ms a psi; lam d^2 / 2 = 27): the
+relay's P99 was 37.7 ms where the baseline's was 18.0; the test turns them away (8 + 12.5 saved
+against 26.5). At 8192 tokens and ~90 req/s it admits (5.8 + 2.6 against ~4). At 16384 tokens
+the first version of this test counted the call's own saving alone (~17.7 ms against
+lam x 24^2 / 2): it turned the first calls away from ~45 req/s on, and they ranked in full
+(k17a, H200: at 50.6 req/s the trigger turned 65% of its events away as adding work, 217 of
+250 first calls computed their 16k prefix on the critical path, P99 171 ms; the relay's limit
+was 35.9 req/s; the capacity model replaying that run put it at 41.2 req/s with the first
+version and 46.6 with this one: a prediction). Counted both ways, the test admits them up to
+~500 req/s, past where the device's busy share (spare_busy_max) stops the term. d is the
+pre-inference's whole planned time (its steps' waits are smaller where it is built in several:
+the test errs towards refusing).
 
 Why the lead test: a pre-inference not yet started when its call comes is joined or taken over
 by the call (no work twice) but takes nothing off the critical path (one that started leaves the
@@ -354,11 +364,17 @@ def spare_shortens(full_ms: float, cached_ms: float, slo_ms: float = 0.0, min_sa
 
 
 def spare_outweighs_waits(full_ms: float, cached_ms: float, preinfer_ms: float, calls_per_s: float) -> bool:
-    """Whether a pre-inference for the spare term saves its call more (full - cached) than it
-    makes other calls wait: at `calls_per_s`, about calls_per_s x d x d / 2 for a pre-inference
-    of d = preinfer_ms that nothing preempts (module docstring)."""
-    waits_ms = max(calls_per_s, 0.0) * max(preinfer_ms, 0.0) ** 2 / 2e3
-    return full_ms - cached_ms > waits_ms
+    """Whether a pre-inference for the spare term saves more than it makes other calls wait: at
+    `calls_per_s` = lam, a block of d ms of device work that nothing preempts holds the calls
+    arriving during it about lam x d x d / 2 in all. Pre-inferred, the call costs its pre-inference's
+    waits and the call against psi (c) with its own; turned away, its full ranking (f) runs on the
+    critical path and holds the others as long: saved (f - c) + lam (f^2 - c^2) / 2 against
+    lam d^2 / 2 (module docstring)."""
+    lam = max(calls_per_s, 0.0)
+    full, cached = max(full_ms, 0.0), max(cached_ms, 0.0)
+    saved_ms = full - cached + lam * (full**2 - cached**2) / 2e3
+    waits_ms = lam * max(preinfer_ms, 0.0) ** 2 / 2e3
+    return saved_ms > waits_ms
 
 
 def adds_little_work(full_ms: float, prefix_ms: float, cached_ms: float, max_extra: float) -> bool:

@@ -64,12 +64,13 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                       "4096 tokens on an H200: 1.5-2.5 ms of 50, too little to pay for the "
                                       "pre-inference's joins and extra work; at 8192, 6-7 ms)", check=share)  # fmt: skip
     spare_prices_waits: bool = setting(True, env="RELAYGR_TRIGGER_SPARE_PRICES_WAITS",
-                                       help="the spare term admits only where the call's saving (full ranking "
-                                       "less the call against psi) exceeds the waits its pre-inference imposes "
-                                       "on other calls (the instance's call rate x its planned time squared / "
-                                       "2: nothing preempts a step). On the mix on an H200 (k14b, 300 req/s) "
-                                       "spare pre-inferences saved ~8 ms each and held other calls ~19 ms each; "
-                                       "false: saving and busy share only, as before")  # fmt: skip
+                                       help="the spare term admits only where what pre-inferring saves (the full "
+                                       "ranking less the call against psi, and the waits the full ranking would "
+                                       "impose on other calls less the call's) exceeds the waits its "
+                                       "pre-inference imposes (the instance's call rate x the time squared / 2: "
+                                       "nothing preempts a step). On the mix on an H200 (k14b, 300 req/s) spare "
+                                       "pre-inferences saved ~8 ms each and held other calls ~19 ms each; "
+                                       "false: saving and busy share only")  # fmt: skip
     load_window_s: float = setting(2.0, env="RELAYGR_TRIGGER_LOAD_WINDOW_S",
                                    renamed_from="RELAYGR_LOAD_WINDOW_S",
                                    help="time constant of each instance's offered-load estimate (the "

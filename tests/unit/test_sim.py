@@ -661,11 +661,12 @@ def test_the_modelled_trigger_admits_new_users_into_spare_device_time_only_where
 
 
 def test_the_modelled_trigger_weighs_the_spare_terms_saving_against_the_waits_it_imposes():
-    # New users at 100 calls a second; a pre-inference is one 12 ms eager step and saves its call
-    # 4.1 ms (5.0 - 0.86): it would hold ~100 x 12^2 / 2 / 1000 = 7.2 ms of other calls' time.
+    # New users at 100 calls a second; a pre-inference is one 14 ms eager step and saves its call
+    # 4.1 ms (5.0 - 0.86) and others ~100 x (5.0^2 - 0.86^2) / 2 / 1000 = 1.2 ms of waits behind
+    # its full ranking: it would hold ~100 x 14^2 / 2 / 1000 = 9.8 ms of other calls' time.
     calls = [request(i, 1.0 + 0.01 * i, user=i) for i in range(400)]
     policy = AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05, spare_busy_max=1.0)
-    steps = StepCosts.parse("12,0,0")
+    steps = StepCosts.parse("14,0,0")
     decided: list[tuple[float, str]] = []
     simulate(calls, EXACT, _admission_setup(policy, steps), decisions=decided)
     settled = [label for t, label in decided if t >= 3.0]  # the rate estimate has its window

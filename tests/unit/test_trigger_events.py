@@ -272,11 +272,12 @@ def stats_reply(
         pb.PreinferSample(prefix_len=n, device_ms=ms, seq=i + 1) for i, (n, ms) in enumerate(preinfers)])  # fmt: skip
 
 
-@pytest.mark.parametrize(("rate", "admits"), [(35.0, True), (300.0, False)])
+@pytest.mark.parametrize(("rate", "admits"), [(35.0, True), (300.0, True), (800.0, False)])
 def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_instances_rate(rate, admits):
     t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
     # 16384 tokens on an H200: full rankings 18.4 ms, calls against psi 1.9, a whole
-    # pre-inference 20 ms: 16.5 ms saved, against 35 / 300 calls a second x 20^2 / 2.
+    # pre-inference 20 ms: 16.5 ms saved on the call and rate x (18.4^2 - 1.9^2) / 2 of others'
+    # waits behind its full ranking, against rate x 20^2 / 2 behind the pre-inference.
     t._absorb("127.0.0.1:1", stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8))
     offered = OfferedLoad(window_s=2.0)
     now = 0.0
@@ -291,8 +292,8 @@ def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_i
 
 
 def test_the_spare_terms_call_rate_is_the_rankers_own_where_this_trigger_sees_a_share():
-    # This trigger routed 35 events a second to the ranker, whose reports count 300 calls a
-    # second (other triggers' partitions): the waits are priced at 300.
+    # This trigger routed 35 events a second to the ranker, whose reports count 800 calls a
+    # second (other triggers' partitions): the waits are priced at 800.
     t = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1")
     target = "127.0.0.1:1"
     reply = stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8)
@@ -305,12 +306,12 @@ def test_the_spare_terms_call_rate_is_the_rankers_own_where_this_trigger_sees_a_
     assert t.spare_outweighs_waits(16384, 16704, target, offered, now)
     began = time.monotonic()
     for step in range(1, 41):  # ten seconds of reports, 0.25 s apart
-        t._absorb_call_rate(target, began + 0.25 * step, 75 * step)
-    assert t._call_rate[target] == pytest.approx(300.0, rel=1e-3)
+        t._absorb_call_rate(target, began + 0.25 * step, 200 * step)
+    assert t._call_rate[target] == pytest.approx(800.0, rel=1e-3)
     assert not t.spare_outweighs_waits(16384, 16704, target, offered, now)
     t._absorb_call_rate(target, began + 11.0, 5)  # the ranker restarted: its count went back
     t._absorb_call_rate(target, began + 11.25, 5)
-    assert t._call_rate[target] < 300.0
+    assert t._call_rate[target] < 800.0
 
 
 def test_reuse_is_priced_by_the_rankers_measured_work_per_call():

@@ -310,14 +310,22 @@ def test_return_rate_is_bounded_in_memory_and_conservative_when_fresh():
         ReturnRate(window_s=-1.0)
 
 
-def test_the_spare_term_saves_its_call_more_than_its_pre_inference_makes_other_calls_wait():
+def test_the_spare_term_saves_more_than_its_pre_inference_makes_other_calls_wait():
     # The mix's long prefixes on an H200 (k14b, 300 req/s): ~9.2 ms full, 1.2 against psi, 13.3
-    # ms of pre-inference: 8 ms saved against 300 x 13.3^2 / 2 = 26.5 ms of others' waits.
+    # ms of pre-inference: 8 ms saved on the call and 300 x (9.2^2 - 1.2^2) / 2 = 12.5 of others'
+    # waits behind its full ranking, against 300 x 13.3^2 / 2 = 26.5 behind the pre-inference.
     assert not spare_outweighs_waits(full_ms=9.2, cached_ms=1.2, preinfer_ms=13.3, calls_per_s=300.0)
-    # 16384 tokens at ~35 req/s (k10b, k12b): 18.4 / 1.9 ms, ~20 ms of pre-inference: 16.5
-    # saved against 7; 8192 tokens at ~90 req/s: 7.4 / 1.6, ~9 ms: 5.8 against 3.6.
+    # 16384 tokens at ~35 req/s (k10b, k12b): 18.4 / 1.9 ms, ~20 ms of pre-inference: 16.5 + 5.9
+    # saved against 7; 8192 tokens at ~90 req/s: 7.4 / 1.6, ~9 ms: 5.8 + 2.3 against 3.6.
     assert spare_outweighs_waits(full_ms=18.4, cached_ms=1.9, preinfer_ms=20.0, calls_per_s=35.0)
     assert spare_outweighs_waits(full_ms=7.4, cached_ms=1.6, preinfer_ms=9.0, calls_per_s=90.0)
+    # 16384 tokens at 50.6 req/s (k17a): 19.6 / 1.9 ms, 24-27 ms of pre-inference. Counting the
+    # call's own saving alone (17.7) turned a 27 ms one away (18.4 of waits); with the waits its
+    # full ranking would impose (9.6 more) both pay.
+    assert spare_outweighs_waits(full_ms=19.6, cached_ms=1.9, preinfer_ms=24.0, calls_per_s=50.6)
+    assert spare_outweighs_waits(full_ms=19.6, cached_ms=1.9, preinfer_ms=27.0, calls_per_s=50.6)
+    # A pre-inference far dearer than the full ranking it replaces is still turned away under load.
+    assert not spare_outweighs_waits(full_ms=19.6, cached_ms=1.9, preinfer_ms=40.0, calls_per_s=50.6)
     # Nobody else to wait: any saving pays; no saving never does.
     assert spare_outweighs_waits(full_ms=3.0, cached_ms=1.0, preinfer_ms=50.0, calls_per_s=0.0)
     assert not spare_outweighs_waits(full_ms=1.0, cached_ms=1.0, preinfer_ms=0.0, calls_per_s=0.0)
