@@ -251,8 +251,9 @@ class Runner:
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},
-            # Our processes: cores used and their busiest thread's (relaygr.cpu_usage).
-            **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_"))},
+            # Our processes: cores used, their busiest thread's and their main thread's (the
+            # event loop's; relaygr.cpu_usage).
+            **{k: v for k, v in p.rankers.items() if k.startswith(("cpu_cores_", "cpu_top_thread_", "cpu_main_thread_"))},
             # CUDA graphs by family (cached, full, preinfer): batches replayed and run eagerly.
             **{k: v for k, v in p.rankers.items() if k.startswith("graph_")},
             # The rankers' pre-inference counters over the point (services/ranker/device_time.py,

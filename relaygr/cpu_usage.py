@@ -44,11 +44,17 @@ def snapshot(pids: Mapping[str, int], proc: Path = Path("/proc")) -> dict[str, d
 
 
 def usage(
-    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]], seconds: float
+    before: Mapping[str, Mapping[str, float]],
+    after: Mapping[str, Mapping[str, float]],
+    seconds: float,
+    pids: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
     """Over `seconds` between two snapshots: `cpu_cores_<name>` (CPU seconds per second, all of
     its threads) and `cpu_top_thread_<name>` (its busiest thread's, at most ~1.0). A thread born
-    after `before` counts from zero."""
+    after `before` counts from zero. With the processes' `pids`, also `cpu_main_thread_<name>`:
+    its main thread's (thread id = pid), where our services run their asyncio event loop: what
+    the event loop's work holds of the interpreter lock the device loop shares, which the
+    capacity model (relaygr/sim.py) charges to each request."""
     if seconds <= 0:
         return {}
     out: dict[str, float] = {}
@@ -59,6 +65,10 @@ def usage(
             continue
         out[f"cpu_cores_{name}"] = sum(used.values()) / seconds
         out[f"cpu_top_thread_{name}"] = max(used.values()) / seconds
+        pid = pids.get(name) if pids is not None else None
+        main = [v for key, v in used.items() if pid is not None and key.rsplit("/", 1)[-1] == str(pid)]
+        if main:
+            out[f"cpu_main_thread_{name}"] = main[0] / seconds
     return out
 
 

@@ -733,7 +733,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
     gpu_utils = [gpu_means[i] for i in sorted(used_gpus) if i in gpu_means]
     host_cpu = host_cpu_fractions(cpu_before, host_cpu_times())
     threads_after = cpu_usage.snapshot(pids)
-    process_cpu = cpu_usage.usage(threads_before, threads_after, replay_s)
+    process_cpu = cpu_usage.usage(threads_before, threads_after, replay_s, pids)
     busiest = cpu_usage.busiest_threads(threads_before, threads_after, replay_s, top=1)
     device_end = await device_counters(stack)
     busy_s = device_end["busy"] - device_before["busy"]

@@ -45,6 +45,12 @@ def test_usage_per_process_and_busiest_thread() -> None:
     }
     assert cpu_usage.usage(before, after, seconds=0.0) == {}
     assert cpu_usage.busiest_threads(before, after, 4.0)["ranker_0"][0] == ("engine/2", 0.75)
+    # With the pids: each process's main thread (thread id = pid), not its busiest.
+    with_main = cpu_usage.usage(before, after, 4.0, pids={"ranker_0": 1, "router": 3, "gone": 5})
+    assert with_main["cpu_main_thread_ranker_0"] == pytest.approx(2.0 / 4)
+    assert with_main["cpu_main_thread_router"] == pytest.approx(0.5 / 4)
+    assert "cpu_main_thread_gone" not in with_main
+    assert cpu_usage.usage(before, after, 4.0, pids={"ranker_0": 77}).keys() == got.keys()  # no such thread
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")

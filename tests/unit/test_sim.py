@@ -24,6 +24,7 @@ from relaygr.sim import (
     calibrate,
     call_deadline_s,
     call_slo_s,
+    event_loop_ms,
     goodput,
     host_costs,
     host_step_s,
@@ -735,6 +736,30 @@ def test_the_rankers_host_time_per_request_is_estimated_from_the_points_as_it_re
         ]
     }
     assert request_host_ms(reported, "relay", "L4096") == 2.5
+
+
+def test_the_event_loops_cpu_per_request_comes_from_the_rankers_main_threads():
+    # Two ranker processes, 0.3 and 0.2 cores of main thread at 400 calls a second, and 1000
+    # pre-inferences admitted over a replay of 10 s lead-in + 10 s measured (50 a second):
+    # 0.5 / 450 s a request.
+    point = {"offered_rps": 400.0, "duration_s": 10.0, "trigger_admitted": 1000,
+             "cpu_main_thread_ranker_0": 0.3, "cpu_main_thread_ranker_1": 0.2, "cpu_cores_ranker_0": 0.9}  # fmt: skip
+    result = {
+        "config": {"lead_in_s": 10.0},
+        "results": [
+            {
+                "config": "relay",
+                "workload": "mix",
+                "points": [point, {**point, "cpu_main_thread_ranker_1": 0.7}],
+            }
+        ],
+    }
+    assert event_loop_ms(result, "relay", "mix") == pytest.approx((0.5 / 450 + 1.0 / 450) / 2 * 1e3)
+    assert event_loop_ms(result, "baseline", "mix") == 0.0  # not in the file
+    # A file from before the main thread was recorded: 0 (not modelled), as its checks were made.
+    older = {"config": {}, "results": [{"config": "relay", "workload": "mix", "points": [
+        {k: v for k, v in point.items() if not k.startswith("cpu_main_thread_")}]}]}  # fmt: skip
+    assert event_loop_ms(older, "relay", "mix") == 0.0
 
 
 def test_the_modelled_trigger_prices_reuse_and_knows_psi_it_admitted():
