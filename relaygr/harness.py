@@ -175,6 +175,16 @@ for _name in ("baseline", "relay", "relay-nospare"):
     # The same under an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the two processes'
     # kernels may run side by side. CUDA only.
     CONFIGS[f"{_name}-2p-mps"] = {**CONFIGS[_name], "rankers_per_device": 2, "mps": True}
+# The same with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF) in the rankers: one
+# segment that grows and shrinks instead of many that fragment. On the mix (H200, k17b) psi
+# blocks of many sizes left two processes on one GPU reserving 67-69 GB each for 60.4-60.7 GB
+# allocated, and the allocator retried (freeing its cache, a device sync) with 20-29 ms stalls
+# of the event loop. Baseline and relay alike, so that each is compared with its own layout's.
+for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
+    CONFIGS[f"{_name}-expandable"] = {
+        **CONFIGS[_name],
+        "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    }
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],

@@ -331,6 +331,8 @@ def test_each_configuration_is_compared_with_the_baseline_of_its_layout():
     assert reference_for("baseline-2p-mps", configs) == "baseline"  # the layout's own ratio
     assert reference_for("baseline", configs) is None
     assert reference_for("relay-2p-mps", ["relay-2p-mps"]) is None  # nothing to compare with
+    expandable = ["baseline-2p-mps", "baseline-2p-mps-expandable", "relay-2p-mps-expandable"]
+    assert reference_for("relay-2p-mps-expandable", expandable) == "baseline-2p-mps-expandable"
     assert reference_for("baseline-2p-mps", ["baseline-2p-mps", "relay-2p-mps"]) is None
     records = [
         _record("baseline-2p-mps", 0, 20, [(10, 20.0), (20, 40.0), (40, 80.0)]),
@@ -465,3 +467,15 @@ def test_a_renewal_that_leaves_the_signal_path_behind_breaks_only_a_configuratio
     assert point.stack_broken is broken
     assert point.record["stack_broken"] is broken
     assert ("stack_broken_reason" in point.record) is broken
+
+
+def test_the_expandable_variants_set_the_rankers_allocator_and_keep_their_layout():
+    from relaygr.harness import stack_overrides
+
+    overrides, _ = stack_overrides("relay-2p-mps-expandable")
+    assert overrides["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert overrides["rankers_per_device"] == 2
+    assert overrides["mps"] is True
+    plain, _ = stack_overrides("baseline-expandable")
+    assert plain["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "env" not in stack_overrides("baseline-2p-mps")[0]
