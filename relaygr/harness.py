@@ -116,6 +116,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},
+    # The relay shedding its optional work (keeping psi from full rankings, copies to DRAM) while
+    # its event loop runs over 2 ms behind (services/ranker/loop_lag.py; off by default until
+    # measured): on the mix on an H200 (k17b, 587.5 req/s) the relay's calls waited 14.8 ms mean
+    # before their handler against the baseline's 4.0, beside 1480 psi kept and 787 copies.
+    "relay-shed": {"ranker_args": ("--shed-lag-ms", "2")},
     # psi moved to and from host DRAM in pieces of 8 MiB (RELAYGR_RANKER_COPY_PIECE_MB; one copy
     # each by default): beside relay-nospare, whether a ranking batch's copies wait behind whole
     # psi copies. On an H200 (L4096, h2d) the pieces doubled the device loop's time issuing
@@ -170,7 +175,7 @@ for _name in ("baseline", "relay"):
 # budget; the router places users on them as on two GPUs. The host work of one GPU's calls runs
 # under two interpreters: one process at ~240 calls/s on an H200 left calls waiting up to 59 ms
 # before its handler ran them (h4b). The two processes' kernels share the GPU by time slices.
-for _name in ("baseline", "relay", "relay-nospare"):
+for _name in ("baseline", "relay", "relay-nospare", "relay-shed"):
     CONFIGS[f"{_name}-2p"] = {**CONFIGS[_name], "rankers_per_device": 2}
     # The same under an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the two processes'
     # kernels may run side by side. CUDA only.
@@ -419,6 +424,9 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
         # Full rankings the keep gate let go without keeping psi (services/ranker/keep_gate.py).
         totals["ranking_psi_declined"] += samples.get("relaygr_ranker_ranking_psi_declined_total", 0.0)
+        # What the relay shed while the event loop was behind (services/ranker/loop_lag.py).
+        totals["ranking_psi_shed"] += samples.get("relaygr_ranker_ranking_psi_shed_total", 0.0)
+        totals["demotions_shed"] += samples.get('relaygr_ranker_demotions_total{result="shed"}', 0.0)
         # Take-overs of started pre-inferences, by the pass that completed them (takeover.py).
         for name in ("partial", "full"):
             totals[f"takeover_passes_{name}"] += samples.get(
@@ -827,6 +835,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
         "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
+        # Keeps and copies to DRAM shed while the event loop was behind (services/ranker/loop_lag.py).
+        **{k: device[k] - device_before[k] for k in ("ranking_psi_shed", "demotions_shed")},
         # Take-overs of started pre-inferences completed by the eager partial pass, by the full graph.
         **{k: device[k] - device_before[k] for k in ("takeover_passes_partial", "takeover_passes_full")},
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.

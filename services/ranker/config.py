@@ -261,6 +261,12 @@ class RankerConfig(TlsSettings):
                                                "eviction, as a fraction of the HBM budget (the room admissions "
                                                "take before the next copies finish)",
                                                check=fraction)  # fmt: skip
+    shed_lag_ms: float = setting(0.0, env="RELAYGR_RANKER_SHED_LAG_MS",
+                                 help="while the event loop runs this many ms behind (its 50 ms tick's "
+                                 "oversleep, smoothed over 0.5 s), full rankings keep no psi and no psi "
+                                 "is copied to host DRAM: work the baseline does not do, on the host that "
+                                 "binds (services/ranker/loop_lag.py; 0: never shed, the default until "
+                                 "measured on a GPU)", check=non_negative)  # fmt: skip
     host_tier: bool = setting(False, env="RELAYGR_RANKER_HOST_TIER", renamed_from="RELAYGR_HOST_TIER",
                               help="keep psi evicted from HBM in host DRAM, through the expander at "
                               "RELAYGR_EXPANDER_SOCKET_PATH (which must be running)")  # fmt: skip

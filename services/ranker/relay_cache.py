@@ -38,13 +38,18 @@ time a reload saves against the host time a copy costs; otherwise one candidate 
 and the rest are evicted without a copy. On an H200 with 120 GB of HBM beside a 64 GiB arena,
 the length mix made ~2000 demotions a point and 0-5 reloads.
 
+Shedding (`host_pressed`, services/ranker/loop_lag.py): while the event loop is behind, full
+rankings keep no psi and no psi is copied to DRAM. Both are work the baseline does not do, paid
+on the host that then binds, for a return that comes later if at all.
+
 Every cached path is an optimisation: any failure falls back to ranking the whole sequence. Only
 bad input (the caller's) and Overdue (the call's admission budget ran out) propagate.
 
 Driven from one asyncio loop (like the HBM cache it wraps). Testable on the CPU without gRPC:
 tests/unit/test_relay_cache.py runs it over a real engine and cache, without a host tier.
 `on_event(kind, label)` reports what the service counts: ("reload_decision", reason),
-("reload", "ok" | "failed"), ("fallback", reason), ("demotion", "ok" | "failed"),
+("reload", "ok" | "failed"), ("fallback", reason), ("demotion", "ok" | "failed" | "skipped" |
+"shed"), ("ranking_psi", "kept" | "declined" | "shed"),
 ("content_mismatch", ""), ("prefetch", "issued" | "used" | "wasted" | "failed").
 
 A prefetch is a PreInfer signal answered by a reload from host DRAM (psi already computed once,
@@ -192,13 +197,15 @@ class RelayCache:
         demotion_reserve_bytes: int = 0,
         demotion_gate: DemotionGate | None = None,
         keep_gate: KeepGate | None = None,
+        host_pressed: Callable[[], bool] | None = None,
         arrived_ttl_s: float = 60.0,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
         psi; `demote_under_pressure`, `demotion_reserve_bytes`, `demotion_gate`: when consumed
         psi is copied to host DRAM, and whether (module docstring; no gate: every candidate is);
         `keep_gate`: whether a full ranking of a prefix that long keeps psi (no gate: every one
-        does);
+        does); `host_pressed`: while it says so, neither (services/ranker/loop_lag.py: the
+        event loop is behind, and the relay sheds the work it may skip);
         `arrived_ttl_s`: how long a ranking call's arrival is remembered, to refuse the signal
         of its request that comes after it."""
         self.cache = cache
@@ -216,7 +223,10 @@ class RelayCache:
         self._demoting: dict[PsiKey, int] = {}  # copies to host DRAM under way: bytes
         self.demotion_gate = demotion_gate
         self.keep_gate = keep_gate
+        self._host_pressed = host_pressed
         self.ranking_psi_declined = 0  # full rankings the keep gate ranked without keeping psi
+        self.ranking_psi_shed = 0  # full rankings that kept no psi while the host was pressed
+        self.demotions_shed = 0  # candidates not copied while the host was pressed
         self._keep_loop_cpu_s = 0.0  # the event loop's CPU keeping psi (admission, production, lease)
         self._keep_loop_timed = 0
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
@@ -476,6 +486,10 @@ class RelayCache:
         (keep_gate.py) finds that reads of kept psi pay for keeping it at this length."""
         if not self.ranking_psi_min_tokens or prefix_len < self.ranking_psi_min_tokens:
             return False
+        if self._pressed():
+            self.ranking_psi_shed += 1
+            self._on_event("ranking_psi", "shed")
+            return False
         gate = self.keep_gate
         if gate is None:
             return True
@@ -485,6 +499,10 @@ class RelayCache:
         self.ranking_psi_declined += 1
         self._on_event("ranking_psi", "declined")
         return False
+
+    def _pressed(self) -> bool:
+        """Whether the event loop is behind (loop_lag.py): the relay sheds optional work."""
+        return self._host_pressed is not None and self._host_pressed()
 
     def host_ms_per_keep(self) -> float | None:
         """Host time one psi kept by a full ranking costs: the device loop's (allocation and
@@ -720,6 +738,14 @@ class RelayCache:
         # the ~130 of them a full HBM holds on the length mix (a reserve of 6 GB in psi of ~45 MB)
         # cost the event loop ~0.3-0.6 ms a call (2-core build machine; bench.cache_costs).
         candidates = self.cache.demotion_candidates(reserve, in_flight)
+        if candidates and self._pressed():
+            # Not copied, as a gate's refusal (below), but counted apart: the event loop is
+            # behind, and an expander round trip per copy is work every queued call waits on.
+            for key in candidates:
+                if self.cache.settle(cast(PsiKey, key)):
+                    self.demotions_shed += 1
+                    self._on_event("demotion", "shed")
+            return
         gate = self.demotion_gate
         copy_ms = self.engine.host_ms_per_copy() if gate is not None and candidates else None
         for key in candidates:

@@ -61,6 +61,7 @@ from services.ranker.hbm_cache import HbmCache, Lease
 from services.ranker.hbm_headroom import Verdict, judge
 from services.ranker.host_cost import HostCost
 from services.ranker.keep_gate import KeepGate
+from services.ranker.loop_lag import LoopLag
 from services.ranker.loop_time import LoopTimeCollector
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
@@ -172,6 +173,13 @@ class _Metrics:
                                             "full rankings long enough to keep psi that did not: reads of "
                                             "kept psi did not pay for keeping it (keep_gate.py)",
                                             registry=registry)  # fmt: skip
+        self.ranking_psi_shed = Counter("relaygr_ranker_ranking_psi_shed",
+                                        "full rankings long enough to keep psi that did not because the event "
+                                        "loop was behind (loop_lag.py)", registry=registry)  # fmt: skip
+        self.event_loop_lag_ms = Gauge("relaygr_ranker_event_loop_lag_ms",
+                                       "how late the event loop's 50 ms tick wakes, smoothed over 0.5 s: what "
+                                       "every call waits before its handler runs (loop_lag.py)",
+                                       registry=registry)  # fmt: skip
         self.content_mismatch = Counter("relaygr_ranker_prefix_content_mismatch",
                                         "ranking calls whose prefix tokens differ from those of psi held under "
                                         "the same (user, prefix version): ranked without it",
@@ -294,6 +302,7 @@ class RankerService(pb_grpc.RankerServicer):
         self.registry.register(LoopTimeCollector(self.engine.loop_time))
         self.registry.register(CopyStagesCollector(self.engine.copy_stages))
         self.registry.register(TakeoverPassCollector(self.engine.takeover))
+        self.loop_lag = LoopLag(config.shed_lag_ms)  # how far behind the event loop runs (loop_lag.py)
         self.relay = RelayCache(
             self.cache,
             self.engine,
@@ -312,6 +321,7 @@ class RankerService(pb_grpc.RankerServicer):
             keep_gate=KeepGate(config.ranking_psi_sample_every)
             if config.ranking_psi_keep is Keep.EARNED
             else None,
+            host_pressed=self.loop_lag.pressed if config.shed_lag_ms > 0 else None,
         )
         self.registry.register(
             CopyStagesCollector(
@@ -587,8 +597,11 @@ class RankerService(pb_grpc.RankerServicer):
         reported = allocator_read = 0.0
         allocator = self.accel.allocator_stats()
         while True:
+            asked = time.monotonic() + 0.05
             await asyncio.sleep(0.05)
             now = time.monotonic()
+            self.loop_lag.observe(now, (now - asked) * 1e3)  # how late the loop came back to us
+            self.metrics.event_loop_lag_ms.set(self.loop_lag.lag_ms)
             if now - allocator_read >= ALLOCATOR_READ_EVERY_S:
                 allocator_read = now
                 allocator = self._read_allocator(allocator)
@@ -658,6 +671,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.prefetches.labels(label).inc()
         elif kind == "ranking_psi" and label == "declined":
             m.ranking_psi_declined.inc()
+        elif kind == "ranking_psi" and label == "shed":
+            m.ranking_psi_shed.inc()
         elif kind == "ranking_psi":
             m.ranking_psi.inc()
 

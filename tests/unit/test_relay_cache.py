@@ -282,6 +282,9 @@ class CopyingHost:
         self.demoted.append(key)
         return True
 
+    async def lookup(self, key: PsiKey) -> int | None:
+        return None  # holds nothing: a pre-inference computes its psi
+
 
 async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(keeping, monkeypatch):
     """Every consumed psi is a candidate (a reserve as large as the budget). Once a copy is
@@ -422,6 +425,60 @@ async def test_the_keep_gate_keeps_psi_only_for_a_sample_while_reads_do_not_pay(
     assert close(again.result.scores, want)
     assert gate.reuse is not None
     assert gate.reuse > 0.0
+
+
+async def test_while_the_host_is_pressed_the_relay_keeps_no_psi_and_copies_none(keeping):
+    """With the event loop behind (loop_lag.py), full rankings keep no psi and consumed psi is
+    not copied to host DRAM, each counted as shed; the scores are the same, psi already held is
+    still read, and once the loop catches up both resume."""
+    r = keeping
+    pressed = [False]
+    host = CopyingHost()
+    r.rebuild(demotion_reserve_bytes=r.cache.budget_bytes, host_pressed=lambda: pressed[0])
+    r.relay.host = cast(HostTier, host)
+    prefixes, suffixes = users(90, 4, prefix_len=600)
+    calls = []
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"h{i}"), RequestLimits())
+        calls.append((r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest), prefix, suffix,
+                      r.model.full([p], [s])[0]))  # fmt: skip
+
+    async def rank_and_reply(key, prefix, suffix):
+        ranked = await r.rank(key, prefix, suffix)
+        for after in r.after:
+            after(None)  # the reply is sent: consumed psi becomes a candidate for host DRAM
+        r.after.clear()
+        await asyncio.gather(*r.tasks)
+        return ranked
+
+    held, *_ = calls[0]
+    await rank_and_reply(*calls[0][:3])  # not pressed: kept, and copied to DRAM
+    assert r.state(held) is not None
+    assert host.demoted == [held]
+    pressed[0] = True
+    for key, prefix, suffix, want in calls[1:3]:
+        ranked = await rank_and_reply(key, prefix, suffix)
+        assert ranked.served is Served.FULL_RECOMPUTE
+        assert close(ranked.result.scores, want)
+        assert r.state(key) is None  # no psi kept
+    assert r.relay.ranking_psi_shed == 2
+    assert ("ranking_psi", "shed") in r.events
+    again = await rank_and_reply(*calls[0][:3])  # psi held before is still read
+    assert again.served is Served.HBM_HIT
+    assert close(again.result.scores, calls[0][3])
+    # A pre-inference the trigger admitted still runs; its psi, once consumed, is not copied.
+    key, prefix, suffix, want = calls[3]
+    assert (await r.relay.produce(key, prefix, Lease("p", FAR)))[0] is Produce.ACCEPTED
+    ranked = await rank_and_reply(key, prefix, suffix)
+    assert ranked.served in (Served.HBM_HIT, Served.INFLIGHT_JOIN)
+    assert close(ranked.result.scores, want)
+    assert key not in host.demoted
+    assert r.relay.demotions_shed >= 1
+    assert ("demotion", "shed") in r.events
+    pressed[0] = False  # the loop caught up: keeping resumes
+    key, prefix, suffix, want = calls[2]
+    await rank_and_reply(key, prefix, suffix)
+    assert r.state(key) is not None
 
 
 async def test_what_keeping_psi_costs_the_host_is_measured_once_enough_psi_was_kept(keeping):
