@@ -896,7 +896,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}{_gpu_util(rankers)}, idle with "
           f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_kept_and_taken_over(rankers)}{_compute_by_path(s)}"
-          f"{_reload_stages(rankers)}{_busiest_threads(busiest)}", flush=True)  # fmt: skip
+          f"{_reload_stages(rankers)}{_busiest_threads(busiest)}{_event_loops(rankers)}", flush=True)  # fmt: skip
     return point
 
 
@@ -935,6 +935,17 @@ def _busiest_threads(busiest: dict[str, list[tuple[str, float]]]) -> str:
     """Each process's busiest thread (name/tid, cores) over the point, for the progress line."""
     parts = [f"{name} {top[0][0]} {top[0][1]:.2f}" for name, top in busiest.items() if top]
     return f"  busiest thread (cores): {', '.join(parts)}" if parts else ""
+
+
+def _event_loops(rankers: dict[str, Any]) -> str:
+    """Each ranker's event loop (its main thread, cores) and what the relay shed while it was
+    behind (services/ranker/loop_lag.py), for the progress line."""
+    loops = [f"{k.removeprefix('cpu_main_thread_')} {v:.2f}" for k, v in sorted(rankers.items())
+             if k.startswith("cpu_main_thread_ranker_")]  # fmt: skip
+    line = f"  event loop (cores): {', '.join(loops)}" if loops else ""
+    shed = rankers.get("ranking_psi_shed", 0) + rankers.get("demotions_shed", 0)
+    return line + (f"; shed {rankers.get('ranking_psi_shed', 0):g} keeps, {rankers.get('demotions_shed', 0):g} copies"
+                   if shed else "")  # fmt: skip
 
 
 _PATH_LABELS = {"hbm_hit": "hit", "inflight_join": "join", "partial_prefix": "partial",

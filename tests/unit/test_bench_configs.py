@@ -7,7 +7,7 @@ import pytest
 
 from bench import goodput, relay
 from relaygr import demo
-from relaygr.harness import CONFIGS, _admissions, ranker_latency_target_ms, ranker_slo_ms
+from relaygr.harness import CONFIGS, _admissions, _event_loops, ranker_latency_target_ms, ranker_slo_ms
 from relaygr.launcher import StackConfig
 from services.ranker.config import RankerConfig
 from services.trigger.config import TriggerConfig
@@ -101,6 +101,18 @@ def test_the_progress_line_prices_a_pre_inference_by_the_psi_it_built():
     steps = {**rankers, "preinfer_eager_steps": 2.0, "preinfer_eager_seconds": 0.02, "preinfer_eager_prefixes": 2.0,
              "preinfer_eager_held_calls": 5.0, "preinfer_eager_held_s": 0.031}  # fmt: skip
     assert "eager 2 (10.0 ms, 1.0 prefixes, 0 over 10 ms, 5 calls held 31 ms)" in _admissions(steps)
+
+
+def test_the_progress_line_shows_each_rankers_event_loop_and_what_was_shed():
+    rankers = {
+        "cpu_main_thread_ranker_1": 0.29,
+        "cpu_main_thread_ranker_0": 0.31,
+        "cpu_main_thread_router": 0.2,
+    }
+    assert _event_loops(rankers) == "  event loop (cores): ranker_0 0.31, ranker_1 0.29"
+    shed = {**rankers, "ranking_psi_shed": 12.0, "demotions_shed": 0.0}
+    assert _event_loops(shed).endswith("; shed 12 keeps, 0 copies")
+    assert _event_loops({}) == ""  # a file from before: nothing
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CONFIGS if CONFIGS[n].get("ranker_args")))
