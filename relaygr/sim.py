@@ -62,6 +62,11 @@ replays, same seed, same lead-in, the measured window only counted):
     made. On the H200's length mix that left the baseline's modelled limit 15-22% over the
     measured (k15a, k15c; the process at 0.96-1.0 cores, the lock's limit); 0.5 ms a request
     (`--request-host-ms`, a what-if) brought all eight L4096 and mix checks of k15a-d within 12%.
+    Unchecked: the calls' measured `launch_ms`, which the model draws, already holds a launch's
+    waits for the lock, so charging the event loop's whole CPU on top may count some of it
+    twice (py-spy on an H200 host saw ~1.2 ms a request on-CPU, k17c; 1.0 ms in the model put
+    the mix baseline at 336 req/s where 421.9 was measured). `--request-host-ms 0` is the
+    model without it.
 Not modelled yet: the router and several rankers, the copy engine as a resource, the signal
 path's tail.
 
