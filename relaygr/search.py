@@ -259,8 +259,14 @@ class LimitSearch:
 
     def _step_down(self, rate: float) -> float | None:
         lower = rate / self.config.growth
-        if lower < self.config.floor * (1 - RATE_TOL):
-            return self._start_bisect()  # nothing met: goodput 0
+        floor = self.config.floor
+        if lower < floor * (1 - RATE_TOL):
+            # The floor itself is the last rate stepped down to: a search whose first miss lay
+            # within a step of it read goodput 0 with the floor never measured (k17f: a miss at
+            # 42.19 req/s, floor 40, growth 1.25).
+            if rate > floor * (1 + RATE_TOL) and not self._measured(floor):
+                return floor
+            return self._start_bisect()  # nothing met down to the floor: goodput 0
         return lower
 
     def _start_bisect(self) -> float | None:

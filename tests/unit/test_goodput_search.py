@@ -81,9 +81,24 @@ def test_a_configuration_that_never_meets_steps_down_to_the_floor():
     result = find_limit(measure, config)
     assert result.goodput_rps == 0.0
     assert not result.censored
-    assert measure.asked == [10, 5, 2.5, 1.25]  # type: ignore[attr-defined]
-    assert result.first_miss_rps == 1.25  # the lowest rate tried
-    assert [phase for phase, _ in result.points] == ["grid", "down", "down", "down"]
+    assert measure.asked == [10, 5, 2.5, 1.25, 1.0]  # type: ignore[attr-defined]
+    assert result.first_miss_rps == 1.0  # the lowest rate tried: the floor itself
+    assert [phase for phase, _ in result.points] == ["grid", "down", "down", "down", "down"]
+
+
+def test_a_miss_within_a_step_of_the_floor_measures_the_floor_before_reading_zero():
+    # k17f: one grid rate, 42.19 req/s, missed; the next step down (33.75) is under the floor
+    # (40): the floor is measured, and the search reads its limit from it, not goodput 0.
+    config = SearchConfig((42.1875,), cap_rps=42.1875, floor_rps=40.0, growth=1.25, precision=0.12)
+    measure = curve(41.0)
+    result = find_limit(measure, config)
+    assert measure.asked == [42.1875, 40.0]  # type: ignore[attr-defined]
+    assert result.goodput_rps == 40.0
+    assert result.first_miss_rps == 42.1875
+    # Below the floor as well: both measured, nothing met, goodput 0 from a measured floor.
+    low = curve(30.0)
+    assert find_limit(low, config).goodput_rps == 0.0
+    assert low.asked == [42.1875, 40.0]  # type: ignore[attr-defined]
 
 
 def test_a_miss_at_the_grid_bottom_steps_down_then_bisects():
