@@ -13,7 +13,7 @@ Protocol (../shared/EVALUATION.md). Per (configuration, workload, repeat), open-
      but not before every grid rate at which an earlier configuration met on the same workload
      and repeat has been measured: P99s of all configurations compare at equal rates.
   2. down: if the first grid rate misses, rates grid[0] / growth^k until one meets or the next
-     would fall under `--floor-rps` (then goodput is 0).
+     would fall under `--floor-rps`, which is then measured itself (missed too: goodput is 0).
   3. bisect between the highest rate that met below the first miss and the first miss, until
      they are within `--precision` (10%) of each other: goodput_rps is the former,
      first_miss_rps the latter.
