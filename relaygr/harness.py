@@ -943,9 +943,8 @@ def _event_loops(rankers: dict[str, Any]) -> str:
     loops = [f"{k.removeprefix('cpu_main_thread_')} {v:.2f}" for k, v in sorted(rankers.items())
              if k.startswith("cpu_main_thread_ranker_")]  # fmt: skip
     line = f"  event loop (cores): {', '.join(loops)}" if loops else ""
-    shed = rankers.get("ranking_psi_shed", 0) + rankers.get("demotions_shed", 0)
-    return line + (f"; shed {rankers.get('ranking_psi_shed', 0):g} keeps, {rankers.get('demotions_shed', 0):g} copies"
-                   if shed else "")  # fmt: skip
+    keeps, copies = rankers.get("ranking_psi_shed", 0), rankers.get("demotions_shed", 0)
+    return line + (f"; shed {keeps:g} keeps, {copies:g} copies" if keeps or copies else "")
 
 
 _PATH_LABELS = {"hbm_hit": "hit", "inflight_join": "join", "partial_prefix": "partial",

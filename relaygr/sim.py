@@ -1394,9 +1394,8 @@ def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[
         if r["config"] != config or r["workload"] != workload:
             continue
         for p in r["points"]:
-            if recorded_beyond_reach(
-                p
-            ):  # the load generator's point, or a broken stack's: not the configuration's
+            # The load generator's point, or a broken stack's: not the configuration's.
+            if recorded_beyond_reach(p):
                 continue
             if p["meets_slo"]:
                 met = max(met, float(p["rate_rps"]))
