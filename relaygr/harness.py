@@ -180,6 +180,12 @@ for _name in ("baseline", "relay", "relay-nospare", "relay-shed"):
     # The same under an NVIDIA MPS daemon of the stack's own (relaygr/mps.py): the two processes'
     # kernels may run side by side. CUDA only.
     CONFIGS[f"{_name}-2p-mps"] = {**CONFIGS[_name], "rankers_per_device": 2, "mps": True}
+# Four per GPU under MPS. On the mix (H200, k18b-d) each of two processes ran ~0.93 cores at the
+# limit (event loop ~0.39, device thread ~0.47: one interpreter's worth) with the GPU half busy
+# (nvidia-smi 0.5): the host bound both configurations there, and the relay's device savings
+# bought nothing. Four interpreters a GPU move that bound, baseline and relay alike.
+for _name in ("baseline", "relay"):
+    CONFIGS[f"{_name}-4p-mps"] = {**CONFIGS[_name], "rankers_per_device": 4, "mps": True}
 # The same with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF) in the rankers: one
 # segment that grows and shrinks instead of many that fragment. On the mix (H200, k17b) psi
 # blocks of many sizes left two processes on one GPU reserving 67-69 GB each for 60.4-60.7 GB
@@ -427,6 +433,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         # What the relay shed while the event loop was behind (services/ranker/loop_lag.py).
         totals["ranking_psi_shed"] += samples.get("relaygr_ranker_ranking_psi_shed_total", 0.0)
         totals["demotions_shed"] += samples.get('relaygr_ranker_demotions_total{result="shed"}', 0.0)
+        # Allocations the device refused that the psi budget allowed (each lowers the budget).
+        totals["device_memory_short"] += sum(
+            v for k, v in samples.items() if k.startswith("relaygr_ranker_device_memory_short_total")
+        )
         # Take-overs of started pre-inferences, by the pass that completed them (takeover.py).
         for name in ("partial", "full"):
             totals[f"takeover_passes_{name}"] += samples.get(
@@ -837,6 +847,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
         # Keeps and copies to DRAM shed while the event loop was behind (services/ranker/loop_lag.py).
         **{k: device[k] - device_before[k] for k in ("ranking_psi_shed", "demotions_shed")},
+        # Allocations the device refused that the psi budget allowed (services/ranker/relay_cache.py).
+        "device_memory_short": device["device_memory_short"] - device_before["device_memory_short"],
         # Take-overs of started pre-inferences completed by the eager partial pass, by the full graph.
         **{k: device[k] - device_before[k] for k in ("takeover_passes_partial", "takeover_passes_full")},
         # CUDA graphs over the point (and its lead-in), by family: batches replayed, run eagerly.
@@ -944,7 +956,9 @@ def _event_loops(rankers: dict[str, Any]) -> str:
              if k.startswith("cpu_main_thread_ranker_")]  # fmt: skip
     line = f"  event loop (cores): {', '.join(loops)}" if loops else ""
     keeps, copies = rankers.get("ranking_psi_shed", 0), rankers.get("demotions_shed", 0)
-    return line + (f"; shed {keeps:g} keeps, {copies:g} copies" if keeps or copies else "")
+    line += f"; shed {keeps:g} keeps, {copies:g} copies" if keeps or copies else ""
+    short = rankers.get("device_memory_short", 0)
+    return line + (f"; device out of memory {short:g} times (psi budget lowered)" if short else "")
 
 
 _PATH_LABELS = {"hbm_hit": "hit", "inflight_join": "join", "partial_prefix": "partial",

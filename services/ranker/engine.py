@@ -211,6 +211,7 @@ class RankResult:
     launch_ms: float = 0.0  # host time issuing the batch's device work, up to the wait for scores
     psi: Psi | None = None  # a full ranking's prefix psi, complete (rank_full(keep_psi=True))
     batch_seq: int = 0  # the batch's number on this engine (from 1; its calls share it)
+    psi_out_of_memory: bool = False  # keep_psi asked, and the device had no room for the psi
 
 
 @dataclass(frozen=True)
@@ -382,6 +383,7 @@ class _InFlight:
     kept: list[Psi | None]  # per call: the psi a full ranking leaves (keep_psi)
     prefix_len: int  # longest prefix computed in full
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around its device work
+    kept_out_of_memory: bool = False  # its psi blocks were refused by the device: none kept
 
 
 @dataclass
@@ -1203,6 +1205,7 @@ class Engine:
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         built = [0] * len(batch)
         kept: list[Psi | None] = [None] * len(batch)
+        refused: list[bool] = []  # the device had no room for the psi blocks to keep
         prefix_len = 0
         try:
             suffixes = [j.suffix for j in batch]
@@ -1214,10 +1217,16 @@ class Engine:
                 def new_psis(timestamps: bool = True) -> list[Psi | None]:
                     # Once: a graph that falls back to the eager pass has not called it. A
                     # graph copies the timestamps itself (RankGraphs.launch_full).
-                    if not any(p is not None for p in kept):
+                    if not any(p is not None for p in kept) and not refused:
                         allocating_from = time.thread_time()
                         new = self.model.new_psi
-                        kept[:] = [new(j.prefix, timestamps) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                        try:
+                            kept[:] = [new(j.prefix, timestamps) if j.keep_psi else None for j in batch]  # type: ignore[arg-type]
+                        except torch.OutOfMemoryError:
+                            # Keeping is optional: the batch ranks without it (its scores are
+                            # the same), and the callers hear why (RankResult.psi_out_of_memory).
+                            kept[:] = [None] * len(batch)
+                            refused.append(True)
                         self._keep_alloc_cpu_s += time.thread_time() - allocating_from
                         self._psis_kept += sum(1 for p in kept if p is not None)
                     return kept
@@ -1257,7 +1266,9 @@ class Engine:
             if kind is RankKind.PARTIAL:
                 self._takeovers_failed(batch, exc)
             return None
-        return _InFlight(batch, pending, started, started_at, issued, built, kept, prefix_len, events)
+        return _InFlight(
+            batch, pending, started, started_at, issued, built, kept, prefix_len, events, bool(refused)
+        )
 
     def _complete_rank_batch(self, flight: _InFlight) -> None:
         """Waits for a launched batch's scores and answers its calls. Its time is its own share
@@ -1332,7 +1343,8 @@ class Engine:
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (began - j.submitted) * 1e3)
-            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq))
+            j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq,
+                                 psi_out_of_memory=flight.kept_out_of_memory and j.keep_psi))  # fmt: skip
         self._account_gap(flight, done)  # bookkeeping, after the calls have their answers
 
     def _account_gap(self, flight: _InFlight, done: float) -> None:

@@ -133,6 +133,7 @@ class CacheCounters:
     evicted: int = 0
     released: int = 0  # consumed entries dropped without a host copy
     evicted_undemoted: int = 0  # of `evicted`: consumed entries with no host copy (lost to the tiers)
+    budget_lowered: int = 0  # times the device refused memory the budget allowed (lower_budget)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class HbmCache:
     clock: Callable[[], float]
     counters: CacheCounters = field(default_factory=CacheCounters)
     group_of: Callable[[Hashable], Hashable] | None = None
+    configured_bytes: int = field(init=False, default=0)  # budget_bytes as given (it may be lowered)
     _entries: dict[Hashable, _Entry] = field(default_factory=dict)
     _groups: dict[Hashable, set[Hashable]] = field(default_factory=dict)
     _used: int = 0
@@ -172,6 +174,7 @@ class HbmCache:
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be > 0")
+        self.configured_bytes = self.budget_bytes
 
     # ------------------------------------------------------------------ queries (no side effects)
 
@@ -231,7 +234,10 @@ class HbmCache:
             return AdmitResult(outcome)
         if nbytes > self.budget_bytes:
             self.counters.refused += 1
-            return AdmitResult(Admission.REFUSED, "too_large")
+            # Over the budget it was configured with: never admissible; over a lowered one: no room.
+            return AdmitResult(
+                Admission.REFUSED, "too_large" if nbytes > self.configured_bytes else "hbm_budget"
+            )
         if not self._make_room(nbytes):
             self.counters.refused += 1
             return AdmitResult(Admission.REFUSED, "hbm_budget")
@@ -351,6 +357,30 @@ class HbmCache:
         if e is not None and e.state in _UNLEASED and e.pins == 0:
             self.counters.released += 1
             self._move(e, EntryState.FREED)
+
+    def lower_budget(self, budget_bytes: int) -> int:
+        """The device refused memory that the budget allowed (other processes on the device, the
+        allocator's fragments): the budget drops to `budget_bytes` (never raised here: what the
+        device holds beside psi does not shrink on its own) and unpinned unleased entries are
+        freed, in eviction order, until what is held fits or none is left; leased psi stays for
+        its call. Returns the bytes freed."""
+        budget_bytes = max(0, min(budget_bytes, self.budget_bytes))
+        if budget_bytes < self.budget_bytes:
+            self.counters.budget_lowered += 1
+        self.budget_bytes = budget_bytes
+        over = self._used - budget_bytes
+        victims: list[_Entry] = []
+        for e in self._evictable():
+            if over <= 0:
+                break
+            victims.append(e)
+            over -= e.nbytes
+        for e in victims:  # moved after the walk: _move edits the orders being walked
+            self.counters.evicted += 1
+            if e.state is EntryState.CONSUMED:
+                self.counters.evicted_undemoted += 1
+            self._move(e, EntryState.FREED)
+        return sum(e.nbytes for e in victims)
 
     # ------------------------------------------------------------------ time
 

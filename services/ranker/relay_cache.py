@@ -71,6 +71,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+
 from services.ranker.copy_stages import RELOAD_PATH_STAGES, CopyStages
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
@@ -236,6 +238,8 @@ class RelayCache:
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
         self._productions: dict[PsiKey, _Production] = {}
         self.reloads = 0
+        self.device_memory_short = 0  # allocations the device refused (out of memory), all paths
+        self._budget_lowered_at = -math.inf  # cache clock
         self.late_signals = 0  # PreInfer signals refused: their ranking call had come already
         self._arrived = RecentIds(ttl_s=arrived_ttl_s)
         self.content_mismatches = 0
@@ -379,6 +383,10 @@ class RelayCache:
             log.warning("production_failed", user=key.user_id, error=repr(exc))
             self.cache.production_failed(key)
             self._settle_prefetch(key, "failed")
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._device_memory_short(
+                    self._psi_bytes(prefix.length), "reload" if production.reload else "preinfer"
+                )
         finally:
             if production.stamps is not None and psi is not None:
                 production.stamps["done"] = time.perf_counter()
@@ -468,18 +476,45 @@ class RelayCache:
             except Exception as exc:  # the cached path is an optimisation: never an error
                 log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
                 self._on_event("fallback", "cached_rank_failed")
+                if isinstance(exc, torch.OutOfMemoryError):
+                    self._device_memory_short(self._psi_bytes(prefix.length), "cached")
             finally:
                 self.cache.unpin(key)
                 after_reply(lambda _context: self._after_consume(key))
         tokens = prefix.tensors()  # a call by reference with nothing to read: PrefixRequired
-        if self._keeps_psi(key, prefix.length, suffix.length):
-            kept = await self._rank_keeping_psi(
-                key, request_id, tokens, suffix, deadline, after_reply, start_by
-            )
-            if kept is not None:
-                return Ranked(Served.FULL_RECOMPUTE, kept, cache_ms, 0.0)
-        result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
+        try:
+            if self._keeps_psi(key, prefix.length, suffix.length):
+                kept = await self._rank_keeping_psi(
+                    key, request_id, tokens, suffix, deadline, after_reply, start_by
+                )
+                if kept is not None:
+                    return Ranked(Served.FULL_RECOMPUTE, kept, cache_ms, 0.0)
+            result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
+        except torch.OutOfMemoryError:
+            # The device had no room for the pass beside the psi held: psi is what gives way
+            # (this process's allocator then serves the pass from the blocks freed), once; a
+            # second refusal is the caller's RESOURCE_EXHAUSTED.
+            self._device_memory_short(self._psi_bytes(prefix.length), "ranking")
+            result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
         return Ranked(Served.FULL_RECOMPUTE, result, cache_ms, 0.0)
+
+    def _device_memory_short(self, nbytes: int, where: str) -> None:
+        """The device refused an allocation that the HBM budget allowed: the processes sharing
+        the device, their CUDA graphs and the allocator's fragments take more than the budget
+        left them (four ranker processes on one H200 with 27.5 GB of psi each, k18e: 35 GB a
+        process, 482 calls failed). The budget drops to what is held less `nbytes` (psi freed,
+        in eviction order, until it fits), at most once a second: the refusals of one shortage
+        come together, and each lowering counted alone would empty the cache."""
+        self.device_memory_short += 1
+        self._on_event("device_memory_short", where)
+        now = self.cache.clock()
+        if now - self._budget_lowered_at < 1.0:
+            return
+        self._budget_lowered_at = now
+        before = self.cache.budget_bytes
+        freed = self.cache.lower_budget(min(before, self.cache.used_bytes) - nbytes)
+        log.warning("hbm_budget_lowered", where=where, budget_bytes_before=before, budget_bytes=self.cache.budget_bytes,
+                    freed_bytes=freed, held_bytes=self.cache.used_bytes)  # fmt: skip
 
     def _keeps_psi(self, key: PsiKey, prefix_len: int, suffix_len: int) -> bool:
         """Whether this call's full ranking keeps its prefix's psi: long enough, and the keep gate
@@ -549,6 +584,8 @@ class RelayCache:
             production.done.set()
             if self._productions.get(key) is production:
                 del self._productions[key]
+        if result.psi_out_of_memory:  # ranked; the device had no room for the psi it would keep
+            self._device_memory_short(self._psi_bytes(prefix.length), "ranking_psi")
         if stored:
             self.psi_from_rankings += 1
             self._on_event("ranking_psi", "kept")
@@ -592,6 +629,8 @@ class RelayCache:
         except Exception as exc:  # e.g. the pre-inference failed: rank without it
             log.warning("relay_failed", user=key.user_id, error=repr(exc))
             self._on_event("fallback", "relay_failed")
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._device_memory_short(self._psi_bytes(prefix.length), "relay")
             if tokens is None:
                 raise PrefixRequired("prefix_required: the pre-inference of this prefix failed") from exc
             result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)

@@ -201,6 +201,10 @@ class _Metrics:
                                   ["gate"], registry=registry)  # fmt: skip
         self.hbm_bytes = Gauge("relaygr_ranker_hbm_bytes", "psi bytes in accelerator memory", ["kind"],
                                registry=registry)  # fmt: skip
+        self.device_memory_short = Counter("relaygr_ranker_device_memory_short",
+                                           "allocations the device refused (out of memory) that the HBM budget "
+                                           "allowed, by path; each lowers the budget (relay_cache.py)", ["path"],
+                                           registry=registry)  # fmt: skip
         self.expander_up = Gauge("relaygr_ranker_expander_connected", "1 when the host tier is usable",
                                  registry=registry)  # fmt: skip
         self.device_memory = Gauge("relaygr_ranker_device_memory_bytes",
@@ -614,6 +618,7 @@ class RankerService(pb_grpc.RankerServicer):
             self.relay.expire()
             self.metrics.hbm_bytes.labels("resident").set(self.cache.used_bytes)
             self.metrics.hbm_bytes.labels("leased").set(self.cache.leased_bytes)
+            self.metrics.hbm_bytes.labels("budget").set(self.cache.budget_bytes)  # lowered on device refusals
             self.metrics.expander_up.set(1 if self.host is not None and self.host.connected else 0)
 
     def _read_allocator(self, before: dict[str, int]) -> dict[str, int]:
@@ -675,6 +680,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.ranking_psi_shed.inc()
         elif kind == "ranking_psi":
             m.ranking_psi.inc()
+        elif kind == "device_memory_short":
+            m.device_memory_short.labels(label).inc()
 
     # ------------------------------------------------------------------ PreInfer
 
@@ -779,6 +786,22 @@ class RankerService(pb_grpc.RankerServicer):
         except PrefixRequired as exc:
             self.metrics.rank_errors.labels("prefix_required").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except torch.OutOfMemoryError:
+            # Refused twice by the device, psi freed in between (RelayCache._rank): a
+            # load the caller may retry elsewhere, not a fault of its request.
+            self.metrics.rank_errors.labels("device_memory").inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ranker {self.instance_id} device_memory: out of device memory",
+            )
+        except Exception as exc:
+            # A fault of ours: said as one (INTERNAL, with what failed), logged with its
+            # traceback, and the service goes on.
+            self.metrics.rank_errors.labels("internal").inc()
+            log.exception("rank_failed", request_id=request.request_id)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"ranker {self.instance_id} internal error: {exc!r}"[:512]
+            )
         except asyncio.CancelledError:
             # Admitted, and its caller gave up (deadline or cancel) before the answer: what
             # admission exists to avoid, so it is counted.

@@ -362,3 +362,38 @@ def test_variants_are_the_other_entries_of_a_group_until_they_leave(clock):
     c.expire()
     assert c.variants(("u", "new")) == []
     assert make(clock).variants(("u", "new")) == []  # no groups: no variants
+
+
+def test_a_lowered_budget_frees_unleased_psi_in_eviction_order_and_keeps_leased_psi(clock):
+    """The device refused memory the budget allowed (relay_cache.py): the budget drops, unleased
+    psi is freed (demoted first, then least recently used) until what is held fits, leased psi
+    stays for its call, and admissions between the new and the configured budget are refused
+    for room, not as too large."""
+    c = make(clock, budget=100)
+    for key, nbytes in (("leased", 30), ("old", 20), ("new", 20), ("copied", 20)):
+        c.admit(key, nbytes, lease())
+        c.produced(key, "psi")
+        if key != "leased":
+            clock.now += 1.0
+            c.claim(key)
+            c.unpin(key)
+    c.pin_for_copy("copied")
+    c.demoted("copied", ok=True, keep=True)
+    assert c.used_bytes == 90
+    assert c.lower_budget(55) == 40  # the demoted copy, then the least recently used
+    assert c.budget_bytes == 55
+    assert c.configured_bytes == 100
+    assert [c.lookup(k) is not None for k in ("leased", "old", "new", "copied")] == [True, False, True, False]
+    assert c.counters.budget_lowered == 1
+    assert c.counters.evicted == 2
+    assert c.counters.evicted_undemoted == 1
+    assert c.lower_budget(0) == 20  # below the leased psi: it stays
+    assert c.used_bytes == 30
+    assert c.lookup("leased").state is EntryState.RESIDENT
+    refused = c.admit("u", 10, lease())
+    assert refused.outcome is Admission.REFUSED
+    assert refused.reason == "hbm_budget"
+    assert c.admit("huge", 101, lease()).reason == "too_large"
+    assert c.lower_budget(80) == 0
+    assert c.budget_bytes == 0
+    assert c.counters.budget_lowered == 2

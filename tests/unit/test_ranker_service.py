@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.ranker.config import RankerConfig
@@ -631,3 +632,34 @@ async def test_the_signal_trip_is_measured_from_the_signal_time_and_bad_clocks_a
     request.signal_time_unix_ms = int(time.time() * 1e3) - 40
     await stub.PreInfer(request, timeout=5)
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).signal_trip_p90_ms >= 40.0
+
+
+async def test_a_device_out_of_memory_is_resource_exhausted_and_a_fault_internal(ranker, monkeypatch):
+    """What the relay cache cannot absorb reaches the caller as a status that says what it was
+    (k18e: four processes on one H200 answered 482 calls UNKNOWN with a traceback in the log),
+    counted, and the ranker goes on serving."""
+    service, stub, _ = ranker
+    prefixes, suffixes = users(31, 1, prefix_len=100)
+    rank = service.relay.rank
+    failures = [torch.OutOfMemoryError("CUDA out of memory (a test)"), KeyError("a bug")]
+
+    async def failing(*args, **kwargs):
+        if failures:
+            raise failures.pop(0)
+        return await rank(*args, **kwargs)
+
+    monkeypatch.setattr(service.relay, "rank", failing)
+    for code, said in (
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "device_memory"),
+        (grpc.StatusCode.INTERNAL, "KeyError"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Rank(rank_request(prefixes[0], suffixes[0], f"r-{code.name}"), timeout=30)
+        assert err.value.code() == code
+        assert said in err.value.details()
+    errors = service.metrics.rank_errors
+    assert errors.labels("device_memory")._value.get() == 1
+    assert errors.labels("internal")._value.get() == 1
+    assert service.admission.inflight == 0  # both released their admission
+    reply = await stub.Rank(rank_request(prefixes[0], suffixes[0], "after"), timeout=30)
+    assert len(reply.scores) == len(suffixes[0].candidates)

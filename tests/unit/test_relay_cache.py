@@ -495,3 +495,107 @@ async def test_what_keeping_psi_costs_the_host_is_measured_once_enough_psi_was_k
     keep_ms = r.relay.host_ms_per_keep()
     assert keep_ms is not None
     assert 0.0 < keep_ms < 1000.0
+
+
+def _refuse_allocations(model: HSTURanker, monkeypatch, refusals: list[int]) -> None:
+    """The model's psi blocks are refused by the device while refusals[0] > 0 (one each)."""
+    new_psi = model.new_psi
+
+    def refusing(*args, **kwargs):
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 248.00 MiB (a test)")
+        return new_psi(*args, **kwargs)
+
+    monkeypatch.setattr(model, "new_psi", refusing)
+
+
+async def test_a_device_out_of_memory_keeping_psi_ranks_anyway_and_lowers_the_budget(keeping, monkeypatch):
+    """Four ranker processes on one H200 (k18e) were refused psi blocks their budgets allowed,
+    and 482 calls failed as UNKNOWN: keeping psi is optional, so the call is ranked (the same
+    scores) without it, and the budget drops to what is held less that psi, evicting unleased
+    psi, once a second at most."""
+    r = keeping
+    held = []
+    for seed in (60, 63):  # kept, then consumed: unleased, evictable
+        key, prefix, suffix, _ = r.inputs(seed, 600)
+        await r.rank(key, prefix, suffix)
+        held.append(key)
+    for after in r.after:
+        after(None)
+    assert [r.state(k) for k in held] == [EntryState.CONSUMED] * 2
+    held_bytes = r.cache.used_bytes
+    refusals = [2]
+    _refuse_allocations(r.model, monkeypatch, refusals)
+    key, prefix, suffix, want = r.inputs(61, 520)
+    ranked = await r.rank(key, prefix, suffix)
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
+    assert ranked.result.psi is None
+    assert ranked.result.psi_out_of_memory
+    assert r.state(key) is None  # nothing kept
+    assert r.relay.device_memory_short == 1
+    assert ("device_memory_short", "ranking_psi") in r.events
+    lowered = held_bytes - r.model.spec.psi_bytes(prefix.length)  # held less the refused psi
+    assert r.cache.budget_bytes == lowered
+    assert [r.state(k) for k in held] == [None, EntryState.CONSUMED]  # the least recently used went
+    assert r.cache.counters.budget_lowered == 1
+    # Refused again within the second: counted, the budget as it was (one shortage's refusals
+    # come together). The call is ranked all the same.
+    key, prefix, suffix, want = r.inputs(62, 520)
+    ranked = await r.rank(key, prefix, suffix)
+    assert close(ranked.result.scores, want)
+    assert refusals == [0]
+    assert r.relay.device_memory_short == 2
+    assert r.cache.counters.budget_lowered == 1
+    assert r.cache.budget_bytes == lowered
+
+
+async def test_a_full_pass_the_device_refuses_is_retried_once_with_psi_freed(join, monkeypatch):
+    """The full pass itself refused (activations beside the psi held): psi gives way and the
+    pass runs again; refused again, the error reaches the caller (RESOURCE_EXHAUSTED there)."""
+    r = join
+    held, held_prefix, _, _ = r.inputs(70, 500)  # user 0, as the call's: a content mismatch there
+    assert (await r.relay.produce(held, held_prefix, Lease("p", FAR)))[0] is Produce.ACCEPTED
+    await eventually(lambda: r.state(held) is EntryState.RESIDENT, "psi resident")
+    rank_full = r.engine.rank_full
+    refusals = [1]
+
+    async def refusing(*args, **kwargs):
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return await rank_full(*args, **kwargs)
+
+    monkeypatch.setattr(r.engine, "rank_full", refusing)
+    key, prefix, suffix, want = r.inputs(71, 600)
+    ranked = await r.rank(key, prefix, suffix)
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
+    assert ("device_memory_short", "ranking") in r.events
+    assert r.state(held) is EntryState.RESIDENT  # leased psi stays for its call
+    # Held (the leased psi, which stays) less what the pass would take: below what is held, so
+    # nothing more is admitted until that psi's call has come.
+    assert r.cache.budget_bytes == max(0, r.cache.used_bytes - r.model.spec.psi_bytes(600))
+    r.clock.now += 2.0
+    refusals[0] = 2
+    with pytest.raises(torch.OutOfMemoryError):
+        await r.rank(key, prefix, suffix)
+
+
+async def test_a_preinference_the_device_refuses_fails_its_production_and_lowers_the_budget(
+    join, monkeypatch
+):
+    r = join
+    budget = r.cache.budget_bytes
+    refusals = [1]
+    _refuse_allocations(r.model, monkeypatch, refusals)
+    key, prefix, suffix, want = r.inputs(80, 500)
+    assert (await r.relay.produce(key, prefix, Lease("p", FAR)))[0] is Produce.ACCEPTED
+    await eventually(lambda: r.relay.device_memory_short == 1, "the refusal counted")
+    assert ("device_memory_short", "preinfer") in r.events
+    assert r.state(key) is None
+    assert r.cache.budget_bytes < budget
+    ranked = await r.rank(key, prefix, suffix)  # its call ranks in full
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
