@@ -67,7 +67,10 @@ replays, same seed, same lead-in, the measured window only counted):
     twice (py-spy on an H200 host saw ~1.2 ms a request on-CPU, k17c; 1.0 ms in the model put
     the mix baseline at 336 req/s where 421.9 was measured). `--request-host-ms 0` is the
     model without it.
-Not modelled yet: the router and several rankers, the copy engine as a resource, the signal
+Several ranker processes of one GPU (`<name>-<N>p[-mps]`) are modelled as rankers of their own,
+each with its users (rendezvous placement, as the router's) and its share of the tiers, at the
+device costs the file measured with them side by side (Setup.processes). Not modelled yet: the
+router's load bound and failover, several GPUs, the copy engine as a resource, the signal
 path's tail.
 
 Calibration comes only from a goodput result file and the per-call records beside it
@@ -122,6 +125,7 @@ from services.trigger.admission import (
     too_late,
 )
 from services.trigger.config import ADMISSION_SETTINGS, TriggerConfig
+from shared.placement import stable_hash
 from shared.wire import MAX_PREINFER_DUES
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
@@ -403,6 +407,13 @@ class Setup:
     # Pre-inference graph steps launched ahead (the ranker's --chunks-ahead, off by default): the
     # host is free once it has launched one instead of waiting for it to finish.
     chunks_ahead: bool = False
+    # Ranker processes per GPU (the configurations `<name>-<N>p[-mps]`: StackConfig.
+    # rankers_per_device), each modelled as one ranker of its own with its share of the users (the
+    # router's rendezvous placement, without its load bound) and of the tiers (the budgets here
+    # are one process's); their device costs are the file's, measured with the processes beside
+    # each other. The device is not modelled as shared: under MPS the processes' kernels overlap,
+    # and what they cost each other is in their measured times.
+    processes: int = 1
 
 
 def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, float]:
@@ -1067,7 +1078,10 @@ def p99_at(
     built: list[tuple[float, float, float, float]] = []
     decided: list[tuple[float, str]] = []
     served = [
-        s for s in simulate(plan.requests, cal, setup, seed, steps, built, decided) if not s.request.lead_in
+        s
+        for k, requests in enumerate(by_process(plan.requests, setup.processes))
+        for s in simulate(requests, cal, setup, seed + 7919 * k, steps, built, decided)
+        if not s.request.lead_in
     ]
     # The trigger's decisions on the window's events, as shares (its counters, relaygr_trigger_*).
     reasons = collections.Counter(label for t, label in decided if t >= cfg.lead_in_s)
@@ -1082,7 +1096,8 @@ def p99_at(
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "meets_slo": bool(np.percentile(lat, 99) <= setup.slo_ms),
-        "busy": (sum(s.device_ms for s in served) / 1e3 + preinfer_s) / cfg.duration_s,
+        # A process's share of its device time, the mean over the processes.
+        "busy": (sum(s.device_ms for s in served) / 1e3 + preinfer_s) / cfg.duration_s / setup.processes,
         **{k: v / len(served) for k, v in sorted(paths.items())},
         # As the rankers count them (relaygr_ranker_preinfer_*): the psi built in the window,
         # their mean wait to start and time to build, and those complete after their call's time.
@@ -1094,6 +1109,31 @@ def p99_at(
         "preinfer_done_after_call": sum(d > c for _, _, d, c in built),
         **{f"trigger_{label}": n / events for label, n in sorted(reasons.items())},
     }
+
+
+def by_process(requests: Sequence[PlannedRequest], processes: int) -> list[list[PlannedRequest]]:
+    """The requests each of `processes` ranker processes gets: a user's all go to the process
+    of its highest rendezvous score (shared/placement.py, as the router places them while no
+    process is over its load bound)."""
+    if processes <= 1:
+        return [list(requests)]
+    ids = [f"process-{k}" for k in range(processes)]
+    placed: dict[int, int] = {}
+    out: list[list[PlannedRequest]] = [[] for _ in ids]
+    for r in requests:
+        k = placed.get(r.user_id)
+        if k is None:
+            k = placed[r.user_id] = max(range(processes), key=lambda i: stable_hash(r.user_id, ids[i]))
+        out[k].append(r)
+    return out
+
+
+def processes_of(config: str) -> tuple[str, int]:
+    """A configuration's model and its ranker processes per GPU: `relay-2p-mps` -> (relay, 2);
+    `-expandable` (the allocator's segments) is the same model."""
+    name = config.removesuffix("-expandable")
+    match = re.fullmatch(r"(.+)-(\d+)p(-mps)?", name)
+    return (match.group(1), int(match.group(2))) if match else (name, 1)
 
 
 def goodput(
@@ -1163,7 +1203,9 @@ def modelled_configs(result_path: Path) -> list[str]:
         held = [(r["config"], bool(r.get("ranker_step_costs"))) for r in result["results"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
-    usable = [c for c, steps in held if c in MODELLED and (c != "relay" or steps)]
+    usable = [
+        c for c, steps in held if processes_of(c)[0] in MODELLED and (processes_of(c)[0] != "relay" or steps)
+    ]
     return list(dict.fromkeys(usable))
 
 
@@ -1478,8 +1520,15 @@ def load_model(
     them; `trigger_settings`: the trigger's admission settings (`relay`) that differ from the
     run's (AdmissionPolicy.of_run). ValueError, one line, on bad input."""
     changes = dict(changes or {})
-    if config not in MODELLED:
-        raise ValueError(f"--config: the model covers {', '.join(MODELLED)}")
+    model, processes = processes_of(config)  # the model's name; the file's records are config's
+    if "processes" in changes:
+        if changes["processes"] < 1 or changes["processes"] != int(changes["processes"]):
+            raise ValueError("--processes: a whole number >= 1")
+        processes = int(changes["processes"])
+    if model not in MODELLED:
+        raise ValueError(
+            f"--config: the model covers {', '.join(MODELLED)}, each also as <name>-<N>p[-mps][-expandable]"
+        )
     try:
         result = json.loads(result_path.read_text())
         workloads = sorted({r["workload"] for r in result["results"] if r["config"] == config})
@@ -1512,7 +1561,7 @@ def load_model(
     if step_costs is None:
         recorded = [r for r in result["results"] if r["config"] == config and r["workload"] == chosen]
         step_costs = next((sc for sc in map(StepCosts.recorded, recorded) if sc is not None), None)
-    if config == "relay" and step_costs is None:
+    if model == "relay" and step_costs is None:
         # The ranker plans pre-inference by its measured step costs (graph steps at ~0.5 ms a
         # step, eager ones at ~4 ms on an H200): modelled with a full ranking's fit instead, the
         # relay's limit at L8192 came out 1.1-1.3x higher again (k8a-h7b), so none is guessed.
@@ -1529,7 +1578,7 @@ def load_model(
     if changes.get("first_chunk_absorbs", 0.0):  # the ranker's --first-chunk-absorbs
         scheduler = dataclasses.replace(scheduler, first_chunk_absorbs=True)
     preinfer_scale = changes.get("preinfer_scale")
-    if config == "relay" and step_costs is not None and preinfer_scale is None:
+    if model == "relay" and step_costs is not None and preinfer_scale is None:
         # Start-up costs scaled to what a psi cost in service (the file's points): at L8192 on an
         # H200 (k8b) 5.2 ms a psi at start-up, 6.4-7.2 in service (eager rests, batched eager
         # steps, graph steps beside copies), and the model's limit moved from 150 to ~105 req/s.
@@ -1542,7 +1591,7 @@ def load_model(
     if step_costs is not None and preinfer_scale is not None:
         step_costs = step_costs.scaled(preinfer_scale)
     view = None
-    if config == "relay" and step_costs is not None and changes.get("exact_lead_test", 0.0) == 0.0:
+    if model == "relay" and step_costs is not None and changes.get("exact_lead_test", 0.0) == 0.0:
         measured_ms = preinfer_ms_per_psi(result, config, chosen)
         view = trigger_view(
             result, config, chosen,
@@ -1553,7 +1602,7 @@ def load_model(
     # priced per copy the model issues: its copies can differ from the run's (at L16384, k10d,
     # the ranker demoted ~18 psi a second where the model's LRU evicts fewer, and the split
     # alone moved the modelled limit 41 -> 46 req/s), so the checks keep the measured rate.
-    if changes.get("copies_apart", 0.0) and not config.startswith("baseline"):
+    if changes.get("copies_apart", 0.0) and not model.startswith("baseline"):
         per_batch_s, per_copy_s = host_costs(result, config, chosen)
     else:
         per_batch_s, per_copy_s = host_step_s(result, config, chosen), 0.0
@@ -1568,18 +1617,22 @@ def load_model(
     c = result["config"]
     setup = Setup(
         slo_ms=float(c["slo_ms"]),
-        psi=not config.startswith("baseline"),
+        psi=not model.startswith("baseline"),
         preinfer_trip_ms=(
             float(changes.get("signal_trip_ms", signal_trip_ms(result, config)))
-            if config in ("preinfer-all", "relay")
+            if model in ("preinfer-all", "relay")
             else None
         ),
-        preinfer_steps=step_costs if config == "relay" else None,
-        lead_test=config == "relay",
+        preinfer_steps=step_costs if model == "relay" else None,
+        lead_test=model == "relay",
         trigger=view,
         admission=admission,
-        hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20),
-        dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30),
+        # The run's budget is the GPU's (bench.relay gives each process its share); the arena,
+        # one per host, is shared alike.
+        hbm_budget_bytes=int(float(changes.get("hbm_budget_mb", c.get("hbm_budget_mb", 60_000))) * 2**20)
+        // processes,
+        dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30) // processes,
+        processes=processes,
         graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
         request_host_s=float(changes.get("request_host_ms", event_loop_ms(result, config, chosen))) / 1e3,
@@ -1645,6 +1698,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "what if (a prediction, not a check: the measured figures are not compared)"
     )
     what_if.add_argument("--hbm-budget-mb", type=float, default=None, help="instead of the file's")
+    what_if.add_argument("--processes", type=int, default=None,
+                         help="ranker processes per GPU instead of the configuration's (its name's -<N>p), "
+                         "each at the file's measured costs, the budgets shared among them")  # fmt: skip
     what_if.add_argument("--lead-in-s", type=float, default=None, help="unmeasured lead-in per point")
     what_if.add_argument(
         "--arena-gb", type=float, default=None, help="host DRAM for psi, instead of the file's"
@@ -1727,7 +1783,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
                ("copies_apart", 1.0 if args.copies_apart else None),
-               ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms))
+               ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
+               ("processes", args.processes))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip
     try:
         if args.graph_step_costs and not args.eager_step_costs:

@@ -56,7 +56,7 @@ def test_a_thousand_gpu_plan_for_a_hundred_million_users_takes_seconds(source):
     ("argv", "message"),
     [
         (["--target-rps", "0"], "--target-rps: must be a finite number > 0"),
-        (["--target-rps", "100", "--configs", "relay-nospare-2p-mps"], "the model covers"),
+        (["--target-rps", "100", "--configs", "relay-shed-2p-mps"], "the model covers"),
         (["--target-rps", "100", "--workload", "mix"], "--workload: one of ['L4096']"),
         (["--target-rps", "100", "--slo-ms", "-5"], "--slo-ms: must be a finite number > 0"),
         (["--target-rps", "100", "--configs", "relay"], "holds no records of relay (it holds baseline)"),

@@ -21,6 +21,7 @@ from relaygr.sim import (
     StepCosts,
     TriggerView,
     _Lru,
+    by_process,
     calibrate,
     call_deadline_s,
     call_slo_s,
@@ -34,6 +35,7 @@ from relaygr.sim import (
     modelled_configs,
     parse_trigger_settings,
     preinfer_ms_per_psi,
+    processes_of,
     request_host_ms,
     scaled,
     shape_of,
@@ -180,7 +182,7 @@ def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_no
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay"])  # the file has no relay records
     with pytest.raises(SystemExit):
-        main([str(path), "--config", "relay-nospare-2p-mps"])  # two processes per GPU: not modelled
+        main([str(path), "--config", "relay-shed-2p-mps"])  # shedding by the loop's lag: not modelled
     with pytest.raises(SystemExit):
         main([str(tmp_path / "missing.json"), "--config", "baseline"])
 
@@ -856,13 +858,14 @@ def test_the_configurations_a_file_holds_are_those_the_model_can_take(tmp_path):
         {"config": "baseline"},
         {"config": "relay"},
         {"config": "relay-nospare-2p-mps"},
+        {"config": "relay-shed-2p-mps"},
         {"config": "baseline"},
     ]
     path.write_text(json.dumps({"results": results}))
-    assert modelled_configs(path) == ["baseline"]  # the relay without its step costs is refused
+    assert modelled_configs(path) == ["baseline", "relay-nospare-2p-mps"]  # the relay without step costs: no
     results[1]["ranker_step_costs"] = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.0}}
     path.write_text(json.dumps({"results": results}))
-    assert modelled_configs(path) == ["baseline", "relay"]
+    assert modelled_configs(path) == ["baseline", "relay", "relay-nospare-2p-mps"]
     for bad in ("{", json.dumps({"results": [1]}), json.dumps({"nothing": []})):
         path.write_text(bad)
         with pytest.raises(ValueError, match="cannot read"):
@@ -904,3 +907,45 @@ def test_each_copy_of_psi_costs_the_host_its_issue_and_no_dram_tier_issues_none(
     assert sum(s.latency_ms for s in tier) > sum(s.latency_ms for s in free)
     none = simulate(calls, cal, dataclasses.replace(two, copy_issue_s=5e-3, dram_bytes=0))
     assert "dram_reload" not in {s.path for s in none}
+
+
+def test_a_configurations_ranker_processes_per_gpu_come_from_its_name():
+    assert processes_of("relay") == ("relay", 1)
+    assert processes_of("baseline-2p-mps") == ("baseline", 2)
+    assert processes_of("relay-4p-mps-expandable") == ("relay", 4)
+    assert processes_of("relay-nospare-2p") == ("relay-nospare", 2)
+    assert processes_of("baseline-expandable") == ("baseline", 1)
+    assert processes_of("relay-2pp") == ("relay-2pp", 1)
+
+
+def test_each_user_goes_to_one_process_and_the_processes_share_the_users_evenly():
+    requests = [request(i, i * 0.01, user=i % 997) for i in range(6000)]
+    groups = by_process(requests, 3)
+    assert sorted(r.request_id for g in groups for r in g) == sorted(r.request_id for r in requests)
+    owners = {}
+    for k, group in enumerate(groups):
+        for r in group:
+            assert owners.setdefault(r.user_id, k) == k  # a user's requests all in one process
+        assert 1600 < len(group) < 2400
+    assert by_process(requests, 3) == groups  # the same placement every time (a stable hash)
+    assert by_process(requests, 1) == [requests]
+
+
+def test_two_processes_per_gpu_serve_twice_the_rate_of_one_at_the_files_costs(tmp_path):
+    """Each process is a ranker of its own at the measured costs (the device's sharing is in
+    them): two of them meet about twice one's rate; the budgets are split between them."""
+    workload = WorkloadConfig(fixed_prefix_len=4096, lead_in_s=2.0)
+    one, _, _ = goodput(workload, EXACT, Setup(), start_rps=50.0, precision=0.05)
+    two, _, points = goodput(workload, EXACT, Setup(processes=2), start_rps=100.0, precision=0.05)
+    assert 1.7 * one < two < 2.3 * one
+    assert all(0 < p["busy"] < 1.0 for p in points)  # a process's share, not the two added
+    rows = [record(i, "full_recompute", 4096, 3.5, 12.0) for i in range(200)]
+    path = goodput_file(tmp_path, "goodput-x-p", "baseline-2p-mps", {150.0: rows, 250.0: []}, met={150.0})
+    model = load_model(path, "baseline-2p-mps", "L4096")
+    assert model.setup.processes == 2
+    assert model.setup.hbm_budget_bytes == 60000 * 2**20 // 2
+    assert model.setup.dram_bytes == 24 * 2**30 // 2
+    assert load_model(path, "baseline-2p-mps", "L4096", {"processes": 4}).setup.processes == 4
+    with pytest.raises(ValueError, match="whole number"):
+        load_model(path, "baseline-2p-mps", "L4096", {"processes": 0})
+    assert main([str(path), "--config", "baseline-2p-mps", "--processes", "3"]) == 0
