@@ -31,6 +31,7 @@ import numpy as np
 
 # Regressors are scaled to similar magnitudes: [1, tokens / 1e3, pairs / 1e6].
 _SCALE = np.array([1.0, 1e-3, 1e-6])
+_SCALES = (1.0, 1e-3, 1e-6)
 # Relative error, with a floor so that near-zero batches do not dominate the fit.
 _FLOOR_S = 1e-3
 # A weight that never decays on the prior's pseudo-batches: the fit stays defined (and pulled
@@ -122,21 +123,23 @@ class CostFit:
         self.measured = 0  # batches observed
         self._last_seq = -1
         self._decay = 1.0 - 1.0 / prior.memory_batches
-        # Normal equations of the weighted fit in scaled units: A theta = b.
-        self._a = np.zeros((3, 3))
-        self._b = np.zeros(3)
+        # Normal equations of the weighted fit in scaled units: A theta = b, A row-major. Python
+        # floats, not numpy: a batch's update is a dozen products, which numpy's per-call
+        # overhead made 12 us (every batch, on the device loop and again on the event loop).
+        self._a = [0.0] * 9
+        self._b = [0.0] * 3
         # The prior as pseudo-batches: an empty one and one of 1k tokens (worth `batches`, fading),
         # and, in the ridge only, 1k tokens in full at the prior's pair cost (none, unless
         # measured): no quadratic cost is assumed, and none is held against the first measured
         # one. A measured pair cost is a third pseudo-batch: without it, batches of one shape
         # (chunk steps of one size) put any residual into the pair cost, which then extrapolates
         # quadratically (a 4096-token step predicted at 42 ms that measures 4.3).
-        empty, linear = np.array([1.0, 0.0, 0.0]), np.array([1.0, 1e3, 0.0])
+        empty, linear = (1.0, 0.0, 0.0), (1.0, 1e3, 0.0)
         linear_s = prior.per_batch_s + 1e3 * prior.per_token_s
-        self._ridge_a = np.zeros((3, 3))
-        self._ridge_b = np.zeros(3)
+        self._ridge_a = [0.0] * 9
+        self._ridge_b = [0.0] * 3
         points = [(empty, prior.per_batch_s), (linear, linear_s)]
-        full = (np.array([1.0, 1e3, 1e6]), linear_s + 1e6 * prior.per_pair_s)
+        full = ((1.0, 1e3, 1e6), linear_s + 1e6 * prior.per_pair_s)
         if prior.pairs_measured:
             points.append(full)
         for x, y in points:
@@ -147,20 +150,24 @@ class CostFit:
 
     # ------------------------------------------------------------------ measurement
 
-    def _add(self, x: np.ndarray, y: float, weight: float, ridge: bool = False) -> None:
-        xs = x * _SCALE
+    def _add(self, x: tuple[float, float, float], y: float, weight: float, ridge: bool = False) -> None:
+        xs = (x[0] * _SCALES[0], x[1] * _SCALES[1], x[2] * _SCALES[2])
         w = weight / (y + _FLOOR_S) ** 2
         a, b = (self._ridge_a, self._ridge_b) if ridge else (self._a, self._b)
-        a += w * np.outer(xs, xs)
-        b += w * xs * y
+        for i in range(3):
+            wx = w * xs[i]
+            b[i] += wx * y
+            for j in range(3):
+                a[3 * i + j] += wx * xs[j]
 
     def observe(self, tokens: int, pairs: int, seconds: float) -> None:
         """One measured batch. Non-finite or negative measurements are ignored."""
         if not (math.isfinite(seconds) and seconds >= 0 and tokens >= 0 and pairs >= 0):
             return
-        self._a *= self._decay
-        self._b *= self._decay
-        self._add(np.array([1.0, float(tokens), float(pairs)]), seconds, 1.0)
+        d = self._decay
+        self._a = [v * d for v in self._a]
+        self._b = [v * d for v in self._b]
+        self._add((1.0, float(tokens), float(pairs)), seconds, 1.0)
         self.measured += 1
         if self.measured <= _SOLVE_EACH_FIRST or self.measured % _SOLVE_EVERY == 0:
             self._coef = self._solve()
@@ -175,7 +182,8 @@ class CostFit:
         return len(fresh)
 
     def _solve(self) -> Coefficients:
-        a, b = self._a + self._ridge_a, self._b + self._ridge_b
+        a = np.array(self._a).reshape(3, 3) + np.array(self._ridge_a).reshape(3, 3)
+        b = np.array(self._b) + np.array(self._ridge_b)
         free = [0, 1, 2]
         theta = np.zeros(3)
         while free:

@@ -45,14 +45,19 @@ class Behaviors:
     items: torch.Tensor
     actions: torch.Tensor
     timestamps: torch.Tensor
+    # True: the values were checked at the edge by the same rules (shared/prefix_check.py), and
+    # are not scanned again (three scans a call, every call).
+    checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checked: bool) -> None:
         n = self.items.numel()
         if self.actions.numel() != n or self.timestamps.numel() != n:
             raise InvalidSequenceError(
                 f"behaviours need as many actions and timestamps as items "
                 f"({n} items, {self.actions.numel()} actions, {self.timestamps.numel()} timestamps)"
             )
+        if checked:
+            return
         if _any_negative(self.items) or _any_negative(self.actions):
             raise InvalidSequenceError("item ids and actions must be non-negative")
         if _any_negative(self.timestamps):
@@ -90,10 +95,11 @@ class UserPrefix:
     profile: torch.Tensor  # profile feature ids
     long_term: Behaviors
     known_fingerprint: InitVar[PrefixFingerprint | None] = None
+    checked: InitVar[bool] = False  # the profile's ids were checked at the edge (Behaviors.checked)
     fingerprint: PrefixFingerprint = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, known_fingerprint: PrefixFingerprint | None) -> None:
-        if self.profile.dim() != 1 or _any_negative(self.profile):
+    def __post_init__(self, known_fingerprint: PrefixFingerprint | None, checked: bool) -> None:
+        if self.profile.dim() != 1 or (not checked and _any_negative(self.profile)):
             raise InvalidSequenceError("profile must be a 1-D tensor of non-negative ids")
         if known_fingerprint is None:
             lt = self.long_term
@@ -118,9 +124,10 @@ class RankingSuffix:
     recent: Behaviors
     candidates: torch.Tensor  # item ids
     query_time: int  # epoch seconds; the candidates' timestamp
+    checked: InitVar[bool] = False  # the candidates' ids were checked at the edge (Behaviors.checked)
 
-    def __post_init__(self) -> None:
-        if self.candidates.dim() != 1 or _any_negative(self.candidates):
+    def __post_init__(self, checked: bool) -> None:
+        if self.candidates.dim() != 1 or (not checked and _any_negative(self.candidates)):
             raise InvalidSequenceError("candidates must be a 1-D tensor of non-negative item ids")
         if self.query_time < 0:
             raise InvalidSequenceError("query_time must be non-negative")

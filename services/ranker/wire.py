@@ -29,7 +29,9 @@ from shared.wire import (
 
 def behaviors_from_proto(msg: pb.Behaviors, name: str, max_len: int) -> Behaviors:
     items, actions, timestamps = check_behaviors(msg, name, max_len)
-    return Behaviors(torch.from_numpy(items), torch.from_numpy(actions), torch.from_numpy(timestamps))
+    return Behaviors(
+        torch.from_numpy(items), torch.from_numpy(actions), torch.from_numpy(timestamps), checked=True
+    )
 
 
 @dataclass
@@ -55,8 +57,9 @@ class CheckedPrefix:
                     self.user_id,
                     self.prefix_version,
                     torch.from_numpy(self._profile),
-                    Behaviors(items, actions, timestamps),
+                    Behaviors(items, actions, timestamps, checked=True),
                     self.fingerprint,
+                    checked=True,
                 )
             except InvalidSequenceError as exc:
                 raise WireError(str(exc)) from None
@@ -135,7 +138,7 @@ def suffix_from_proto(req: pb.RankRequest, limits: RequestLimits) -> RankingSuff
         raise WireError("candidates: at least one candidate is required")
     if not 0 <= req.query_time < MAX_TIMESTAMP:
         raise WireError("query_time: out of range")
-    return RankingSuffix(recent, torch.from_numpy(candidates), int(req.query_time))
+    return RankingSuffix(recent, torch.from_numpy(candidates), int(req.query_time), checked=True)
 
 
 def rank_inputs(req: pb.RankRequest, limits: RequestLimits) -> tuple[FallbackPrefix, RankingSuffix]:
