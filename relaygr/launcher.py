@@ -160,6 +160,7 @@ class Stack:
                 args = ["--device", c.device, "--device-index", str(c.device_index(i)),
                         "--preset", c.preset, "--hbm-budget-mb", str(c.hbm_budget_mb),
                         "--latency-target-ms", f"{c.slo_ms / 2:g}", "--slo-ms", f"{c.slo_ms:g}",
+                        "--device-processes", str(c.rankers_per_device if c.device == "cuda" else 1),
                         *c.ranker_args]  # fmt: skip
                 if c.expander:
                     args += ["--host-tier", "true", "--expander-socket-path", socket_path]

@@ -90,6 +90,12 @@ class RankerConfig(TlsSettings):
     hbm_budget_mb: float = setting(512.0, env="RELAYGR_RANKER_HBM_BUDGET_MB",
                                    renamed_from="RELAYGR_HBM_BUDGET_MB", help="psi bytes kept in accelerator memory",
                                    check=positive)  # fmt: skip
+    device_processes: int = setting(
+        1, env="RELAYGR_RANKER_DEVICE_PROCESSES",
+        help="ranker processes sharing this accelerator, each with its own --hbm-budget-mb: the start-up "
+        "check judges their budgets together against the device's free memory",
+        check=positive,
+    )  # fmt: skip
     default_lease_ms: float = settings.default_lease_ms(renamed_from="RELAYGR_LEASE_MS")
     max_lease_ms: float = settings.max_lease_ms()
     max_batch: int = setting(

@@ -10,6 +10,12 @@ H200 (k15a, the length mix, `--hbm-budget-mb 120000` on a 140 GiB device): reser
 against 128.9 allocated, two retries in a run, one 26 ms stall of the ranker's event loop. So
 a budget must leave part of the free memory to fragmentation: `margin` of it (default 10%).
 
+Rankers that share a device (`--device-processes N`, the launcher's rankers_per_device) each
+keep their own budget: the N budgets are judged together against the free memory, which each
+process reads once it is warm (the others, started beside it, are warm by then or nearly: what
+they have not taken yet makes the check lenient, never strict). Four processes on one H200 with
+27.5 GB each (k18e) ran the device out of memory: 4 x 26.9 GiB beside ~108 GiB free is tight.
+
 Verdicts: `fits`; `tight` (the budget takes more than 1 - margin of the free memory: served,
 with a warning that says what to lower it to); `exceeds` (more than all of it: refused at
 start-up, since psi would be refused or evicted early while the budget says there is room).
@@ -31,28 +37,32 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class Headroom:
-    budget_bytes: int
+    budget_bytes: int  # one process's
     free_bytes: int  # free on the device once the ranker is warm (Accelerator.free_memory_bytes)
     margin: float
+    processes: int = 1  # rankers sharing the device, each with this budget
 
     @property
     def advised_bytes(self) -> int:
-        """The largest budget that leaves `margin` of the free memory to fragmentation."""
-        return int(self.free_bytes * (1.0 - self.margin))
+        """The largest budget a process may have that leaves `margin` of the free memory to
+        fragmentation, the processes' budgets together."""
+        return int(self.free_bytes * (1.0 - self.margin)) // self.processes
 
     @property
     def verdict(self) -> Verdict:
-        if self.budget_bytes > self.free_bytes:
+        total = self.budget_bytes * self.processes
+        if total > self.free_bytes:
             return Verdict.EXCEEDS
-        if self.budget_bytes > self.advised_bytes:
+        if total > int(self.free_bytes * (1.0 - self.margin)):
             return Verdict.TIGHT
         return Verdict.FITS
 
     def message(self) -> str:
         """One line for the operator: the figures, and what to do where the verdict is not fits."""
         gib = 2**30
-        figures = (f"psi budget {self.budget_bytes / gib:.1f} GiB, {self.free_bytes / gib:.1f} GiB free on the "
-                   f"device once the ranker is warm")  # fmt: skip
+        each = f" in each of {self.processes} processes on the device" if self.processes > 1 else ""
+        figures = (f"psi budget {self.budget_bytes / gib:.1f} GiB{each}, {self.free_bytes / gib:.1f} GiB free on "
+                   f"the device once the ranker is warm")  # fmt: skip
         advice = (f"lower --hbm-budget-mb to at most {self.advised_bytes // 2**20} (leaving "
                   f"{self.margin:.0%} of the free memory to the allocator's fragmentation)")  # fmt: skip
         if self.verdict is Verdict.EXCEEDS:
@@ -63,10 +73,13 @@ class Headroom:
         return f"{figures}: fits"
 
 
-def judge(budget_bytes: int, free_bytes: int, margin: float = DEFAULT_MARGIN) -> Headroom:
-    """The headroom of a psi budget on a device with `free_bytes` free once the ranker is warm."""
+def judge(budget_bytes: int, free_bytes: int, margin: float = DEFAULT_MARGIN, processes: int = 1) -> Headroom:
+    """The headroom of a psi budget, in each of `processes` rankers sharing a device with
+    `free_bytes` free once the ranker is warm."""
     if budget_bytes <= 0 or free_bytes < 0:
         raise ValueError("budget_bytes must be > 0 and free_bytes >= 0")
     if not 0.0 <= margin < 1.0:
         raise ValueError("margin must be in [0, 1)")
-    return Headroom(budget_bytes, free_bytes, margin)
+    if processes < 1:
+        raise ValueError("processes must be >= 1")
+    return Headroom(budget_bytes, free_bytes, margin, processes)

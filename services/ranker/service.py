@@ -514,9 +514,10 @@ class RankerService(pb_grpc.RankerServicer):
         free = self.accel.free_memory_bytes()
         if free is None:
             return
-        headroom = judge(self.cache.budget_bytes, free)
+        headroom = judge(self.cache.budget_bytes, free, processes=self.config.device_processes)
         fields = {
             "budget_bytes": headroom.budget_bytes,
+            "device_processes": headroom.processes,
             "free_bytes": free,
             "advised_bytes": headroom.advised_bytes,
         }

@@ -79,3 +79,29 @@ async def test_the_ranker_serves_with_a_tight_budget_and_says_so(monkeypatch, ca
     finally:
         await service.shutdown(grace_s=0.5)
     assert "hbm_budget_tight" in capsys.readouterr().out
+
+
+def test_rankers_sharing_a_device_are_judged_with_their_budgets_together():
+    # k18e: four processes on one H200, 27500 MiB each, ~108 GiB free once warm: out of memory.
+    headroom = judge(27500 * 2**20, 108 * GIB, processes=4)
+    assert headroom.verdict is Verdict.TIGHT
+    assert headroom.advised_bytes == int(108 * GIB * 0.9) // 4
+    message = headroom.message()
+    assert "in each of 4 processes on the device" in message
+    assert f"--hbm-budget-mb to at most {int(108 * GIB * 0.9) // 4 // 2**20}" in message
+    assert judge(30 * GIB, 108 * GIB, processes=4).verdict is Verdict.EXCEEDS
+    assert judge(27500 * 2**20, 108 * GIB).verdict is Verdict.FITS  # alone on the device
+    with pytest.raises(ValueError, match="processes must be"):
+        judge(GIB, GIB, processes=0)
+
+
+async def test_the_ranker_refuses_a_budget_that_its_device_share_cannot_hold(monkeypatch):
+    service = RankerService(
+        load_config(RankerConfig, ["--device", "cpu", "--hbm-budget-mb", "600", "--device-processes", "2"])
+    )
+    monkeypatch.setattr(service, "accel", Reporting(service.accel, free=1 * GIB))
+    assert await asyncio.wait_for(service.run(install_signals=False), 120) == 1
+    failure = service.lifecycle.failure
+    assert failure is not None
+    assert "in each of 2 processes" in failure
+    assert "lower --hbm-budget-mb to at most 460" in failure  # 90% of 1 GiB over two, in MiB
