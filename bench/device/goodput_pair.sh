@@ -17,6 +17,9 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
   echo "goodput_pair.sh needs two GPUs (kind nvidia-h200-x2)"; exit 1
 fi
 rm -rf /tmp/r && mkdir -p /tmp/r/g0 /tmp/r/g1 && touch -d '1 minute ago' /tmp/r.started
+# The host's layout (cores, hyperthreads, NUMA nodes, each GPU's CPU affinity): the two sides'
+# processes share it, and the mix's limits moved 499-734 req/s between calls (k16-k18).
+{ lscpu; echo; nvidia-smi topo -m; } > /tmp/r/host.txt 2>&1
 
 side() {  # GPU index, its configurations
   local gpu=$1 configs=$2
