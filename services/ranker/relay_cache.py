@@ -43,13 +43,17 @@ rankings keep no psi and no psi is copied to DRAM. Both are work the baseline do
 on the host that then binds, for a return that comes later if at all.
 
 Every cached path is an optimisation: any failure falls back to ranking the whole sequence. Only
-bad input (the caller's) and Overdue (the call's admission budget ran out) propagate.
+bad input (the caller's) and Overdue (the call's admission budget ran out) propagate, and a
+device out of memory twice: an allocation the device refuses (the processes sharing it take more
+than the budget left them) lowers the HBM budget and frees psi (`_device_memory_short`), a full
+ranking whose psi block is refused answers without keeping it, and a refused full pass runs once
+more before the error reaches the caller.
 
 Driven from one asyncio loop (like the HBM cache it wraps). Testable on the CPU without gRPC:
 tests/unit/test_relay_cache.py runs it over a real engine and cache, without a host tier.
 `on_event(kind, label)` reports what the service counts: ("reload_decision", reason),
 ("reload", "ok" | "failed"), ("fallback", reason), ("demotion", "ok" | "failed" | "skipped" |
-"shed"), ("ranking_psi", "kept" | "declined" | "shed"),
+"shed"), ("ranking_psi", "kept" | "declined" | "shed"), ("device_memory_short", path),
 ("content_mismatch", ""), ("prefetch", "issued" | "used" | "wasted" | "failed").
 
 A prefetch is a PreInfer signal answered by a reload from host DRAM (psi already computed once,
