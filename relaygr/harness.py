@@ -120,6 +120,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # its event loop runs over 2 ms behind (services/ranker/loop_lag.py; off by default until
     # measured): on the mix on an H200 (k17b, 587.5 req/s) the relay's calls waited 14.8 ms mean
     # before their handler against the baseline's 4.0, beside 1480 psi kept and 787 copies.
+    # Measured (k18b, two processes per GPU): relay-shed-2p-mps met 587.5 where relay-2p-mps
+    # met 734.4 in the same call: shedding stays off.
     "relay-shed": {"ranker_args": ("--shed-lag-ms", "2")},
     # psi moved to and from host DRAM in pieces of 8 MiB (RELAYGR_RANKER_COPY_PIECE_MB; one copy
     # each by default): beside relay-nospare, whether a ranking batch's copies wait behind whole
