@@ -663,3 +663,44 @@ async def test_a_device_out_of_memory_is_resource_exhausted_and_a_fault_internal
     assert service.admission.inflight == 0  # both released their admission
     reply = await stub.Rank(rank_request(prefixes[0], suffixes[0], "after"), timeout=30)
     assert len(reply.scores) == len(suffixes[0].candidates)
+
+
+async def test_a_device_that_refuses_psi_lowers_the_budget_and_the_calls_are_answered(ranker, monkeypatch):
+    """Over gRPC, as a client sees it: full rankings that would keep psi the device has no room
+    for are answered all the same (the same scores as with room), the psi budget in Stats
+    drops, the refusals are counted by path, and once the device has room again psi is kept."""
+    service, stub, _ = ranker
+    prefixes, suffixes = users(33, 4, prefix_len=600)  # over the 512 tokens from which psi is kept
+    for i in (0, 3):  # two users' psi held (consumed: evictable)
+        held = await stub.Rank(rank_request(prefixes[i], suffixes[i], f"held{i}"), timeout=30)
+        assert held.served_by == pb.FULL_RECOMPUTE
+    before = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert before.psi_from_rankings == 2
+    new_psi = service.model.new_psi
+    refusals = [1]
+
+    def refusing(*args, **kwargs):
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (a test)")
+        return new_psi(*args, **kwargs)
+
+    monkeypatch.setattr(service.model, "new_psi", refusing)
+    refused = await stub.Rank(rank_request(prefixes[1], suffixes[1], "refused"), timeout=30)
+    assert refused.served_by == pb.FULL_RECOMPUTE
+    assert len(refused.scores) == len(suffixes[1].candidates)
+    want = service.model.full([prefixes[1]], [suffixes[1]])[0].tolist()
+    assert max_diff(refused.scores, want) <= TOL
+    after = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert after.psi_from_rankings == 2  # nothing kept
+    # What was held less the refused psi: one of the two held psis went to make it so.
+    assert after.hbm_budget_bytes == before.hbm_resident_bytes // 2
+    assert after.hbm_resident_bytes == before.hbm_resident_bytes // 2
+    short = service.metrics.device_memory_short
+    assert short.labels("ranking_psi")._value.get() == 1
+    # The device has room again: the next new user's psi is kept, within the lowered budget.
+    kept = await stub.Rank(rank_request(prefixes[2], suffixes[2], "kept"), timeout=30)
+    assert kept.served_by == pb.FULL_RECOMPUTE
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.psi_from_rankings == 3
+    assert stats.hbm_resident_bytes <= stats.hbm_budget_bytes == after.hbm_budget_bytes
