@@ -1203,9 +1203,7 @@ def modelled_configs(result_path: Path) -> list[str]:
         held = [(r["config"], bool(r.get("ranker_step_costs"))) for r in result["results"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
-    usable = [
-        c for c, steps in held if processes_of(c)[0] in MODELLED and (processes_of(c)[0] != "relay" or steps)
-    ]
+    usable = [c for c, steps in held if (m := processes_of(c)[0]) in MODELLED and (m != "relay" or steps)]
     return list(dict.fromkeys(usable))
 
 

@@ -30,8 +30,8 @@ from typing import Protocol
 import numpy as np
 
 # Regressors are scaled to similar magnitudes: [1, tokens / 1e3, pairs / 1e6].
-_SCALE = np.array([1.0, 1e-3, 1e-6])
 _SCALES = (1.0, 1e-3, 1e-6)
+_SCALE = np.array(_SCALES)
 # Relative error, with a floor so that near-zero batches do not dominate the fit.
 _FLOOR_S = 1e-3
 # A weight that never decays on the prior's pseudo-batches: the fit stays defined (and pulled

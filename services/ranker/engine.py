@@ -1205,7 +1205,7 @@ class Engine:
         events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         built = [0] * len(batch)
         kept: list[Psi | None] = [None] * len(batch)
-        refused: list[bool] = []  # the device had no room for the psi blocks to keep
+        refused = False  # the device had no room for the psi blocks to keep
         prefix_len = 0
         try:
             suffixes = [j.suffix for j in batch]
@@ -1215,6 +1215,7 @@ class Engine:
                 keeps = any(j.keep_psi for j in batch)
 
                 def new_psis(timestamps: bool = True) -> list[Psi | None]:
+                    nonlocal refused
                     # Once: a graph that falls back to the eager pass has not called it. A
                     # graph copies the timestamps itself (RankGraphs.launch_full).
                     if not any(p is not None for p in kept) and not refused:
@@ -1226,7 +1227,7 @@ class Engine:
                             # Keeping is optional: the batch ranks without it (its scores are
                             # the same), and the callers hear why (RankResult.psi_out_of_memory).
                             kept[:] = [None] * len(batch)
-                            refused.append(True)
+                            refused = True
                         self._keep_alloc_cpu_s += time.thread_time() - allocating_from
                         self._psis_kept += sum(1 for p in kept if p is not None)
                     return kept
@@ -1267,7 +1268,7 @@ class Engine:
                 self._takeovers_failed(batch, exc)
             return None
         return _InFlight(
-            batch, pending, started, started_at, issued, built, kept, prefix_len, events, bool(refused)
+            batch, pending, started, started_at, issued, built, kept, prefix_len, events, refused
         )
 
     def _complete_rank_batch(self, flight: _InFlight) -> None:

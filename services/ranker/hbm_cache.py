@@ -375,12 +375,7 @@ class HbmCache:
                 break
             victims.append(e)
             over -= e.nbytes
-        for e in victims:  # moved after the walk: _move edits the orders being walked
-            self.counters.evicted += 1
-            if e.state is EntryState.CONSUMED:
-                self.counters.evicted_undemoted += 1
-            self._move(e, EntryState.FREED)
-        return sum(e.nbytes for e in victims)
+        return self._evict(victims)
 
     # ------------------------------------------------------------------ time
 
@@ -429,12 +424,18 @@ class HbmCache:
                 break
         if over > 0:
             return False
+        self._evict(victims)
+        return True
+
+    def _evict(self, victims: list[_Entry]) -> int:
+        """Frees `victims` (picked from _evictable, after the walk: _move edits the orders it
+        walks), counted as evictions; returns their bytes."""
         for e in victims:
             self.counters.evicted += 1
             if e.state is EntryState.CONSUMED:
                 self.counters.evicted_undemoted += 1
             self._move(e, EntryState.FREED)
-        return True
+        return sum(e.nbytes for e in victims)
 
     def _unsettle(self, e: _Entry) -> None:
         del self._settled[e.key]

@@ -387,10 +387,7 @@ class RelayCache:
             log.warning("production_failed", user=key.user_id, error=repr(exc))
             self.cache.production_failed(key)
             self._settle_prefetch(key, "failed")
-            if isinstance(exc, torch.OutOfMemoryError):
-                self._device_memory_short(
-                    self._psi_bytes(prefix.length), "reload" if production.reload else "preinfer"
-                )
+            self._if_out_of_memory(exc, prefix.length, "reload" if production.reload else "preinfer")
         finally:
             if production.stamps is not None and psi is not None:
                 production.stamps["done"] = time.perf_counter()
@@ -480,8 +477,7 @@ class RelayCache:
             except Exception as exc:  # the cached path is an optimisation: never an error
                 log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
                 self._on_event("fallback", "cached_rank_failed")
-                if isinstance(exc, torch.OutOfMemoryError):
-                    self._device_memory_short(self._psi_bytes(prefix.length), "cached")
+                self._if_out_of_memory(exc, prefix.length, "cached")
             finally:
                 self.cache.unpin(key)
                 after_reply(lambda _context: self._after_consume(key))
@@ -501,6 +497,11 @@ class RelayCache:
             self._device_memory_short(self._psi_bytes(prefix.length), "ranking")
             result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
         return Ranked(Served.FULL_RECOMPUTE, result, cache_ms, 0.0)
+
+    def _if_out_of_memory(self, exc: BaseException, prefix_len: int, where: str) -> None:
+        """A path that fell back on `exc`: where the device refused memory, as below."""
+        if isinstance(exc, torch.OutOfMemoryError):
+            self._device_memory_short(self._psi_bytes(prefix_len), where)
 
     def _device_memory_short(self, nbytes: int, where: str) -> None:
         """The device refused an allocation that the HBM budget allowed: the processes sharing
@@ -633,8 +634,7 @@ class RelayCache:
         except Exception as exc:  # e.g. the pre-inference failed: rank without it
             log.warning("relay_failed", user=key.user_id, error=repr(exc))
             self._on_event("fallback", "relay_failed")
-            if isinstance(exc, torch.OutOfMemoryError):
-                self._device_memory_short(self._psi_bytes(prefix.length), "relay")
+            self._if_out_of_memory(exc, prefix.length, "relay")
             if tokens is None:
                 raise PrefixRequired("prefix_required: the pre-inference of this prefix failed") from exc
             result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
