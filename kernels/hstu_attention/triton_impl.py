@@ -188,7 +188,8 @@ def _attend(
     the (relative) timestamp k_ts_ptr[j]; q_pos1 / q_ts1 are the query position / timestamp plus
     one, per row ([BLOCK_M]) or, with SHARED_ROW, one scalar for the whole block. Indices j and
     offs_m count from the same origin. _ALL relies on K/V rows past the data being zero (TMA fills
-    out-of-bounds rows with zeros): such keys add nothing. _SELF's bias is bucket 0 of both tables
+    out-of-bounds rows with zeros): such keys add nothing. The masked modes zero V's rows from `hi`
+    on themselves: their last tile may reach past the batch's data into rows of any content. _SELF's bias is bucket 0 of both tables
     (distance 0, the same timestamp)."""
     if MASK == _SELF:
         bias_self = tl.load(pos_tab) + tl.load(time_tab)
@@ -226,6 +227,12 @@ def _attend(
         elif MASK == _SELF:
             w = tl.where((offs_n[None, :] == offs_m[:, None]) & (offs_n >= bound)[None, :], w, 0.0)
         v = v_desc.load([desc_row0 + start_n, col_d])
+        if MASK != _ALL:
+            # Keys from `hi` on are masked (w = 0), but their V rows still enter the product, and
+            # 0 x NaN is NaN: in a padded batch (a CUDA graph's bucket) the rows past the last
+            # sequence hold whatever the memory held (a full ranking's candidates at 1024-1066 of
+            # a 1280-token bucket scored NaN on an H200 after another engine had used the memory).
+            v = tl.where((offs_n < hi)[:, None], v, tl.zeros_like(v))
         acc = tl.dot(w.to(v.dtype), v, acc)
     return acc
 

@@ -108,6 +108,31 @@ def test_triton_matches_reference(dim, lengths, n_hist, plens):
         assert_bf16_close(split, want)
 
 
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("plens", [None, [0, 700]])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_rows_past_the_batch_never_reach_it(dim, plens, splits):
+    """A CUDA graph's bucket is larger than its batch, and the rows past the last sequence hold
+    whatever the memory held: NaN there must not reach the batch. The last sequence's masked
+    tiles (its causal diagonal, the candidates' own keys) reach into them; masked keys' V rows
+    still enter the product, and 0 x NaN is NaN (an H200 scored a full ranking's candidates at
+    rows 1024-1066 of a 1280-token bucket NaN)."""
+    lengths, n_hist = [300, 1067], [200, 1019]
+    heads = 2 if dim == 256 else 4
+    q, k, v, seq, prefix, pb, tb, params = random_case(dim, lengths, n_hist, plens, heads=heads, dim=dim)
+    total, pad = sum(lengths), 213
+    padded = torch.full((total + pad, 4, heads, dim), float("nan"), dtype=q.dtype, device=q.device)
+    for i, t in enumerate((q, k, v)):
+        padded[:total, i] = t
+    plan = plan_triton(seq, prefix, pb, tb, params)
+    reference = plan_reference(seq, prefix, pb, tb, params)
+    for layer in (0, 2):
+        got = hstu_attention_triton(padded[:, 0], padded[:, 1], padded[:, 2], seq, prefix, plan, layer, params,
+                                    splits=splits)[:total]  # fmt: skip
+        assert bool(torch.isfinite(got).all()), f"{int((~torch.isfinite(got)).sum())} values not finite"
+        assert_bf16_close(got, hstu_attention_reference(q, k, v, seq, prefix, layer, reference, params))
+
+
 def test_model_on_cuda_cached_equals_full_bf16():
     spec = preset("bench").with_overrides(name="bench-small", num_layers=2, num_items=1000)
     model = HSTURanker.from_seed(spec, seed=0, device="cuda")
