@@ -74,6 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.device import Accelerator
@@ -135,6 +136,17 @@ class EngineStopped(RuntimeError):
 class PreinferExpired(RuntimeError):
     """A pre-inference whose lease ended before any of it was built: dropped unrun (its ranking
     call is over; building it then only delays the pre-inferences behind it)."""
+
+
+class NonFiniteScores(RuntimeError):
+    """A call's scores came back with NaN or infinity: never answered as scores. The batch's
+    psi for that call (kept, or completed for a pre-inference it took over) is not kept either."""
+
+
+def nonfinite_calls(scores: list[torch.Tensor]) -> list[int]:
+    """The positions of the calls whose scores are not all finite (host float32 tensors; ~1 us
+    a call: numpy over the tensor's own memory)."""
+    return [i for i, s in enumerate(scores) if not np.isfinite(s.numpy()).all()]
 
 
 class Overdue(RuntimeError):
@@ -447,6 +459,7 @@ class Engine:
         self.loop_time = LoopTime()
         self._copies_issued = 0  # host <-> device copies the loop issued (host_ms_per_copy)
         self._psis_kept = 0  # psi blocks allocated for full rankings that keep psi (host_ms_per_keep)
+        self.nonfinite_scores = 0  # calls failed because their scores were NaN or infinite
         self._keep_alloc_cpu_s = 0.0  # the device loop's CPU allocating them
         self.copy_stages = CopyStages()  # where each psi copy's time goes (copy_stages.py)
         self._preinfer_samples: collections.deque[PreinferSample] = collections.deque(maxlen=256)
@@ -1340,13 +1353,36 @@ class Engine:
                     self._finish(j.takes)
         # Its own time ended when its scores were collected (or shortly before).
         began = flight.started_at + max(0.0, done - flight.started - seconds)
-        for j, s, c, psi in zip(batch, host, built, flight.kept, strict=True):
+        bad = [] if flight.pending.all_finite else nonfinite_calls(host)
+        if bad:
+            self._nonfinite_bad(flight, bad)
+        for i, (j, s, c, psi) in enumerate(zip(batch, host, built, flight.kept, strict=True)):
+            if i in bad:
+                continue
             if j.takes is not None:
                 j.takes.resolve(j.takes.psi)  # complete: the pre-inference's waiter gets it
             queue_ms = max(0.0, (began - j.submitted) * 1e3)
             j.resolve(RankResult(s, queue_ms, compute_ms, len(batch), c, tokens, launch_ms, psi, batch_seq,
                                  psi_out_of_memory=flight.kept_out_of_memory and j.keep_psi))  # fmt: skip
         self._account_gap(flight, done)  # bookkeeping, after the calls have their answers
+
+    def _nonfinite_bad(self, flight: _InFlight, bad: list[int]) -> None:
+        """Fails the calls of a batch whose scores are not finite, and the pre-inferences they
+        took over (their psi came from the same pass), with what ran; logged and counted."""
+        batch = flight.batch
+        graph = flight.pending.event is not None
+        self.nonfinite_scores += len(bad)
+        log.error("nonfinite_scores", kind=batch[0].kind.value, batch=len(batch), calls=len(bad),
+                  graph=graph, tokens=[batch[i].tokens for i in bad])  # fmt: skip
+        for i in bad:
+            j = batch[i]
+            error = NonFiniteScores(
+                f"scores not finite ({batch[0].kind.value} batch of {len(batch)}, "
+                f"{'graph replay' if graph else 'eager'}): not answered"
+            )
+            if j.takes is not None:
+                j.takes.resolve(error=error)
+            j.resolve(error=error)
 
     def _account_gap(self, flight: _InFlight, done: float) -> None:
         """The device's idle time between the last ranking batch and this one, and how much of

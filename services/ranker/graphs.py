@@ -188,6 +188,9 @@ class PendingScores:
         self._counts = list(counts)
         self._event = event
         self._scores: list[torch.Tensor] | None = None
+        # Whether every score is finite, checked once over the batch when wait() copies them
+        # out (~2 us); None where nobody checked (the caller checks each call's).
+        self.all_finite: bool | None = None
 
     @classmethod
     def done(cls, scores: list[torch.Tensor]) -> PendingScores:
@@ -212,7 +215,9 @@ class PendingScores:
             assert self._host is not None
             # One copy (the page-locked buffer is reused by a later launch), then a view per user:
             # a copy per user cost the device loop ~0.1 ms a batch on an H200 (py-spy).
-            self._scores = list(self._host[: sum(self._counts)].clone().split(self._counts))
+            flat = self._host[: sum(self._counts)].clone()
+            self.all_finite = bool(np.isfinite(flat.numpy()).all())
+            self._scores = list(flat.split(self._counts))
             self._host = None
         return self._scores
 

@@ -80,7 +80,7 @@ import torch
 from services.ranker.copy_stages import RELOAD_PATH_STAGES, CopyStages
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
-from services.ranker.engine import Engine, Overdue, PreinferExpired, RankResult
+from services.ranker.engine import Engine, NonFiniteScores, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
 from services.ranker.keep_gate import KeepGate
 from services.ranker.psi import Psi, PsiKey
@@ -469,18 +469,23 @@ class RelayCache:
         elif claim.outcome is Claim.HIT:
             if self.keep_gate is not None and claim.source == "ranking":
                 self.keep_gate.read()
+            suspect = False  # psi that scored NaN or infinity: dropped, never read again
             try:
                 result = await self.engine.rank_cached(suffix, claim.handle, key, start_by, deadline=deadline)
                 return Ranked(served, result, cache_ms, 1.0)
             except Overdue:
                 raise  # not a failure of the cached path: the call is out of time
             except Exception as exc:  # the cached path is an optimisation: never an error
+                suspect = isinstance(exc, NonFiniteScores)
                 log.warning("cached_rank_failed", user=key.user_id, error=repr(exc))
-                self._on_event("fallback", "cached_rank_failed")
+                self._on_event("fallback", "nonfinite_scores" if suspect else "cached_rank_failed")
                 self._if_out_of_memory(exc, prefix.length, "cached")
             finally:
                 self.cache.unpin(key)
-                after_reply(lambda _context: self._after_consume(key))
+                if suspect:
+                    self.cache.release(key)
+                else:
+                    after_reply(lambda _context: self._after_consume(key))
         tokens = prefix.tensors()  # a call by reference with nothing to read: PrefixRequired
         try:
             if self._keeps_psi(key, prefix.length, suffix.length):

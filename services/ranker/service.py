@@ -55,7 +55,7 @@ from services.ranker.copy_stages import CopyStagesCollector
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.device_time import DeviceTimeCollector
-from services.ranker.engine import Engine, EngineConfig, Overdue
+from services.ranker.engine import Engine, EngineConfig, NonFiniteScores, Overdue
 from services.ranker.graphs import GraphLimits, GraphStatsCollector
 from services.ranker.hbm_cache import HbmCache, Lease
 from services.ranker.hbm_headroom import Verdict, judge
@@ -795,6 +795,11 @@ class RankerService(pb_grpc.RankerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"ranker {self.instance_id} device_memory: out of device memory",
             )
+        except NonFiniteScores as exc:
+            # Never answered as scores: a caller ranking by NaN would order its candidates
+            # arbitrarily. A fault of ours (the pass's own log line says which batch).
+            self.metrics.rank_errors.labels("nonfinite_scores").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"ranker {self.instance_id} {exc}")
         except Exception as exc:
             # A fault of ours: said as one (INTERNAL, with what failed), logged with its
             # traceback, and the service goes on.

@@ -161,6 +161,15 @@ def test_pending_scores_done_and_copied():
     buffer.fill_(0)
     assert [t.tolist() for t in got] == [[1.0], [2.0, 3.0]]
     assert pending.wait() is got
+    assert pending.all_finite is True  # checked once over the batch's scores as they are copied
+    # Only the batch's own scores count (the buffer's rest is another launch's).
+    nan_after = PendingScores(torch.tensor([1.0, float("nan"), 5.0, float("inf")]), (1,))
+    nan_after.wait()
+    assert nan_after.all_finite is True
+    with_nan = PendingScores(torch.tensor([1.0, float("nan"), 5.0]), (1, 2))
+    with_nan.wait()
+    assert with_nan.all_finite is False
+    assert PendingScores.done(scores).all_finite is None  # not checked: the engine checks each call
 
 
 def chunks_engine(model: HSTURanker, delay_s: float = 100.0) -> tuple[Engine, list[tuple[str, int]]]:

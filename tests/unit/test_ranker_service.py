@@ -704,3 +704,30 @@ async def test_a_device_that_refuses_psi_lowers_the_budget_and_the_calls_are_ans
     stats = await stub.Stats(pb.StatsRequest(), timeout=5)
     assert stats.psi_from_rankings == 3
     assert stats.hbm_resident_bytes <= stats.hbm_budget_bytes == after.hbm_budget_bytes
+
+
+async def test_scores_that_are_not_finite_are_never_answered(ranker, monkeypatch):
+    """A full ranking whose scores come back NaN is INTERNAL with why, counted; the ranker goes
+    on serving, and the next call is answered."""
+    service, stub, _ = ranker
+    prefixes, suffixes = users(34, 1, prefix_len=100)
+    full = service.model.full
+    left = [1]
+
+    def poisoned(*args, **kwargs):
+        scores = full(*args, **kwargs)
+        if left[0] > 0:
+            left[0] -= 1
+            scores[0] = torch.full_like(scores[0], float("nan"))
+        return scores
+
+    monkeypatch.setattr(service.model, "full", poisoned)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Rank(rank_request(prefixes[0], suffixes[0], "nan"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "not finite" in err.value.details()
+    assert service.metrics.rank_errors.labels("nonfinite_scores")._value.get() == 1
+    assert service.admission.inflight == 0
+    reply = await stub.Rank(rank_request(prefixes[0], suffixes[0], "after"), timeout=30)
+    want = service.model.full([prefixes[0]], [suffixes[0]])[0].tolist()
+    assert max_diff(reply.scores, want) <= TOL

@@ -14,7 +14,7 @@ import torch
 from kernels.device import accelerator
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
-from services.ranker.engine import Engine, EngineConfig
+from services.ranker.engine import Engine, EngineConfig, NonFiniteScores, nonfinite_calls
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.host_tier import HostTier
 from services.ranker.keep_gate import KeepGate
@@ -599,3 +599,59 @@ async def test_a_preinference_the_device_refuses_fails_its_production_and_lowers
     ranked = await r.rank(key, prefix, suffix)  # its call ranks in full
     assert ranked.served is Served.FULL_RECOMPUTE
     assert close(ranked.result.scores, want)
+
+
+def _poison_once(monkeypatch, target: object, name: str) -> list[int]:
+    """target.name returns its scores with the first one NaN, for the next call only."""
+    real = getattr(target, name)
+    left = [1]
+
+    def poisoned(*args, **kwargs):
+        scores = real(*args, **kwargs)
+        if left[0] > 0:
+            left[0] -= 1
+            scores[0] = scores[0].clone()
+            scores[0][0] = float("nan")
+        return scores
+
+    monkeypatch.setattr(target, name, poisoned)
+    return left
+
+
+def test_nonfinite_calls_names_every_call_with_a_nan_or_an_infinity():
+    ok = torch.zeros(4)
+    assert nonfinite_calls([ok, ok]) == []
+    nan, inf = torch.tensor([0.0, float("nan")]), torch.tensor([float("-inf")])
+    assert nonfinite_calls([ok, nan, inf, ok]) == [1, 2]
+
+
+async def test_psi_that_scores_nan_is_dropped_and_its_call_ranks_in_full(join, monkeypatch):
+    """A call against psi whose scores come back NaN (a kernel reading memory it should not,
+    an H200 run of this session) is never answered with them: it ranks in full (the same
+    scores as without psi), and that psi is dropped so that no later call reads it."""
+    key, prefix, suffix, want = join.inputs(90, 500)
+    await join.relay.produce(key, prefix, Lease("p", FAR))
+    await eventually(lambda: join.state(key) is EntryState.RESIDENT, "psi resident")
+    left = _poison_once(monkeypatch, join.model, "rank_cached")
+    ranked = await join.rank(key, prefix, suffix)
+    assert left == [0]  # the cached pass ran, and scored NaN
+    assert ranked.served is Served.FULL_RECOMPUTE
+    assert close(ranked.result.scores, want)
+    assert ("fallback", "nonfinite_scores") in join.events
+    assert join.engine.nonfinite_scores == 1
+    assert join.state(key) is None  # dropped, not kept as a hot copy nor demoted
+    assert not join.after  # nothing scheduled after the reply for it
+
+
+async def test_a_full_ranking_that_scores_nan_fails_and_keeps_no_psi(keeping, monkeypatch):
+    """Without psi to fall back from, a NaN full ranking is an error (NonFiniteScores: the
+    ranker's servicer answers INTERNAL), and the psi the pass would have kept is not kept."""
+    r = keeping
+    key, prefix, suffix, want = r.inputs(91, 600)  # over the 512 tokens from which psi is kept
+    _poison_once(monkeypatch, r.model, "full")
+    with pytest.raises(NonFiniteScores, match="not finite"):
+        await r.rank(key, prefix, suffix)
+    assert r.state(key) is None
+    ranked = await r.rank(key, prefix, suffix)  # the next pass is finite: answered, psi kept
+    assert close(ranked.result.scores, want)
+    assert r.state(key) is EntryState.CONSUMED
