@@ -113,6 +113,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Pre-inference steps launched ahead too (RELAYGR_RANKER_CHUNKS_AHEAD, off by default): a
     # step's host launch overlaps the batch before it, and the next batch's overlaps the step.
     "relay-chunks-ahead": {"ranker_args": ("--chunks-ahead", "true")},
+    # Pre-inference chunks that read psi replay CUDA graphs (RELAYGR_RANKER_GRAPH_PSI_CHUNKS, off
+    # by default: not yet run on a GPU); at 16384 tokens two steps in three ran eagerly (k18a).
+    "relay-psi-chunk-graphs": {"ranker_args": ("--graph-psi-chunks", "true")},
     # Each ranking batch collected before the next is launched (RELAYGR_RANKER_LAUNCH_AHEAD off):
     # beside `relay` in one sitting, what overlapping the host's work with the device's buys.
     "relay-serial": {"ranker_args": ("--launch-ahead", "false")},

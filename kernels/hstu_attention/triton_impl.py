@@ -805,6 +805,9 @@ class StaticBatch:
     kv_offsets: torch.Tensor  # [B] int64, elements from kv_anchor
     kv_anchor: torch.Tensor
     grid: StaticGrid
+    # [B] int64: the tokens one layer of each block spans (its K or V stride), where a block is
+    # read in place built in part (more than prefix_lens); None: complete blocks (prefix_lens).
+    prefix_strides: torch.Tensor | None = None
 
 
 def plan_triton_static(
@@ -837,8 +840,8 @@ def hstu_attention_static(
     stride_t = _check_qkv(q, k, v)
     g = batch.grid
     grid = (triton.cdiv(g.max_len, g.config.block_m), g.batch * q.shape[1], g.splits)
-    # Complete psi only (graphs rank against psi whole): each block's length is its stride.
+    strides = batch.prefix_strides if batch.prefix_strides is not None else batch.prefix_lens
     prefix = _Prefix(batch.kv_anchor, batch.kv_offsets, batch.prefix_lens, batch.prefix_timestamps,
-                     batch.prefix_ts_offsets, batch.prefix_lens)  # fmt: skip
+                     batch.prefix_ts_offsets, strides)  # fmt: skip
     return _launch_attention(q, k, v, stride_t, batch.seq_offsets, batch.n_hist, batch.timestamps, prefix,
                              plan, layer, params, grid, g.config)  # fmt: skip

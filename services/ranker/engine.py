@@ -180,6 +180,8 @@ class EngineConfig:
     # Full rankings may leave their prefix's psi (rank_full(keep_psi=True)): their graphs then
     # also write K/V (RankGraphs full_keeps_kv).
     full_keeps_psi: bool = False
+    # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
+    graph_psi_chunks: bool = False
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
@@ -479,7 +481,9 @@ class Engine:
         self.graphs: RankGraphs | None = None
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
-            self.graphs = RankGraphs(model, limits, full_keeps_kv=config.full_keeps_psi)
+            self.graphs = RankGraphs(
+                model, limits, full_keeps_kv=config.full_keeps_psi, chunks_reading_psi=config.graph_psi_chunks
+            )
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
         self.scheduler = IterationScheduler(
             config.scheduler(),
@@ -739,7 +743,7 @@ class Engine:
         graphs = self.graphs
         if graphs is None:
             return 0
-        keys: list[BucketKey] = warm_full_keys(graphs.limits)
+        keys: list[BucketKey] = warm_full_keys(graphs.limits, graphs.chunks_reading_psi)
         for n in tokens_per_user:
             for b in range(1, self.config.max_batch + 1):
                 key = bucket_for(b, b * n, n, graphs.limits)
@@ -843,6 +847,7 @@ class Engine:
             self.scheduler.first_costs = self.first_costs
             self.scheduler.graph_tokens = graphs.limits.max_full_tokens
             self.scheduler.graph_batch = graphs.limits.max_full_batch
+            self.scheduler.graph_reads_psi = graphs.chunks_reading_psi
         log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
                  step_ms=[round(t * 1e3, 3) for t in seconds], graph_tokens=graphs.limits.max_full_tokens,

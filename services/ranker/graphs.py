@@ -1,11 +1,16 @@
 """CUDA graphs for the ranker's forward passes: one captured pass per shape bucket, replayed.
 
-Three families, each bucketed by (sequences, tokens, longest sequence):
+Four families, each bucketed by (sequences, tokens, longest sequence):
   * cached: ranking against psi (rank_cached's [eS_l, I] per user);
   * full: a full ranking ([U, S_l, eS_l, I] per user: the same pass against empty psi);
   * preinfer: a pre-inference step whose chunks each start at their prefix's first token (the
     pass over [U, S_l] tokens, every layer's K/V written to one static buffer, then copied into
-    each user's psi block; chunks after the first read built psi and run eagerly).
+    each user's psi block);
+  * chunk (with `chunks_reading_psi`): a pre-inference step whose chunks read the psi built
+    before them (in place: a block's first `start` tokens), as the cached family reads psi, and
+    write their K/V as the preinfer family does. Without it such steps run eagerly (at 16384
+    tokens on an H200 two of every three steps, 3.5 ms of fixed cost each against 0.8 for a
+    replay: k18a).
 
 Why: the ranker's passes are bound by the host. Against psi, ~70 kernel launches issued from
 Python cost milliseconds, several times the GPU time; in full, a 4096-token ranking on an H100
@@ -17,8 +22,9 @@ psi addresses and lengths, timestamps) lives in static device buffers that
 the host fills before each replay (kernels.hstu_attention StaticBatch); only sizes are baked in,
 as upper bounds: a bucket (sequences, tokens, longest sequence). Kernel programs beyond the batch's
 sizes exit at once; token rows beyond its tokens go through the row-wise layers (LayerNorm,
-linear, SiLU) and are ignored, and attention only ever reads rows inside sequences, so they cannot
-leak into real rows. psi blocks are addressed relative to one fixed anchor allocation.
+linear, SiLU) and are ignored; attention's masked key tiles may reach into them, and zero their V
+rows (kernels.hstu_attention: 0 x NaN is NaN), so they cannot leak into real rows. psi blocks are
+addressed relative to one fixed anchor allocation.
 
 A batch that does not fit (more sequences or tokens than the largest bucket, prefixes longer than
 the prefix-timestamp buffer) or whose bucket has no graph
@@ -86,7 +92,7 @@ class GraphLimits:
 
 
 # Graph families (BucketKey.mode).
-CACHED, FULL, PREINFER = "cached", "full", "preinfer"
+CACHED, FULL, PREINFER, CHUNK = "cached", "full", "preinfer", "chunk"
 
 
 @dataclass(frozen=True, order=True)
@@ -128,14 +134,15 @@ def _full_ladder(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(s for s in sizes if s <= max_tokens))
 
 
-def warm_full_keys(limits: GraphLimits) -> list[BucketKey]:
-    """The full and preinfer buckets of one sequence at every size of their ladder (what the
-    ranker captures at start-up, so that no capture stalls the device thread mid-serving), at
-    most max_full_graphs per family."""
+def warm_full_keys(limits: GraphLimits, chunks_reading_psi: bool = False) -> list[BucketKey]:
+    """The full and preinfer buckets (and the chunk family's, with `chunks_reading_psi`) of one
+    sequence at every size of their ladder (what the ranker captures at start-up, so that no
+    capture stalls the device thread mid-serving), at most max_full_graphs per family."""
     if limits.max_full_tokens <= 0:
         return []
     sizes = _full_ladder(limits.max_full_tokens)[: limits.max_full_graphs]
-    return [BucketKey(1, t, t, mode) for mode in (FULL, PREINFER) for t in sizes]
+    modes = (FULL, PREINFER, CHUNK) if chunks_reading_psi else (FULL, PREINFER)
+    return [BucketKey(1, t, t, mode) for mode in modes for t in sizes]
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -274,7 +281,7 @@ class GraphStats:
         """{family: {"replays": n, "eager": n}} for every family (0 where none ran)."""
         return {
             f: {"replays": self.replays_by_family.get(f, 0), "eager": self.eager_by_family.get(f, 0)}
-            for f in (CACHED, FULL, PREINFER)
+            for f in (CACHED, FULL, PREINFER, CHUNK)
         }
 
 
@@ -282,10 +289,18 @@ class RankGraphs:
     """Captured forward passes of one model on one CUDA device: ranking against psi, full
     ranking, pre-inference steps (module docstring)."""
 
-    def __init__(self, model: HSTURanker, limits: GraphLimits, full_keeps_kv: bool = False) -> None:
+    def __init__(
+        self,
+        model: HSTURanker,
+        limits: GraphLimits,
+        full_keeps_kv: bool = False,
+        chunks_reading_psi: bool = False,
+    ) -> None:
         """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
         buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
-        more device time per full ranking, paid only where rankings keep psi."""
+        more device time per full ranking, paid only where rankings keep psi.
+        `chunks_reading_psi`: pre-inference steps after a prefix's first chunk replay graphs of
+        the chunk family too (module docstring) instead of running eagerly."""
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         from kernels.hstu_attention import triton_impl
@@ -294,15 +309,18 @@ class RankGraphs:
         self.model = model
         self.limits = limits.validate()
         self.full_keeps_kv = full_keeps_kv
+        self.chunks_reading_psi = chunks_reading_psi
         self.stats = GraphStats()
         dev = model.device
         spec = model.spec
         b = max(limits.max_batch, limits.max_full_batch)
         t = max(limits.max_tokens, limits.max_full_tokens)
         # One int64 staging layout, host (pinned) and device: [item, aux, ts, candidate rows] x T,
-        # then [offsets (B+1), n_hist, prefix lens, prefix ts offsets (B+1), kv offsets] x B.
+        # then [offsets (B+1), n_hist, prefix lens, prefix ts offsets (B+1), kv offsets, block
+        # lengths (a layer's stride in a psi block: more than the prefix read where psi is read
+        # in place, built in part)] x B.
         sizes = {"item": t, "aux": t, "ts": t, "cand": t, "offsets": b + 1, "n_hist": b, "plens": b,
-                 "pts_off": b + 1, "kv_off": b}  # fmt: skip
+                 "pts_off": b + 1, "kv_off": b, "pstride": b}  # fmt: skip
         self._slices: dict[str, slice] = {}
         at = 0
         for name, n in sizes.items():
@@ -440,18 +458,26 @@ class RankGraphs:
         """Builds these chunks into their psi blocks, as model.preinfer_chunks does, when every
         chunk starts at its prefix's first token (nothing to read from psi); False when the step
         must run eagerly (nothing was written then). The copies into psi are issued on the
-        current stream: the caller synchronises before psi is read elsewhere."""
-        if any(c.start for c in chunks):
+        current stream: the caller synchronises before psi is read elsewhere. Chunks that read
+        psi (a start past 0) replay the chunk family's graphs where `chunks_reading_psi`."""
+        reading = any(c.start for c in chunks)
+        if reading and not self.chunks_reading_psi:
             self._fallback("chunk_reads_psi", PREINFER)
             return False
         for c in chunks:
             self._check_psi(c.psi)
+        if reading and any(c.psi.prefix_len > self.limits.max_prefix_tokens for c in chunks):
+            self._fallback("prefix_too_long", CHUNK)
+            return False
         tokens = self.model.pack_chunks(chunks)
-        found = self._graph_for(PREINFER, tokens)
+        found = self._graph_for(CHUNK if reading else PREINFER, tokens)
         if found is None:
             return False
         key, graph = found
-        slot = self._stage(key, tokens, None)
+        if reading:  # each chunk reads its block's first c.start tokens, in place
+            slot = self._stage(key, tokens, [c.psi for c in chunks], [c.start for c in chunks])
+        else:
+            slot = self._stage(key, tokens, None)
         self._replay(key, graph)
         kv = self._kv_out
         assert kv is not None  # allocated by the capture of any preinfer graph
@@ -534,11 +560,18 @@ class RankGraphs:
         slot.reuse()
         return slot
 
-    def _stage(self, key: BucketKey, tokens: HostTokens, psis: Sequence[Psi] | None) -> _Slot:
-        """Fills the static inputs for this batch padded to `key` (psis None: against empty psi),
-        then copies them to the device (on the current stream: after the kernels of any batch
-        launched before, which read the same device buffers). Returns the slot it staged in: the
-        caller closes it (_Slot.close) after the launch's last copy."""
+    def _stage(
+        self,
+        key: BucketKey,
+        tokens: HostTokens,
+        psis: Sequence[Psi] | None,
+        reads: Sequence[int] | None = None,
+    ) -> _Slot:
+        """Fills the static inputs for this batch padded to `key` (psis None: against empty psi;
+        `reads`: the tokens read of each block, in place, where not the whole block), then copies
+        them to the device (on the current stream: after the kernels of any batch launched
+        before, which read the same device buffers). Returns the slot it staged in: the caller
+        closes it (_Slot.close) after the launch's last copy."""
         slot = self._next_slot()
         h, s = slot.staging_np, self._slices
         columns, candidate_rows = tokens.columns.numpy(), tokens.candidate_rows.numpy()
@@ -558,8 +591,10 @@ class RankGraphs:
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         put("offsets", offsets, total, key.batch + 1)
         put("n_hist", n_hist, 0, key.batch)
-        plens = [p.prefix_len for p in psis] if psis is not None else [0] * len(lengths)
+        blocks = [p.prefix_len for p in psis] if psis is not None else [0] * len(lengths)
+        plens = list(reads) if reads is not None else blocks
         put("plens", plens, 0, key.batch)
+        put("pstride", blocks, 0, key.batch)
         pts_off = np.concatenate([[0], np.cumsum(plens)])
         put("pts_off", pts_off, int(pts_off[-1]), key.batch + 1)
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
@@ -570,9 +605,11 @@ class RankGraphs:
         if psis is None or not ts_total:
             return slot
         if len(psis) == 1:
-            self._prefix_ts[:ts_total].copy_(psis[0].timestamps)
+            self._prefix_ts[:ts_total].copy_(psis[0].timestamps[:ts_total])
         elif ts_total:
-            torch.cat([p.timestamps for p in psis], out=self._prefix_ts[:ts_total])
+            torch.cat(
+                [p.timestamps[:n] for p, n in zip(psis, plens, strict=True)], out=self._prefix_ts[:ts_total]
+            )
         return slot
 
     # ------------------------------------------------------------------ capture
@@ -622,7 +659,7 @@ class RankGraphs:
 
         k = self._kernels
         # Full and preinfer passes run against empty psi: no prefix splits.
-        prefix_tokens = self.limits.max_prefix_tokens if key.mode == CACHED else 0
+        prefix_tokens = self.limits.max_prefix_tokens if key.mode in (CACHED, CHUNK) else 0
         grid = k.StaticGrid.plan(key.batch, key.max_len, self.model.spec.num_heads, self.model.device,
                                  tokens=key.tokens, prefix_tokens=prefix_tokens)  # fmt: skip
         return k.StaticBatch(
@@ -635,6 +672,7 @@ class RankGraphs:
             kv_offsets=view("kv_off", key.batch),
             kv_anchor=self._anchor,
             grid=grid,
+            prefix_strides=view("pstride", key.batch),
         )
 
     def _forward(self, key: BucketKey, batch: StaticBatch) -> torch.Tensor | None:
@@ -650,7 +688,7 @@ class RankGraphs:
         def attend(q: torch.Tensor, kk: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             return k.hstu_attention_static(q, kk, v, batch, plan, layer, model.params)
 
-        if key.mode == PREINFER:
+        if key.mode in (PREINFER, CHUNK):
             assert self._kv_out is not None
             model.layers_writing(x, attend, self._kv_out)
             return None
@@ -664,7 +702,9 @@ class RankGraphs:
 
     @torch.inference_mode()
     def _capture(self, key: BucketKey) -> _Graph:
-        if (key.mode == PREINFER or (key.mode == FULL and self.full_keeps_kv)) and self._kv_out is None:
+        if (
+            key.mode in (PREINFER, CHUNK) or (key.mode == FULL and self.full_keeps_kv)
+        ) and self._kv_out is None:
             spec = self.model.spec
             self._kv_out = torch.empty(
                 spec.num_layers, 2, self.limits.max_full_tokens, spec.hidden,

@@ -242,6 +242,9 @@ class IterationScheduler:
         self.first_costs = first_costs
         self.graph_tokens = graph_tokens
         self.graph_batch = graph_batch
+        # Whether chunks that read psi replay graphs too (RankGraphs.chunks_reading_psi): then
+        # every chunk within the graph limits is costed and capped as a graph step.
+        self.graph_reads_psi = False
         self.full_replays = full_replays
         self.window_size = max(MIN_PLAN_WINDOW, PLAN_WINDOW_BATCHES * config.max_batch)
         self._window_costs: object = None  # the ranking fit's coefficients at the last window
@@ -259,19 +262,20 @@ class IterationScheduler:
         ~4-5 ms of host time whatever its size, and one fit of both learnt a pair cost that made
         every large first chunk look dear."""
         fit = self.costs
-        if done == 0 and self.first_costs is not None and tokens <= self.graph_tokens:
+        graphed = done == 0 or self.graph_reads_psi
+        if graphed and self.first_costs is not None and tokens <= self.graph_tokens:
             fit = self.first_costs
         return fit.coefficients.seconds(tokens, tokens * (done + tokens))
 
     def step_graphed(self, chunks: Sequence[Chunk]) -> bool:
         """Whether a step of these chunks replays a CUDA graph: every chunk from its prefix's
-        first token (nothing to read from psi), at most `graph_batch` of them and `graph_tokens`
-        in all (the engine's graph limits)."""
+        first token (nothing to read from psi; any chunk with `graph_reads_psi`), at most
+        `graph_batch` of them and `graph_tokens` in all (the engine's graph limits)."""
         return (
             self.first_costs is not None
             and 0 < len(chunks) <= self.graph_batch
-            and all(c.start == 0 for c in chunks)
-            and sum(c.end for c in chunks) <= self.graph_tokens
+            and (self.graph_reads_psi or all(c.start == 0 for c in chunks))
+            and sum(c.end - c.start for c in chunks) <= self.graph_tokens
         )
 
     def step_seconds(self, chunks: Sequence[Chunk]) -> float:
@@ -287,7 +291,7 @@ class IterationScheduler:
         time whatever its size: at L8192 on an H200 (h6a) the 4096-token cap split every prefix
         into a graph step and an eager one, and a pre-inference cost 10-12.6 ms of device time
         per psi against a full ranking's 8.3-9.7 (the trigger prices pre-inference by it)."""
-        if done == 0 and self.first_costs is not None:
+        if (done == 0 or self.graph_reads_psi) and self.first_costs is not None:
             return max(self.config.chunk_tokens, self.graph_tokens)
         return self.config.chunk_tokens
 

@@ -285,6 +285,7 @@ class RankerService(pb_grpc.RankerServicer):
                     max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens
                 ),
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
+                graph_psi_chunks=config.graph_psi_chunks,
                 launch_ahead=config.launch_ahead,
                 chunks_ahead=config.chunks_ahead,
                 takeover_pass=config.takeover_pass,

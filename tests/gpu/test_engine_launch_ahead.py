@@ -210,3 +210,37 @@ async def hold_device(engine: Engine) -> tuple[threading.Event, asyncio.Future]:
     held = asyncio.ensure_future(engine.call(lambda: (entered.set(), release.wait(30))))
     assert await asyncio.to_thread(entered.wait, 30)
     return release, held
+
+
+async def test_with_psi_chunk_graphs_every_preinference_step_replays_a_graph():
+    """RELAYGR_RANKER_GRAPH_PSI_CHUNKS: a prefix built in 256-token steps replays the preinfer
+    family's graph for its first step and the chunk family's for every later one (none eager),
+    and its psi is one pre-inference's; a call against it scores as a full ranking."""
+    model = HSTURanker.from_seed(SPEC, seed=9, device="cuda")
+    config = EngineConfig(
+        max_batch=2,
+        max_wait_s=0.0,
+        preinfer_chunk_tokens=256,
+        graph_psi_chunks=True,
+        graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
+    )
+    engine = Engine(model, accelerator("cuda"), config)
+    prefixes, suffixes = batch(17, [Shape(3, 1100, 16, 48)])
+    ref = model.preinfer(prefixes)[0]
+    want = model.full(prefixes, suffixes)[0]
+    engine.start()
+    try:
+        await engine.capture_graphs([64])
+        stats = engine.graph_stats()
+        assert stats is not None
+        psi = await asyncio.wait_for(engine.preinfer(prefixes[0]), 60)
+        kv_scale = max(float(ref.kv.float().abs().max()), 1e-3)
+        assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * kv_scale
+        assert stats.replays_by_family.get("preinfer", 0) == 1
+        assert stats.replays_by_family.get("chunk", 0) >= 3  # 1103 tokens in steps of 256
+        assert stats.eager_by_family.get("preinfer", 0) == 0
+        result = await engine.rank_cached(suffixes[0], psi, psi.key)
+        scale = max(float(want.abs().max()), 1e-3)
+        assert float((result.scores - want.cpu()).abs().max()) / scale < 3e-2
+    finally:
+        engine.stop()

@@ -231,6 +231,41 @@ def test_preinfer_graph_builds_the_psi_that_eager_preinfer_builds(model):
     assert "cached" not in graphs.stats.replays_by_family
 
 
+def test_chunks_that_read_psi_replay_graphs_that_build_what_eager_chunks_build(model):
+    """With chunks_reading_psi, a prefix built in several steps (the first from its first token,
+    each later one reading the psi built before it, in place, in a block longer than what it
+    reads) replays graphs at every step, and its psi is the eager chunks' psi; a batch of two
+    users at different offsets too. Ranking against it gives the eager scores."""
+    graphs = RankGraphs(
+        model,
+        GraphLimits(max_batch=2, max_tokens=512, max_full_tokens=4096, max_full_batch=2),
+        chunks_reading_psi=True,
+    )
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    prefixes, suffixes = batch(500, [Shape(3, 1900, 8, 16), Shape(2, 1300, 8, 16)])
+    built = [model.new_psi(p) for p in prefixes]
+    eager = [model.new_psi(p) for p in prefixes]
+    # Steps: user 0 alone [0, 700), both together [700, 1500) and [0, 600), then [1500, end) and
+    # [600, 1302): chunks of one step read psi at different offsets.
+    ends = [prefixes[0].length, prefixes[1].length]
+    steps = [[(0, 0, 700)], [(0, 700, 1500), (1, 0, 600)], [(0, 1500, ends[0]), (1, 600, ends[1])]]
+    for step in steps:
+        chunks = [PrefixChunk(prefixes[u], built[u], a, b) for u, a, b in step]
+        assert with_capture(graphs, lambda c=chunks: graphs.preinfer(c)) is True
+        model.preinfer_chunks([PrefixChunk(prefixes[u], eager[u], a, b) for u, a, b in step])
+    torch.cuda.synchronize()
+    whole = model.preinfer(prefixes)
+    for got, want, ref in zip(built, eager, whole, strict=True):
+        scale = max(float(ref.kv.float().abs().max()), 1e-3)
+        assert (got.kv.float() - want.kv.float()).abs().max() <= tol * scale
+        assert (got.kv.float() - ref.kv.float()).abs().max() <= tol * scale
+    keys = [p.key for p in built]
+    assert max_rel(model.rank_cached(suffixes, built, keys), model.rank_cached(suffixes, whole, keys)) <= tol
+    assert graphs.stats.replays_by_family["chunk"] == 2
+    assert graphs.stats.replays_by_family["preinfer"] == 1
+    assert "chunk_reads_psi" not in graphs.stats.fallbacks
+
+
 def test_a_capture_that_fails_leaves_its_shape_eager_and_the_others_captured(model, monkeypatch):
     graphs = RankGraphs(
         model, GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=1024, max_full_batch=1)

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.ranker.config import RankerConfig
 from services.ranker.graphs import (
     CACHED,
+    CHUNK,
     FULL,
     PREINFER,
     BucketKey,
@@ -144,3 +145,9 @@ def test_full_and_preinfer_graphs_of_one_sequence_are_all_captured_at_start_up()
     assert len(warm_full_keys(default)) == 2 * len({k.tokens for k in warm_full_keys(default)})
     few = warm_full_keys(GraphLimits(max_full_tokens=8192, max_full_graphs=4))
     assert len(few) == 8  # at most the family's cap each
+    # With chunks that read psi replaying graphs, their family is warmed at the same sizes.
+    with_chunks = warm_full_keys(limits, chunks_reading_psi=True)
+    assert {k.mode for k in with_chunks} == {FULL, PREINFER, CHUNK}
+    assert {k.tokens for k in with_chunks if k.mode == CHUNK} == set(sizes)
+    for tokens in (1, 700, 8192):
+        assert bucket_for(1, tokens, tokens, limits, CHUNK) in with_chunks

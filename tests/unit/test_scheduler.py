@@ -7,6 +7,7 @@ import pytest
 
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.scheduler import (
+    Chunk,
     IterationScheduler,
     PreinferItem,
     RankItem,
@@ -425,6 +426,33 @@ def test_full_rankings_are_batched_only_into_shapes_a_captured_graph_holds():
     # Calls against psi are batched by cost whatever the full rankings' graphs.
     hits = [rank(i, 0.100 + i * MS, RankKind.CACHED, tokens=20) for i in range(1, 9)]
     assert alone.plan(0.0, hits, []).rank == tuple(range(1, 9))
+
+
+def test_where_chunks_that_read_psi_replay_graphs_every_chunk_is_costed_and_capped_as_one():
+    # RankGraphs.chunks_reading_psi: a started prefix's rest replays a graph too, so it is
+    # costed by the graph steps' fit and capped by the graphs' tokens, not the eager chunk cap.
+    eager = fitted(3.782 * MS, 0.0, 0.0247e-9)
+    graph = fitted(0.553 * MS, 0.3616e-6, 0.0252e-9)
+    config = SchedulerConfig(max_wait_s=0.0, chunk_tokens=4096, max_rank_delay_s=5 * MS)
+    s = IterationScheduler(config, eager, first_costs=graph, graph_tokens=17408, graph_batch=2)
+    before = s.chunk_seconds(6144, 2048)
+    assert before == pytest.approx(eager.coefficients.seconds(2048, 2048 * (6144 + 2048)))
+    assert s.chunk_cap(6144) == 4096
+    rest = [PreinferItem(20, 16384, 6144, 0.0, need_by=1.0)]
+    assert not s.step_graphed(s.plan(0.0, [], rest).chunks)
+    s.graph_reads_psi = True
+    assert s.chunk_seconds(6144, 2048) == pytest.approx(
+        graph.coefficients.seconds(2048, 2048 * (6144 + 2048))
+    )
+    assert s.chunk_seconds(6144, 2048) < before
+    assert s.chunk_cap(6144) == 17408
+    plan = s.plan(0.0, [], rest)
+    assert s.step_graphed(plan.chunks)
+    assert plan.chunks[0].end - plan.chunks[0].start > 4096  # past the eager cap, within the budget
+    assert plan.predicted_s <= s.step_budget_s() + eager.coefficients.per_batch_s
+    # More rests than the graphs hold sequences: an eager step.
+    three = [PreinferItem(30 + i, 8192, 4096, 0.0, need_by=1.0 + i) for i in range(3)]
+    assert not s.step_graphed([Chunk(i.id, i.done, i.done + 512) for i in three])
 
 
 def test_a_graph_step_takes_other_prefixes_only_whole_and_an_eager_step_no_first_chunk():
