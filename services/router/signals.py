@@ -26,7 +26,7 @@ from prometheus_client import Counter
 from services.router.config import RouterConfig
 from services.router.forwarding import ACCEPTED, ForwardError
 from shared.dlq import dead_letter_headers
-from shared.kafka import ensure_topics, make_consumer, make_producer
+from shared.kafka import CommitPacer, ensure_topics, make_consumer, make_producer
 from shared.logging import get_logger
 from shared.prefix_check import check_prefix, check_prefix_ref
 from shared.protos import events_pb2
@@ -109,15 +109,27 @@ class SignalConsumer:
         await self.consumer.start()
 
     async def run(self) -> None:
-        """Batch by batch until `stop_intake`; a batch in hand is finished (and committed) first.
-        Nothing that goes wrong in a batch ends the loop (the batch is read again)."""
+        """Batch by batch until `stop_intake`; a batch in hand is finished first. Finished
+        batches' offsets are committed together at most every commit_interval_ms, whenever a
+        fetch finds nothing new, and at the end (shared/kafka.py CommitPacer). Nothing that goes
+        wrong in a batch ends the loop (the batch is read again)."""
         assert self.consumer is not None, "start() first"
+        pacer = CommitPacer(self.config.commit_interval_ms / 1e3)
         while not self._stopping.is_set():
             try:
-                await self._consume_batch(self.consumer)
+                finished = await self._consume_batch(self.consumer)
             except Exception as exc:
                 log.error("signal_consumer_error", error=repr(exc))
                 await asyncio.sleep(BATCH_RETRY_PAUSE_S)
+                continue
+            if finished:
+                pacer.finished(finished)
+            offsets = pacer.due(time.monotonic(), idle=finished is None)
+            if offsets:
+                await self._commit(self.consumer, offsets)
+        offsets = pacer.take()
+        if offsets:
+            await self._commit(self.consumer, offsets)
 
     def stop_intake(self) -> None:
         """No batch is fetched after the one in hand."""
@@ -131,17 +143,18 @@ class SignalConsumer:
                 with contextlib.suppress(KafkaError):
                     await client.stop()
 
-    async def _consume_batch(self, consumer: AIOKafkaConsumer) -> None:
-        """Forwards or dead-letters every record of one batch, then commits its offsets. A batch
-        that could not be finished (e.g. the DLQ unwritable) is re-read from its first offsets."""
+    async def _consume_batch(self, consumer: AIOKafkaConsumer) -> dict[TopicPartition, int] | None:
+        """Forwards or dead-letters every record of one batch; returns the offsets after its
+        records (to commit), {} when the batch is to be read again (e.g. the DLQ unwritable: it is
+        re-read from its first offsets), None when the fetch found nothing."""
         try:
             batch = await consumer.getmany(timeout_ms=200, max_records=self.config.signal_batch)
         except KafkaError as exc:
             log.warning("signal_fetch_failed", error=repr(exc))
             await asyncio.sleep(BATCH_RETRY_PAUSE_S)
-            return
+            return {}
         if not batch:
-            return
+            return None
         try:
             await self._handle_batch(batch)
         except Exception as exc:
@@ -150,8 +163,11 @@ class SignalConsumer:
                 with contextlib.suppress(Exception):  # the partition may have been revoked meanwhile
                     consumer.seek(tp, records[0].offset)
             await asyncio.sleep(BATCH_RETRY_PAUSE_S)
-            return
-        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+            return {}
+        return {tp: records[-1].offset + 1 for tp, records in batch.items()}
+
+    @staticmethod
+    async def _commit(consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> None:
         try:
             await consumer.commit(offsets)
         except KafkaError as exc:  # e.g. a rebalance: the records come again (at-least-once)

@@ -66,7 +66,7 @@ from services.trigger.events import (
 from services.trigger.latency_model import LatencyModel, Sample
 from services.trigger.progress import Processed
 from shared.fingerprint import prefix_fingerprint
-from shared.kafka import ensure_topics, make_consumer, make_producer, record_limits
+from shared.kafka import CommitPacer, ensure_topics, make_consumer, make_producer, record_limits
 from shared.lifecycle import Lifecycle, settle_heap
 from shared.logging import get_logger
 from shared.membership import Membership
@@ -304,8 +304,11 @@ class TriggerService:
     # ------------------------------------------------------------------ the consumer loop
 
     async def _consume(self) -> None:
-        """Batch by batch until intake stops; a batch is always finished once it is fetched."""
+        """Batch by batch until intake stops; a batch is always finished once it is fetched, and
+        its offsets committed once its outputs are written: together with other batches' at
+        most every commit_interval_ms (shared/kafka.py CommitPacer), and at the end."""
         assert self._consumer is not None
+        pacer = CommitPacer(self.config.commit_interval_ms / 1e3)
         while not self._stop_intake.is_set():
             try:
                 batch = await self._consumer.getmany(timeout_ms=100, max_records=1000)
@@ -315,7 +318,13 @@ class TriggerService:
                 continue
             if batch:
                 await self._process(batch)
-                await self._commit(batch)
+                pacer.finished({tp: records[-1].offset + 1 for tp, records in batch.items()})
+            offsets = pacer.due(time.monotonic(), idle=not batch)
+            if offsets:
+                await self._commit(offsets)
+        offsets = pacer.take()
+        if offsets:
+            await self._commit(offsets)
 
     async def _process(self, batch: dict[Any, list[Any]]) -> None:
         """Decides every new record of the batch, then writes their outputs. Never raises (but
@@ -338,9 +347,8 @@ class TriggerService:
                     outputs.append(output)
         await self._outbox.deliver(outputs)
 
-    async def _commit(self, batch: dict[Any, list[Any]]) -> None:
+    async def _commit(self, offsets: dict[Any, int]) -> None:
         assert self._consumer is not None
-        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
         try:
             await self._consumer.commit(offsets)
         except Exception as exc:  # e.g. a rebalance: the records may come again, and are skipped

@@ -16,7 +16,15 @@ from aiokafka.admin import AIOKafkaAdminClient
 from services.router.config import RouterConfig
 from services.trigger.config import TriggerConfig
 from shared.config import ConfigError, Secret, describe, load_config
-from shared.kafka import KafkaSettings, admin_args, consumer_args, make_consumer, make_producer, producer_args
+from shared.kafka import (
+    CommitPacer,
+    KafkaSettings,
+    admin_args,
+    consumer_args,
+    make_consumer,
+    make_producer,
+    producer_args,
+)
 from shared.logging import _dumps
 from tests.certs import issue, make_ca
 
@@ -205,3 +213,26 @@ def test_a_secret_is_not_pickled():
 
     with pytest.raises(TypeError):
         pickle.dumps(Secret(PASSWORD))
+
+
+def test_the_commit_pacer_commits_finished_offsets_together_and_when_the_partition_is_quiet():
+    pacer = CommitPacer(0.1)
+    assert pacer.due(0.0) is None  # nothing finished
+    pacer.finished({"p0": 5})
+    assert pacer.due(0.0) == {"p0": 5}  # the first commit comes at once
+    pacer.finished({"p0": 9, "p1": 3})
+    assert pacer.due(0.05) is None  # records keep coming: within the interval they wait
+    pacer.finished({"p0": 12})
+    assert pacer.due(0.11) == {"p0": 12, "p1": 3}  # together, each partition's latest
+    pacer.finished({"p1": 4})
+    assert pacer.due(0.12, idle=True) == {"p1": 4}  # a fetch found nothing: no reason to wait
+    assert pacer.due(0.5, idle=True) is None
+    pacer.finished({"p2": 1})
+    assert pacer.take() == {"p2": 1}  # at the end, whatever the clock
+    assert pacer.take() == {}
+    every_batch = CommitPacer(0.0)  # RELAYGR_KAFKA_COMMIT_INTERVAL_MS=0: after every batch
+    for offset in (1, 2, 3):
+        every_batch.finished({"p0": offset})
+        assert every_batch.due(1.0) == {"p0": offset}
+    with pytest.raises(ValueError, match="interval_s"):
+        CommitPacer(-1.0)
