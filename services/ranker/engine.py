@@ -144,7 +144,7 @@ class NonFiniteScores(RuntimeError):
 
 
 def nonfinite_calls(scores: list[torch.Tensor]) -> list[int]:
-    """The positions of the calls whose scores are not all finite (host float32 tensors; ~1 us
+    """The positions of the calls whose scores are not all finite (host float32 tensors; ~2 us
     a call: numpy over the tensor's own memory)."""
     return [i for i, s in enumerate(scores) if not np.isfinite(s.numpy()).all()]
 
@@ -1360,7 +1360,7 @@ class Engine:
         began = flight.started_at + max(0.0, done - flight.started - seconds)
         bad = [] if flight.pending.all_finite else nonfinite_calls(host)
         if bad:
-            self._nonfinite_bad(flight, bad)
+            self._fail_nonfinite(flight, bad)
         for i, (j, s, c, psi) in enumerate(zip(batch, host, built, flight.kept, strict=True)):
             if i in bad:
                 continue
@@ -1371,7 +1371,7 @@ class Engine:
                                  psi_out_of_memory=flight.kept_out_of_memory and j.keep_psi))  # fmt: skip
         self._account_gap(flight, done)  # bookkeeping, after the calls have their answers
 
-    def _nonfinite_bad(self, flight: _InFlight, bad: list[int]) -> None:
+    def _fail_nonfinite(self, flight: _InFlight, bad: list[int]) -> None:
         """Fails the calls of a batch whose scores are not finite, and the pre-inferences they
         took over (their psi came from the same pass), with what ran; logged and counted."""
         batch = flight.batch

@@ -604,12 +604,16 @@ class RankGraphs:
         ts_total = int(pts_off[-1])
         if psis is None or not ts_total:
             return slot
-        if len(psis) == 1:
-            self._prefix_ts[:ts_total].copy_(psis[0].timestamps[:ts_total])
+        # Each block's timestamps, or their first reads[b] (no views made on the ranking path).
+        stamps = (
+            [p.timestamps for p in psis]
+            if reads is None
+            else [p.timestamps[:n] for p, n in zip(psis, plens, strict=True)]
+        )
+        if len(stamps) == 1:
+            self._prefix_ts[:ts_total].copy_(stamps[0])
         elif ts_total:
-            torch.cat(
-                [p.timestamps[:n] for p, n in zip(psis, plens, strict=True)], out=self._prefix_ts[:ts_total]
-            )
+            torch.cat(stamps, out=self._prefix_ts[:ts_total])
         return slot
 
     # ------------------------------------------------------------------ capture
