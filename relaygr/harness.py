@@ -600,10 +600,11 @@ async def drain(stack: Stack, timeout_s: float = 60.0, quiet_s: float = 1.0) -> 
     return timeout_s
 
 
-def _admissions(rankers: dict[str, Any]) -> str:
+def _admissions(rankers: dict[str, Any], summary: dict[str, Any] | None = None) -> str:
     """The trigger's admissions over a point, by ground, the calls at risk it left alone because
-    pre-inferring them would add device work, and those refused for the instance's load, for the
-    progress line ('' without any)."""
+    pre-inferring them would add device work, those refused for the instance's load, and its
+    event lag (with the client's publish acks from `summary`, the point's ReplayResult summary),
+    for the progress line ('' without any)."""
     admitted, adds_work = rankers.get("trigger_admitted", 0.0), rankers.get("trigger_adds_work", 0.0)
     line = ""
     if admitted:
@@ -620,8 +621,12 @@ def _admissions(rankers: dict[str, Any]) -> str:
     if lags:  # the signal path's first leg: retrieval event -> the trigger's decision
         line += (
             f"  event lag {rankers.get('trigger_event_lag_ms_sum', 0.0) / lags:.1f} ms mean"
-            f" ({rankers.get('trigger_event_lags_over_20ms', 0.0):g} over 20 ms)"
+            f" ({rankers.get('trigger_event_lags_over_20ms', 0.0):g} over 20 ms"
         )
+        acked = (summary or {}).get("publish_ack_ms_p99")
+        if acked is not None and acked == acked:  # of which the client's producer -> broker ack
+            line += f"; acked p50 {(summary or {}).get('publish_ack_ms_p50', 0.0):.1f} p99 {acked:.1f}"
+        line += ")"
     if rankers.get("signal_trip_p90_ms"):
         line += f"  signal trip p90 {rankers['signal_trip_p90_ms']:.1f} ms"
     # The device time of one pre-inference (what the trigger prices it at), beside a full
@@ -912,7 +917,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
           f"ok {s['ok']}/{s['sent']}  hit {s.get('hbm_hit', 0):.2f}  reload {s.get('dram_reload', 0):.2f}  "
           f"full {s.get('full_recompute', 0):.2f}  prefetch {rankers['prefetch']:.2f}  "
           f"{_verdict(point)}  device busy {rankers['busy_fraction']:.2f}{_gpu_util(rankers)}, idle with "
-          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers)}{_kept_and_taken_over(rankers)}{_compute_by_path(s)}"
+          f"calls waiting {rankers['starved_fraction']:.3f}{_admissions(rankers, s)}{_kept_and_taken_over(rankers)}{_compute_by_path(s)}"
           f"{_reload_stages(rankers)}{_busiest_threads(busiest)}{_event_loops(rankers)}", flush=True)  # fmt: skip
     return point
 

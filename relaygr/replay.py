@@ -72,6 +72,9 @@ class RequestRecord:
     lag_ms: float = float("nan")  # Rank issued - scheduled time
     retrieval_lag_ms: float = float("nan")  # event handed to the producer - scheduled time
     publish_error: str = ""  # the event could not be published (type: message)
+    # Scheduled time -> the broker's ack of the event: the first leg of the signal path, which
+    # the trigger's event lag includes (a slow broker shows here, a slow trigger does not).
+    publish_ack_ms: float = float("nan")
     scores: list[float] | None = None  # kept for the deterministic sample only
     sent_at_s: float = float("nan")  # Rank issued, seconds from the replay's start
 
@@ -178,7 +181,8 @@ class ReplayResult:
         compute P50 and P99, batch P50); slo_attainment (OK calls within slo_ms / OK calls) and
         slo_attainment_all (/ sent); meets_slo (every planned call sent, none failed, p99 <=
         slo_ms); offered_rps (realized: sends per second between the first and last send),
-        planned_rps; lag_ms_{p99,max} and retrieval_lag_ms_{p99,max} (behind schedule); wall_s;
+        planned_rps; lag_ms_{p99,max} and retrieval_lag_ms_{p99,max} (behind schedule);
+        publish_ack_ms_{p50,p99} (scheduled retrieval time -> the broker's ack); wall_s;
         materializer_hits / _misses."""
         records = self.measured  # a lead-in is replayed, not measured
         sent = [r for r in records if r.status]
@@ -251,6 +255,9 @@ class ReplayResult:
         rlags = [r.retrieval_lag_ms for r in records if r.retrieval_lag_ms == r.retrieval_lag_ms]
         out["retrieval_lag_ms_p99"] = percentile(rlags, 99)
         out["retrieval_lag_ms_max"] = max(rlags, default=float("nan"))
+        acks = [r.publish_ack_ms for r in records if r.publish_ack_ms == r.publish_ack_ms]
+        out["publish_ack_ms_p50"] = percentile(acks, 50)
+        out["publish_ack_ms_p99"] = percentile(acks, 99)
         out["wall_s"] = self.wall_s
         out["client_loop_lag_ms_p99"] = percentile(self.loop_lag_ms, 99) if self.loop_lag_ms else 0.0
         out["client_loop_lag_ms_max"] = max(self.loop_lag_ms, default=0.0)
@@ -347,6 +354,7 @@ async def replay(
                 retrieval_topic, event.SerializeToString(), key=str(p.user_id).encode()
             )
             await delivery
+            rec.publish_ack_ms = (_now() - t0 - p.t_retrieval_s) * 1e3
         except Exception as exc:  # recorded: the report says how many events never made it
             rec.publish_error = f"{type(exc).__name__}: {exc}"
 

@@ -103,6 +103,19 @@ def test_the_progress_line_prices_a_pre_inference_by_the_psi_it_built():
     assert "eager 2 (10.0 ms, 1.0 prefixes, 0 over 10 ms, 5 calls held 31 ms)" in _admissions(steps)
 
 
+def test_the_progress_line_splits_the_triggers_event_lag_at_the_brokers_ack():
+    rankers = {
+        "trigger_event_lags": 100.0,
+        "trigger_event_lag_ms_sum": 3500.0,
+        "trigger_event_lags_over_20ms": 40.0,
+    }
+    assert "event lag 35.0 ms mean (40 over 20 ms)" in _admissions(rankers)
+    acks = {"publish_ack_ms_p50": 3.25, "publish_ack_ms_p99": 9.5}
+    assert "event lag 35.0 ms mean (40 over 20 ms; acked p50 3.2 p99 9.5)" in _admissions(rankers, acks)
+    nan = {"publish_ack_ms_p50": float("nan"), "publish_ack_ms_p99": float("nan")}  # none acked
+    assert "event lag 35.0 ms mean (40 over 20 ms)" in _admissions(rankers, nan)
+
+
 def test_the_progress_line_shows_each_rankers_event_loop_and_what_was_shed():
     rankers = {
         "cpu_main_thread_ranker_1": 0.29,
