@@ -174,6 +174,17 @@ def bucket_for(
     return BucketKey(b, t, length, mode)
 
 
+def prefix_reads(blocks: Sequence[int], reads: Sequence[int] | None) -> tuple[list[int], np.ndarray]:
+    """What the kernels read of each sequence's psi block (`blocks`: their lengths, a layer's
+    stride in each): its first reads[b] tokens (psi built in part, read in place), or all of
+    them (`reads` None); and where each one's timestamps start in the staged prefix timestamps
+    (B + 1 offsets). Raises ValueError for a read past its block (it would read another layer)."""
+    plens = list(blocks) if reads is None else list(reads)
+    if len(plens) != len(blocks) or any(not 0 <= r <= b for r, b in zip(plens, blocks, strict=True)):
+        raise ValueError(f"reads {plens} of psi blocks of {list(blocks)} tokens")
+    return plens, np.concatenate([[0], np.cumsum(plens, dtype=np.int64)])
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -592,10 +603,9 @@ class RankGraphs:
         put("offsets", offsets, total, key.batch + 1)
         put("n_hist", n_hist, 0, key.batch)
         blocks = [p.prefix_len for p in psis] if psis is not None else [0] * len(lengths)
-        plens = list(reads) if reads is not None else blocks
+        plens, pts_off = prefix_reads(blocks, reads)
         put("plens", plens, 0, key.batch)
         put("pstride", blocks, 0, key.batch)
-        pts_off = np.concatenate([[0], np.cumsum(plens)])
         put("pts_off", pts_off, int(pts_off[-1]), key.batch + 1)
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
         kv_off = [(p.kv.data_ptr() - anchor) // size for p in psis] if psis is not None else []

@@ -20,6 +20,7 @@ from services.ranker.graphs import (
     GraphStats,
     GraphStatsCollector,
     bucket_for,
+    prefix_reads,
     token_ladder,
     warm_full_keys,
 )
@@ -151,3 +152,19 @@ def test_full_and_preinfer_graphs_of_one_sequence_are_all_captured_at_start_up()
     assert {k.tokens for k in with_chunks if k.mode == CHUNK} == set(sizes)
     for tokens in (1, 700, 8192):
         assert bucket_for(1, tokens, tokens, limits, CHUNK) in with_chunks
+
+
+def test_prefix_reads_stage_whole_blocks_or_their_first_tokens_and_refuse_a_read_past_one():
+    # Complete psi (the cached family): each block whole, timestamps back to back.
+    plens, offsets = prefix_reads([700, 0, 300], None)
+    assert plens == [700, 0, 300]
+    assert offsets.tolist() == [0, 700, 700, 1000]
+    # Chunks reading psi built in part (the chunk family): each block's first tokens only; the
+    # blocks' own lengths stay their layers' stride (staged apart as pstride).
+    plens, offsets = prefix_reads([1903, 1302], [700, 0])
+    assert plens == [700, 0]
+    assert offsets.tolist() == [0, 700, 700]
+    with pytest.raises(ValueError, match="reads"):
+        prefix_reads([500], [501])  # past its block: it would read the next layer's K
+    with pytest.raises(ValueError, match="reads"):
+        prefix_reads([500, 600], [100])
