@@ -623,9 +623,10 @@ def _admissions(rankers: dict[str, Any], summary: dict[str, Any] | None = None) 
             f"  event lag {rankers.get('trigger_event_lag_ms_sum', 0.0) / lags:.1f} ms mean"
             f" ({rankers.get('trigger_event_lags_over_20ms', 0.0):g} over 20 ms"
         )
-        acked = (summary or {}).get("publish_ack_ms_p99")
+        acks = summary or {}
+        acked = acks.get("publish_ack_ms_p99")
         if acked is not None and acked == acked:  # of which the client's producer -> broker ack
-            line += f"; acked p50 {(summary or {}).get('publish_ack_ms_p50', 0.0):.1f} p99 {acked:.1f}"
+            line += f"; acked p50 {acks.get('publish_ack_ms_p50', 0.0):.1f} p99 {acked:.1f}"
         line += ")"
     if rankers.get("signal_trip_p90_ms"):
         line += f"  signal trip p90 {rankers['signal_trip_p90_ms']:.1f} ms"
