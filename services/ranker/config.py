@@ -157,12 +157,13 @@ class RankerConfig(TlsSettings):
                                  help="launch the next ranking batch before collecting the scores of the one "
                                  "on the device, so that the host's work between batches overlaps the "
                                  "device's (at most two batches in flight)")  # fmt: skip
-    graph_psi_chunks: bool = setting(False, env="RELAYGR_RANKER_GRAPH_PSI_CHUNKS",
+    graph_psi_chunks: bool = setting(True, env="RELAYGR_RANKER_GRAPH_PSI_CHUNKS",
                                      help="CUDA only: pre-inference chunks after a prefix's first (they "
                                      "read the psi built so far) replay captured graphs of their own "
-                                     "family instead of running eagerly (at 16384 tokens on an H200 two "
-                                     "steps in three, 3.5 ms of fixed cost each against 0.8 for a replay; "
-                                     "off: not yet run on a GPU)")  # fmt: skip
+                                     "family instead of running eagerly (off: at 16384 tokens on an H200 "
+                                     "two steps in three run eagerly, 3.5 ms of fixed cost each against "
+                                     "0.8 for a replay; on, the relay's limit rose 33.75 -> 37.97 req/s "
+                                     "in one call, k20b)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

@@ -181,7 +181,7 @@ class EngineConfig:
     # also write K/V (RankGraphs full_keeps_kv).
     full_keeps_psi: bool = False
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
-    graph_psi_chunks: bool = False
+    graph_psi_chunks: bool = True
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
