@@ -356,8 +356,9 @@ def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[
 def ranker_step_costs(stack: Stack) -> dict[str, Any]:
     """The first ranker's pre-inference step costs as it measured them at start-up (its log):
     `eager` and, where first chunks replay CUDA graphs, `graph` ({per_step_ms, per_token_us,
-    per_pair_ns}), with the graphs' `graph_tokens` and `graph_batch`; {} before they are
-    logged. What the capacity model (relaygr.sim) plans and costs pre-inference steps by."""
+    per_pair_ns}), with the graphs' `graph_tokens`, `graph_batch` and `graph_reads_psi` (later
+    chunks replay graphs too; absent before 2026-11-30's k20); {} before they are logged. What
+    the capacity model (relaygr.sim) plans and costs pre-inference steps by."""
     if not stack.rankers:
         return {}
     out: dict[str, Any] = {}
@@ -370,7 +371,9 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
             out["eager"] = costs
         else:
             out["graph"] = costs
-            out.update({k: record[k] for k in ("graph_tokens", "graph_batch") if k in record})
+            out.update(
+                {k: record[k] for k in ("graph_tokens", "graph_batch", "graph_reads_psi") if k in record}
+            )
     return out
 
 

@@ -513,12 +513,15 @@ class _Report(NamedTuple):
 class StepCosts:
     """A ranker's pre-inference step costs, (per step s, per token s, per attention pair s):
     `eager` steps, and `graph` replays of chunks from a prefix's first token (None: no graphs),
-    which hold at most `graph_batch` prefixes and `graph_tokens` tokens."""
+    which hold at most `graph_batch` prefixes and `graph_tokens` tokens; with `graph_reads_psi`
+    later chunks (they read the psi built so far) replay graphs too, at the same fit (the
+    ranker's RELAYGR_RANKER_GRAPH_PSI_CHUNKS, on since k20)."""
 
     eager: tuple[float, float, float]
     graph: tuple[float, float, float] | None = None
     graph_tokens: int = 0
     graph_batch: int = 2
+    graph_reads_psi: bool = False
 
     @staticmethod
     def fit(costs: tuple[float, float, float]) -> CostFit:
@@ -578,7 +581,13 @@ class StepCosts:
 
         graph = costs.get("graph")
         return cls(one(costs["eager"]), one(graph) if graph else None,
-                   int(costs.get("graph_tokens", 0)) if graph else 0, int(costs.get("graph_batch", 2)))  # fmt: skip
+                   int(costs.get("graph_tokens", 0)) if graph else 0, int(costs.get("graph_batch", 2)),
+                   bool(graph) and bool(costs.get("graph_reads_psi", False)))  # fmt: skip
+
+    def plans(self, scheduler: IterationScheduler) -> IterationScheduler:
+        """`scheduler`, planning and graphing chunks as a ranker with these steps does."""
+        scheduler.graph_reads_psi = self.graph is not None and self.graph_reads_psi
+        return scheduler
 
 
 class _Lru:
@@ -675,6 +684,8 @@ def simulate(
         full_replays=(lambda tokens: len(tokens) == 1 and tokens[0] <= limit) if limit > 0 else None,
         graph_batch=steps.graph_batch if steps is not None else 2,
     )
+    if steps is not None:
+        steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
@@ -1188,7 +1199,10 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
 MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
-            "relay-nospare-slack50")  # fmt: skip
+            "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks")  # fmt: skip
+# The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
+# (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
+PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
 # per batch as their files measured it.
@@ -1203,7 +1217,11 @@ def modelled_configs(result_path: Path) -> list[str]:
         held = [(r["config"], bool(r.get("ranker_step_costs"))) for r in result["results"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"cannot read {result_path} as a goodput result file: {exc}") from None
-    usable = [c for c, steps in held if (m := processes_of(c)[0]) in MODELLED and (m != "relay" or steps)]
+    usable = [
+        c
+        for c, steps in held
+        if (m := processes_of(c)[0]) in MODELLED and ((m != "relay" and m not in PSI_CHUNK_VARIANTS) or steps)
+    ]
     return list(dict.fromkeys(usable))
 
 
@@ -1473,20 +1491,73 @@ def _modelled_ms_per_psi(steps: StepCosts, traffic: WorkloadConfig, config: Sche
     chunk, eager steps for the rest). Before 2026-11-29 (twenty-first session) each prefix was
     costed as one step, which at 16384 tokens (three planned steps, two of them eager) put the
     measured cost over the modelled at 2.2x and scaled every step by that."""
+    return _mean_psi_ms(steps, _psi_lengths(traffic), config)
+
+
+def _psi_lengths(traffic: WorkloadConfig) -> collections.Counter[int]:
+    """The prefix lengths of the psi the workload asks for (sessions' first calls), counted."""
     plan = generate(dataclasses.replace(traffic, rate_rps=50.0, duration_s=10.0, lead_in_s=0.0))
     lengths = [r.prefix_len for r in plan.requests if r.session_index == 0] or [
         r.prefix_len for r in plan.requests
     ]
+    return collections.Counter(lengths)
+
+
+def _mean_psi_ms(steps: StepCosts, lengths: collections.Counter[int], config: SchedulerConfig) -> float:
+    """The mean of `_psi_plan_ms` over `lengths` (0.0 without any)."""
     if not lengths:
         return 0.0
-    scheduler = IterationScheduler(
-        config,
-        StepCosts.fit(steps.eager),
-        first_costs=StepCosts.fit(steps.graph) if steps.graph is not None else None,
-        graph_tokens=steps.graph_tokens if steps.graph is not None else 0,
-        graph_batch=steps.graph_batch,
+    scheduler = steps.plans(
+        IterationScheduler(
+            config,
+            StepCosts.fit(steps.eager),
+            first_costs=StepCosts.fit(steps.graph) if steps.graph is not None else None,
+            graph_tokens=steps.graph_tokens if steps.graph is not None else 0,
+            graph_batch=steps.graph_batch,
+        )
     )
-    return sum(_psi_plan_ms(scheduler, steps, n) for n in lengths) / len(lengths)
+    total = sum(lengths.values())
+    return sum(_psi_plan_ms(scheduler, steps, n) * count for n, count in lengths.items()) / total
+
+
+def preinfer_scale_to(
+    steps: StepCosts, traffic: WorkloadConfig, config: SchedulerConfig, measured_ms: float
+) -> float | None:
+    """The factor on every step cost at which a psi, in the steps the scheduler plans at those
+    scaled costs, costs `measured_ms` on average (None where no psi is modelled). A scale taken
+    from the start-up plan alone is no fixed point: dearer steps plan smaller chunks, so more of
+    them. At 16384 tokens on an H200 (k20b, eager chunks) the start-up plan's 26 steps cost
+    161.5 ms a psi against 23.3 measured; scaled by 0.145 the scheduler planned larger chunks in
+    fewer steps, and the model's psi cost 7.5 ms, a third of the measured."""
+    lengths = _psi_lengths(traffic)
+
+    def at(scale: float) -> float:
+        return _mean_psi_ms(steps.scaled(scale), lengths, config)
+
+    start = at(1.0)
+    if start <= 0 or measured_ms <= 0:
+        return None
+    # The cost grows with the scale (dearer steps, smaller chunks, more of them): bracket the
+    # measured cost, then bisect on a log scale.
+    lo = hi = measured_ms / start
+    for _ in range(40):
+        if at(lo) <= measured_ms:
+            break
+        lo /= 2
+    for _ in range(40):
+        if at(hi) >= measured_ms:
+            break
+        hi *= 2
+    best = min((lo, hi), key=lambda s: abs(at(s) - measured_ms))
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        got = at(mid)
+        if abs(got - measured_ms) < abs(at(best) - measured_ms):
+            best = mid
+        if abs(got / measured_ms - 1) < 1e-3 or hi / lo < 1 + 1e-6:
+            break
+        lo, hi = (mid, hi) if got < measured_ms else (lo, mid)
+    return best
 
 
 def _psi_plan_ms(scheduler: IterationScheduler, steps: StepCosts, prefix_len: int) -> float:
@@ -1513,7 +1584,7 @@ def load_model(
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
     graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms,
-    preinfer_scale, signal_trip_ms);
+    preinfer_scale, signal_trip_ms, psi_chunk_graphs);
     `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
     them; `trigger_settings`: the trigger's admission settings (`relay`) that differ from the
     run's (AdmissionPolicy.of_run). ValueError, one line, on bad input."""
@@ -1527,6 +1598,9 @@ def load_model(
         raise ValueError(
             f"--config: the model covers {', '.join(MODELLED)}, each also as <name>-<N>p[-mps][-expandable]"
         )
+    psi_chunk_graphs = PSI_CHUNK_VARIANTS.get(model)
+    if psi_chunk_graphs is not None:
+        model = "relay"
     try:
         result = json.loads(result_path.read_text())
         workloads = sorted({r["workload"] for r in result["results"] if r["config"] == config})
@@ -1559,6 +1633,8 @@ def load_model(
     if step_costs is None:
         recorded = [r for r in result["results"] if r["config"] == config and r["workload"] == chosen]
         step_costs = next((sc for sc in map(StepCosts.recorded, recorded) if sc is not None), None)
+    if step_costs is not None and psi_chunk_graphs is not None:
+        step_costs = dataclasses.replace(step_costs, graph_reads_psi=psi_chunk_graphs)
     if model == "relay" and step_costs is None:
         # The ranker plans pre-inference by its measured step costs (graph steps at ~0.5 ms a
         # step, eager ones at ~4 ms on an H200): modelled with a full ranking's fit instead, the
@@ -1583,11 +1659,13 @@ def load_model(
         # The scale is the run's (its steps as its rankers planned them): a what-if scheduler
         # then plans other steps at that scale, and a psi costs what those steps do.
         measured_ms = preinfer_ms_per_psi(result, config, chosen)
-        modelled_ms = _modelled_ms_per_psi(step_costs, traffic, run_scheduler)
-        if measured_ms is not None and modelled_ms > 0:
-            preinfer_scale = measured_ms / modelled_ms
+        if measured_ms is not None:
+            preinfer_scale = preinfer_scale_to(step_costs, traffic, run_scheduler, measured_ms)
     if step_costs is not None and preinfer_scale is not None:
         step_costs = step_costs.scaled(preinfer_scale)
+    if step_costs is not None and "psi_chunk_graphs" in changes:
+        # What-if: the ranker's RELAYGR_RANKER_GRAPH_PSI_CHUNKS, its steps at the run's scale.
+        step_costs = dataclasses.replace(step_costs, graph_reads_psi=bool(changes["psi_chunk_graphs"]))
     view = None
     if model == "relay" and step_costs is not None and changes.get("exact_lead_test", 0.0) == 0.0:
         measured_ms = preinfer_ms_per_psi(result, config, chosen)
@@ -1762,6 +1840,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--chunks-ahead", action="store_true",
                          help="relay: the ranker's --chunks-ahead (pre-inference graph steps launched behind "
                          "the step on the device, the host going on meanwhile)")  # fmt: skip
+    what_if.add_argument("--psi-chunk-graphs", choices=("on", "off"), default=None,
+                         help="relay: pre-inference chunks that read psi replay graphs (on) or run eagerly "
+                         "(off), the ranker's RELAYGR_RANKER_GRAPH_PSI_CHUNKS, instead of the run's (its "
+                         "ranker_step_costs.graph_reads_psi, off before k20), its steps at the run's scale")  # fmt: skip
     what_if.add_argument("--graph-tokens", type=int, default=17_408,
                          help="relay: the most tokens a pre-inference graph holds (with --graph-step-costs)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None,
@@ -1780,6 +1862,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("lead_test_only", 1.0 if args.lead_test_only else None),
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
+               ("psi_chunk_graphs", None if args.psi_chunk_graphs is None else float(args.psi_chunk_graphs == "on")),
                ("copies_apart", 1.0 if args.copies_apart else None),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))

@@ -851,7 +851,7 @@ class Engine:
         log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
                  step_ms=[round(t * 1e3, 3) for t in seconds], graph_tokens=graphs.limits.max_full_tokens,
-                 graph_batch=graphs.limits.max_full_batch)  # fmt: skip
+                 graph_batch=graphs.limits.max_full_batch, graph_reads_psi=graphs.chunks_reading_psi)  # fmt: skip
 
     def _fitted_prior(self, steps: list[tuple[int, int]], seconds: list[float]) -> CostPrior | None:
         """A step-cost prior fitted to measured steps of (tokens, end) (pairs: tokens x end);

@@ -13,6 +13,7 @@ import pytest
 
 from relaygr.sim import (
     PSI_BYTES_PER_TOKEN,
+    PSI_CHUNK_VARIANTS,
     AdmissionPolicy,
     Calibration,
     KindCost,
@@ -21,6 +22,7 @@ from relaygr.sim import (
     StepCosts,
     TriggerView,
     _Lru,
+    _modelled_ms_per_psi,
     by_process,
     calibrate,
     call_deadline_s,
@@ -35,6 +37,7 @@ from relaygr.sim import (
     modelled_configs,
     parse_trigger_settings,
     preinfer_ms_per_psi,
+    preinfer_scale_to,
     processes_of,
     request_host_ms,
     scaled,
@@ -519,6 +522,88 @@ def test_the_relays_steps_are_scaled_to_what_a_psi_cost_in_service(tmp_path):
     assert as_measured.setup.preinfer_steps == start_up
     with pytest.raises(ValueError, match="scales"):
         load_model(path, "relay", changes={"preinfer_scale": 0.0}, step_costs=start_up)
+
+
+# The start-up fits of k20b's two rankers (16384 tokens, an H200): the relay's, whose chunks
+# that read psi ran eagerly, and the one whose chunks replayed graphs.
+K20B_EAGER = StepCosts.parse("2.695,0.1025,0.73858", "0.781,0.0937,0.1463", 17408)
+K20B_CHUNK_GRAPHS = dataclasses.replace(
+    StepCosts.parse("5.574,0,0.10283", "0.811,0.2896,0.05199", 17408), graph_reads_psi=True
+)
+
+
+def test_step_records_say_whether_chunks_that_read_psi_replay_graphs():
+    logged = {"eager": {"per_step_ms": 5.574, "per_token_us": 0.0, "per_pair_ns": 0.10283},
+              "graph": {"per_step_ms": 0.811, "per_token_us": 0.2896, "per_pair_ns": 0.05199},
+              "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True}  # fmt: skip
+    assert StepCosts.recorded({"ranker_step_costs": logged}) == K20B_CHUNK_GRAPHS
+    before = {k: v for k, v in logged.items() if k != "graph_reads_psi"}  # records before k20
+    assert not StepCosts.recorded({"ranker_step_costs": before}).graph_reads_psi  # type: ignore[union-attr]
+    no_graphs = {"eager": logged["eager"], "graph_reads_psi": True}  # nothing to replay
+    assert not StepCosts.recorded({"ranker_step_costs": no_graphs}).graph_reads_psi  # type: ignore[union-attr]
+    assert PSI_CHUNK_VARIANTS == {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
+
+
+def test_with_chunk_graphs_a_long_prefix_is_built_in_graph_steps_alone():
+    traffic = WorkloadConfig(fixed_prefix_len=16384)
+    config = SchedulerConfig()
+    eager = dataclasses.replace(K20B_CHUNK_GRAPHS, graph_reads_psi=False)
+    # Graph steps up to the step budget, against a graph step and eager ones of ~5.6 ms each.
+    assert _modelled_ms_per_psi(K20B_CHUNK_GRAPHS, traffic, config) < _modelled_ms_per_psi(
+        eager, traffic, config
+    )
+    steps: list[tuple[float, float]] = []
+    setup = Setup(psi=True, preinfer_trip_ms=1.0, preinfer_steps=K20B_CHUNK_GRAPHS,
+                  scheduler=SchedulerConfig(max_wait_s=0.0))  # fmt: skip
+    simulate([PlannedRequest("r", 1.0, 1.2, 1, 1, 16384, 64, 256, 0)], EXACT, setup, preinfer_steps=steps)
+    graph_only = K20B_CHUNK_GRAPHS.seconds
+    planned = [seconds for _, seconds in steps]
+    assert len(planned) >= 2  # more than one step: later ones read psi
+    assert sum(planned) * 1e3 == pytest.approx(_modelled_ms_per_psi(K20B_CHUNK_GRAPHS, traffic, config))
+    assert all(s < graph_only([Chunk(0, 0, 16384)], graphed=True) for s in planned)
+
+
+def test_the_step_scale_is_a_fixed_point_of_the_schedulers_plan():
+    """Scaled by measured / start-up plan, dearer or cheaper steps make the scheduler plan other
+    chunks: k20b's relay at 16384 tokens then modelled a psi at 7.5 ms against 23.3 measured."""
+    traffic = WorkloadConfig(fixed_prefix_len=16384)
+    config = SchedulerConfig()
+    naive = 23.35 / _modelled_ms_per_psi(K20B_EAGER, traffic, config)
+    assert _modelled_ms_per_psi(K20B_EAGER.scaled(naive), traffic, config) < 0.5 * 23.35  # no fixed point
+    scale = preinfer_scale_to(K20B_EAGER, traffic, config, 23.35)
+    assert scale is not None
+    assert _modelled_ms_per_psi(K20B_EAGER.scaled(scale), traffic, config) == pytest.approx(23.35, rel=0.02)
+    # Where the plan does not move (one graph step a psi), it is the plain ratio.
+    short = WorkloadConfig(fixed_prefix_len=2048)
+    one = _modelled_ms_per_psi(K20B_EAGER, short, config)
+    assert preinfer_scale_to(K20B_EAGER, short, config, 2 * one) == pytest.approx(2.0, rel=1e-3)
+    assert preinfer_scale_to(K20B_EAGER, short, config, 0.0) is None
+
+
+def test_the_command_models_chunk_graphs_by_the_record_the_config_or_a_what_if(tmp_path):
+    rows = [record(i, "hbm_hit", 4096, 1.2, 8.0) for i in range(100)]
+    rows += [record(1000 + i, "full_recompute", 4096, 3.6, 12.0) for i in range(20)]
+    costs = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.02},
+             "graph": {"per_step_ms": 0.5, "per_token_us": 0.3, "per_pair_ns": 0.02},
+             "graph_tokens": 17408, "graph_batch": 2}  # fmt: skip
+    for config in ("relay", "relay-psi-chunk-graphs", "relay-eager-psi-chunks"):
+        path = goodput_file(tmp_path, f"goodput-x-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
+        result = json.loads(path.read_text())
+        result["results"][0]["ranker_step_costs"] = costs | (
+            {"graph_reads_psi": True} if config == "relay" else {}
+        )
+        path.write_text(json.dumps(result))
+        assert modelled_configs(path) == [config]
+        steps = load_model(path, config).setup.preinfer_steps
+        assert steps is not None
+        assert steps.graph_reads_psi == (config != "relay-eager-psi-chunks")  # the record, else the name
+        off = load_model(path, config, changes={"psi_chunk_graphs": 0.0}).setup.preinfer_steps
+        assert off is not None
+        assert not off.graph_reads_psi
+        assert off.eager == pytest.approx(steps.eager)  # at the run's scale
+    assert main([str(path), "--config", "relay-eager-psi-chunks", "--psi-chunk-graphs", "on"]) == 0
+    with pytest.raises(SystemExit):
+        main([str(path), "--config", "relay-eager-psi-chunks", "--psi-chunk-graphs", "yes"])
 
 
 def test_the_triggers_lead_test_refuses_what_would_start_after_its_call():
