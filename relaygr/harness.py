@@ -110,6 +110,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # (RELAYGR_RANKER_FIRST_CHUNK_ABSORBS, off by default): at 16384 tokens on an H200 a psi was
     # a graph step and two eager ones (23 ms in service, k10b), one of them 256 tokens.
     "relay-absorb": {"ranker_args": ("--first-chunk-absorbs", "true")},
+    # A step's budget counts the fixed cost of the step that runs (RELAYGR_RANKER_STEP_BUDGET_BY_KIND,
+    # off by default): at 16384 tokens on an H200 (k20b) graph steps sized by the eager fixed
+    # cost lasted ~10.4 ms, holding the calls that came meanwhile.
+    "relay-budget-by-kind": {"ranker_args": ("--step-budget-by-kind", "true")},
     # Pre-inference steps launched ahead too (RELAYGR_RANKER_CHUNKS_AHEAD, off by default): a
     # step's host launch overlaps the batch before it, and the next batch's overlaps the step.
     "relay-chunks-ahead": {"ranker_args": ("--chunks-ahead", "true")},

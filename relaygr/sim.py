@@ -1563,10 +1563,9 @@ def preinfer_scale_to(
 def _psi_plan_ms(scheduler: IterationScheduler, steps: StepCosts, prefix_len: int) -> float:
     """What building one psi of `prefix_len` tokens alone costs (ms) in the steps `scheduler`
     plans for it, each at `steps`' cost of its kind (graph or eager)."""
-    budget = scheduler.step_budget_s()
     done, total = 0, 0.0
     while done < prefix_len:
-        size = scheduler.chunk_size(done, prefix_len - done, budget)
+        size = scheduler.chunk_size(done, prefix_len - done, scheduler.step_budget_s(done))
         chunk = [Chunk(0, done, done + size)]
         total += steps.seconds(chunk, scheduler.step_graphed(chunk))
         done += size
@@ -1584,7 +1583,7 @@ def load_model(
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
     graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms,
-    preinfer_scale, signal_trip_ms, psi_chunk_graphs);
+    preinfer_scale, signal_trip_ms, psi_chunk_graphs, first_chunk_absorbs, budget_by_kind);
     `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
     them; `trigger_settings`: the trigger's admission settings (`relay`) that differ from the
     run's (AdmissionPolicy.of_run). ValueError, one line, on bad input."""
@@ -1651,6 +1650,8 @@ def load_model(
         scheduler = dataclasses.replace(scheduler, max_rank_delay_s=changes["max_rank_delay_ms"] / 1e3)
     if changes.get("first_chunk_absorbs", 0.0):  # the ranker's --first-chunk-absorbs
         scheduler = dataclasses.replace(scheduler, first_chunk_absorbs=True)
+    if changes.get("budget_by_kind", 0.0):  # the ranker's --step-budget-by-kind
+        scheduler = dataclasses.replace(scheduler, budget_by_kind=True)
     preinfer_scale = changes.get("preinfer_scale")
     if model == "relay" and step_costs is not None and preinfer_scale is None:
         # Start-up costs scaled to what a psi cost in service (the file's points): at L8192 on an
@@ -1833,6 +1834,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--first-chunk-absorbs", action="store_true",
                          help="relay: the ranker's --first-chunk-absorbs (a first chunk a graph holds may "
                          "pass the step budget where that saves a step), its steps at the run's scale")  # fmt: skip
+    what_if.add_argument("--budget-by-kind", action="store_true",
+                         help="relay: the ranker's --step-budget-by-kind (a step's budget counts the fixed "
+                         "cost of the kind of step that runs), its steps at the run's scale")  # fmt: skip
     what_if.add_argument("--copies-apart", action="store_true",
                          help="price the host's issue of each psi copy (demotion, reload) per copy the model "
                          "issues instead of at the run's measured rate per batch: for what-ifs of the tiers "
@@ -1861,6 +1865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("exact_lead_test", 1.0 if args.exact_lead_test else None),
                ("lead_test_only", 1.0 if args.lead_test_only else None),
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
+               ("budget_by_kind", 1.0 if args.budget_by_kind else None),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
                ("psi_chunk_graphs", None if args.psi_chunk_graphs is None else float(args.psi_chunk_graphs == "on")),
                ("copies_apart", 1.0 if args.copies_apart else None),

@@ -130,6 +130,12 @@ class RankerConfig(TlsSettings):
                                         "step budget by less than an eager step's fixed cost where that leaves "
                                         "one step fewer and less device time (at 16384 tokens on an H200: two "
                                         "steps, ~17 ms a psi, instead of three, 21.6); off until measured")  # fmt: skip
+    step_budget_by_kind: bool = setting(False, env="RELAYGR_RANKER_STEP_BUDGET_BY_KIND",
+                                        help="that step budget counts the fixed cost of the kind of step "
+                                        "that runs (a CUDA graph replay's, ~0.8 ms on an H200, where one "
+                                        "builds the chunk) instead of always an eager step's (2.7-5.6 ms "
+                                        "as measured at start-up): graph steps then last ~5.8 ms instead "
+                                        "of ~10; off until measured")  # fmt: skip
     takeover_pass: TakeoverPolicy = setting(TakeoverPolicy.MEASURED, env="RELAYGR_RANKER_TAKEOVER_PASS",
                                             help="how a ranking call that takes over a started pre-inference "
                                             "completes it: the eager pass over the rest of the prefix (partial), "

@@ -172,6 +172,8 @@ class EngineConfig:
     # A first chunk a graph holds may pass that budget where that saves a step
     # (IterationScheduler.chunk_size).
     first_chunk_absorbs: bool = False
+    # A step's budget counts the fixed cost of the kind of step that runs (SchedulerConfig).
+    budget_by_kind: bool = False
     # The step-cost model before any step is measured.
     step_prior: CostPrior = field(default_factory=CostPrior)
     # Replay captured CUDA graphs for batches against psi (CUDA only).
@@ -211,6 +213,7 @@ class EngineConfig:
             chunk_tokens=self.preinfer_chunk_tokens,
             max_rank_delay_s=self.max_rank_delay_s,
             first_chunk_absorbs=self.first_chunk_absorbs,
+            budget_by_kind=self.budget_by_kind,
         )
 
 

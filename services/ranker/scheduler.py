@@ -203,6 +203,12 @@ class SchedulerConfig:
     # (IterationScheduler.chunk_size). Off until measured on a GPU: the capacity model's gain at
     # L16384 (45.8 against 41.1 req/s, median of 5 seeds) is inside its seeds' spread.
     first_chunk_absorbs: bool = False
+    # A step's budget counts the fixed cost of the kind of step that runs (a graph replay's
+    # where one builds the chunk) instead of always the eager step's (step_budget_s). Off until
+    # measured on a GPU: with chunks that read psi as graphs, the eager fixed cost (2.7-5.6 ms
+    # as two rankers measured it at start-up, k20b) sized graph steps that never pay it to
+    # ~10 ms (572 of 708 steps over 10 ms at 42 req/s, 306 calls held 1841 ms).
+    budget_by_kind: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < CHUNK_TOKENS or self.chunk_tokens % CHUNK_TOKENS:
@@ -358,17 +364,26 @@ class IterationScheduler:
                 chosen, best = m, first + rest_seconds
         return chosen
 
-    def step_budget_s(self) -> float:
+    def step_budget_s(self, done: int | None = None) -> float:
         """How long a pre-inference step may be predicted to last: its fixed cost (paid by any
-        chunk, however small) plus `max_rank_delay_s`."""
-        return self.costs.coefficients.per_batch_s + self.config.max_rank_delay_s
+        chunk, however small) plus `max_rank_delay_s`. The fixed cost is the eager step's, or
+        with `budget_by_kind` that of the step that builds a chunk after `done` built tokens (a
+        graph replay's where one holds it; None: an eager step's)."""
+        fixed = self.costs.coefficients.per_batch_s
+        if (
+            self.config.budget_by_kind
+            and done is not None
+            and self.first_costs is not None
+            and (done == 0 or self.graph_reads_psi)
+        ):
+            fixed = self.first_costs.coefficients.per_batch_s
+        return fixed + self.config.max_rank_delay_s
 
     def remaining_seconds(self, done: int, length: int) -> float:
         """Predicted device time to build the rest of a prefix at the chunk sizes plan() uses."""
         seconds = 0.0
-        budget = self.step_budget_s()
         while done < length:
-            n = self.chunk_size(done, length - done, budget)
+            n = self.chunk_size(done, length - done, self.step_budget_s(done))
             seconds += self.chunk_seconds(done, n)
             done += n
         return seconds
@@ -381,7 +396,7 @@ class IterationScheduler:
         if item.taken:
             return Relay.JOIN  # another call computes the rest: its psi is complete after that step
         rest = self.remaining_seconds(item.done, item.length)
-        if rest <= self.step_budget_s() and now + rest < deadline:
+        if rest <= self.step_budget_s(item.done) and now + rest < deadline:
             return Relay.JOIN
         return Relay.TAKE_OVER
 
@@ -550,8 +565,8 @@ class IterationScheduler:
         the eager fit's per-step cost took 8192 + 5888 + 6144 + 6144 tokens (no graph holds
         four: eager, ~20 ms with ranking calls waiting) and left three eager rests of 4-5 ms
         each; a fresh prefix waits for a graph step of its own instead."""
-        budget = self.step_budget_s()
         chunks: list[Chunk] = []
+        budget = self.step_budget_s(ordered[0].done) if ordered else self.step_budget_s()
         # The most urgent few only: the device loop plans before every step, and scanning a
         # backlog of 64 for a partner cost 0.19 ms a plan (256: 0.74 ms) on the build machine.
         for p in ordered[: self.config.preinfer_max_batch]:

@@ -280,6 +280,7 @@ class RankerService(pb_grpc.RankerServicer):
                 preinfer_chunk_tokens=config.preinfer_chunk_tokens,
                 max_rank_delay_s=config.max_rank_delay_ms / 1e3,
                 first_chunk_absorbs=config.first_chunk_absorbs,
+                budget_by_kind=config.step_budget_by_kind,
                 cuda_graphs=config.cuda_graphs,
                 graph_limits=GraphLimits(
                     max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens

@@ -40,6 +40,18 @@ def test_the_interpreter_settings_default_short_and_refuse_bad_values() -> None:
         load_config(RankerConfig, ["--device", "cpu", "--gil-switch-ms", "0"], env={})
 
 
+def test_the_step_budget_by_kind_is_off_by_default_and_reaches_the_rankers_scheduler() -> None:
+    from services.ranker.service import RankerService
+
+    assert not load_config(RankerConfig, ["--device", "cpu"], env={}).step_budget_by_kind
+    config = load_config(RankerConfig, ["--device", "cpu", "--step-budget-by-kind", "true"], env={})
+    assert RankerService(config).engine.scheduler.config.budget_by_kind
+    env = load_config(RankerConfig, ["--device", "cpu"], env={"RELAYGR_RANKER_STEP_BUDGET_BY_KIND": "1"})
+    assert env.step_budget_by_kind
+    with pytest.raises(ConfigError):
+        load_config(RankerConfig, ["--device", "cpu", "--step-budget-by-kind", "graphs"], env={})
+
+
 def test_the_first_chunk_rule_is_off_by_default_and_reaches_the_rankers_scheduler() -> None:
     from services.ranker.service import RankerService
 

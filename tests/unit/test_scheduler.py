@@ -532,3 +532,38 @@ def test_a_first_chunk_passes_the_budget_where_that_saves_a_step_of_mostly_fixed
             assert n <= 4096
             done += n
         assert sched.chunk_seconds(0, plan[0]) <= budget + 3.983 * MS
+
+
+def test_with_the_budget_by_kind_a_graph_step_is_sized_by_its_own_fixed_cost():
+    # k20b's shape at 16384 tokens on an H200: an eager step's fixed cost 5.6 ms as measured at
+    # start-up, a graph replay's 0.8; every chunk a graph step (chunks that read psi too).
+    eager = fitted(5.6 * MS, 0.0, 0.1e-9)
+    graph = fitted(0.8 * MS, 0.29e-6, 0.052e-9)
+    limits = {"first_costs": graph, "graph_tokens": 17408}
+    by_eager = IterationScheduler(SchedulerConfig(max_wait_s=0.0, max_rank_delay_s=5 * MS), eager, **limits)
+    by_kind = IterationScheduler(
+        SchedulerConfig(max_wait_s=0.0, max_rank_delay_s=5 * MS, budget_by_kind=True), eager, **limits
+    )
+    for s in (by_eager, by_kind):
+        s.graph_reads_psi = True
+    assert by_eager.step_budget_s(0) == pytest.approx(10.6 * MS)  # the eager fixed cost, graph or not
+    assert by_kind.step_budget_s(0) == pytest.approx(5.8 * MS)
+    assert by_kind.step_budget_s(4096) == pytest.approx(5.8 * MS)  # reads psi, as a graph
+    assert by_kind.step_budget_s() == pytest.approx(10.6 * MS)  # no chunk named: an eager step's
+
+    def plan(s: IterationScheduler) -> list[float]:
+        done, steps = 0, []
+        while done < 16384:
+            [chunk] = s.plan(0.0, [], [PreinferItem(1, 16384, done, 0.0)]).chunks
+            steps.append(s.chunk_seconds(chunk.start, chunk.end - chunk.start))
+            done = chunk.end
+        return steps
+
+    long_steps, short_steps = plan(by_eager), plan(by_kind)
+    assert max(long_steps) > 7 * MS  # steps a graph replay never needs to pay for
+    assert max(short_steps) <= 5.8 * MS + 1e-9  # each within its own fixed cost + 5 ms
+    assert len(short_steps) > len(long_steps)  # more steps, each ~0.8 ms of fixed cost
+    assert by_kind.remaining_seconds(0, 16384) == pytest.approx(sum(short_steps))
+    # Without graphs for chunks that read psi, only a prefix's first chunk is a graph step.
+    by_kind.graph_reads_psi = False
+    assert by_kind.step_budget_s(4096) == pytest.approx(10.6 * MS)
