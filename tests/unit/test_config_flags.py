@@ -40,25 +40,31 @@ def test_the_interpreter_settings_default_short_and_refuse_bad_values() -> None:
         load_config(RankerConfig, ["--device", "cpu", "--gil-switch-ms", "0"], env={})
 
 
-def test_the_step_budget_by_kind_is_off_by_default_and_reaches_the_rankers_scheduler() -> None:
+@pytest.mark.parametrize(
+    ("setting", "flag", "env_name", "scheduler_field"),
+    [
+        (
+            "first_chunk_absorbs",
+            "--first-chunk-absorbs",
+            "RELAYGR_RANKER_FIRST_CHUNK_ABSORBS",
+            "first_chunk_absorbs",
+        ),
+        (
+            "step_budget_by_kind",
+            "--step-budget-by-kind",
+            "RELAYGR_RANKER_STEP_BUDGET_BY_KIND",
+            "budget_by_kind",
+        ),
+    ],
+)
+def test_the_schedulers_unmeasured_rules_are_off_by_default_and_reach_the_rankers_scheduler(
+    setting: str, flag: str, env_name: str, scheduler_field: str
+) -> None:
     from services.ranker.service import RankerService
 
-    assert not load_config(RankerConfig, ["--device", "cpu"], env={}).step_budget_by_kind
-    config = load_config(RankerConfig, ["--device", "cpu", "--step-budget-by-kind", "true"], env={})
-    assert RankerService(config).engine.scheduler.config.budget_by_kind
-    env = load_config(RankerConfig, ["--device", "cpu"], env={"RELAYGR_RANKER_STEP_BUDGET_BY_KIND": "1"})
-    assert env.step_budget_by_kind
+    assert not getattr(load_config(RankerConfig, ["--device", "cpu"], env={}), setting)
+    config = load_config(RankerConfig, ["--device", "cpu", flag, "true"], env={})
+    assert getattr(RankerService(config).engine.scheduler.config, scheduler_field)
+    assert getattr(load_config(RankerConfig, ["--device", "cpu"], env={env_name: "1"}), setting)
     with pytest.raises(ConfigError):
-        load_config(RankerConfig, ["--device", "cpu", "--step-budget-by-kind", "graphs"], env={})
-
-
-def test_the_first_chunk_rule_is_off_by_default_and_reaches_the_rankers_scheduler() -> None:
-    from services.ranker.service import RankerService
-
-    assert not load_config(RankerConfig, ["--device", "cpu"], env={}).first_chunk_absorbs
-    config = load_config(RankerConfig, ["--device", "cpu", "--first-chunk-absorbs", "true"], env={})
-    assert RankerService(config).engine.scheduler.config.first_chunk_absorbs
-    env = load_config(RankerConfig, ["--device", "cpu"], env={"RELAYGR_RANKER_FIRST_CHUNK_ABSORBS": "true"})
-    assert env.first_chunk_absorbs
-    with pytest.raises(ConfigError):
-        load_config(RankerConfig, ["--device", "cpu", "--first-chunk-absorbs", "sometimes"], env={})
+        load_config(RankerConfig, ["--device", "cpu", flag, "sometimes"], env={})
