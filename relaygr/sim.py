@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -1531,6 +1532,7 @@ def preinfer_scale_to(
     fewer steps, and the model's psi cost 7.5 ms, a third of the measured."""
     lengths = _psi_lengths(traffic)
 
+    @functools.cache  # the bracket's ends are compared again at every bisection
     def at(scale: float) -> float:
         return _mean_psi_ms(steps.scaled(scale), lengths, config)
 
