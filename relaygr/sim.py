@@ -20,7 +20,9 @@ replays, same seed, same lead-in, the measured window only counted):
   * `relay-nospare`: rankings keep psi (prefixes of at least `keep_min_tokens`), HBM and host
     DRAM as LRU caches by bytes; a call finds its psi in HBM (a call against psi), in DRAM (a
     reload: its measured cache time, then a call against psi; the psi returns to HBM) or nowhere
-    (a full ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM;
+    (a full ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM, through the
+    ranker's demotion gate where the file's rankers had it (since k11: a copy only while reloads
+    pay for its host time, else a sample; services/ranker/demotion_gate.py);
   * `preinfer-all`: besides, every request's signal reaches the ranker the file's P90 signal trip
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
@@ -98,6 +100,7 @@ from relaygr.compressed import open_text
 from relaygr.search import Point, SearchConfig, find_limit, recorded_beyond_reach
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.demotion_gate import DemotionGate
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
 from services.ranker.scheduler import (
@@ -389,6 +392,12 @@ class Setup:
     # The host's time to issue one copy of psi (a demotion to DRAM, a reload from it), added to
     # the next batch's host step, also times launch_scale (host_costs); 0: inside host_step_s.
     copy_issue_s: float = 0.0
+    # The ranker's demotion gate (RELAYGR_RANKER_DEMOTION=earned, its default since k11;
+    # services/ranker/demotion_gate.py): psi leaving HBM goes to DRAM only while reloads pay for
+    # the host time of a copy (`copy_cost_ms`, the device loop's per copy issued), else one user
+    # in the gate's sample; False: every psi leaving HBM is copied (pressure).
+    demotion_gate: bool = False
+    copy_cost_ms: float | None = None
     # The event loop's work per request (decoding, validating, answering a Rank call or a
     # PreInfer signal) held under the interpreter lock the device loop's host work shares: owed
     # by each arrival, paid while the device loop waits for the device or for work, else it
@@ -688,6 +697,7 @@ def simulate(
     if steps is not None:
         steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
+    gate = DemotionGate() if setup.demotion_gate else None
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
@@ -737,11 +747,28 @@ def simulate(
         nonlocal copy_debt
         copy_debt += setup.copy_issue_s
 
-    def keep(key: tuple[int, int], prefix_len: int) -> None:
+    def reload_saving_ms(prefix_len: int, suffix: int) -> float:
+        """What a reload saves a call, as the ranker prices it (Engine.reload_saving_s)."""
+        c = rank_fit.coefficients
+        tokens = prefix_len + suffix
+        return max(0.0, c.seconds(tokens, prefix_len * tokens) - c.seconds(suffix, 0)) * 1e3
+
+    def keep(key: tuple[int, int], prefix_len: int, suffix: int) -> None:
         for old, size in hbm.put(key, prefix_len * PSI_BYTES_PER_TOKEN):
-            if dram.capacity > 0:
-                dram.put(old, size)  # demoted before it goes (demotion under pressure)
-                copied()
+            if dram.capacity <= 0:
+                continue
+            saving = reload_saving_ms(size // PSI_BYTES_PER_TOKEN, suffix)
+            if gate is not None and not gate.admits(old[0], saving, setup.copy_cost_ms):
+                continue  # evicted without a copy
+            dram.put(old, size)  # demoted before it goes (demotion under pressure)
+            copied()
+            if gate is not None:
+                gate.demoted()
+
+    def reloaded() -> None:
+        copied()
+        if gate is not None:
+            gate.reloaded()
 
     def draw_reload_ms() -> float:
         pool = cal.reload_cache_ms
@@ -851,8 +878,8 @@ def simulate(
             return
         if key in dram:
             dram.pop(key)
-            keep(key, r.prefix_len)  # a prefetch: back in HBM before its call, off its path
-            copied()
+            keep(key, r.prefix_len, r.recent_len + r.candidates)  # a prefetch: back in HBM before its call
+            reloaded()
             ready_at[key] = t + draw_reload_ms() / 1e3
             return
         pid = next_id()
@@ -880,7 +907,7 @@ def simulate(
                 return
         production = _Production(PreinferItem(pid, r.prefix_len, 0, t, need_by=need_by), key)
         producing[key], productions[pid] = production, production
-        keep(key, r.prefix_len)  # its block is taken at admission
+        keep(key, r.prefix_len, r.recent_len + r.candidates)  # its block is taken at admission
 
     def arrive(r: PlannedRequest, t: float) -> None:
         key = (r.user_id, r.prefix_version)
@@ -941,8 +968,8 @@ def simulate(
         else:
             reloads.append((t + draw_reload_ms() / 1e3, item.id))
             dram.pop(key)
-            keep(key, r.prefix_len)  # back in HBM (a reload is admitted like any psi)
-            copied()
+            keep(key, r.prefix_len, suffix)  # back in HBM (a reload is admitted like any psi)
+            reloaded()
 
     def serve(batch: list[tuple[RankItem, PlannedRequest, str, float]], seconds: float, end: float) -> None:
         for item, r, path, arrived in batch:
@@ -952,7 +979,7 @@ def simulate(
                 extra += float(cal.miss_cache_ms[rng.integers(len(cal.miss_cache_ms))])
             out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
             if setup.psi and item.kind is RankKind.FULL and r.prefix_len >= setup.keep_min_tokens:
-                keep((r.user_id, r.prefix_version), r.prefix_len)
+                keep((r.user_id, r.prefix_version), r.prefix_len, r.recent_len + r.candidates)
 
     while i < len(by_arrival) or j < len(signals) or queue or productions:
         while view is not None and next_report <= now:  # the rankers' Stats, as the trigger polls them
@@ -1390,6 +1417,17 @@ def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[flo
     return seconds / batches, (copy_s / copies if copies else 0.0), copies / batches
 
 
+def ran_demotion_gate(result: dict[str, Any], config: str, workload: str) -> bool:
+    """Whether the file's rankers copied psi to DRAM through the demotion gate (its points count
+    the candidates it skipped, `demotions_skipped`, since the gate came in with k11)."""
+    return any(
+        "demotions_skipped" in p
+        for r in result["results"]
+        if r["config"] == config and r["workload"] == workload
+        for p in r["points"]
+    )
+
+
 def event_loop_ms(result: dict[str, Any], config: str, workload: str) -> float:
     """The rankers' event loops' CPU ms per request they handle (Rank calls and PreInfer
     signals): what Setup.request_host_s charges each arrival under the interpreter lock. From
@@ -1585,7 +1623,8 @@ def load_model(
     """The model of `config` calibrated on a goodput result file and its per-call records, with
     the what-if `changes` (keys as main's flags: hbm_budget_mb, arena_gb, lead_in_s,
     graph_full_tokens, cached_scale, full_scale, launch_scale, call_deadline_s, ranker_slo_ms,
-    preinfer_scale, signal_trip_ms, psi_chunk_graphs, first_chunk_absorbs, budget_by_kind);
+    preinfer_scale, signal_trip_ms, psi_chunk_graphs, first_chunk_absorbs, budget_by_kind,
+    demotion_earned);
     `step_costs`: the ranker's pre-inference steps (`relay`), instead of the file's record of
     them; `trigger_settings`: the trigger's admission settings (`relay`) that differ from the
     run's (AdmissionPolicy.of_run). ValueError, one line, on bad input."""
@@ -1718,6 +1757,8 @@ def load_model(
         trigger_host_ms=float(changes.get("trigger_host_ms", request_host_ms(result, config, chosen))),
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
+        demotion_gate=bool(changes.get("demotion_earned", ran_demotion_gate(result, config, chosen))),
+        copy_cost_ms=(host_costs(result, config, chosen)[1] * 1e3) or None,
     )
     setup = dataclasses.replace(
         setup, scheduler=scheduler, chunks_ahead=bool(changes.get("chunks_ahead", 0.0))
@@ -1836,6 +1877,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--first-chunk-absorbs", action="store_true",
                          help="relay: the ranker's --first-chunk-absorbs (a first chunk a graph holds may "
                          "pass the step budget where that saves a step), its steps at the run's scale")  # fmt: skip
+    what_if.add_argument("--demotion", choices=("earned", "pressure"), default=None,
+                         help="psi leaving HBM is copied to DRAM while reloads pay for the copies (earned, "
+                         "the ranker's demotion gate) or always (pressure), instead of as the run did (earned "
+                         "where its points count demotions_skipped, since k11)")  # fmt: skip
     what_if.add_argument("--budget-by-kind", action="store_true",
                          help="relay: the ranker's --step-budget-by-kind (a step's budget counts the fixed "
                          "cost of the kind of step that runs), its steps at the run's scale")  # fmt: skip
@@ -1868,6 +1913,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("lead_test_only", 1.0 if args.lead_test_only else None),
                ("first_chunk_absorbs", 1.0 if args.first_chunk_absorbs else None),
                ("budget_by_kind", 1.0 if args.budget_by_kind else None),
+               ("demotion_earned", None if args.demotion is None else float(args.demotion == "earned")),
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
                ("psi_chunk_graphs", None if args.psi_chunk_graphs is None else float(args.psi_chunk_graphs == "on")),
                ("copies_apart", 1.0 if args.copies_apart else None),

@@ -39,6 +39,7 @@ from relaygr.sim import (
     preinfer_ms_per_psi,
     preinfer_scale_to,
     processes_of,
+    ran_demotion_gate,
     request_host_ms,
     scaled,
     shape_of,
@@ -157,6 +158,30 @@ def test_rankings_keep_psi_so_a_returning_call_is_served_from_hbm_or_from_dram()
     # Prefixes under keep_min_tokens keep nothing.
     short = [request(0, 1.0, 1, prefix_len=300), request(1, 2.0, 1, prefix_len=300, session_index=1)]
     assert [s.path for s in simulate(short, EXACT, Setup(psi=True))] == ["full_recompute"] * 2
+
+
+def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_but_a_sample():
+    """The ranker's demotion gate (services/ranker/demotion_gate.py), modelled: 300 users who
+    do not come back while the gate counts its first copies, then two who do. Every copy is
+    paid by no reload, so the gate closes after its 256 and keeps copying only its sample (one
+    user id in 8); without the gate both return from DRAM."""
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=400 * one)
+    calls = [request(i, 1.0 + i * 0.05, 1 + i) for i in range(300)]
+    calls += [request(300, 20.0, 296, session_index=1), request(301, 20.1, 297, session_index=1)]
+    gated = dataclasses.replace(tiers, demotion_gate=True, copy_cost_ms=0.5)
+    paths = {s.request.user_id: s.path for s in simulate(calls, EXACT, gated) if s.request.session_index}
+    assert paths == {296: "dram_reload", 297: "full_recompute"}  # 296 % 8 == 0: the sample
+    paths = {s.request.user_id: s.path for s in simulate(calls, EXACT, tiers) if s.request.session_index}
+    assert paths == {296: "dram_reload", 297: "dram_reload"}
+    # A copy whose host cost is unknown keeps the gate open, as in the ranker.
+    open_gate = dataclasses.replace(gated, copy_cost_ms=None)
+    paths = {s.request.user_id: s.path for s in simulate(calls, EXACT, open_gate) if s.request.session_index}
+    assert paths == {296: "dram_reload", 297: "dram_reload"}
+    # From a file: gated where its points count the gate's skips (since k11), or as asked.
+    points = {"results": [{"config": "relay", "workload": "L4096", "points": [{"demotions_skipped": 3.0}]}]}
+    assert ran_demotion_gate(points, "relay", "L4096")
+    assert not ran_demotion_gate(points, "relay", "mix")
 
 
 def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
@@ -601,6 +626,8 @@ def test_the_command_models_chunk_graphs_by_the_record_the_config_or_a_what_if(t
         assert off is not None
         assert not off.graph_reads_psi
         assert off.eager == pytest.approx(steps.eager)  # at the run's scale
+        assert not load_model(path, config).setup.demotion_gate  # its points count no skips
+        assert load_model(path, config, changes={"demotion_earned": 1.0}).setup.demotion_gate
     assert main([str(path), "--config", "relay-eager-psi-chunks", "--psi-chunk-graphs", "on"]) == 0
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay-eager-psi-chunks", "--psi-chunk-graphs", "yes"])
