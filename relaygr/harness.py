@@ -80,6 +80,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # gate skipped 329 of 369 evictions (too few reloads to pay): whether a DRAM tier that holds
     # the working set moves the relay's limit. Beside `relay` on a two-GPU host (251 GiB).
     "relay-arena100": {"arena_gb": 100.0},
+    # Every psi leaving HBM copied to DRAM (RELAYGR_RANKER_DEMOTION=pressure; the default, earned,
+    # copies while reloads pay). The gate learns across a search's points: each point has its own
+    # version range, so the LRU candidates at a point's start are the last point's dead psi; at
+    # L16384 on an H200 (k20b) it copied 157 of them at 10 req/s and reloaded none, closed, and at
+    # 42 req/s, where returns 7-17 s apart need DRAM, copied 160 of 447 (5 reloads).
+    "relay-demote-pressure": {"ranker_args": ("--demotion", "pressure")},
     # The ranker's GIL switch interval at 0.1 ms (default 0.05): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
     "relay-gil01": {"ranker_args": ("--gil-switch-ms", "0.1")},
