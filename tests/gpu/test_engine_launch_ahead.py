@@ -77,15 +77,17 @@ async def test_queued_calls_match_eager_with_graphs(launch_ahead):
         engine.stop()
 
 
-async def test_chunks_launched_ahead_with_rankings_between_them():
-    """Pre-inference steps launched ahead (graphs for first chunks, eager later ones) with
-    ranking calls arriving among them: every psi equals one pre-inference, every call its full
-    ranking."""
+@pytest.mark.parametrize("graph_psi_chunks", [False, True])
+async def test_chunks_launched_ahead_with_rankings_between_them(graph_psi_chunks):
+    """Pre-inference steps launched ahead (graphs for first chunks; later ones eager, or graphs
+    of the chunk family, the default since k20) with ranking calls arriving among them: every
+    psi equals one pre-inference, every call its full ranking."""
     model = HSTURanker.from_seed(SPEC, seed=6, device="cuda")
     config = EngineConfig(
         max_batch=2,
         max_wait_s=0.0,
         chunks_ahead=True,
+        graph_psi_chunks=graph_psi_chunks,
         preinfer_chunk_tokens=512,
         graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
     )
