@@ -49,13 +49,42 @@ def test_closed_it_still_copies_a_fixed_sample_of_users_and_reopens_when_reloads
 
 def test_recent_demotions_weigh_most():
     gate = DemotionGate(min_demotions=1, memory=100.0)
-    for _ in range(100):
+    for user in range(100):
+        assert gate.admits(user, saving_ms=None, cost_ms=None)
         gate.demoted()
         gate.reloaded()
-    for _ in range(500):  # reloads stopped long ago
-        gate.demoted()
+    for user in range(500):  # reloads stopped long ago
+        if gate.admits(user, saving_ms=None, cost_ms=None):
+            gate.demoted()
     assert gate.reload_yield is not None
     assert gate.reload_yield < 0.01
+
+
+def test_closed_for_long_it_reopens_within_its_memory_of_candidates():
+    """The gate forgets by candidates, not by copies: closed, it copies one candidate in
+    `sample_every`, and a memory counted in copies would reach that many times further back.
+    At 16384 tokens (k20b) a benchmark's low-rate points closed the gate with copies of psi
+    whose users never came back, and at its high rates it had not reopened."""
+    memory, every = 200.0, 8
+    gate = DemotionGate(sample_every=every, min_demotions=10, memory=memory)
+    for user in range(20 * int(memory)):  # long closed: nothing copied came back
+        if gate.admits(user, saving_ms=2.0, cost_ms=0.3):
+            gate.demoted()
+    assert not gate.earns(saving_ms=2.0, cost_ms=0.3)
+    copies_before = gate._counted
+    reopened_after = None
+    for n, user in enumerate(range(10**6, 10**6 + 4 * int(memory))):  # now every copy comes back
+        if gate.admits(user, saving_ms=2.0, cost_ms=0.3):
+            if user % every:  # not one of the sample: the gate is open again
+                reopened_after = n
+                break
+            gate.demoted()
+            gate.reloaded()
+    assert reopened_after is not None
+    # It opens at a yield of 0.3 / 2 = 0.15: here after a few of the sample's copies came back
+    # (~memory / every copies in its window); counted in copies, 0.15 x memory of them had to.
+    assert reopened_after < memory / 2
+    assert gate._counted - copies_before < 0.15 * memory / 2
 
 
 def test_bad_settings_are_refused():

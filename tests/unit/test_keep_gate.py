@@ -32,7 +32,8 @@ def test_keeping_pays_where_reads_times_saving_cover_the_host_time():
     assert not gate.earns(saving_ms=0.3, cost_ms=1.0)  # 768 tokens: closed
     assert gate.earns(saving_ms=2.7, cost_ms=1.0)  # 4096 tokens: open
     # Sessions of many calls read each psi more than once: the gate opens for shorter prefixes.
-    for _ in range(3000):
+    for user in range(3000):
+        assert gate.admits(user, saving_ms=None, cost_ms=None)
         gate.kept()
         gate.read()
         gate.read()
