@@ -349,6 +349,14 @@ def copy_stage_counters(samples: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def demote_loop_cpu_ms_mean(after: dict[str, float], before: dict[str, float]) -> float:
+    """The event loop's CPU ms per copy of psi to host DRAM over an interval (its own steps:
+    services/ranker/task_cpu.py), from two device_counters readings; 0 where none was metered."""
+    runs = after.get("demotions_metered", 0.0) - before.get("demotions_metered", 0.0)
+    seconds = after.get("demote_loop_cpu_s", 0.0) - before.get("demote_loop_cpu_s", 0.0)
+    return seconds / runs * 1e3 if runs > 0 else 0.0
+
+
 def copy_stage_means(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     """`<work>_<stage>_ms_mean` over an interval, from two device_counters readings: the mean ms
     a psi copy of that kind spent in that stage (services/ranker/copy_stages.py), and
@@ -423,6 +431,9 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         for key, value in copy_stage_counters(samples).items():
             totals[key] += value
         totals["alloc_retries"] += samples.get("relaygr_ranker_allocator_retries_total", 0.0)
+        # The event loop's own CPU copying psi to host DRAM (services/ranker/task_cpu.py).
+        totals["demote_loop_cpu_s"] += samples.get("relaygr_ranker_demotion_loop_cpu_seconds_total", 0.0)
+        totals["demotions_metered"] += samples.get("relaygr_ranker_demotions_metered_total", 0.0)
         totals["device_mallocs"] += samples.get("relaygr_ranker_device_mallocs_total", 0.0)
         totals["device_frees"] += samples.get("relaygr_ranker_device_frees_total", 0.0)
         # A gauge: the host's CPU ms per request as the ranker last reported it (summed here,
@@ -886,6 +897,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: device[k] - device_before[k] for k in device if k.startswith("loop_")},
         # Where a psi copy's time went over the point: mean ms per copy by stage.
         **copy_stage_means(device, device_before),
+        # The event loop's CPU per copy to host DRAM (its own steps; what the demotion gate adds
+        # to the device loop's issue when it prices a copy).
+        "demote_loop_cpu_ms_mean": demote_loop_cpu_ms_mean(device, device_before),
         # HBM misses asked of the host tier, and how the reload-or-recompute choice went.
         **{
             k: device[k] - device_before[k]

@@ -394,8 +394,9 @@ class Setup:
     copy_issue_s: float = 0.0
     # The ranker's demotion gate (RELAYGR_RANKER_DEMOTION=earned, its default since k11;
     # services/ranker/demotion_gate.py): psi leaving HBM goes to DRAM only while reloads pay for
-    # the host time of a copy (`copy_cost_ms`, the device loop's per copy issued), else one user
-    # in the gate's sample; False: every psi leaving HBM is copied (pressure).
+    # the host time of a copy (`copy_cost_ms`: the device loop's per copy issued, plus the event
+    # loop's own steps per demotion where the file measured them, k21 on), else one user in the
+    # gate's sample; False: every psi leaving HBM is copied (pressure).
     demotion_gate: bool = False
     copy_cost_ms: float | None = None
     # The event loop's work per request (decoding, validating, answering a Rank call or a
@@ -1417,6 +1418,23 @@ def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[flo
     return seconds / batches, (copy_s / copies if copies else 0.0), copies / batches
 
 
+def demote_loop_cpu_ms(result: dict[str, Any], config: str, workload: str) -> float:
+    """The event loop's CPU ms per copy of psi to host DRAM (`demote_loop_cpu_ms_mean`, weighted
+    by the points' demotions), which the ranker's gate adds to the device loop's issue when it
+    prices a copy (RelayCache.host_ms_per_demotion); 0 where the file did not measure it (before
+    k21: the gate then priced the device loop's issue alone, as the model does for such files)."""
+    ms = copies = 0.0
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            n = float(p.get("demotions", 0.0) or 0.0)
+            if "demote_loop_cpu_ms_mean" in p and n > 0:
+                ms += float(p["demote_loop_cpu_ms_mean"]) * n
+                copies += n
+    return ms / copies if copies else 0.0
+
+
 def ran_demotion_gate(result: dict[str, Any], config: str, workload: str) -> bool:
     """Whether the file's rankers copied psi to DRAM through the demotion gate (its points count
     the candidates it skipped, `demotions_skipped`, since the gate came in with k11)."""
@@ -1758,7 +1776,10 @@ def load_model(
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
         demotion_gate=bool(changes.get("demotion_earned", ran_demotion_gate(result, config, chosen))),
-        copy_cost_ms=(host_costs(result, config, chosen)[1] * 1e3) or None,
+        copy_cost_ms=(
+            host_costs(result, config, chosen)[1] * 1e3 + demote_loop_cpu_ms(result, config, chosen)
+        )
+        or None,
     )
     setup = dataclasses.replace(
         setup, scheduler=scheduler, chunks_ahead=bool(changes.get("chunks_ahead", 0.0))

@@ -9,7 +9,12 @@ arena on a host of 125 GiB, every psi copied as HBM needed its room):
     user back after HBM dropped them was rarely back soon enough to be in DRAM;
   * every prefix 4096 tokens: 5-11% of the demotions were reloaded, each saving ~1.6-2 ms of
     device time, while issuing one copy cost the device loop 0.28-0.35 ms of host time, and both
-    configurations were bound by the ranker's host (misses with the device 56-74% busy).
+    configurations were bound by the ranker's host (misses with the device 56-74% busy);
+  * every prefix 16384 tokens (k21b, 2 x H200, 2026-11-30; one call): copying every candidate
+    (~300 more copies a point than the gate made) raised P99 by 4-9 ms at 22.5-33.75 req/s for
+    ~2% of calls served by a reload; the ranker spent 2.2-3.4 ms of CPU a copy, of which the
+    device loop's issue was ~0.4. A copy's price now counts the event loop's own steps too
+    (RelayCache.host_ms_per_demotion, task_cpu.py).
 So the gate weighs, per candidate, the measured yield (reloads per demotion, recent) times the
 device time a reload saves for that psi against the host time one copy costs, and copies the
 candidate when the product pays. When it does not, it still copies one candidate in

@@ -34,7 +34,8 @@ Demotion (copy to host DRAM, off the critical path, after the reply is sent):
     then duplicates HBM and adds capacity only where it is larger.
 Under pressure, a `demotion_gate` (services/ranker/demotion_gate.py; the default) copies a
 candidate only while the tier earns its copies: reloads per demotion (measured) times the device
-time a reload saves against the host time a copy costs; otherwise one candidate in its sample,
+time a reload saves against the host time a copy costs (the device loop's issue and the event
+loop's own steps, `host_ms_per_demotion`); otherwise one candidate in its sample,
 and the rest are evicted without a copy. On an H200 with 120 GB of HBM beside a 64 GiB arena,
 the length mix made ~2000 demotions a point and 0-5 reloads.
 
@@ -85,6 +86,7 @@ from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult
 from services.ranker.keep_gate import KeepGate
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
+from services.ranker.task_cpu import CpuMeter, metered
 from services.ranker.wire import FallbackPrefix, PrefixReference, PrefixRequired
 from shared.logging import get_logger
 
@@ -235,6 +237,7 @@ class RelayCache:
         self.demotions_shed = 0  # candidates not copied while the host was pressed
         self._keep_loop_cpu_s = 0.0  # the event loop's CPU keeping psi (admission, production, lease)
         self._keep_loop_timed = 0
+        self.demotion_cpu = CpuMeter()  # the event loop's CPU copying psi to host DRAM
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
         self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
         self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
@@ -795,7 +798,7 @@ class RelayCache:
                     self._on_event("demotion", "shed")
             return
         gate = self.demotion_gate
-        copy_ms = self.engine.host_ms_per_copy() if gate is not None and candidates else None
+        copy_ms = self.host_ms_per_demotion() if gate is not None and candidates else None
         for key in candidates:
             psi_key = cast(PsiKey, key)
             if gate is not None and not gate.admits(psi_key.user_id, self._saving_ms(psi_key), copy_ms):
@@ -818,14 +821,31 @@ class RelayCache:
         return None if saving_s is None else saving_s * 1e3
 
     def _start_demotion(self, key: PsiKey) -> None:
+        starting_from = time.thread_time()
         view = self.cache.lookup(key)
         handle = self.cache.pin_for_copy(key)
         if view is None or handle is None:
             return
         self._demoting[key] = view.nbytes
-        self._spawn(self._demote(key, handle, time.perf_counter()), f"demote-{key.user_id}")
+        self._spawn(self._demotion(key, handle, time.perf_counter()), f"demote-{key.user_id}")
+        self.demotion_cpu.seconds += time.thread_time() - starting_from
 
-    async def _demote(self, key: PsiKey, psi: Psi, started_at: float) -> None:
+    def host_ms_per_demotion(self) -> float | None:
+        """Host time one copy of psi to host DRAM costs: the device loop's issue (its `copies`
+        section per copy, Engine.host_ms_per_copy) and the event loop's own steps (the expander's
+        reserve and commit, the bookkeeping: task_cpu.py); None before the device loop's was
+        measured. What the demotion gate weighs a copy at."""
+        device_loop = self.engine.host_ms_per_copy()
+        if device_loop is None:
+            return None
+        return device_loop + (self.demotion_cpu.ms_per_run() or 0.0)
+
+    async def _demotion(self, key: PsiKey, psi: Psi, started_at: float) -> None:
+        # Metered apart from what it sets off (demote_ahead: the next candidates' decisions).
+        if await metered(self._demote(key, psi, started_at), self.demotion_cpu):
+            self.demote_ahead()  # admissions meanwhile may need more room
+
+    async def _demote(self, key: PsiKey, psi: Psi, started_at: float) -> bool:
         ok = False
         try:
             assert self.host is not None
@@ -840,8 +860,7 @@ class RelayCache:
                 if self.demotion_gate is not None:
                     self.demotion_gate.demoted()
             self.cache.demoted(key, ok, keep=self._keep_demoted)
-        if ok:
-            self.demote_ahead()  # admissions meanwhile may need more room
+        return ok
 
     def expire(self) -> list[PsiKey]:
         """Leased psi past its deadline, never consumed: dropped, its device time unused."""

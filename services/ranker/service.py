@@ -68,6 +68,7 @@ from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.takeover import TakeoverPassCollector
+from services.ranker.task_cpu import CpuMeterCollector
 from services.ranker.wire import PrefixRequired, preinfer_prefix, rank_inputs
 from services.ranker.yield_gate import YieldGate
 from shared.config import ConfigError
@@ -337,6 +338,14 @@ class RankerService(pb_grpc.RankerServicer):
                 what="ranking calls' reloads from host DRAM",
             )
         )
+        self.registry.register(
+            CpuMeterCollector(
+                self.relay.demotion_cpu,
+                seconds_name="relaygr_ranker_demotion_loop_cpu_seconds",
+                runs_name="relaygr_ranker_demotions_metered",
+                what="copies of psi to host DRAM (task_cpu.py)",
+            )
+        )
         self._background: set[asyncio.Task[None]] = set()
         self._rank_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._lead_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -351,7 +360,7 @@ class RankerService(pb_grpc.RankerServicer):
         # Read at scrape time: nothing to update on the Rank path.
         gates: list[tuple[str, YieldGate | None, Callable[[], float | None]]] = [
             ("keep", self.relay.keep_gate, self.relay.host_ms_per_keep),
-            ("demotion", self.relay.demotion_gate, self.engine.host_ms_per_copy),
+            ("demotion", self.relay.demotion_gate, self.relay.host_ms_per_demotion),
         ]
         for name, gate, cost in gates:
             if gate is not None:

@@ -136,6 +136,11 @@ async def test_psi_from_ranker_a_is_reloaded_by_ranker_b(stack, reference):
     assert stats.reloads == 2
     assert (stats.prefetches_issued, stats.prefetches_used) == (1, 1)
     assert (await a.stats()).demotion_lag_p99_ms > 0  # A's consumed psi went to DRAM after its reply
+    # Each copy's own event-loop CPU (the expander's round trips, the bookkeeping: task_cpu.py),
+    # which the demotion gate adds to the device loop's issue when it prices a copy.
+    assert a.proc.metric(a.metrics_port, "relaygr_ranker_demotions_metered_total") == 2
+    cpu_s = a.proc.metric(a.metrics_port, "relaygr_ranker_demotion_loop_cpu_seconds_total")
+    assert 0 < cpu_s < 2.0
 
 
 async def test_a_miss_nobody_demoted_is_answered_without_asking_the_daemon(stack, reference):

@@ -244,6 +244,11 @@ async def test_the_gates_figures_are_exported_and_nan_until_measured(ranker):
     assert metric("relaygr_ranker_gate_returns_per_action", {"gate": "keep"}) == pytest.approx(
         service.relay.keep_gate.reuse
     )
+    # The event loop's CPU copying psi to host DRAM, per copy, for the benchmarks (task_cpu.py).
+    assert metric("relaygr_ranker_demotions_metered_total") == 0
+    service.relay.demotion_cpu.seconds, service.relay.demotion_cpu.runs = 0.004, 2
+    assert metric("relaygr_ranker_demotion_loop_cpu_seconds_total") == pytest.approx(0.004)
+    assert metric("relaygr_ranker_demotions_metered_total") == 2
 
 
 async def test_a_prefetch_only_signal_re_leases_held_psi_and_never_computes_it(ranker):

@@ -5,6 +5,7 @@ mismatch), lease conversion and expiry, with the device-time ledger."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
@@ -284,6 +285,60 @@ class CopyingHost:
 
     async def lookup(self, key: PsiKey) -> int | None:
         return None  # holds nothing: a pre-inference computes its psi
+
+
+class SlowCopyingHost(CopyingHost):
+    """Takes every demotion, spending `step_s` of the event loop's CPU on each side of an await
+    (as the expander's reserve and commit calls do)."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    def _burn(self) -> None:
+        until = time.thread_time() + self.step_s
+        while time.thread_time() < until:
+            pass
+
+    async def demote(self, key: PsiKey, psi: Psi, engine: Engine) -> bool:
+        self._burn()
+        await asyncio.sleep(0)
+        self._burn()
+        return await super().demote(key, psi, engine)
+
+
+async def test_the_demotion_gate_prices_a_copy_with_the_event_loops_own_steps(keeping, monkeypatch):
+    """A copy to host DRAM costs the device loop its issue and the event loop its own steps (the
+    expander's round trips, the bookkeeping): the gate weighs both. At 16384 tokens on an H200
+    (k21b) the ranker spent 2.2-3.4 ms of CPU a copy, the device loop's issue ~0.4 of it."""
+    r = keeping
+    host = SlowCopyingHost(step_s=0.002)
+    gate = DemotionGate(sample_every=1, min_demotions=1)
+    r.rebuild(demotion_reserve_bytes=r.cache.budget_bytes, demotion_gate=gate)
+    r.relay.host = cast(HostTier, host)
+    monkeypatch.setattr(r.engine, "host_ms_per_copy", lambda: 0.3)
+    priced: list[float | None] = []
+    admits = gate.admits
+    monkeypatch.setattr(
+        gate, "admits", lambda user, saving, cost: priced.append(cost) or admits(user, saving, cost)
+    )
+    prefixes, suffixes = users(51, 4, prefix_len=600)
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"c{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        await r.rank(key, prefix, suffix)
+        for after in r.after:
+            after(None)  # the reply is sent: the consumed psi is a candidate for host DRAM
+        r.after.clear()
+        await asyncio.gather(*r.tasks)
+    assert len(host.demoted) >= 2
+    assert r.relay.demotion_cpu.runs == len(host.demoted)
+    per_copy = r.relay.host_ms_per_demotion()
+    assert per_copy is not None
+    assert per_copy >= 0.3 + 4.0  # the device loop's 0.3 and the host's two steps of 2 ms
+    assert priced[0] == pytest.approx(0.3)  # nothing copied yet: the device loop's alone
+    assert priced[-1] is not None
+    assert priced[-1] >= 4.3  # what the gate weighed the later copies at
 
 
 async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(keeping, monkeypatch):

@@ -27,6 +27,7 @@ from relaygr.sim import (
     calibrate,
     call_deadline_s,
     call_slo_s,
+    demote_loop_cpu_ms,
     event_loop_ms,
     goodput,
     host_costs,
@@ -182,6 +183,13 @@ def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_
     points = {"results": [{"config": "relay", "workload": "L4096", "points": [{"demotions_skipped": 3.0}]}]}
     assert ran_demotion_gate(points, "relay", "L4096")
     assert not ran_demotion_gate(points, "relay", "mix")
+    # The copy's price adds the event loop's CPU per demotion where the file measured it (k21
+    # on), weighted by the points' demotions, as the ranker's gate does.
+    assert demote_loop_cpu_ms(points, "relay", "L4096") == 0.0
+    measured = [{"demotions": 100.0, "demote_loop_cpu_ms_mean": 1.0},
+                {"demotions": 300.0, "demote_loop_cpu_ms_mean": 3.0}, {"demotions": 0.0}]  # fmt: skip
+    points = {"results": [{"config": "relay", "workload": "L4096", "points": measured}]}
+    assert demote_loop_cpu_ms(points, "relay", "L4096") == pytest.approx(2.5)
 
 
 def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
