@@ -84,7 +84,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # copies while reloads pay). The gate learns across a search's points: each point has its own
     # version range, so the LRU candidates at a point's start are the last point's dead psi; at
     # L16384 on an H200 (k20b) it copied 157 of them at 10 req/s and reloaded none, closed, and at
-    # 42 req/s, where returns 7-17 s apart need DRAM, copied 160 of 447 (5 reloads).
+    # 42 req/s, where returns 7-17 s apart need DRAM, copied 160 of 447 (5 reloads). Since the
+    # gate forgets by candidates it reopened there (k21b: a tie, both copying everything past 35
+    # req/s); at 22.5 and 33.75 req/s, gate closed, copying everything cost P99 +4.4 / +9.4 ms.
     "relay-demote-pressure": {"ranker_args": ("--demotion", "pressure")},
     # The ranker's GIL switch interval at 0.1 ms (default 0.05): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.

@@ -1228,10 +1228,18 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 # request (no trigger: the policy `preinfer-all`, where no admission test stands in between).
 MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
-            "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks")  # fmt: skip
+            "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
+            "relay-demote-pressure", "relay-budget-by-kind")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
+# The relay with one ranker setting changed, modelled as the what-if of that setting (main's
+# flags; one given on the command line wins): every psi leaving HBM copied (the harness's
+# relay-demote-pressure, --demotion pressure), steps budgeted by their kind (--budget-by-kind).
+RELAY_VARIANTS: dict[str, dict[str, float]] = {
+    "relay-demote-pressure": {"demotion_earned": 0.0},
+    "relay-budget-by-kind": {"budget_by_kind": 1.0},
+}
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
 # per batch as their files measured it.
@@ -1249,7 +1257,8 @@ def modelled_configs(result_path: Path) -> list[str]:
     usable = [
         c
         for c, steps in held
-        if (m := processes_of(c)[0]) in MODELLED and ((m != "relay" and m not in PSI_CHUNK_VARIANTS) or steps)
+        if (m := processes_of(c)[0]) in MODELLED
+        and ((m != "relay" and m not in PSI_CHUNK_VARIANTS and m not in RELAY_VARIANTS) or steps)
     ]
     return list(dict.fromkeys(usable))
 
@@ -1658,6 +1667,9 @@ def load_model(
         )
     psi_chunk_graphs = PSI_CHUNK_VARIANTS.get(model)
     if psi_chunk_graphs is not None:
+        model = "relay"
+    if model in RELAY_VARIANTS:
+        changes = {**RELAY_VARIANTS[model], **changes}
         model = "relay"
     try:
         result = json.loads(result_path.read_text())

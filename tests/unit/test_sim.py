@@ -641,6 +641,33 @@ def test_the_command_models_chunk_graphs_by_the_record_the_config_or_a_what_if(t
         main([str(path), "--config", "relay-eager-psi-chunks", "--psi-chunk-graphs", "yes"])
 
 
+def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
+    """The harness's relay-demote-pressure and relay-budget-by-kind: the relay's model with the
+    ranker setting each changes (a what-if given on the command line wins)."""
+    rows = [record(i, "hbm_hit", 4096, 1.2, 8.0) for i in range(100)]
+    rows += [record(1000 + i, "full_recompute", 4096, 3.6, 12.0) for i in range(20)]
+    costs = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.02},
+             "graph": {"per_step_ms": 0.5, "per_token_us": 0.3, "per_pair_ns": 0.02},
+             "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True}  # fmt: skip
+    for config in ("relay-demote-pressure", "relay-budget-by-kind"):
+        path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
+        result = json.loads(path.read_text())
+        result["results"][0]["points"][0]["demotions_skipped"] = 0.0  # run with the gate's setting
+        result["results"][0]["ranker_step_costs"] = costs
+        path.write_text(json.dumps(result))
+        assert modelled_configs(path) == [config]
+        setup = load_model(path, config).setup
+        assert setup.preinfer_steps is not None  # the relay's model
+        assert setup.demotion_gate == (config != "relay-demote-pressure")
+        assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
+    assert (
+        load_model(
+            path, "relay-budget-by-kind", changes={"budget_by_kind": 0.0}
+        ).setup.scheduler.budget_by_kind
+        is False
+    )
+
+
 def test_the_triggers_lead_test_refuses_what_would_start_after_its_call():
     base = Setup(
         psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, scheduler=SchedulerConfig(max_wait_s=0.0)
