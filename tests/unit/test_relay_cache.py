@@ -5,7 +5,6 @@ mismatch), lease conversion and expiry, with the device-time ledger."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import cast
 
@@ -25,6 +24,7 @@ from services.ranker.relay_cache import Produce, RecentIds, RelayCache, Served
 from services.ranker.wire import PrefixReference, rank_inputs
 from shared.modelspec import preset
 from shared.wire import RequestLimits
+from tests.cpu import burn_cpu
 from tests.preinfer_gate import PreinferGate
 from tests.rankers import rank_request, users
 from tests.waiting import eventually
@@ -295,15 +295,10 @@ class SlowCopyingHost(CopyingHost):
         super().__init__()
         self.step_s = step_s
 
-    def _burn(self) -> None:
-        until = time.thread_time() + self.step_s
-        while time.thread_time() < until:
-            pass
-
     async def demote(self, key: PsiKey, psi: Psi, engine: Engine) -> bool:
-        self._burn()
+        burn_cpu(self.step_s)
         await asyncio.sleep(0)
-        self._burn()
+        burn_cpu(self.step_s)
         return await super().demote(key, psi, engine)
 
 

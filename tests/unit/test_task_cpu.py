@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from relaygr.harness import demote_loop_cpu_ms_mean, parse_metrics
 from services.ranker.task_cpu import CpuMeter, CpuMeterCollector, metered
-
-
-def burn(seconds: float) -> None:
-    until = time.thread_time() + seconds
-    while time.thread_time() < until:
-        pass
+from tests.cpu import burn_cpu
 
 
 async def test_counts_its_own_steps_and_not_the_other_tasks_that_run_while_it_waits():
@@ -23,13 +17,13 @@ async def test_counts_its_own_steps_and_not_the_other_tasks_that_run_while_it_wa
     release = asyncio.Event()
 
     async def copy() -> str:
-        burn(0.02)  # e.g. a gRPC call's Python side
+        burn_cpu(0.02)  # e.g. a gRPC call's Python side
         await release.wait()  # the expander answers meanwhile; other tasks run
-        burn(0.02)  # the bookkeeping after it
+        burn_cpu(0.02)  # the bookkeeping after it
         return "stored"
 
     async def others() -> None:
-        burn(0.2)  # far more than the metered coroutine's own
+        burn_cpu(0.2)  # far more than the metered coroutine's own
         release.set()
 
     task = asyncio.create_task(metered(copy(), meter))
