@@ -10,8 +10,9 @@ in opportunities, not actions, a closed gate (acting on one opportunity in `samp
 forgets as fast as an open one; counted in actions it reached `sample_every` times further back.
 At 16384 tokens (k20b, 2 x H200, 2026-11-30) the demotion gate, closed at a search's low rates
 by copies of psi whose users never came back, still copied only 160 of 447 candidates at 42
-req/s, where the capacity model found reloads paying for the copies (10% reloaded, ~7.5 ms of
-device time saved each, against ~0.44 ms of host a copy).
+req/s. Forgetting by opportunities it reopened there (k21b): 2.3-4.7% of its copies came back,
+enough at the ~0.4 ms a copy it then priced, while a copy cost the ranker 2.2-3.4 ms of CPU
+(demotion_gate.py: what the price now counts).
 
 An action whose every return saves `saving_ms` of device time pays when returns per action x
 saving_ms >= `cost_ms`, the host time the action costs. When it does not, one user in
