@@ -119,18 +119,27 @@ async def test_long_requests_are_relayed_short_ones_ranked_in_full(stack):
 
     long_users = [make_user(u, LONG) for u in placed(10_000)]
     short_users = [make_user(u, SHORT) for u in placed(20_000)]
-    # A lead time of 2 s: four pre-inferences of 2500 tokens share 2 CPU cores with everything else.
-    replies = await asyncio.gather(
-        *(one_request(stack, p, s, f"L{i}", gap_s=2.0) for i, (p, s) in enumerate(long_users)),
-        *(one_request(stack, p, s, f"S{i}") for i, (p, s) in enumerate(short_users)),
+    # The short users first, on idle rankers: the at-risk threshold falls with the offered load
+    # (admission.py), and the long users' events, each a CPU ranking of 2500 tokens, load the
+    # rankers enough that a short user arriving with them may be at risk by design (once seen on a
+    # loaded CI machine: all four short users pre-inferred).
+    short_replies = await asyncio.gather(
+        *(one_request(stack, p, s, f"S{i}") for i, (p, s) in enumerate(short_users))
     )
-    long_replies, short_replies = replies[:4], replies[4:]
+    # A lead time of 2 s: four pre-inferences of 2500 tokens share 2 CPU cores with everything else.
+    long_replies = await asyncio.gather(
+        *(one_request(stack, p, s, f"L{i}", gap_s=2.0) for i, (p, s) in enumerate(long_users))
+    )
     assert all(r.served_by in (pb.HBM_HIT, pb.INFLIGHT_JOIN, pb.PARTIAL_PREFIX) for r in long_replies), [
         pb.ServedBy.Name(r.served_by) for r in long_replies
     ]
-    assert all(r.served_by == pb.FULL_RECOMPUTE for r in short_replies), [
-        pb.ServedBy.Name(r.served_by) for r in short_replies
-    ]
+    if not all(r.served_by == pb.FULL_RECOMPUTE for r in short_replies):
+        # Which of the trigger's grounds admitted them (once seen on a loaded CI machine).
+        port = stack["trigger"].wait_event("trigger_ready", 5)["metrics_port"]
+        grounds = {g: stack["trigger"].metric(port, f'relaygr_trigger_admitted_total{{ground="{g}"}}')
+                   for g in ("risk", "reuse", "spare")}  # fmt: skip
+        raise AssertionError(f"short users pre-inferred: {[pb.ServedBy.Name(r.served_by) for r in short_replies]}, "
+                             f"admissions by ground {grounds}")  # fmt: skip
     # Both rankers took part (users spread), and each long user was served where its psi was.
     assert len({r.instance_id for r in long_replies + short_replies}) == 2
 
