@@ -313,6 +313,8 @@ GRAPH_FAMILIES = ("cached", "full", "preinfer")
 
 
 COPY_WORKS = ("reload", "demote")
+# The ranker's yield gates (services/ranker/service.py's `gate` label).
+GATES = ("demotion", "keep")
 
 # The stage ledgers a ranker exports (services/ranker/copy_stages.py): (name in the results, the
 # ledger's seconds and timed-count metrics, its work label, its stages).
@@ -441,6 +443,16 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         # A gauge: the host's CPU ms per request as the ranker last reported it (summed here,
         # averaged over the rankers by the point; NaN before any report).
         totals["host_ms_per_request"] += samples.get("relaygr_ranker_host_ms_per_request", math.nan)
+        # Gauges too: what each gate weighs at the reading, its returns per action and the host
+        # ms it prices an action at (services/ranker/yield_gate.py; NaN while not yet measured).
+        for gate in GATES:
+            label = f'{{gate="{gate}"}}'
+            totals[f"{gate}_gate_returns_per_action"] += samples.get(
+                f"relaygr_ranker_gate_returns_per_action{label}", math.nan
+            )
+            totals[f"{gate}_gate_host_ms_per_action"] += samples.get(
+                f"relaygr_ranker_gate_host_ms_per_action{label}", math.nan
+            )
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
             label = f'generation="{generation}"'
@@ -879,6 +891,13 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         # What a request cost the rankers' host at the point's end, as they report it to the
         # trigger (StatsReply.host_ms_per_request), mean over rankers; NaN where none reported.
         "host_ms_per_request": device["host_ms_per_request"] / max(1, len(stack.ranker_metrics_ports)),
+        # What the demotion and keep gates weighed at the point's end (mean over rankers; NaN
+        # where not yet measured): with `demotions_skipped`, whether a gate was open and why.
+        **{
+            k: device[k] / max(1, len(stack.ranker_metrics_ports))
+            for gate in GATES
+            for k in (f"{gate}_gate_returns_per_action", f"{gate}_gate_host_ms_per_action")
+        },
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).

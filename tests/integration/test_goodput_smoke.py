@@ -146,6 +146,12 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["calls"] >= 4  # the measured window's calls; the lead-in's are not counted
             # The rankers' host ms per request as reported (None before they had a figure).
             assert point["ranker_host_ms_per_request"] is None or point["ranker_host_ms_per_request"] > 0
+            # What the gates weighed at the point's end (None while not yet measured), and the
+            # event loop's CPU per copy to host DRAM (0 where none was copied).
+            for gate in ("demotion", "keep"):
+                for key in (f"{gate}_gate_returns_per_action", f"{gate}_gate_host_ms_per_action"):
+                    assert point[key] is None or point[key] >= 0.0
+            assert point["demote_loop_cpu_ms_mean"] >= 0.0
             if sys.platform.startswith("linux"):  # the host's CPU shares, from /proc/stat
                 assert 0.0 <= point["host_cpu_steal"] <= 1.0
                 assert 0.0 < point["host_cpu_busy"] <= 1.0
