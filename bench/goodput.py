@@ -80,7 +80,7 @@ from bench import relay
 from bench.report import RESULTS_DIR, write_result
 from relaygr.harness import (
     CONFIGS,
-    GATES,
+    GATE_FIELDS,
     drain,
     machine,
     markdown_table,
@@ -251,8 +251,7 @@ class Runner:
             "ranker_host_ms_per_request": _finite_or_none(p.rankers.get("host_ms_per_request", math.nan)),
             # What the demotion and keep gates weighed at the point's end: returns per action and
             # the host ms an action is priced at (None while not yet measured: the gate is open).
-            **{k: _finite_or_none(p.rankers.get(k, math.nan))
-               for gate in GATES for k in (f"{gate}_gate_returns_per_action", f"{gate}_gate_host_ms_per_action")},
+            **{k: _finite_or_none(p.rankers.get(k, math.nan)) for k in GATE_FIELDS},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},

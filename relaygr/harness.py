@@ -85,8 +85,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # version range, so the LRU candidates at a point's start are the last point's dead psi; at
     # L16384 on an H200 (k20b) it copied 157 of them at 10 req/s and reloaded none, closed, and at
     # 42 req/s, where returns 7-17 s apart need DRAM, copied 160 of 447 (5 reloads). Since the
-    # gate forgets by candidates it reopened there (k21b: a tie, both copying everything past 35
-    # req/s); at 22.5 and 33.75 req/s, gate closed, copying everything cost P99 +4.4 / +9.4 ms.
+    # gate forgets by candidates it reopened there (k21b: a tie, both copying everything at
+    # 35.86-42.19 req/s); at 22.5 and 33.75 req/s, gate closed, copying everything cost P99 +4.4 / +9.4 ms.
     "relay-demote-pressure": {"ranker_args": ("--demotion", "pressure")},
     # The ranker's GIL switch interval at 0.1 ms (default 0.05): how long the device thread waits
     # for the interpreter when it comes back from a CUDA wait while the event loop runs Python.
@@ -313,8 +313,12 @@ GRAPH_FAMILIES = ("cached", "full", "preinfer")
 
 
 COPY_WORKS = ("reload", "demote")
-# The ranker's yield gates (services/ranker/service.py's `gate` label).
+# The ranker's yield gates (services/ranker/service.py's `gate` label), and the figures a point
+# carries of each: what it weighed at the point's end (gauges: NaN while not yet measured).
 GATES = ("demotion", "keep")
+GATE_FIELDS = tuple(
+    f"{gate}_gate_{what}" for gate in GATES for what in ("returns_per_action", "host_ms_per_action")
+)
 
 # The stage ledgers a ranker exports (services/ranker/copy_stages.py): (name in the results, the
 # ledger's seconds and timed-count metrics, its work label, its stages).
@@ -445,14 +449,9 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         totals["host_ms_per_request"] += samples.get("relaygr_ranker_host_ms_per_request", math.nan)
         # Gauges too: what each gate weighs at the reading, its returns per action and the host
         # ms it prices an action at (services/ranker/yield_gate.py; NaN while not yet measured).
-        for gate in GATES:
-            label = f'{{gate="{gate}"}}'
-            totals[f"{gate}_gate_returns_per_action"] += samples.get(
-                f"relaygr_ranker_gate_returns_per_action{label}", math.nan
-            )
-            totals[f"{gate}_gate_host_ms_per_action"] += samples.get(
-                f"relaygr_ranker_gate_host_ms_per_action{label}", math.nan
-            )
+        for field in GATE_FIELDS:
+            gate, what = field.split("_gate_")
+            totals[field] += samples.get(f'relaygr_ranker_gate_{what}{{gate="{gate}"}}', math.nan)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
             label = f'generation="{generation}"'
@@ -893,11 +892,7 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "host_ms_per_request": device["host_ms_per_request"] / max(1, len(stack.ranker_metrics_ports)),
         # What the demotion and keep gates weighed at the point's end (mean over rankers; NaN
         # where not yet measured): with `demotions_skipped`, whether a gate was open and why.
-        **{
-            k: device[k] / max(1, len(stack.ranker_metrics_ports))
-            for gate in GATES
-            for k in (f"{gate}_gate_returns_per_action", f"{gate}_gate_host_ms_per_action")
-        },
+        **{k: device[k] / max(1, len(stack.ranker_metrics_ports)) for k in GATE_FIELDS},
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
