@@ -147,6 +147,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "trigger_args": ("--spare-busy-max", "0"),
         "ranker_args": ("--copy-piece-mb", "8"),
     },
+    # psi copied to and from DRAM in pieces of 16 MiB (a whole psi is one copy by default): at
+    # 16384 tokens on an H200 (k22a, k22b) a psi's copy took the copy engine 9.75 ms, and calls
+    # against psi then took up to 9-11 ms of device time (20-29 ms behind two or three copies)
+    # where a ranker without a host tier never took over 4.2: a batch's scores, copied out on the
+    # compute stream, waited for the copy in progress. A piece of 16 MiB takes ~0.3 ms.
+    "relay-pieces16": {"ranker_args": ("--copy-piece-mb", "16")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.

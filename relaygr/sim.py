@@ -71,9 +71,12 @@ replays, same seed, same lead-in, the measured window only counted):
     model without it.
 Several ranker processes of one GPU (`<name>-<N>p[-mps]`) are modelled as rankers of their own,
 each with its users (rendezvous placement, as the router's) and its share of the tiers, at the
-device costs the file measured with them side by side (Setup.processes). Not modelled yet: the
-router's load bound and failover, several GPUs, the copy engine as a resource, the signal
-path's tail.
+device costs the file measured with them side by side (Setup.processes). The copy engines (since
+k22; `--copy-engines off`: the model before): at a fixed length, psi's copies to and from DRAM
+occupy them at the file's measured device time per byte, and a ranking batch or pre-inference
+step whose own copy (inputs in, scores out) comes while one runs waits for it, or for its piece
+(`--copy-piece-mb`; CopyEngine). Not modelled yet: the router's load bound and failover, several
+GPUs, the signal path's tail.
 
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.xz), never from
@@ -425,6 +428,13 @@ class Setup:
     # each other. The device is not modelled as shared: under MPS the processes' kernels overlap,
     # and what they cost each other is in their measured times.
     processes: int = 1
+    # The copy engines' seconds per byte of psi, each way (CopyEngine; the file's points'
+    # demote_copy_ms_mean and reload_copy_ms_mean over their psi's bytes: copy_seconds_per_byte);
+    # 0: copies take no engine time and hold no ranking batch (the model before k22).
+    demote_s_per_byte: float = 0.0
+    reload_s_per_byte: float = 0.0
+    # psi copied in pieces of at most this many bytes (the ranker's --copy-piece-mb); 0: whole.
+    copy_piece_bytes: int = 0
 
 
 def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, float]:
@@ -633,6 +643,47 @@ class _Lru:
         return evicted
 
 
+class CopyEngine:
+    """One direction's copy engine (device -> host: demotions; host -> device: reloads) as a
+    resource: psi's copies run on it back to back, in the order issued, each after the compute
+    queued when it was issued (the engine orders a copy after it: services/ranker/engine.py). A
+    ranking batch's own small copy on the compute stream (its scores out, its inputs in) that
+    becomes ready while a psi copy runs waits for the piece in progress (the engine switches
+    streams between copies, not inside one), and the compute stream waits with it: at 16384
+    tokens on an H200 (k22a, k22b; 2 x H200, 2026-11-30) calls against psi took up to 9-11 ms
+    of device time (one 512 MiB copy, 9.75 ms) and 20-29 ms where a ranker copied psi to DRAM,
+    and never over 4.2 ms without an expander. `piece_bytes` 0: a psi is one copy."""
+
+    def __init__(self, seconds_per_byte: float, piece_bytes: int = 0) -> None:
+        self.seconds_per_byte = seconds_per_byte
+        self.piece_s = piece_bytes * seconds_per_byte
+        self.free_at = 0.0  # when the last copy issued ends
+        self.busy_s = 0.0
+        self._spans: collections.deque[tuple[float, float]] = collections.deque()  # (start, end)
+
+    def copy(self, issued_at: float, nbytes: int) -> float:
+        """A psi copy of `nbytes` issued at `issued_at` (after the compute then queued): its end."""
+        if self.seconds_per_byte <= 0:
+            return issued_at
+        start = max(issued_at, self.free_at)
+        self.free_at = start + nbytes * self.seconds_per_byte
+        self.busy_s += self.free_at - start
+        self._spans.append((start, self.free_at))
+        return self.free_at
+
+    def stalled_until(self, t: float) -> float:
+        """When a small copy ready at `t` gets the engine: `t`, or the end of the piece (whole
+        copy) in progress then. Queried at non-decreasing times (the device's clock)."""
+        while self._spans and self._spans[0][1] <= t:
+            self._spans.popleft()
+        if not self._spans or self._spans[0][0] >= t:
+            return t
+        start, end = self._spans[0]
+        if self.piece_s <= 0:
+            return end
+        return min(end, start + math.ceil((t - start) / self.piece_s) * self.piece_s)
+
+
 @dataclasses.dataclass
 class Served:
     request: PlannedRequest
@@ -699,6 +750,8 @@ def simulate(
         steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     gate = DemotionGate() if setup.demotion_gate else None
+    to_host = CopyEngine(setup.demote_s_per_byte, setup.copy_piece_bytes)  # demotions
+    to_device = CopyEngine(setup.reload_s_per_byte, setup.copy_piece_bytes)  # reloads
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
@@ -762,6 +815,7 @@ def simulate(
             if gate is not None and not gate.admits(old[0], saving, setup.copy_cost_ms):
                 continue  # evicted without a copy
             dram.put(old, size)  # demoted before it goes (demotion under pressure)
+            to_host.copy(max(now, device_free), size)  # issued now, after the compute queued
             copied()
             if gate is not None:
                 gate.demoted()
@@ -879,6 +933,7 @@ def simulate(
             return
         if key in dram:
             dram.pop(key)
+            to_device.copy(max(now, device_free), r.prefix_len * PSI_BYTES_PER_TOKEN)
             keep(key, r.prefix_len, r.recent_len + r.candidates)  # a prefetch: back in HBM before its call
             reloaded()
             ready_at[key] = t + draw_reload_ms() / 1e3
@@ -969,6 +1024,7 @@ def simulate(
         else:
             reloads.append((t + draw_reload_ms() / 1e3, item.id))
             dram.pop(key)
+            to_device.copy(max(now, device_free), r.prefix_len * PSI_BYTES_PER_TOKEN)
             keep(key, r.prefix_len, suffix)  # back in HBM (a reload is admitted like any psi)
             reloaded()
 
@@ -1043,13 +1099,14 @@ def simulate(
                 launch = setup.launch_scale * (cal.cached or cal.full).draw_launch_s(
                     tokens, rng, len(plan.chunks)
                 )
-                begin = max(device_free, now + launch)
+                begin = to_device.stalled_until(max(device_free, now + launch))
                 now += launch
             else:
                 pay_while_waiting(device_free - now)
                 begin = now = max(now, device_free)  # run in place: after the batch in flight
-                pay_while_waiting(seconds)
-                now += seconds
+                begin = to_device.stalled_until(begin)  # its inputs staged in behind a reload
+                pay_while_waiting(seconds + begin - now)
+                now = begin + seconds
             end = device_free = begin + seconds
             if preinfer_steps is not None:
                 preinfer_steps.append((begin, seconds))
@@ -1082,18 +1139,21 @@ def simulate(
             cached_ms.append(seconds * 1e3 / len(batch))  # what the trigger prices a call against psi by
         if launch_s <= 0.0:
             lock_debt = 0.0  # the device-only model: no host
-            now = max(now, device_free) + seconds  # the device-only model: back to back
-            device_free = now
+            start = to_device.stalled_until(max(now, device_free))  # the device-only model: back to back
+            now = device_free = to_host.stalled_until(start + seconds)  # its scores out
             if policy is not None:
-                busy_spans.append((now - seconds, now))
+                busy_spans.append((start, start + seconds))
             serve(batch, seconds, now)
             continue
         # Launch-ahead: this batch was planned now and is launched while the one before it runs;
-        # it starts once both are done. The host then collects that one and plans the next.
+        # it starts once both are done (its inputs in, behind the piece of a reload in progress),
+        # and ends once its scores are out (behind the piece of a demotion in progress). The host
+        # then collects the one before and plans the next.
         ahead_ends = device_free
-        device_free = max(device_free, now + launch_s) + seconds
+        start = to_device.stalled_until(max(device_free, now + launch_s))
+        device_free = to_host.stalled_until(start + seconds)
         if policy is not None:
-            busy_spans.append((device_free - seconds, device_free))
+            busy_spans.append((start, start + seconds))
         serve(batch, seconds, device_free)
         # The event loop's owed work runs while this launch waits for the batch ahead; what
         # the wait does not cover delays the loop (one interpreter lock).
@@ -1229,16 +1289,19 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
-            "relay-demote-pressure", "relay-budget-by-kind")  # fmt: skip
+            "relay-demote-pressure", "relay-budget-by-kind", "no-expander")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
 # The relay with one ranker setting changed, modelled as the what-if of that setting (main's
 # flags; one given on the command line wins): every psi leaving HBM copied (the harness's
-# relay-demote-pressure, --demotion pressure), steps budgeted by their kind (--budget-by-kind).
+# relay-demote-pressure, --demotion pressure), steps budgeted by their kind (--budget-by-kind),
+# no DRAM tier (no-expander, --arena-gb 0).
 RELAY_VARIANTS: dict[str, dict[str, float]] = {
     "relay-demote-pressure": {"demotion_earned": 0.0},
     "relay-budget-by-kind": {"budget_by_kind": 1.0},
+    # No host tier (the harness's no-expander): nothing copied, nothing reloaded.
+    "no-expander": {"arena_gb": 0.0},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
@@ -1442,6 +1505,31 @@ def demote_loop_cpu_ms(result: dict[str, Any], config: str, workload: str) -> fl
                 ms += float(p["demote_loop_cpu_ms_mean"]) * n
                 copies += n
     return ms / copies if copies else 0.0
+
+
+def copy_seconds_per_byte(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
+    """The copy engines' seconds per byte of psi (demotions, reloads): the points' device time per
+    copy (`demote_copy_ms_mean`, `reload_copy_ms_mean`, weighted by their copies) over a psi's
+    bytes at the workload's fixed length (an H200: 9.75 ms for 512 MiB, k22). (0, 0) on the mix,
+    whose points do not say how many bytes they copied, and where nothing was copied."""
+    match = re.fullmatch(r"L(\d+)", workload)
+    if match is None:
+        return 0.0, 0.0
+    nbytes = int(match.group(1)) * PSI_BYTES_PER_TOKEN
+    rates = []
+    for mean_field, count_field in (("demote_copy_ms_mean", "demotions"), ("reload_copy_ms_mean", "reloads")):
+        ms = n = 0.0
+        for r in result["results"]:
+            if r["config"] != config or r["workload"] != workload:
+                continue
+            for p in r["points"]:
+                count = float(p.get(count_field, 0.0) or 0.0)
+                mean = float(p.get(mean_field, 0.0) or 0.0)
+                if count > 0 and mean > 0:
+                    ms += mean * count
+                    n += count
+        rates.append(ms / n / 1e3 / nbytes if n else 0.0)
+    return rates[0], rates[1]
 
 
 def ran_demotion_gate(result: dict[str, Any], config: str, workload: str) -> bool:
@@ -1796,6 +1884,14 @@ def load_model(
     setup = dataclasses.replace(
         setup, scheduler=scheduler, chunks_ahead=bool(changes.get("chunks_ahead", 0.0))
     )
+    if changes.get("copy_engines", 1.0):
+        demote_rate, reload_rate = copy_seconds_per_byte(result, config, chosen)
+        setup = dataclasses.replace(
+            setup,
+            demote_s_per_byte=demote_rate,
+            reload_s_per_byte=reload_rate,
+            copy_piece_bytes=int(float(changes.get("copy_piece_mb", 0.0)) * 2**20),
+        )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
     if "ranker_slo_ms" in changes:
@@ -1921,6 +2017,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="price the host's issue of each psi copy (demotion, reload) per copy the model "
                          "issues instead of at the run's measured rate per batch: for what-ifs of the tiers "
                          "(--arena-gb 0: no DRAM tier, no copies)")  # fmt: skip
+    what_if.add_argument("--copy-engines", choices=("on", "off"), default=None,
+                         help="psi's copies hold the copy engines, and a ranking batch's own copy waits for "
+                         "the piece in progress (on, where the file measured the copies' device time: "
+                         "CopyEngine), or cost the host's issue alone (off: the model before k22)")  # fmt: skip
+    what_if.add_argument("--copy-piece-mb", type=float, default=None,
+                         help="psi copied in pieces of at most this many MiB (the ranker's --copy-piece-mb; "
+                         "0: whole copies, as the runs made them unless their config said otherwise)")  # fmt: skip
     what_if.add_argument("--chunks-ahead", action="store_true",
                          help="relay: the ranker's --chunks-ahead (pre-inference graph steps launched behind "
                          "the step on the device, the host going on meanwhile)")  # fmt: skip
@@ -1936,6 +2039,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds: at least 1")
+    if args.copy_piece_mb is not None and args.copy_piece_mb < 0:
+        p.error("--copy-piece-mb: 0 (whole copies) or more")
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
@@ -1950,6 +2055,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("chunks_ahead", 1.0 if args.chunks_ahead else None),
                ("psi_chunk_graphs", None if args.psi_chunk_graphs is None else float(args.psi_chunk_graphs == "on")),
                ("copies_apart", 1.0 if args.copies_apart else None),
+               ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
+               ("copy_piece_mb", args.copy_piece_mb),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip

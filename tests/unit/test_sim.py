@@ -16,6 +16,7 @@ from relaygr.sim import (
     PSI_CHUNK_VARIANTS,
     AdmissionPolicy,
     Calibration,
+    CopyEngine,
     KindCost,
     Served,
     Setup,
@@ -27,6 +28,7 @@ from relaygr.sim import (
     calibrate,
     call_deadline_s,
     call_slo_s,
+    copy_seconds_per_byte,
     demote_loop_cpu_ms,
     event_loop_ms,
     goodput,
@@ -159,6 +161,59 @@ def test_rankings_keep_psi_so_a_returning_call_is_served_from_hbm_or_from_dram()
     # Prefixes under keep_min_tokens keep nothing.
     short = [request(0, 1.0, 1, prefix_len=300), request(1, 2.0, 1, prefix_len=300, session_index=1)]
     assert [s.path for s in simulate(short, EXACT, Setup(psi=True))] == ["full_recompute"] * 2
+
+
+def test_a_copy_engine_runs_psi_copies_in_order_and_holds_a_small_copy_for_the_piece_in_progress():
+    engine = CopyEngine(seconds_per_byte=1e-3)  # 1 ms a byte: copies of 10 bytes take 10 ms
+    assert engine.stalled_until(0.5) == 0.5  # idle
+    assert engine.copy(1.0, 10) == pytest.approx(1.01)
+    assert engine.copy(1.005, 10) == pytest.approx(1.02)  # behind the first
+    assert engine.busy_s == pytest.approx(0.02)
+    assert engine.stalled_until(0.9) == 0.9  # before the copies
+    assert engine.stalled_until(1.004) == pytest.approx(1.01)  # the whole copy in progress
+    assert engine.stalled_until(1.015) == pytest.approx(1.02)
+    assert engine.stalled_until(1.03) == 1.03  # both done
+    pieces = CopyEngine(seconds_per_byte=1e-3, piece_bytes=2)  # pieces of 2 ms
+    pieces.copy(1.0, 10)
+    assert pieces.stalled_until(1.0035) == pytest.approx(1.004)  # the piece in progress only
+    assert pieces.stalled_until(1.0095) == pytest.approx(1.01)  # the last piece ends with the copy
+    assert CopyEngine(0.0).copy(2.0, 10**9) == 2.0  # not modelled: no engine time
+
+
+def test_a_call_against_psi_waits_for_the_demotion_copying_while_its_scores_come_out():
+    """HBM holds one psi: user 2's full ranking pushes user 1's psi to DRAM, a copy of 50 ms on the
+    engine device -> host; user 2's call against psi 20 ms later ends its compute within that
+    copy, and its scores wait for it (or for the piece in progress)."""
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=4 * one)
+    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 1.52, 2, session_index=1)]
+    free = simulate(calls, EXACT, tiers)
+    assert [s.path for s in free] == ["full_recompute", "full_recompute", "hbm_hit"]
+    held = simulate(calls, EXACT, dataclasses.replace(tiers, demote_s_per_byte=0.05 / one))
+    assert held[2].path == "hbm_hit"
+    assert held[2].latency_ms > free[2].latency_ms + 25.0  # the copy's rest
+    pieces = simulate(
+        calls, EXACT, dataclasses.replace(tiers, demote_s_per_byte=0.05 / one, copy_piece_bytes=one // 64)
+    )
+    assert pieces[2].latency_ms < free[2].latency_ms + 1.0  # one piece: 0.8 ms at most
+    # Nothing copied, nothing held: the first call's psi is dropped without a DRAM tier.
+    none = simulate(calls, EXACT, dataclasses.replace(tiers, dram_bytes=0, demote_s_per_byte=0.05 / one))
+    assert none[2].latency_ms == pytest.approx(free[2].latency_ms)
+
+
+def test_the_copy_engines_rates_come_from_a_files_copies_at_a_fixed_length():
+    points = [
+        {"demotions": 100.0, "demote_copy_ms_mean": 10.0, "reloads": 0.0, "reload_copy_ms_mean": 0.0},
+        {"demotions": 300.0, "demote_copy_ms_mean": 6.0, "reloads": 10.0, "reload_copy_ms_mean": 8.0},
+        {"demotions": 0.0},
+    ]
+    result = {"results": [{"config": "relay", "workload": "L4096", "points": points}]}
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    demote, reload = copy_seconds_per_byte(result, "relay", "L4096")
+    assert demote * one == pytest.approx(7e-3)  # (100 x 10 + 300 x 6) / 400 ms
+    assert reload * one == pytest.approx(8e-3)
+    assert copy_seconds_per_byte(result, "relay", "mix") == (0.0, 0.0)  # bytes unknown
+    assert copy_seconds_per_byte(result, "baseline", "L4096") == (0.0, 0.0)
 
 
 def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_but_a_sample():
@@ -642,14 +697,14 @@ def test_the_command_models_chunk_graphs_by_the_record_the_config_or_a_what_if(t
 
 
 def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
-    """The harness's relay-demote-pressure and relay-budget-by-kind: the relay's model with the
-    ranker setting each changes (a what-if given on the command line wins)."""
+    """The harness's relay-demote-pressure, relay-budget-by-kind and no-expander: the relay's model
+    with the setting each changes (a what-if given on the command line wins)."""
     rows = [record(i, "hbm_hit", 4096, 1.2, 8.0) for i in range(100)]
     rows += [record(1000 + i, "full_recompute", 4096, 3.6, 12.0) for i in range(20)]
     costs = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.02},
              "graph": {"per_step_ms": 0.5, "per_token_us": 0.3, "per_pair_ns": 0.02},
              "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True}  # fmt: skip
-    for config in ("relay-demote-pressure", "relay-budget-by-kind"):
+    for config in ("no-expander", "relay-demote-pressure", "relay-budget-by-kind"):
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
         result["results"][0]["points"][0]["demotions_skipped"] = 0.0  # run with the gate's setting
@@ -660,6 +715,7 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         assert setup.preinfer_steps is not None  # the relay's model
         assert setup.demotion_gate == (config != "relay-demote-pressure")
         assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
+        assert (setup.dram_bytes == 0) == (config == "no-expander")
     assert (
         load_model(
             path, "relay-budget-by-kind", changes={"budget_by_kind": 0.0}
