@@ -153,6 +153,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # where a ranker without a host tier never took over 4.2: a batch's scores, copied out on the
     # compute stream, waited for the copy in progress. A piece of 16 MiB takes ~0.3 ms.
     "relay-pieces16": {"ranker_args": ("--copy-piece-mb", "16")},
+    # Both: every psi leaving HBM copied, in pieces. In k22a copying everything served 8.8% of the
+    # returning users' calls from DRAM at 42 req/s (full rankings of returning users 2.5% against
+    # 11.3% without a host tier) while the new users' calls, served by pre-inference, lost (full
+    # rankings 20% against 10-11%): whether the pieces keep the gain and drop the loss.
+    "relay-demote-pressure-pieces16": {"ranker_args": ("--demotion", "pressure", "--copy-piece-mb", "16")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.
