@@ -435,6 +435,10 @@ class Setup:
     reload_s_per_byte: float = 0.0
     # psi copied in pieces of at most this many bytes (the ranker's --copy-piece-mb); 0: whole.
     copy_piece_bytes: int = 0
+    # A pre-inference graph step's K/V, copied out of the graph's buffer into the psi blocks by a
+    # device memcpy, waits for the device -> host engine's piece in progress (where a device
+    # memcpy runs on that copy engine: bench.copy_contention's kv_d2d says whether it does).
+    kv_copies_on_engine: bool = False
 
 
 def _from_log_units(ms: float, us: float, ns: float) -> tuple[float, float, float]:
@@ -1108,6 +1112,13 @@ def simulate(
                 pay_while_waiting(seconds + begin - now)
                 now = begin + seconds
             end = device_free = begin + seconds
+            if setup.kv_copies_on_engine and graphed:
+                # The step's K/V copied out of the graph's buffer into the psi blocks (a device
+                # memcpy) behind the device -> host piece in progress; run in place, the loop waits.
+                end = device_free = to_host.stalled_until(end)
+                if not (setup.chunks_ahead and setup.launch_scale > 0):
+                    pay_while_waiting(end - now)
+                    now = max(now, end)
             if preinfer_steps is not None:
                 preinfer_steps.append((begin, seconds))
             if policy is not None:
@@ -1891,6 +1902,7 @@ def load_model(
             demote_s_per_byte=demote_rate,
             reload_s_per_byte=reload_rate,
             copy_piece_bytes=int(float(changes.get("copy_piece_mb", 0.0)) * 2**20),
+            kv_copies_on_engine=bool(changes.get("kv_copies_on_engine", 0.0)),
         )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
@@ -2024,6 +2036,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     what_if.add_argument("--copy-piece-mb", type=float, default=None,
                          help="psi copied in pieces of at most this many MiB (the ranker's --copy-piece-mb; "
                          "0: whole copies, as the runs made them unless their config said otherwise)")  # fmt: skip
+    what_if.add_argument("--kv-copies-on-engine", action="store_true",
+                         help="with the copy engines: a pre-inference graph step's K/V copy into the psi "
+                         "blocks (a device memcpy) waits for the device -> host piece in progress, as where "
+                         "a device memcpy runs on that engine (bench.copy_contention's kv_d2d)")  # fmt: skip
     what_if.add_argument("--chunks-ahead", action="store_true",
                          help="relay: the ranker's --chunks-ahead (pre-inference graph steps launched behind "
                          "the step on the device, the host going on meanwhile)")  # fmt: skip
@@ -2057,6 +2073,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("copies_apart", 1.0 if args.copies_apart else None),
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
                ("copy_piece_mb", args.copy_piece_mb),
+               ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip

@@ -201,6 +201,23 @@ def test_a_call_against_psi_waits_for_the_demotion_copying_while_its_scores_come
     assert none[2].latency_ms == pytest.approx(free[2].latency_ms)
 
 
+def test_a_pre_inference_steps_kv_copy_waits_for_the_demotion_in_progress_where_asked():
+    """HBM holds one psi: user 2's pre-inference takes user 1's room, whose psi goes to DRAM (a
+    copy of 50 ms). With kv_copies_on_engine the step's K/V copy into user 2's psi (a device
+    memcpy) waits for that copy, and so does psi's completion; without, the step ends on its own."""
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, preinfer_trip_ms=1.0, preinfer_steps=H200_STEPS, hbm_budget_bytes=one,
+                  dram_bytes=4 * one, demote_s_per_byte=0.05 / one)  # fmt: skip
+    calls = [request(0, 1.0, 1), PlannedRequest("r1", 1.45, 1.6, 2, 1, 4096, 64, 256, 0)]
+    done: dict[bool, float] = {}
+    for held in (False, True):
+        built: list[tuple[float, float, float, float]] = []
+        simulate(calls, EXACT, dataclasses.replace(tiers, kv_copies_on_engine=held), preinfers=built)
+        done[held] = max(end for _, _, end, _ in built)
+    assert done[False] < 1.46  # a 4096-token graph step: a few ms after the signal
+    assert done[True] > 1.49  # held until the demotion's copy is done
+
+
 def test_the_copy_engines_rates_come_from_a_files_copies_at_a_fixed_length():
     points = [
         {"demotions": 100.0, "demote_copy_ms_mean": 10.0, "reloads": 0.0, "reload_copy_ms_mean": 0.0},

@@ -1,0 +1,180 @@
+"""What a psi copy in flight costs the ranking stream's own small copies and kernels.
+
+    python -m bench.copy_contention --device cuda                    # 512 MiB psi (16384 tokens)
+    python -m bench.copy_contention --device cpu --psi-mb 4 --reps 3 # smoke run (no streams)
+
+At 16384 tokens on an H200 (k22a, k22b, 2026-11-30) calls against psi never took over 4.2 ms of
+device time in a ranker without a host tier, and took 9-11 ms (one psi copy to host DRAM lasts
+9.75 ms) and up to 29 ms in one with a host tier; the new users' pre-inferences finished after
+their calls half again as often. This measures the suspected mechanism alone. A psi-sized copy
+(`--psi-mb`) is issued on a copy stream: device -> page-locked host (`to_host`, a demotion) or
+back (`to_device`, a reload), whole or in pieces (`--pieces-mb`, the ranker's --copy-piece-mb:
+transfer.copy_in_pieces). After `--lead-ms` an operation is issued on the otherwise idle compute
+stream. The time from its issue to its end is measured there (CUDA events around it), with the
+big copy in flight and with none:
+
+  scores_out  a batch's scores to page-locked host memory (graphs.RankGraphs._launched)
+  inputs_in   a batch's staged inputs from page-locked host memory (RankGraphs._stage)
+  kv_d2d      a chunk's K/V copied into a psi block on the device, as a memcpy (launch_full, and
+              the pre-inference graphs' K/V out)
+  kernel      an elementwise kernel over as many bytes (no copy engine)
+
+`added_ms_p50` is the median over the same operation with no copy in flight. Off CUDA everything
+runs in turn on the host (no streams): the smoke run exercises the code, its times mean nothing.
+The arena is a memfd mapping registered as page-locked, as the ranker maps the expander's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.host_costs import pinned_arena
+from bench.report import RESULTS_DIR, write_result
+from kernels.device import Accelerator, accelerator
+from services.ranker.transfer import copy_in_pieces
+from shared.stats import median, percentile
+
+BIG = ("none", "to_host", "to_device")
+SMALL = ("scores_out", "inputs_in", "kv_d2d", "kernel")
+SCORES_BYTES = 8 * 256 * 4  # a batch of 8 calls x 256 candidates, float32
+INPUTS_BYTES = 256 << 10  # a batch's staged int64 inputs, about
+
+
+def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
+    """Each small operation, issued on the current stream, on buffers allocated once."""
+    dev = acc.device
+    pin = acc.backend == "cuda"
+    scores_dev = torch.ones(SCORES_BYTES // 4, dtype=torch.float32, device=dev)
+    scores_host = torch.empty(SCORES_BYTES // 4, dtype=torch.float32, pin_memory=pin)
+    inputs_host = torch.ones(INPUTS_BYTES // 8, dtype=torch.int64, pin_memory=pin)
+    inputs_dev = torch.empty(INPUTS_BYTES // 8, dtype=torch.int64, device=dev)
+    kv_src = torch.ones(kv_bytes // 2, dtype=torch.bfloat16, device=dev)
+    kv_dst = torch.empty_like(kv_src)
+    return {
+        "scores_out": lambda: scores_host.copy_(scores_dev, non_blocking=pin),
+        "inputs_in": lambda: inputs_dev.copy_(inputs_host, non_blocking=pin),
+        "kv_d2d": lambda: kv_dst.copy_(kv_src),
+        "kernel": lambda: torch.mul(kv_src, 1.0, out=kv_dst),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    acc = accelerator(args.device)
+    cuda = acc.backend == "cuda"
+    psi_bytes = int(args.psi_mb * 2**20)
+    kv_bytes = int(args.kv_mb * 2**20)
+    psi = torch.ones(psi_bytes, dtype=torch.uint8, device=acc.device)
+    ops = _small_ops(acc, kv_bytes)
+    copy_stream = torch.cuda.Stream(acc.device) if cuda else None
+    rows: list[dict[str, Any]] = []
+    with pinned_arena(acc, psi_bytes) as host:
+        cases = [("none", 0)] + [(big, mb) for big in BIG[1:] for mb in args.pieces_mb]
+        for big, piece_mb in cases:
+            piece_bytes = int(piece_mb * 2**20)
+
+            def issue_big(big: str = big, piece_bytes: int = piece_bytes) -> None:
+                if big == "to_host":
+                    copy_in_pieces(host, psi, piece_bytes)
+                elif big == "to_device":
+                    copy_in_pieces(psi, host, piece_bytes)
+
+            for small in SMALL:
+                took, big_took = [], []
+                for rep in range(args.reps + 2):  # two warm-up repetitions
+                    acc.synchronize()
+                    if cuda:
+                        assert copy_stream is not None
+                        big_start, big_end = (
+                            torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True),
+                        )
+                        start, end = (
+                            torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True),
+                        )
+                        with torch.cuda.stream(copy_stream):
+                            big_start.record()
+                            issue_big()
+                            big_end.record()
+                        time.sleep(args.lead_ms / 1e3)  # the big copy under way
+                        start.record()
+                        ops[small]()
+                        end.record()
+                        acc.synchronize()
+                        ms, big_ms = start.elapsed_time(end), big_start.elapsed_time(big_end)
+                    else:
+                        b0 = time.perf_counter()
+                        issue_big()
+                        t0 = time.perf_counter()
+                        ops[small]()
+                        ms, big_ms = (time.perf_counter() - t0) * 1e3, (t0 - b0) * 1e3
+                    if rep >= 2:
+                        took.append(ms)
+                        big_took.append(big_ms)
+                rows.append({
+                    "big": big, "piece_mb": piece_mb, "small": small, "ms_p50": median(took),
+                    "ms_p90": percentile(took, 90), "ms_max": max(took),
+                    "big_copy_ms_p50": median(big_took) if big != "none" else 0.0, "reps": args.reps,
+                })  # fmt: skip
+                r = rows[-1]
+                print(f"{big:9s} pieces {piece_mb:6g} MiB  {small:10s}  p50 {r['ms_p50']:8.3f} ms  "
+                      f"p90 {r['ms_p90']:8.3f}  max {r['ms_max']:8.3f}  (big copy {r['big_copy_ms_p50']:.2f} ms)",
+                      flush=True)  # fmt: skip
+    alone = {r["small"]: r["ms_p50"] for r in rows if r["big"] == "none"}
+    for r in rows:
+        r["added_ms_p50"] = r["ms_p50"] - alone[r["small"]]
+        r.update(device=acc.name, psi_bytes=psi_bytes, kv_bytes=kv_bytes, lead_ms=args.lead_ms)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--psi-mb", type=float, default=512.0, help="the big copy (512: 16384 tokens, bench preset)"
+    )
+    p.add_argument("--pieces-mb", type=float, nargs="+", default=[0.0, 16.0, 64.0],
+                   help="piece sizes of the big copy (0: one copy)")  # fmt: skip
+    p.add_argument(
+        "--kv-mb", type=float, default=32.0, help="kv_d2d's and kernel's bytes (32: a 1024-token chunk)"
+    )
+    p.add_argument(
+        "--lead-ms", type=float, default=1.0, help="the big copy's start ahead of the small operation"
+    )
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps: at least 1")
+    if args.psi_mb <= 0 or args.kv_mb <= 0:
+        p.error("--psi-mb and --kv-mb: more than 0")
+    if any(mb < 0 for mb in args.pieces_mb):
+        p.error("--pieces-mb: 0 (one copy) or more")
+    if args.lead_ms < 0:
+        p.error("--lead-ms: 0 or more")
+    rows = run(args)
+    config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    columns = [
+        "big",
+        "piece_mb",
+        "small",
+        "ms_p50",
+        "ms_p90",
+        "ms_max",
+        "added_ms_p50",
+        "big_copy_ms_p50",
+        "reps",
+    ]
+    for path in write_result("copy-contention", config, rows, columns, out_dir=args.out_dir, tag=args.tag):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
