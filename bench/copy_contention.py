@@ -18,6 +18,12 @@ big copy in flight and with none:
   kv_d2d      a chunk's K/V copied into a psi block on the device, as a memcpy (launch_full, and
               the pre-inference graphs' K/V out)
   kernel      an elementwise kernel over as many bytes (no copy engine)
+  scores_then_kernel
+              scores_out, then a small kernel on the same stream: whether the stream (the next
+              batch, a pre-inference step) waits for the scores' copy
+  scores_aside_then_kernel
+              the scores copied aside on the device by a kernel and out from there on a stream of
+              their own, then the small kernel: whether that frees the compute stream
 
 `added_ms_p50` is the median over the same operation with no copy in flight. Off CUDA everything
 runs in turn on the host (no streams): the smoke run exercises the code, its times mean nothing.
@@ -41,7 +47,7 @@ from services.ranker.transfer import copy_in_pieces
 from shared.stats import median, percentile
 
 BIG = ("none", "to_host", "to_device")
-SMALL = ("scores_out", "inputs_in", "kv_d2d", "kernel")
+SMALL = ("scores_out", "inputs_in", "kv_d2d", "kernel", "scores_then_kernel", "scores_aside_then_kernel")
 SCORES_BYTES = 8 * 256 * 4  # a batch of 8 calls x 256 candidates, float32
 INPUTS_BYTES = 256 << 10  # a batch's staged int64 inputs, about
 
@@ -56,11 +62,33 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
     inputs_dev = torch.empty(INPUTS_BYTES // 8, dtype=torch.int64, device=dev)
     kv_src = torch.ones(kv_bytes // 2, dtype=torch.bfloat16, device=dev)
     kv_dst = torch.empty_like(kv_src)
+    aside = torch.empty_like(scores_dev)
+    side = torch.cuda.Stream(dev) if pin else None
+    copied_aside = torch.cuda.Event() if pin else None
+
+    def scores_out() -> None:
+        scores_host.copy_(scores_dev, non_blocking=pin)
+
+    def kernel() -> None:
+        torch.mul(scores_dev, 1.0, out=aside)
+
+    def scores_aside() -> None:
+        torch.mul(scores_dev, 1.0, out=aside)  # a kernel: the graph's logits are free again
+        if side is None or copied_aside is None:
+            scores_host.copy_(aside)
+            return
+        copied_aside.record()
+        side.wait_event(copied_aside)
+        with torch.cuda.stream(side):
+            scores_host.copy_(aside, non_blocking=True)
+
     return {
-        "scores_out": lambda: scores_host.copy_(scores_dev, non_blocking=pin),
+        "scores_out": scores_out,
         "inputs_in": lambda: inputs_dev.copy_(inputs_host, non_blocking=pin),
         "kv_d2d": lambda: kv_dst.copy_(kv_src),
         "kernel": lambda: torch.mul(kv_src, 1.0, out=kv_dst),
+        "scores_then_kernel": lambda: (scores_out(), kernel()),
+        "scores_aside_then_kernel": lambda: (scores_aside(), kernel()),
     }
 
 
