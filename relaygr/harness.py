@@ -158,6 +158,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # 11.3% without a host tier) while the new users' calls, served by pre-inference, lost (full
     # rankings 20% against 10-11%): whether the pieces keep the gain and drop the loss.
     "relay-demote-pressure-pieces16": {"ranker_args": ("--demotion", "pressure", "--copy-piece-mb", "16")},
+    # A replayed batch's scores copied aside on the device and to the host on a stream of their
+    # own (RELAYGR_RANKER_SCORES_ASIDE, off by default): the other way out of k22's stall than
+    # pieces, whatever order the copy engine serves the streams' copies in.
+    "relay-scores-aside": {"ranker_args": ("--scores-aside", "true")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.

@@ -170,6 +170,12 @@ class RankerConfig(TlsSettings):
                                      "two steps in three run eagerly, 3.5 ms of fixed cost each against "
                                      "0.8 for a replay; on, the relay's limit rose 33.75 -> 37.97 req/s "
                                      "in one call, k20b)")  # fmt: skip
+    scores_aside: bool = setting(False, env="RELAYGR_RANKER_SCORES_ASIDE",
+                                 help="CUDA only: a replayed batch's scores are copied aside on the device by "
+                                 "a kernel and to the host on a stream of their own, so that the compute "
+                                 "stream does not wait for them behind a psi copy on the copy engine (at "
+                                 "16384 tokens on an H200, calls against psi took up to 9-11 ms of device "
+                                 "time with a host tier, never over 4.2 without, k22; off until measured)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

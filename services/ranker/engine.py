@@ -184,6 +184,8 @@ class EngineConfig:
     full_keeps_psi: bool = False
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
     graph_psi_chunks: bool = True
+    # CUDA: replayed batches' scores go to the host on a stream of their own (RankGraphs).
+    scores_aside: bool = False
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
@@ -485,7 +487,11 @@ class Engine:
         if cuda and config.cuda_graphs:
             limits = GraphLimits(**{**config.graph_limits.__dict__, "max_batch": config.max_batch})
             self.graphs = RankGraphs(
-                model, limits, full_keeps_kv=config.full_keeps_psi, chunks_reading_psi=config.graph_psi_chunks
+                model,
+                limits,
+                full_keeps_kv=config.full_keeps_psi,
+                chunks_reading_psi=config.graph_psi_chunks,
+                scores_aside=config.scores_aside,
             )
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
         self.scheduler = IterationScheduler(

@@ -249,6 +249,10 @@ class _Slot:
     staging: torch.Tensor
     staging_np: np.ndarray
     scores: torch.Tensor
+    # With scores_aside (RankGraphs): the scores on the device, copied out of the graph's buffer
+    # (which its next replay overwrites), and the event after that copy.
+    aside: torch.Tensor | None = None
+    aside_done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
     event: torch.cuda.Event | None = None  # recorded at the last launch, until the next reuse
     pending: PendingScores | None = None  # the last launch's scores, read from `scores`
     # The slot's one event, recorded again at each launch: a new event a launch cost the device
@@ -306,12 +310,17 @@ class RankGraphs:
         limits: GraphLimits,
         full_keeps_kv: bool = False,
         chunks_reading_psi: bool = False,
+        scores_aside: bool = False,
     ) -> None:
         """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
         buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
         more device time per full ranking, paid only where rankings keep psi.
         `chunks_reading_psi`: pre-inference steps after a prefix's first chunk replay graphs of
-        the chunk family too (module docstring) instead of running eagerly."""
+        the chunk family too (module docstring) instead of running eagerly.
+        `scores_aside`: a replay's scores are copied aside on the device by a kernel, then to the
+        host on a stream of their own, instead of to the host on the ranking stream: a copy to
+        the host waits for the copy engine, which a psi copy to host DRAM holds for ~10 ms at
+        16384 tokens (k22), and on the ranking stream everything behind it waits too."""
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         from kernels.hstu_attention import triton_impl
@@ -340,9 +349,15 @@ class RankGraphs:
         # Two sets of page-locked staging and score buffers, used in turn: a batch is staged while
         # the one before it may still be on the device (RankGraphs.launch_rank).
         self._slots = [
-            _Slot(staging, staging.numpy(), torch.zeros(t, dtype=torch.float32).pin_memory())
+            _Slot(
+                staging,
+                staging.numpy(),
+                torch.zeros(t, dtype=torch.float32).pin_memory(),
+                aside=torch.zeros(t, dtype=torch.float32, device=dev) if scores_aside else None,
+            )
             for staging in (torch.zeros(at, dtype=torch.int64).pin_memory() for _ in range(2))
         ]
+        self._scores_stream = torch.cuda.Stream(dev) if scores_aside else None
         self._slot = 0
         self._dev = torch.zeros(at, dtype=torch.int64, device=dev)
         self._prefix_ts = torch.zeros(b * limits.max_prefix_tokens, dtype=torch.int64, device=dev)
@@ -541,8 +556,19 @@ class RankGraphs:
         replay on the ranking stream."""
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
-        slot.scores[:count].copy_(graph.logits[:count], non_blocking=True)
-        event = slot.close(self.model.device)
+        if self._scores_stream is None or slot.aside is None:
+            slot.scores[:count].copy_(graph.logits[:count], non_blocking=True)
+            event = slot.close(self.model.device)
+        else:
+            # A kernel, not a device memcpy (which may queue on a copy engine too), then the copy
+            # to the host on the scores' stream, ordered after it. The slot's event follows that
+            # copy, and so the staging copy and this kernel before it (_Slot.reuse waits for it).
+            torch.mul(graph.logits[:count], 1.0, out=slot.aside[:count])
+            slot.aside_done.record(torch.cuda.current_stream(self.model.device))
+            self._scores_stream.wait_event(slot.aside_done)
+            with torch.cuda.stream(self._scores_stream):
+                slot.scores[:count].copy_(slot.aside[:count], non_blocking=True)
+                event = slot.close(self.model.device)
         slot.pending = PendingScores(slot.scores, tokens.candidate_counts, event)
         return slot.pending
 

@@ -26,13 +26,18 @@ pytest.importorskip("triton")
 SPEC = preset("tiny").with_overrides(name="graphs", num_layers=3, num_heads=2, head_dim=32, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("launch_ahead", [True, False])
-async def test_queued_calls_match_eager_with_graphs(launch_ahead):
+@pytest.mark.parametrize(
+    ("launch_ahead", "scores_aside"),
+    [(True, False), (False, False), (True, True)],
+    ids=["launch_ahead", "serial", "launch_ahead-scores_aside"],
+)
+async def test_queued_calls_match_eager_with_graphs(launch_ahead, scores_aside):
     model = HSTURanker.from_seed(SPEC, seed=5, device="cuda")
     config = EngineConfig(
         max_batch=2,
         max_wait_s=0.0,
         launch_ahead=launch_ahead,
+        scores_aside=scores_aside,
         full_keeps_psi=True,
         graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
     )

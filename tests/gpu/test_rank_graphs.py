@@ -49,8 +49,11 @@ def ranked(model, graphs, seed, shapes):
     return eager, first
 
 
-def test_graph_replays_match_eager_across_batches(model):
-    graphs = RankGraphs(model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096))
+@pytest.mark.parametrize("aside", [False, True], ids=["scores_on_stream", "scores_aside"])
+def test_graph_replays_match_eager_across_batches(model, aside):
+    graphs = RankGraphs(
+        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), scores_aside=aside
+    )
     tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
     cases = [
         [Shape(4, 300, 20, 40)],
@@ -289,11 +292,16 @@ def test_a_capture_that_fails_leaves_its_shape_eager_and_the_others_captured(mod
     assert graphs.full(prefixes, suffixes) is not None
 
 
-def test_launches_in_flight_each_see_their_own_batch(model):
+@pytest.mark.parametrize("aside", [False, True], ids=["scores_on_stream", "scores_aside"])
+def test_launches_in_flight_each_see_their_own_batch(model, aside):
     """Three launches issued back to back before any is collected (the engine keeps at most two
     in flight; a third reuses the first's page-locked buffers and must first take its scores):
-    each equals the eager path, whatever the order they are waited in."""
-    graphs = RankGraphs(model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096))
+    each equals the eager path, whatever the order they are waited in. With the scores aside,
+    a psi-sized copy to page-locked memory runs on another stream meanwhile (as a demotion holds
+    the copy engine), so that the scores' copies wait behind it while the replays go on."""
+    graphs = RankGraphs(
+        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), scores_aside=aside
+    )
     tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
     cases = [
         [Shape(4, 300, 20, 40)],
@@ -311,6 +319,12 @@ def test_launches_in_flight_each_see_their_own_batch(model):
         if graphs.launch_rank(suffixes, psis, keys) is None:
             graphs.capture_pending(limit=10)
     torch.cuda.synchronize()
+    if aside:
+        big = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=True)
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            host.copy_(big, non_blocking=True)
     pending = [graphs.launch_rank(s, p, k) for s, p, k, _ in batches]
     assert all(x is not None for x in pending)
     for (_, _, _, eager), got in reversed(list(zip(batches, pending, strict=True))):
