@@ -42,7 +42,7 @@ import torch
 
 from bench.host_costs import pinned_arena
 from bench.report import RESULTS_DIR, write_result
-from kernels.device import Accelerator, accelerator
+from kernels.device import Accelerator, DeviceUnavailableError, accelerator
 from services.ranker.transfer import copy_in_pieces
 from shared.stats import median, percentile
 
@@ -99,8 +99,7 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    acc = accelerator(args.device)
+def run(args: argparse.Namespace, acc: Accelerator) -> list[dict[str, Any]]:
     cuda = acc.backend == "cuda"
     psi_bytes = int(args.psi_mb * 2**20)
     kv_bytes = int(args.kv_mb * 2**20)
@@ -194,7 +193,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--pieces-mb: 0 (one copy) or more")
     if args.lead_ms < 0:
         p.error("--lead-ms: 0 or more")
-    rows = run(args)
+    try:
+        acc = accelerator(args.device)
+    except (ValueError, DeviceUnavailableError) as exc:
+        p.error(f"--device: {exc}")
+    rows = run(args, acc)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     columns = [
         "big",

@@ -24,7 +24,15 @@ def test_copy_contention_times_each_small_operation_beside_every_big_copy(tmp_pa
 
 
 @pytest.mark.parametrize(
-    "argv", [["--reps", "0"], ["--psi-mb", "0"], ["--pieces-mb", "-1"], ["--lead-ms", "-1"], ["--kv-mb", "x"]]
+    "argv",
+    [
+        ["--reps", "0"],
+        ["--psi-mb", "0"],
+        ["--pieces-mb", "-1"],
+        ["--lead-ms", "-1"],
+        ["--kv-mb", "x"],
+        ["--device", "tpu"],
+    ],
 )
 def test_bad_arguments_are_refused_with_one_line(argv, capsys):
     with pytest.raises(SystemExit):
