@@ -63,6 +63,9 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
     kv_src = torch.ones(kv_bytes // 2, dtype=torch.bfloat16, device=dev)
     kv_dst = torch.empty_like(kv_src)
     aside = torch.empty_like(scores_dev)
+    spare = torch.empty_like(
+        scores_dev
+    )  # the small kernel's output: not `aside`, which a copy may still read
     side = torch.cuda.Stream(dev) if pin else None
     copied_aside = torch.cuda.Event() if pin else None
 
@@ -70,7 +73,7 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
         scores_host.copy_(scores_dev, non_blocking=pin)
 
     def kernel() -> None:
-        torch.mul(scores_dev, 1.0, out=aside)
+        torch.mul(scores_dev, 1.0, out=spare)
 
     def scores_aside() -> None:
         torch.mul(scores_dev, 1.0, out=aside)  # a kernel: the graph's logits are free again

@@ -1094,7 +1094,8 @@ def simulate(
             else:
                 tokens, pairs = chunk_work(plan.chunks)
                 seconds = cal.full.draw_s(tokens, pairs, rng, len(plan.chunks))
-            if setup.chunks_ahead and graphed and setup.launch_scale > 0:
+            launched_ahead = setup.chunks_ahead and graphed and setup.launch_scale > 0
+            if launched_ahead:
                 # Launched ahead (the ranker's --chunks-ahead): the host launches the graph's
                 # replay (drawn as a batch against psi's launch of as many tokens) and goes on;
                 # the step runs once the device is free. Its chunks count as built at the
@@ -1116,7 +1117,7 @@ def simulate(
                 # The step's K/V copied out of the graph's buffer into the psi blocks (a device
                 # memcpy) behind the device -> host piece in progress; run in place, the loop waits.
                 end = device_free = to_host.stalled_until(end)
-                if not (setup.chunks_ahead and setup.launch_scale > 0):
+                if not launched_ahead:
                     pay_while_waiting(end - now)
                     now = max(now, end)
             if preinfer_steps is not None:

@@ -556,10 +556,11 @@ class RankGraphs:
         replay on the ranking stream."""
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
-        if self._scores_stream is None or slot.aside is None:
+        if slot.aside is None:
             slot.scores[:count].copy_(graph.logits[:count], non_blocking=True)
             event = slot.close(self.model.device)
         else:
+            assert self._scores_stream is not None  # both made with scores_aside
             # A kernel, not a device memcpy (which may queue on a copy engine too), then the copy
             # to the host on the scores' stream, ordered after it. The slot's event follows that
             # copy, and so the staging copy and this kernel before it (_Slot.reuse waits for it).
