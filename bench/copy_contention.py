@@ -24,6 +24,16 @@ big copy in flight and with none:
   scores_aside_then_kernel
               the scores copied aside on the device by a kernel and out from there on a stream of
               their own, then the small kernel: whether that frees the compute stream
+  inputs_then_kernel
+              inputs_in, then the small kernel: whether the stream waits for the inputs' copy
+              (behind a reload: a batch's or a pre-inference step's inputs)
+  inputs_by_kernel_then_kernel, scores_by_kernel_then_kernel
+              the same bytes moved by a kernel through a device view of the page-locked host
+              buffer (kernels.host_view: zero-copy, no copy engine), then the small kernel
+
+Big copies `to_host_paced` and `to_device_paced` are issued in pieces of `--paced-pieces-mb` by a
+thread that keeps at most `--paced-in-flight` of them queued (it waits for the oldest piece's
+event before it queues the next): a small copy then waits behind that many pieces at most.
 
 `added_ms_p50` is the median over the same operation with no copy in flight. Off CUDA everything
 runs in turn on the host (no streams): the smoke run exercises the code, its times mean nothing.
@@ -33,7 +43,9 @@ The arena is a memfd mapping registered as page-locked, as the ranker maps the e
 from __future__ import annotations
 
 import argparse
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,11 +55,22 @@ import torch
 from bench.host_costs import pinned_arena
 from bench.report import RESULTS_DIR, write_result
 from kernels.device import Accelerator, DeviceUnavailableError, accelerator
+from kernels.host_view import copy_by_kernel, device_view
 from services.ranker.transfer import copy_in_pieces
 from shared.stats import median, percentile
 
-BIG = ("none", "to_host", "to_device")
-SMALL = ("scores_out", "inputs_in", "kv_d2d", "kernel", "scores_then_kernel", "scores_aside_then_kernel")
+BIG = ("none", "to_host", "to_device", "to_host_paced", "to_device_paced")
+SMALL = (
+    "scores_out",
+    "inputs_in",
+    "kv_d2d",
+    "kernel",
+    "scores_then_kernel",
+    "scores_aside_then_kernel",
+    "inputs_then_kernel",
+    "inputs_by_kernel_then_kernel",
+    "scores_by_kernel_then_kernel",
+)
 SCORES_BYTES = 8 * 256 * 4  # a batch of 8 calls x 256 candidates, float32
 INPUTS_BYTES = 256 << 10  # a batch's staged int64 inputs, about
 
@@ -85,6 +108,25 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
         with torch.cuda.stream(side):
             scores_host.copy_(aside, non_blocking=True)
 
+    # Device views of the page-locked buffers (None off CUDA: the plain copy stands in).
+    inputs_view = device_view(inputs_host, dev)
+    scores_view = device_view(scores_host, dev)
+
+    def inputs_by_kernel() -> None:
+        if inputs_view is None:
+            inputs_dev.copy_(inputs_host)
+        else:
+            copy_by_kernel(inputs_dev, inputs_view)
+
+    def scores_by_kernel() -> None:
+        if scores_view is None:
+            scores_host.copy_(scores_dev)
+        else:
+            copy_by_kernel(scores_view, scores_dev)
+
+    def inputs_in() -> None:
+        inputs_dev.copy_(inputs_host, non_blocking=pin)
+
     def then_kernel(first: Callable[[], None]) -> Callable[[], None]:
         def both() -> None:
             first()
@@ -94,12 +136,33 @@ def _small_ops(acc: Accelerator, kv_bytes: int) -> dict[str, Callable[[], Any]]:
 
     return {
         "scores_out": scores_out,
-        "inputs_in": lambda: inputs_dev.copy_(inputs_host, non_blocking=pin),
+        "inputs_in": inputs_in,
         "kv_d2d": lambda: kv_dst.copy_(kv_src),
         "kernel": lambda: torch.mul(kv_src, 1.0, out=kv_dst),
         "scores_then_kernel": then_kernel(scores_out),
         "scores_aside_then_kernel": then_kernel(scores_aside),
+        "inputs_then_kernel": then_kernel(inputs_in),
+        "inputs_by_kernel_then_kernel": then_kernel(inputs_by_kernel),
+        "scores_by_kernel_then_kernel": then_kernel(scores_by_kernel),
     }
+
+
+def issue_paced(
+    dst: torch.Tensor, src: torch.Tensor, piece_bytes: int, in_flight: int, stream: torch.cuda.Stream
+) -> None:
+    """dst <- src in pieces on `stream`, at most `in_flight` of them queued at a time (this
+    blocks between pieces: run it on a thread of its own)."""
+    queued: deque[torch.cuda.Event] = deque()
+    n = src.numel()
+    for start in range(0, n, piece_bytes):
+        if len(queued) >= in_flight:
+            queued.popleft().synchronize()
+        end = min(start + piece_bytes, n)
+        with torch.cuda.stream(stream):
+            dst[start:end].copy_(src[start:end], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        queued.append(done)
 
 
 def run(args: argparse.Namespace, acc: Accelerator) -> list[dict[str, Any]]:
@@ -111,7 +174,9 @@ def run(args: argparse.Namespace, acc: Accelerator) -> list[dict[str, Any]]:
     copy_stream = torch.cuda.Stream(acc.device) if cuda else None
     rows: list[dict[str, Any]] = []
     with pinned_arena(acc, psi_bytes) as host:
-        cases = [("none", 0)] + [(big, mb) for big in BIG[1:] for mb in args.pieces_mb]
+        cases = [("none", 0.0)] + [(big, mb) for big in BIG[1:3] for mb in args.pieces_mb]
+        if cuda:  # pacing needs streams and events
+            cases += [(big, mb) for big in BIG[3:] for mb in args.paced_pieces_mb]
         for big, piece_mb in cases:
             piece_bytes = int(piece_mb * 2**20)
 
@@ -120,6 +185,14 @@ def run(args: argparse.Namespace, acc: Accelerator) -> list[dict[str, Any]]:
                     copy_in_pieces(host, psi, piece_bytes)
                 elif big == "to_device":
                     copy_in_pieces(psi, host, piece_bytes)
+
+            def issue_big_paced(big: str = big, piece_bytes: int = piece_bytes) -> threading.Thread:
+                assert copy_stream is not None
+                dst, src = (host, psi) if big == "to_host_paced" else (psi, host)
+                args_ = (dst, src, piece_bytes, args.paced_in_flight, copy_stream)
+                pacer = threading.Thread(target=issue_paced, args=args_, daemon=True)
+                pacer.start()
+                return pacer
 
             for small in SMALL:
                 took, big_took = [], []
@@ -135,14 +208,21 @@ def run(args: argparse.Namespace, acc: Accelerator) -> list[dict[str, Any]]:
                             torch.cuda.Event(enable_timing=True),
                             torch.cuda.Event(enable_timing=True),
                         )
+                        pacer = None
                         with torch.cuda.stream(copy_stream):
                             big_start.record()
-                            issue_big()
-                            big_end.record()
+                            if big.endswith("_paced"):
+                                pacer = issue_big_paced()
+                            else:
+                                issue_big()
+                                big_end.record()
                         time.sleep(args.lead_ms / 1e3)  # the big copy under way
                         start.record()
                         ops[small]()
                         end.record()
+                        if pacer is not None:
+                            pacer.join()
+                            big_end.record(copy_stream)
                         acc.synchronize()
                         ms, big_ms = start.elapsed_time(end), big_start.elapsed_time(big_end)
                     else:
@@ -178,6 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--pieces-mb", type=float, nargs="+", default=[0.0, 16.0, 64.0],
                    help="piece sizes of the big copy (0: one copy)")  # fmt: skip
+    p.add_argument("--paced-pieces-mb", type=float, nargs="+", default=[16.0, 4.0],
+                   help="piece sizes of the paced big copies (CUDA)")  # fmt: skip
+    p.add_argument("--paced-in-flight", type=int, default=2,
+                   help="pieces a paced big copy keeps queued at most")  # fmt: skip
     p.add_argument(
         "--kv-mb", type=float, default=32.0, help="kv_d2d's and kernel's bytes (32: a 1024-token chunk)"
     )
@@ -194,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--psi-mb and --kv-mb: more than 0")
     if any(mb < 0 for mb in args.pieces_mb):
         p.error("--pieces-mb: 0 (one copy) or more")
+    if any(mb <= 0 for mb in args.paced_pieces_mb):
+        p.error("--paced-pieces-mb: more than 0")
+    if args.paced_in_flight < 1:
+        p.error("--paced-in-flight: at least 1")
     if args.lead_ms < 0:
         p.error("--lead-ms: 0 or more")
     try:

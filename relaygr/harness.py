@@ -159,9 +159,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # rankings 20% against 10-11%): whether the pieces keep the gain and drop the loss.
     "relay-demote-pressure-pieces16": {"ranker_args": ("--demotion", "pressure", "--copy-piece-mb", "16")},
     # A replayed batch's scores copied aside on the device and to the host on a stream of their
-    # own (RELAYGR_RANKER_SCORES_ASIDE, off by default): the other way out of k22's stall than
-    # pieces, whatever order the copy engine serves the streams' copies in.
-    "relay-scores-aside": {"ranker_args": ("--scores-aside", "true")},
+    # own (RELAYGR_RANKER_BATCH_COPIES scores_aside): the other way out of k22's stall than
+    # pieces. At 16384 tokens on an H200 it met 42.19 req/s against the relay's 35.86 and
+    # no-expander's 46.41 (k23a-c, one lease, one GPU, three calls); the stalls left coincide with
+    # reloads: a batch's inputs wait behind them (k23b copy-contention, 8.4-8.6 ms).
+    "relay-scores-aside": {"ranker_args": ("--batch-copies", "scores_aside")},
+    # Inputs and scores moved by kernels through device views of the page-locked buffers, no copy
+    # engine (RELAYGR_RANKER_BATCH_COPIES kernel): beside any psi copy, 0.05-0.2 ms (k23b).
+    "relay-kernel-copies": {"ranker_args": ("--batch-copies", "kernel")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.

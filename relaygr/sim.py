@@ -74,8 +74,9 @@ each with its users (rendezvous placement, as the router's) and its share of the
 device costs the file measured with them side by side (Setup.processes). The copy engines (since
 k22; `--copy-engines off`: the model before): at a fixed length, psi's copies to and from DRAM
 occupy them at the file's measured device time per byte, and a ranking batch or pre-inference
-step whose own copy (inputs in, scores out) comes while one runs waits for it, or for its piece
-(`--copy-piece-mb`; CopyEngine). Not modelled yet: the router's load bound and failover, several
+step whose own copy (inputs in, scores out) comes while they run waits until the engine is idle,
+pieces or no pieces (k23b; CopyEngine), unless the ranker moves those bytes by kernels
+(`--batch-copies`, the ranker's RELAYGR_RANKER_BATCH_COPIES). Not modelled yet: the router's load bound and failover, several
 GPUs, the signal path's tail.
 
 Calibration comes only from a goodput result file and the per-call records beside it
@@ -89,6 +90,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -433,8 +435,11 @@ class Setup:
     # 0: copies take no engine time and hold no ranking batch (the model before k22).
     demote_s_per_byte: float = 0.0
     reload_s_per_byte: float = 0.0
-    # psi copied in pieces of at most this many bytes (the ranker's --copy-piece-mb); 0: whole.
-    copy_piece_bytes: int = 0
+    # How a batch's or step's own inputs and scores cross (the ranker's --batch-copies): "engine",
+    # copies on the compute stream, behind psi's copies; "scores_aside", scores out on a stream of
+    # their own (the call waits for them, the device goes on; inputs still wait); "kernel", moved
+    # by kernels through device views of page-locked memory, waiting for no copy engine.
+    batch_copies: str = "engine"
     # A pre-inference graph step's K/V, copied out of the graph's buffer into the psi blocks by a
     # device memcpy, waits for the device -> host engine's piece in progress (where a device
     # memcpy runs on that copy engine: bench.copy_contention's kv_d2d says whether it does).
@@ -647,20 +652,27 @@ class _Lru:
         return evicted
 
 
+# The ranker's batch_copies, in the order the what-if changes encode them (float indices).
+BATCH_COPIES = ("engine", "scores_aside", "kernel")
+
+
+def _no_wait(t: float) -> float:
+    return t
+
+
 class CopyEngine:
     """One direction's copy engine (device -> host: demotions; host -> device: reloads) as a
     resource: psi's copies run on it back to back, in the order issued, each after the compute
     queued when it was issued (the engine orders a copy after it: services/ranker/engine.py). A
     ranking batch's own small copy on the compute stream (its scores out, its inputs in) that
-    becomes ready while a psi copy runs waits for the piece in progress (the engine switches
-    streams between copies, not inside one), and the compute stream waits with it: at 16384
-    tokens on an H200 (k22a, k22b; 2 x H200, 2026-11-30) calls against psi took up to 9-11 ms
-    of device time (one 512 MiB copy, 9.75 ms) and 20-29 ms where a ranker copied psi to DRAM,
-    and never over 4.2 ms without an expander. `piece_bytes` 0: a psi is one copy."""
+    becomes ready while psi copies run waits until the engine is idle, and the compute stream
+    waits with it. Measured on an H200 (bench.copy_contention k23b): a few-KiB copy issued 1 ms
+    into a 512 MiB copy (9.7 ms) waited 8.1-8.7 ms, whole copy, 16 or 64 MiB pieces all queued,
+    or 16 MiB pieces queued two at a time; in calls at 16384 tokens (k22) calls against psi took
+    up to 9-11 ms of device time behind one copy and 20-29 ms behind two or three."""
 
-    def __init__(self, seconds_per_byte: float, piece_bytes: int = 0) -> None:
+    def __init__(self, seconds_per_byte: float) -> None:
         self.seconds_per_byte = seconds_per_byte
-        self.piece_s = piece_bytes * seconds_per_byte
         self.free_at = 0.0  # when the last copy issued ends
         self.busy_s = 0.0
         self._spans: collections.deque[tuple[float, float]] = collections.deque()  # (start, end)
@@ -676,16 +688,19 @@ class CopyEngine:
         return self.free_at
 
     def stalled_until(self, t: float) -> float:
-        """When a small copy ready at `t` gets the engine: `t`, or the end of the piece (whole
-        copy) in progress then. Queried at non-decreasing times (the device's clock)."""
+        """When a small copy ready at `t` gets the engine: `t`, or the end of the run of back to
+        back copies in progress then (those issued so far). Queried at non-decreasing times (the
+        device's clock)."""
         while self._spans and self._spans[0][1] <= t:
             self._spans.popleft()
         if not self._spans or self._spans[0][0] >= t:
             return t
-        start, end = self._spans[0]
-        if self.piece_s <= 0:
-            return end
-        return min(end, start + math.ceil((t - start) / self.piece_s) * self.piece_s)
+        end = self._spans[0][1]
+        for start, stop in itertools.islice(self._spans, 1, None):
+            if start > end:  # the engine idles in between: the small copy goes then
+                break
+            end = stop
+        return end
 
 
 @dataclasses.dataclass
@@ -754,8 +769,12 @@ def simulate(
         steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
     gate = DemotionGate() if setup.demotion_gate else None
-    to_host = CopyEngine(setup.demote_s_per_byte, setup.copy_piece_bytes)  # demotions
-    to_device = CopyEngine(setup.reload_s_per_byte, setup.copy_piece_bytes)  # reloads
+    to_host = CopyEngine(setup.demote_s_per_byte)  # demotions
+    to_device = CopyEngine(setup.reload_s_per_byte)  # reloads
+    # The batches' and steps' own copies: behind psi's on the engines, or by kernels.
+    inputs_wait = to_device.stalled_until if setup.batch_copies != "kernel" else _no_wait
+    scores_wait = to_host.stalled_until if setup.batch_copies != "kernel" else _no_wait
+    scores_hold_device = setup.batch_copies == "engine"
     by_arrival = sorted(requests, key=lambda r: r.t_rank_s)
     trip_s = (setup.preinfer_trip_ms or 0.0) / 1e3
     signals = sorted(requests, key=lambda r: r.t_retrieval_s) if setup.preinfer_trip_ms is not None else []
@@ -1104,12 +1123,12 @@ def simulate(
                 launch = setup.launch_scale * (cal.cached or cal.full).draw_launch_s(
                     tokens, rng, len(plan.chunks)
                 )
-                begin = to_device.stalled_until(max(device_free, now + launch))
+                begin = inputs_wait(max(device_free, now + launch))
                 now += launch
             else:
                 pay_while_waiting(device_free - now)
                 begin = now = max(now, device_free)  # run in place: after the batch in flight
-                begin = to_device.stalled_until(begin)  # its inputs staged in behind a reload
+                begin = inputs_wait(begin)  # its inputs staged in behind a reload
                 pay_while_waiting(seconds + begin - now)
                 now = begin + seconds
             end = device_free = begin + seconds
@@ -1151,22 +1170,24 @@ def simulate(
             cached_ms.append(seconds * 1e3 / len(batch))  # what the trigger prices a call against psi by
         if launch_s <= 0.0:
             lock_debt = 0.0  # the device-only model: no host
-            start = to_device.stalled_until(max(now, device_free))  # the device-only model: back to back
-            now = device_free = to_host.stalled_until(start + seconds)  # its scores out
+            start = inputs_wait(max(now, device_free))  # the device-only model: back to back
+            scores_at = scores_wait(start + seconds)  # its scores out
+            now = device_free = scores_at if scores_hold_device else start + seconds
             if policy is not None:
                 busy_spans.append((start, start + seconds))
-            serve(batch, seconds, now)
+            serve(batch, seconds, scores_at)
             continue
         # Launch-ahead: this batch was planned now and is launched while the one before it runs;
         # it starts once both are done (its inputs in, behind the piece of a reload in progress),
         # and ends once its scores are out (behind the piece of a demotion in progress). The host
         # then collects the one before and plans the next.
         ahead_ends = device_free
-        start = to_device.stalled_until(max(device_free, now + launch_s))
-        device_free = to_host.stalled_until(start + seconds)
+        start = inputs_wait(max(device_free, now + launch_s))
+        scores_at = scores_wait(start + seconds)
+        device_free = scores_at if scores_hold_device else start + seconds
         if policy is not None:
             busy_spans.append((start, start + seconds))
-        serve(batch, seconds, device_free)
+        serve(batch, seconds, scores_at)
         # The event loop's owed work runs while this launch waits for the batch ahead; what
         # the wait does not cover delays the loop (one interpreter lock).
         now = max(now + launch_s + lock_debt, ahead_ends) + setup.launch_scale * (
@@ -1301,7 +1322,8 @@ def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
 MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare-far", "relay-nospare-target25",
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
-            "relay-demote-pressure", "relay-budget-by-kind", "no-expander")  # fmt: skip
+            "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
+            "relay-kernel-copies")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1314,6 +1336,9 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     "relay-budget-by-kind": {"budget_by_kind": 1.0},
     # No host tier (the harness's no-expander): nothing copied, nothing reloaded.
     "no-expander": {"arena_gb": 0.0},
+    # A batch's scores out on a stream of their own; inputs and scores by kernels (--batch-copies).
+    "relay-scores-aside": {"batch_copies": float(BATCH_COPIES.index("scores_aside"))},
+    "relay-kernel-copies": {"batch_copies": float(BATCH_COPIES.index("kernel"))},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
@@ -1902,7 +1927,7 @@ def load_model(
             setup,
             demote_s_per_byte=demote_rate,
             reload_s_per_byte=reload_rate,
-            copy_piece_bytes=int(float(changes.get("copy_piece_mb", 0.0)) * 2**20),
+            batch_copies=BATCH_COPIES[int(changes.get("batch_copies", 0.0))],
             kv_copies_on_engine=bool(changes.get("kv_copies_on_engine", 0.0)),
         )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
@@ -2034,9 +2059,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="psi's copies hold the copy engines, and a ranking batch's own copy waits for "
                          "the piece in progress (on, where the file measured the copies' device time: "
                          "CopyEngine), or cost the host's issue alone (off: the model before k22)")  # fmt: skip
-    what_if.add_argument("--copy-piece-mb", type=float, default=None,
-                         help="psi copied in pieces of at most this many MiB (the ranker's --copy-piece-mb; "
-                         "0: whole copies, as the runs made them unless their config said otherwise)")  # fmt: skip
+    what_if.add_argument("--batch-copies", choices=BATCH_COPIES, default=None,
+                         help="with the copy engines: how ranking batches' and pre-inference steps' own "
+                         "inputs and scores cross (the ranker's --batch-copies): engine (behind psi's "
+                         "copies, the device waiting), scores_aside (scores behind them on their own "
+                         "stream: the call waits, the device goes on), kernel (no copy engine)")  # fmt: skip
     what_if.add_argument("--kv-copies-on-engine", action="store_true",
                          help="with the copy engines: a pre-inference graph step's K/V copy into the psi "
                          "blocks (a device memcpy) waits for the device -> host piece in progress, as where "
@@ -2056,8 +2083,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds: at least 1")
-    if args.copy_piece_mb is not None and args.copy_piece_mb < 0:
-        p.error("--copy-piece-mb: 0 (whole copies) or more")
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
@@ -2073,7 +2098,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("psi_chunk_graphs", None if args.psi_chunk_graphs is None else float(args.psi_chunk_graphs == "on")),
                ("copies_apart", 1.0 if args.copies_apart else None),
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
-               ("copy_piece_mb", args.copy_piece_mb),
+               ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))

@@ -48,6 +48,14 @@ class Demotion(enum.StrEnum):
     CONSUMED = "consumed"  # as soon as it is consumed: DRAM holds a copy of what HBM holds
 
 
+class BatchCopies(enum.StrEnum):
+    """How a replayed batch's inputs reach the device and its scores the host (graphs.py)."""
+
+    ENGINE = "engine"  # copies on the ranking stream (a copy engine's queue, behind psi's copies)
+    SCORES_ASIDE = "scores_aside"  # scores copied aside by a kernel, then out on their own stream
+    KERNEL = "kernel"  # both moved by kernels through device views of page-locked memory
+
+
 class Keep(enum.StrEnum):
     """Which full rankings keep their prefix's psi (services/ranker/relay_cache.py)."""
 
@@ -170,12 +178,17 @@ class RankerConfig(TlsSettings):
                                      "two steps in three run eagerly, 3.5 ms of fixed cost each against "
                                      "0.8 for a replay; on, the relay's limit rose 33.75 -> 37.97 req/s "
                                      "in one call, k20b)")  # fmt: skip
-    scores_aside: bool = setting(False, env="RELAYGR_RANKER_SCORES_ASIDE",
-                                 help="CUDA only: a replayed batch's scores are copied aside on the device by "
-                                 "a kernel and to the host on a stream of their own, so that the compute "
-                                 "stream does not wait for them behind a psi copy on the copy engine (at "
-                                 "16384 tokens on an H200, calls against psi took up to 9-11 ms of device "
-                                 "time with a host tier, never over 4.2 without, k22; off until measured)")  # fmt: skip
+    batch_copies: BatchCopies = setting(BatchCopies.ENGINE, env="RELAYGR_RANKER_BATCH_COPIES",
+                                renamed_from="RELAYGR_RANKER_SCORES_ASIDE",
+                                help="CUDA only: how a replayed batch's inputs reach the device and its "
+                                "scores the host. A copy engine serves each direction in order, so a "
+                                "batch's small copy queued behind a psi copy to or from host DRAM (~10 ms "
+                                "at 16384 tokens on an H200) waits for all of it, and so does the ranking "
+                                "stream (k22, k23). engine: copies on the ranking stream; scores_aside: "
+                                "scores copied aside by a kernel and to the host on a stream of their own "
+                                "(inputs still wait behind a reload); kernel: both moved by kernels "
+                                "through device views of page-locked memory, no copy engine (off until "
+                                "measured in a goodput search)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

@@ -184,8 +184,9 @@ class EngineConfig:
     full_keeps_psi: bool = False
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
     graph_psi_chunks: bool = True
-    # CUDA: replayed batches' scores go to the host on a stream of their own (RankGraphs).
-    scores_aside: bool = False
+    # CUDA: how a batch's inputs and scores cross between host and device (RankGraphs'
+    # batch_copies: "engine", "scores_aside" or "kernel").
+    batch_copies: str = "engine"
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
@@ -491,7 +492,7 @@ class Engine:
                 limits,
                 full_keeps_kv=config.full_keeps_psi,
                 chunks_reading_psi=config.graph_psi_chunks,
-                scores_aside=config.scores_aside,
+                batch_copies=config.batch_copies,
             )
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
         self.scheduler = IterationScheduler(

@@ -49,6 +49,7 @@ import torch
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from kernels.host_view import copy_by_kernel, device_view
 from services.ranker.events import wait_until_done
 from services.ranker.model import HostTokens, HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
@@ -93,6 +94,8 @@ class GraphLimits:
 
 # Graph families (BucketKey.mode).
 CACHED, FULL, PREINFER, CHUNK = "cached", "full", "preinfer", "chunk"
+# How a batch's inputs and scores cross between host and device (RankGraphs' batch_copies).
+BATCH_COPIES = ("engine", "scores_aside", "kernel")
 
 
 @dataclass(frozen=True, order=True)
@@ -249,9 +252,12 @@ class _Slot:
     staging: torch.Tensor
     staging_np: np.ndarray
     scores: torch.Tensor
-    # With scores_aside (RankGraphs): the scores on the device, copied out of the graph's buffer
-    # (which its next replay overwrites), and the event after that copy.
+    # With batch_copies "scores_aside" (RankGraphs): the scores on the device, copied out of the
+    # graph's buffer (which its next replay overwrites), and the event after that copy.
     aside: torch.Tensor | None = None
+    # With batch_copies "kernel": device views of `staging` and `scores` (kernels.host_view).
+    staging_view: torch.Tensor | None = None
+    scores_view: torch.Tensor | None = None
     aside_done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
     event: torch.cuda.Event | None = None  # recorded at the last launch, until the next reuse
     pending: PendingScores | None = None  # the last launch's scores, read from `scores`
@@ -310,17 +316,24 @@ class RankGraphs:
         limits: GraphLimits,
         full_keeps_kv: bool = False,
         chunks_reading_psi: bool = False,
-        scores_aside: bool = False,
+        batch_copies: str = "engine",
     ) -> None:
         """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
         buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
         more device time per full ranking, paid only where rankings keep psi.
         `chunks_reading_psi`: pre-inference steps after a prefix's first chunk replay graphs of
         the chunk family too (module docstring) instead of running eagerly.
-        `scores_aside`: a replay's scores are copied aside on the device by a kernel, then to the
-        host on a stream of their own, instead of to the host on the ranking stream: a copy to
-        the host waits for the copy engine, which a psi copy to host DRAM holds for ~10 ms at
-        16384 tokens (k22), and on the ranking stream everything behind it waits too."""
+        `batch_copies`: how a batch's staged inputs reach the device and a replay's scores the
+        host. A copy engine serves each direction's copies in order, whatever their stream: a
+        batch's few-KiB copy queued while a 512 MiB psi copy (~10 ms at 16384 tokens on an H200)
+        is in flight waits for all of it, and the ranking stream waits with it (k22; k23:
+        8.1-8.6 ms, pieces or no pieces). "engine": both are copies on the ranking stream.
+        "scores_aside": the scores are copied aside on the device by a kernel, then to the host
+        on a stream of their own (the ranking stream no longer waits behind a demotion; the call
+        still does, and inputs still wait behind a reload). "kernel": both are moved by
+        kernels through device views of the page-locked buffers (kernels.host_view: zero-copy,
+        no copy engine; k23: 0.05-0.2 ms beside any psi copy); where the device gives no such
+        view, "engine"."""
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         from kernels.hstu_attention import triton_impl
@@ -328,6 +341,9 @@ class RankGraphs:
         self._kernels = triton_impl
         self.model = model
         self.limits = limits.validate()
+        if batch_copies not in BATCH_COPIES:
+            raise ValueError(f"batch_copies must be one of {', '.join(BATCH_COPIES)}, not {batch_copies!r}")
+        scores_aside = batch_copies == "scores_aside"
         self.full_keeps_kv = full_keeps_kv
         self.chunks_reading_psi = chunks_reading_psi
         self.stats = GraphStats()
@@ -357,6 +373,16 @@ class RankGraphs:
             )
             for staging in (torch.zeros(at, dtype=torch.int64).pin_memory() for _ in range(2))
         ]
+        if batch_copies == "kernel":
+            for slot in self._slots:
+                slot.staging_view = device_view(slot.staging, dev)
+                slot.scores_view = device_view(slot.scores, dev)
+            if any(s.staging_view is None or s.scores_view is None for s in self._slots):
+                log.warning("batch_copies_kernel_unavailable", device=str(dev), fallback="engine")
+                batch_copies = "engine"
+                for slot in self._slots:
+                    slot.staging_view = slot.scores_view = None
+        self.batch_copies = batch_copies  # as it runs: "engine" where "kernel" had no views
         self._scores_stream = torch.cuda.Stream(dev) if scores_aside else None
         self._slot = 0
         self._dev = torch.zeros(at, dtype=torch.int64, device=dev)
@@ -556,7 +582,10 @@ class RankGraphs:
         replay on the ranking stream."""
         assert graph.logits is not None
         count = int(tokens.candidate_rows.numel())
-        if slot.aside is None:
+        if slot.scores_view is not None:  # a kernel writes them to the host: no copy engine
+            copy_by_kernel(slot.scores_view[:count], graph.logits[:count])
+            event = slot.close(self.model.device)
+        elif slot.aside is None:
             slot.scores[:count].copy_(graph.logits[:count], non_blocking=True)
             event = slot.close(self.model.device)
         else:
@@ -589,6 +618,13 @@ class RankGraphs:
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
         self.stats.eager_by_family[family] = self.stats.eager_by_family.get(family, 0) + 1
         return None
+
+    def _copy_staging(self, slot: _Slot) -> None:
+        """The slot's staged inputs to the device buffer the graphs read, on the ranking stream."""
+        if slot.staging_view is not None:  # a kernel reads them from the host: no copy engine
+            copy_by_kernel(self._dev, slot.staging_view)
+        else:
+            self._dev.copy_(slot.staging, non_blocking=True)
 
     def _next_slot(self) -> _Slot:
         """The page-locked buffers of the next launch, once the launch before last is done with
@@ -637,7 +673,7 @@ class RankGraphs:
         anchor, size = self._anchor.data_ptr(), self._anchor.element_size()
         kv_off = [(p.kv.data_ptr() - anchor) // size for p in psis] if psis is not None else []
         put("kv_off", kv_off, 0, key.batch)
-        self._dev.copy_(slot.staging, non_blocking=True)
+        self._copy_staging(slot)
         ts_total = int(pts_off[-1])
         if psis is None or not ts_total:
             return slot
@@ -756,7 +792,7 @@ class RankGraphs:
         # kernels and set up cuBLAS without computing anything that matters.
         slot = self._next_slot()
         slot.staging_np[:] = 0
-        self._dev.copy_(slot.staging, non_blocking=True)
+        self._copy_staging(slot)
         slot.close(self.model.device)
         current = torch.cuda.current_stream(self.model.device)
         side = torch.cuda.Stream(self.model.device)

@@ -288,7 +288,7 @@ class RankerService(pb_grpc.RankerServicer):
                 ),
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
                 graph_psi_chunks=config.graph_psi_chunks,
-                scores_aside=config.scores_aside,
+                batch_copies=config.batch_copies.value,
                 launch_ahead=config.launch_ahead,
                 chunks_ahead=config.chunks_ahead,
                 takeover_pass=config.takeover_pass,

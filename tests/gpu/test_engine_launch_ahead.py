@@ -27,17 +27,17 @@ SPEC = preset("tiny").with_overrides(name="graphs", num_layers=3, num_heads=2, h
 
 
 @pytest.mark.parametrize(
-    ("launch_ahead", "scores_aside"),
-    [(True, False), (False, False), (True, True)],
-    ids=["launch_ahead", "serial", "launch_ahead-scores_aside"],
+    ("launch_ahead", "copies"),
+    [(True, "engine"), (False, "engine"), (True, "scores_aside"), (True, "kernel")],
+    ids=["launch_ahead", "serial", "launch_ahead-scores_aside", "launch_ahead-kernel_copies"],
 )
-async def test_queued_calls_match_eager_with_graphs(launch_ahead, scores_aside):
+async def test_queued_calls_match_eager_with_graphs(launch_ahead, copies):
     model = HSTURanker.from_seed(SPEC, seed=5, device="cuda")
     config = EngineConfig(
         max_batch=2,
         max_wait_s=0.0,
         launch_ahead=launch_ahead,
-        scores_aside=scores_aside,
+        batch_copies=copies,
         full_keeps_psi=True,
         graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
     )

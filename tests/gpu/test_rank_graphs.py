@@ -49,11 +49,12 @@ def ranked(model, graphs, seed, shapes):
     return eager, first
 
 
-@pytest.mark.parametrize("aside", [False, True], ids=["scores_on_stream", "scores_aside"])
-def test_graph_replays_match_eager_across_batches(model, aside):
+@pytest.mark.parametrize("copies", ["engine", "scores_aside", "kernel"])
+def test_graph_replays_match_eager_across_batches(model, copies):
     graphs = RankGraphs(
-        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), scores_aside=aside
+        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), batch_copies=copies
     )
+    assert graphs.batch_copies == copies  # an H100/H200 gives device views of page-locked memory
     tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
     cases = [
         [Shape(4, 300, 20, 40)],
@@ -292,15 +293,17 @@ def test_a_capture_that_fails_leaves_its_shape_eager_and_the_others_captured(mod
     assert graphs.full(prefixes, suffixes) is not None
 
 
-@pytest.mark.parametrize("aside", [False, True], ids=["scores_on_stream", "scores_aside"])
-def test_launches_in_flight_each_see_their_own_batch(model, aside):
+@pytest.mark.parametrize("copies", ["engine", "scores_aside", "kernel"])
+def test_launches_in_flight_each_see_their_own_batch(model, copies):
     """Three launches issued back to back before any is collected (the engine keeps at most two
     in flight; a third reuses the first's page-locked buffers and must first take its scores):
-    each equals the eager path, whatever the order they are waited in. With the scores aside,
-    a psi-sized copy to page-locked memory runs on another stream meanwhile (as a demotion holds
-    the copy engine), so that the scores' copies wait behind it while the replays go on."""
+    each equals the eager path, whatever the order they are waited in. Off the engine's copies,
+    psi-sized copies to and from page-locked memory run on other streams meanwhile (as a
+    demotion and a reload hold the copy engines), so that the scores' copies (aside) wait behind
+    them while the replays go on, or (kernel) the batches' own kernels read and write the host
+    beside them."""
     graphs = RankGraphs(
-        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), scores_aside=aside
+        model, GraphLimits(max_batch=4, max_tokens=1024, max_prefix_tokens=4096), batch_copies=copies
     )
     tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
     cases = [
@@ -319,12 +322,15 @@ def test_launches_in_flight_each_see_their_own_batch(model, aside):
         if graphs.launch_rank(suffixes, psis, keys) is None:
             graphs.capture_pending(limit=10)
     torch.cuda.synchronize()
-    if aside:
+    if copies != "engine":
         big = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
         host = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=True)
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):
+        back = torch.empty_like(big)
+        out, into = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(out):
             host.copy_(big, non_blocking=True)
+        with torch.cuda.stream(into):
+            back.copy_(host, non_blocking=True)
     pending = [graphs.launch_rank(s, p, k) for s, p, k, _ in batches]
     assert all(x is not None for x in pending)
     for (_, _, _, eager), got in reversed(list(zip(batches, pending, strict=True))):

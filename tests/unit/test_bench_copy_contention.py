@@ -30,6 +30,8 @@ def test_copy_contention_times_each_small_operation_beside_every_big_copy(tmp_pa
         ["--psi-mb", "0"],
         ["--pieces-mb", "-1"],
         ["--lead-ms", "-1"],
+        ["--paced-pieces-mb", "0"],
+        ["--paced-in-flight", "0"],
         ["--kv-mb", "x"],
         ["--device", "tpu"],
     ],

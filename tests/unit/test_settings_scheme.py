@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from services.expander.config import ExpanderConfig
-from services.ranker.config import Device, RankerConfig
+from services.ranker.config import BatchCopies, Device, RankerConfig
 from services.router.config import FrontDoor, Placement, RouterConfig
 from services.trigger.admission import Policy
 from services.trigger.config import TriggerConfig
@@ -93,6 +93,8 @@ def test_one_variable_sets_a_shared_setting_in_every_service():
     ("cls", "argv", "field", "value", "expected"),
     [
         (RankerConfig, ["--device", "cpu"], "device", Device.CPU, "auto, cpu, cuda, npu"),
+        (RankerConfig, ["--batch-copies", "kernel"], "batch_copies", BatchCopies.KERNEL,
+         "engine, scores_aside, kernel"),
         (RouterConfig, [*ARGV["router"], "--placement", "round_robin"], "placement", Placement.ROUND_ROBIN,
          "affinity, round_robin"),
         (RouterConfig, [*ARGV["router"], "--front-door", "grpc"], "front_door", FrontDoor.GRPC, "relay, grpc"),
@@ -114,6 +116,7 @@ def test_modes_are_enums_that_list_their_choices(cls, argv, field, value, expect
         (RankerConfig, "RELAYGR_LEASE_MS", "RELAYGR_DEFAULT_LEASE_MS"),
         (RankerConfig, "RELAYGR_LOG_LEVEL", "RELAYGR_RANKER_LOG_LEVEL"),
         (RankerConfig, "RELAYGR_MAX_BATCH", "RELAYGR_RANKER_MAX_BATCH"),
+        (RankerConfig, "RELAYGR_RANKER_SCORES_ASIDE", "RELAYGR_RANKER_BATCH_COPIES"),
         (RouterConfig, "RELAYGR_ROUTER_DEFAULT_LEASE_MS", "RELAYGR_DEFAULT_LEASE_MS"),
         (ExpanderConfig, "RELAYGR_EXPANDER_MAX_LEASE_S", "RELAYGR_MAX_LEASE_MS"),
         (TriggerConfig, "RELAYGR_SLO_MS", "RELAYGR_TRIGGER_SLO_MS"),

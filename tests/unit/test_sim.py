@@ -163,39 +163,50 @@ def test_rankings_keep_psi_so_a_returning_call_is_served_from_hbm_or_from_dram()
     assert [s.path for s in simulate(short, EXACT, Setup(psi=True))] == ["full_recompute"] * 2
 
 
-def test_a_copy_engine_runs_psi_copies_in_order_and_holds_a_small_copy_for_the_piece_in_progress():
+def test_a_copy_engine_runs_psi_copies_in_order_and_holds_a_small_copy_until_it_is_idle():
     engine = CopyEngine(seconds_per_byte=1e-3)  # 1 ms a byte: copies of 10 bytes take 10 ms
     assert engine.stalled_until(0.5) == 0.5  # idle
     assert engine.copy(1.0, 10) == pytest.approx(1.01)
     assert engine.copy(1.005, 10) == pytest.approx(1.02)  # behind the first
     assert engine.busy_s == pytest.approx(0.02)
     assert engine.stalled_until(0.9) == 0.9  # before the copies
-    assert engine.stalled_until(1.004) == pytest.approx(1.01)  # the whole copy in progress
+    assert engine.stalled_until(1.004) == pytest.approx(1.02)  # both: back to back, no gap
     assert engine.stalled_until(1.015) == pytest.approx(1.02)
     assert engine.stalled_until(1.03) == 1.03  # both done
-    pieces = CopyEngine(seconds_per_byte=1e-3, piece_bytes=2)  # pieces of 2 ms
-    pieces.copy(1.0, 10)
-    assert pieces.stalled_until(1.0035) == pytest.approx(1.004)  # the piece in progress only
-    assert pieces.stalled_until(1.0095) == pytest.approx(1.01)  # the last piece ends with the copy
+    gap = CopyEngine(seconds_per_byte=1e-3)
+    gap.copy(2.0, 10)
+    gap.copy(2.05, 10)  # the engine idles 40 ms in between
+    assert gap.stalled_until(2.001) == pytest.approx(2.01)  # the first only
+    assert gap.stalled_until(2.03) == 2.03
     assert CopyEngine(0.0).copy(2.0, 10**9) == 2.0  # not modelled: no engine time
 
 
 def test_a_call_against_psi_waits_for_the_demotion_copying_while_its_scores_come_out():
     """HBM holds one psi: user 2's full ranking pushes user 1's psi to DRAM, a copy of 50 ms on the
     engine device -> host; user 2's call against psi 20 ms later ends its compute within that
-    copy, and its scores wait for it (or for the piece in progress)."""
+    copy, and a third call right behind it. Their scores wait for the copy unless kernels move
+    them (batch_copies "kernel"); where they leave on the device's stream (engine) the device
+    waits too, so the third call's compute only starts after the copy."""
     one = 4096 * PSI_BYTES_PER_TOKEN
     tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=4 * one)
-    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 1.52, 2, session_index=1)]
+    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 1.52, 2, session_index=1),
+             request(3, 1.53, 2, session_index=2)]  # fmt: skip
     free = simulate(calls, EXACT, tiers)
-    assert [s.path for s in free] == ["full_recompute", "full_recompute", "hbm_hit"]
-    held = simulate(calls, EXACT, dataclasses.replace(tiers, demote_s_per_byte=0.05 / one))
-    assert held[2].path == "hbm_hit"
-    assert held[2].latency_ms > free[2].latency_ms + 25.0  # the copy's rest
-    pieces = simulate(
-        calls, EXACT, dataclasses.replace(tiers, demote_s_per_byte=0.05 / one, copy_piece_bytes=one // 64)
-    )
-    assert pieces[2].latency_ms < free[2].latency_ms + 1.0  # one piece: 0.8 ms at most
+    assert [s.path for s in free] == ["full_recompute", "full_recompute", "hbm_hit", "hbm_hit"]
+    held = {
+        copies: simulate(
+            calls, EXACT, dataclasses.replace(tiers, demote_s_per_byte=0.05 / one, batch_copies=copies)
+        )
+        for copies in ("engine", "scores_aside", "kernel")
+    }
+    assert held["engine"][2].latency_ms > free[2].latency_ms + 25.0  # the copy's rest
+    assert held["scores_aside"][2].latency_ms == pytest.approx(held["engine"][2].latency_ms)
+    assert held["kernel"][2].latency_ms == pytest.approx(free[2].latency_ms)  # no engine in its way
+    assert held["kernel"][3].latency_ms == pytest.approx(free[3].latency_ms)
+    # Aside, the third call's compute ran during the copy and its scores left at its end; on the
+    # stream, its compute waited for the copy: later by its own device time.
+    third = held["engine"][3]
+    assert third.latency_ms == pytest.approx(held["scores_aside"][3].latency_ms + third.device_ms)
     # Nothing copied, nothing held: the first call's psi is dropped without a DRAM tier.
     none = simulate(calls, EXACT, dataclasses.replace(tiers, dram_bytes=0, demote_s_per_byte=0.05 / one))
     assert none[2].latency_ms == pytest.approx(free[2].latency_ms)
