@@ -151,7 +151,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # 16384 tokens on an H200 (k22a, k22b) a psi's copy took the copy engine 9.75 ms, and calls
     # against psi then took up to 9-11 ms of device time (20-29 ms behind two or three copies)
     # where a ranker without a host tier never took over 4.2: a batch's scores, copied out on the
-    # compute stream, waited for the copy in progress. A piece of 16 MiB takes ~0.3 ms.
+    # compute stream, waited for the copy in progress. A piece of 16 MiB takes ~0.3 ms, but
+    # bench.copy_contention (k23b) found a small copy waiting for the whole psi copy, in pieces or
+    # not: not run since (relay-scores-aside, relay-kernel-copies are the way out).
     "relay-pieces16": {"ranker_args": ("--copy-piece-mb", "16")},
     # Both: every psi leaving HBM copied, in pieces. In k22a copying everything served 8.8% of the
     # returning users' calls from DRAM at 42 req/s (full rankings of returning users 2.5% against

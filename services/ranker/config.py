@@ -312,10 +312,11 @@ class RankerConfig(TlsSettings):
     expander_socket_path: str = settings.expander_socket_path()
     copy_piece_mb: float = setting(0.0, env="RELAYGR_RANKER_COPY_PIECE_MB",
                                    help="psi moves between HBM and host DRAM in copies of at most this many "
-                                   "MiB (0: one copy each). Pieces bound how long a ranking batch's own small "
-                                   "copies can wait behind a psi's on a copy engine, but each costs the device "
-                                   "loop a copy call: on an H200 (L4096, h2d) 8 MiB pieces doubled the loop's "
-                                   "time issuing copies and did not shorten the batches against psi",
+                                   "MiB (0: one copy each). Pieces do not shorten a ranking batch's own small "
+                                   "copies' wait behind psi's on a copy engine (k23b on an H200: 8.1-8.7 ms "
+                                   "behind a 512 MiB copy, 16 or 64 MiB pieces, queued at once or two at a "
+                                   "time; RELAYGR_RANKER_BATCH_COPIES is the way out) and each costs the device "
+                                   "loop a copy call (L4096, h2d: 8 MiB pieces doubled its time issuing copies)",
                                    check=non_negative)  # fmt: skip
     gil_switch_ms: float = setting(0.05, env="RELAYGR_RANKER_GIL_SWITCH_MS",
                                    renamed_from="RELAYGR_GIL_SWITCH_MS",

@@ -9,9 +9,11 @@ psi may be copied in pieces (`piece_bytes`, the ranker's copy_piece_mb; 0 by def
 A ranking batch copies its inputs in and its scores out on the ranking stream, over the same PCIe
 link as psi's copies on the copy streams; where a copy engine serves copies in order, a whole
 psi's copy (128 MiB at 4096 tokens of the bench preset, 3-6 ms) could hold a batch's few-KiB copy
-for its whole length, pieces for one piece at most. Measured on an H200 (L4096, one sitting, h2d):
-batches against psi took 1.5 ms at p50 with whole copies and 1.6-1.7 ms with 8 MiB pieces, and
-the pieces doubled the device loop's time issuing copies (2.3 s against 1.15 s over a 20 s point).
+for its whole length. Pieces were to bound that to one piece; they do not: the copy engine goes on
+serving psi's stream while it has work (bench.copy_contention k23b, an H200: 8.1-8.7 ms behind a
+512 MiB copy, whole, in 16 or 64 MiB pieces queued at once, or 16 MiB pieces queued two at a time).
+The ranker's batch_copies "kernel" (graphs.py) keeps a batch's bytes off the copy engines instead.
+On an H200 (L4096, h2d) 8 MiB pieces also doubled the device loop's time issuing copies.
 """
 
 from __future__ import annotations
