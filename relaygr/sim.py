@@ -22,7 +22,9 @@ replays, same seed, same lead-in, the measured window only counted):
     reload: its measured cache time, then a call against psi; the psi returns to HBM) or nowhere
     (a full ranking, which leaves psi in HBM); psi evicted from HBM goes to DRAM, through the
     ranker's demotion gate where the file's rankers had it (since k11: a copy only while reloads
-    pay for its host time, else a sample; services/ranker/demotion_gate.py);
+    pay for its host time, else a sample; services/ranker/demotion_gate.py), a gate that may
+    close from its first copies, as a search's ranker's gate enters each point past its first
+    256 (a fresh one stayed open through whole modelled points: k23c);
   * `preinfer-all`: besides, every request's signal reaches the ranker the file's P90 signal trip
     after its retrieval event; psi held nowhere is pre-inferred (the scheduler's chunks, costed
     as a forward of the prefix), psi in DRAM prefetched; a call that comes before its psi is
@@ -742,6 +744,7 @@ def simulate(
     preinfer_steps: list[tuple[float, float]] | None = None,
     preinfers: list[tuple[float, float, float, float]] | None = None,
     decisions: list[tuple[float, str]] | None = None,
+    copies: list[tuple[float, str]] | None = None,
 ) -> list[Served]:
     """Every call of `requests` through one modelled ranker (module docstring), in order of
     service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
@@ -749,7 +752,9 @@ def simulate(
     pre-inference's (submitted, first step's start, completed, its call's planned time), as the
     ranker counts them (relaygr_ranker_preinfer_*); `decisions` (with `setup.admission`) the
     trigger's decision on each retrieval event: (its time, the trigger's counter label:
-    services/trigger/admission.py's Reason, an admission as admitted_risk / _reuse / _spare)."""
+    services/trigger/admission.py's Reason, an admission as admitted_risk / _reuse / _spare);
+    `copies` each psi leaving HBM for DRAM or not, and each back: (time, "demotions",
+    "demotions_skipped" or "reloads", the ranker's point fields)."""
     rng = np.random.default_rng(seed)
     rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
@@ -768,7 +773,8 @@ def simulate(
     if steps is not None:
         steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
-    gate = DemotionGate() if setup.demotion_gate else None
+    # Warm: the ranker's gate enters a point past its min_demotions (module docstring).
+    gate = DemotionGate(min_demotions=0) if setup.demotion_gate else None
     to_host = CopyEngine(setup.demote_s_per_byte)  # demotions
     to_device = CopyEngine(setup.reload_s_per_byte)  # reloads
     # The batches' and steps' own copies: behind psi's on the engines, or by kernels.
@@ -836,15 +842,21 @@ def simulate(
                 continue
             saving = reload_saving_ms(size // PSI_BYTES_PER_TOKEN, suffix)
             if gate is not None and not gate.admits(old[0], saving, setup.copy_cost_ms):
+                if copies is not None:
+                    copies.append((now, "demotions_skipped"))
                 continue  # evicted without a copy
             dram.put(old, size)  # demoted before it goes (demotion under pressure)
             to_host.copy(max(now, device_free), size)  # issued now, after the compute queued
             copied()
+            if copies is not None:
+                copies.append((now, "demotions"))
             if gate is not None:
                 gate.demoted()
 
     def reloaded() -> None:
         copied()
+        if copies is not None:
+            copies.append((now, "reloads"))
         if gate is not None:
             gate.reloaded()
 
@@ -1210,12 +1222,16 @@ def p99_at(
     steps: list[tuple[float, float]] = []
     built: list[tuple[float, float, float, float]] = []
     decided: list[tuple[float, str]] = []
+    copied: list[tuple[float, str]] = []
     served = [
         s
         for k, requests in enumerate(by_process(plan.requests, setup.processes))
-        for s in simulate(requests, cal, setup, seed + 7919 * k, steps, built, decided)
+        for s in simulate(requests, cal, setup, seed + 7919 * k, steps, built, decided, copied)
         if not s.request.lead_in
     ]
+    # Over the whole replay, lead-in included: the harness reads the rankers' counters before
+    # the replay starts and after it ends (harness.run_point).
+    copy_counts = collections.Counter(label for _, label in copied)
     # The trigger's decisions on the window's events, as shares (its counters, relaygr_trigger_*).
     reasons = collections.Counter(label for t, label in decided if t >= cfg.lead_in_s)
     events = sum(reasons.values())
@@ -1240,6 +1256,8 @@ def p99_at(
         else None,
         "preinfer_build_ms_mean": float(np.mean([d - s for _, s, d, _ in built]) * 1e3) if built else None,
         "preinfer_done_after_call": sum(d > c for _, _, d, c in built),
+        # The tiers' copies, as the ranker's point fields count them.
+        **{label: copy_counts.get(label, 0) for label in ("demotions", "demotions_skipped", "reloads")},
         **{f"trigger_{label}": n / events for label, n in sorted(reasons.items())},
     }
 

@@ -186,9 +186,9 @@ class RankerConfig(TlsSettings):
                                 "at 16384 tokens on an H200) waits for all of it, and so does the ranking "
                                 "stream (k22, k23). engine: copies on the ranking stream; scores_aside: "
                                 "scores copied aside by a kernel and to the host on a stream of their own "
-                                "(inputs still wait behind a reload); kernel: both moved by kernels "
-                                "through device views of page-locked memory, no copy engine (off until "
-                                "measured in a goodput search)")  # fmt: skip
+                                "(inputs still wait behind a reload); kernel: both, and a new psi's "
+                                "timestamps, moved by kernels through device views of page-locked "
+                                "memory, no copy engine (off until measured in a goodput search)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

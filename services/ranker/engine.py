@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from kernels.device import Accelerator
+from kernels.host_view import HostStaging
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.copy_stages import CopyStages
 from services.ranker.copy_watch import CopyWatcher
@@ -494,6 +495,9 @@ class Engine:
                 chunks_reading_psi=config.graph_psi_chunks,
                 batch_copies=config.batch_copies,
             )
+            # A new psi's timestamps go the way of the batches' copies (model.new_psi).
+            staging = HostStaging(model.device) if self.graphs.batch_copies == "kernel" else None
+            model.host_staging = staging if staging is not None and staging.available else None
             torch.cuda.synchronize(accel.device)  # its buffers, zeroed on this thread's stream
         self.scheduler = IterationScheduler(
             config.scheduler(),

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kernels.host_view import HostStaging
 from kernels.hstu_attention import (
     AttentionImpl,
     AttentionParams,
@@ -187,6 +188,9 @@ class HSTURanker(nn.Module):
             nn.Linear(spec.head_hidden, 1, dtype=dtype),
         )
         self._bias_cache: tuple[tuple[tuple[int, int], ...], BiasTables] | None = None
+        # Set by an engine whose batches' copies go by kernel (batch_copies "kernel"): a new psi's
+        # timestamps reach the device the same way (new_psi), not on a copy engine.
+        self.host_staging: HostStaging | None = None
         self.params = AttentionParams(
             alpha=spec.head_dim**-0.5,
             inv_norm=1.0 / spec.attn_norm,
@@ -380,6 +384,14 @@ class HSTURanker(nn.Module):
         # H200.) On the CPU written in place.
         cuda = self.device.type == "cuda"
         profile = prefix.profile.numel()
+        if cuda and self.host_staging is not None:  # moved by a kernel: no copy engine in its way
+
+            def fill(host: np.ndarray) -> None:
+                host[:profile] = 0
+                host[profile:] = prefix.long_term.timestamps.numpy()
+
+            self.host_staging.copy(ts, fill)
+            return Psi(key, kv, ts, block)
         host_ts = torch.empty(n, dtype=torch.int64, pin_memory=True) if cuda else ts
         host = host_ts.numpy()
         host[:profile] = 0

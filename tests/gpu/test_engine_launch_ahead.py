@@ -82,21 +82,26 @@ async def test_queued_calls_match_eager_with_graphs(launch_ahead, copies):
         engine.stop()
 
 
-@pytest.mark.parametrize("graph_psi_chunks", [False, True])
-async def test_chunks_launched_ahead_with_rankings_between_them(graph_psi_chunks):
+@pytest.mark.parametrize(
+    ("graph_psi_chunks", "copies"), [(False, "engine"), (True, "engine"), (True, "kernel")]
+)
+async def test_chunks_launched_ahead_with_rankings_between_them(graph_psi_chunks, copies):
     """Pre-inference steps launched ahead (graphs for first chunks; later ones eager, or graphs
     of the chunk family, the default since k20) with ranking calls arriving among them: every
-    psi equals one pre-inference, every call its full ranking."""
+    psi equals one pre-inference, every call its full ranking. With kernel copies a new psi's
+    timestamps are staged by kernel too (model.new_psi)."""
     model = HSTURanker.from_seed(SPEC, seed=6, device="cuda")
     config = EngineConfig(
         max_batch=2,
         max_wait_s=0.0,
         chunks_ahead=True,
         graph_psi_chunks=graph_psi_chunks,
+        batch_copies=copies,
         preinfer_chunk_tokens=512,
         graph_limits=GraphLimits(max_tokens=1024, max_prefix_tokens=4096, max_full_tokens=4096),
     )
     engine = Engine(model, accelerator("cuda"), config)
+    assert (model.host_staging is not None) == (copies == "kernel")
     engine.start()
     try:
         await engine.capture_graphs([64])
@@ -112,6 +117,7 @@ async def test_chunks_launched_ahead_with_rankings_between_them(graph_psi_chunks
         for r, w in zip(ranked, want[3:], strict=True):
             assert float((r.scores - w.cpu()).abs().max()) / scale < 3e-2
         for psi, ref in zip(built, model.preinfer(prefixes[:3]), strict=True):
+            assert torch.equal(psi.timestamps, ref.timestamps)
             assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * max(
                 float(ref.kv.float().abs().max()), 1e-3
             )

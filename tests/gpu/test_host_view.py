@@ -3,10 +3,14 @@ batch's bytes in and out through them, exactly, inside a CUDA graph too."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kernels.host_view import copy_by_kernel, device_view
+from kernels.host_view import HostStaging, copy_by_kernel, device_view
+from relaygr.synthetic import Shape, batch
+from services.ranker.model import HSTURanker
+from shared.modelspec import preset
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +61,40 @@ def test_views_work_inside_a_captured_graph_and_read_the_host_bytes_at_each_repl
 
 def test_no_view_of_pageable_memory():
     assert device_view(torch.zeros(16, dtype=torch.int64), torch.device("cuda")) is None
+
+
+def test_host_staging_moves_each_copy_exactly_beside_a_psi_sized_copy_to_the_device():
+    """Slots in turn, grown to the longest copy, while a 256 MiB copy from page-locked memory holds
+    the host -> device engine; every copy lands exactly, in its stream order."""
+    device = torch.device("cuda")
+    staging = HostStaging(device, slots=2)
+    assert staging.available
+    big_host = torch.ones(256 << 20, dtype=torch.uint8).pin_memory()
+    big = torch.empty(big_host.numel(), dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        big.copy_(big_host, non_blocking=True)
+    outs = []
+    for round_, n in enumerate([16384, 100, 40000, 16384, 7, 16384]):
+        out = torch.empty(n, dtype=torch.int64, device=device)
+        staging.copy(out, lambda host, r=round_: host.__setitem__(slice(None), np.arange(host.size) + r))
+        outs.append(out)
+    torch.cuda.synchronize()
+    for round_, out in enumerate(outs):
+        assert torch.equal(out.cpu(), torch.arange(out.numel()) + round_)
+
+
+def test_a_new_psis_timestamps_are_the_same_through_the_staging():
+    """model.new_psi with an engine's staging (batch_copies "kernel") writes the same timestamps
+    as the copy from page-locked memory, for every prefix of a batch (profile tokens first)."""
+    model = HSTURanker.from_seed(preset("tiny"), seed=3, device="cuda")
+    prefixes, _ = batch(7, [Shape(3, 500, 8, 30), Shape(0, 2000, 1, 5), Shape(4, 1, 2, 2)])
+    plain = [model.new_psi(p).timestamps.clone() for p in prefixes]
+    model.host_staging = HostStaging(model.device)
+    try:
+        staged = [model.new_psi(p).timestamps for p in prefixes]
+    finally:
+        model.host_staging = None
+    torch.cuda.synchronize()
+    for a, b in zip(plain, staged, strict=True):
+        assert torch.equal(a, b)
