@@ -442,6 +442,11 @@ class Setup:
     # their own (the call waits for them, the device goes on; inputs still wait); "kernel", moved
     # by kernels through device views of page-locked memory, waiting for no copy engine.
     batch_copies: str = "engine"
+    # HBM and host DRAM enter the modelled point full of earlier points' psi (other users', as
+    # big as this workload's), as a search's stack has them: psi leaves HBM, through the gate, from
+    # the lead-in's first calls. False: both start empty (the model before k23; at 16384 tokens
+    # the lead-in then filled HBM and its copies and the gate's state began late).
+    carried: bool = False
     # A pre-inference graph step's K/V, copied out of the graph's buffer into the psi blocks by a
     # device memcpy, waits for the device -> host engine's piece in progress (where a device
     # memcpy runs on that copy engine: bench.copy_contention's kv_d2d says whether it does).
@@ -639,6 +644,20 @@ class _Lru:
     def pop(self, key: tuple[int, int]) -> None:
         self.used -= self._items.pop(key)
 
+    def fill(self, first_user: int, sizes: Sequence[int]) -> None:
+        """Fills the free room with psi of users first_user, first_user - 1, ... (sizes in turn,
+        those that fit): what a stack holds from the points before this one."""
+        user, i = first_user, 0
+        positive = [n for n in sizes if 0 < n <= self.capacity]
+        while positive and self.used + positive[i % len(positive)] <= self.capacity:
+            n = positive[i % len(positive)]
+            self._items[(user, 0)] = n
+            self.used += n
+            user, i = user - 1, i + 1
+
+    def __len__(self) -> int:
+        return len(self._items)
+
     def put(self, key: tuple[int, int], nbytes: int) -> list[tuple[tuple[int, int], int]]:
         """Inserts (most recent); returns what it evicted, oldest first."""
         if key in self._items:
@@ -773,6 +792,10 @@ def simulate(
     if steps is not None:
         steps.plans(scheduler)
     hbm, dram = _Lru(setup.hbm_budget_bytes), _Lru(setup.dram_bytes)
+    if setup.carried and requests:
+        sizes = [r.prefix_len * PSI_BYTES_PER_TOKEN for r in requests]
+        for tier in (dram, hbm):  # foreign users: negative ids, never asked for again
+            tier.fill(-1 - len(tier), sizes)
     # Warm: the ranker's gate enters a point past its min_demotions (module docstring).
     gate = DemotionGate(min_demotions=0) if setup.demotion_gate else None
     to_host = CopyEngine(setup.demote_s_per_byte)  # demotions
@@ -1937,7 +1960,10 @@ def load_model(
         or None,
     )
     setup = dataclasses.replace(
-        setup, scheduler=scheduler, chunks_ahead=bool(changes.get("chunks_ahead", 0.0))
+        setup,
+        scheduler=scheduler,
+        chunks_ahead=bool(changes.get("chunks_ahead", 0.0)),
+        carried=not changes.get("cold_start", 0.0),
     )
     if changes.get("copy_engines", 1.0):
         demote_rate, reload_rate = copy_seconds_per_byte(result, config, chosen)
@@ -2082,6 +2108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "inputs and scores cross (the ranker's --batch-copies): engine (behind psi's "
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine)")  # fmt: skip
+    what_if.add_argument("--cold-start", action="store_true",
+                         help="HBM and host DRAM start each modelled point empty (the model before k23), "
+                         "instead of full of earlier points' psi as a search's stack has them")  # fmt: skip
     what_if.add_argument("--kv-copies-on-engine", action="store_true",
                          help="with the copy engines: a pre-inference graph step's K/V copy into the psi "
                          "blocks (a device memcpy) waits for the device -> host piece in progress, as where "
@@ -2118,6 +2147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
                ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
+               ("cold_start", 1.0 if args.cold_start else None),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))
                if v is not None and not (k in ("cached_scale", "full_scale", "launch_scale") and v == 1.0)}  # fmt: skip

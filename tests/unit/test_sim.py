@@ -245,6 +245,26 @@ def test_the_copy_engines_rates_come_from_a_files_copies_at_a_fixed_length():
     assert copy_seconds_per_byte(result, "baseline", "L4096") == (0.0, 0.0)
 
 
+def test_a_carried_point_starts_with_the_tiers_full_of_earlier_points_psi():
+    """A search's stack enters each point with HBM and DRAM full of earlier points' psi (other
+    prefix versions: never asked for again). Carried, the first psi kept evicts one of them (to
+    DRAM, through the engine's copy) and a user's return still finds its own; cold, nothing is
+    evicted until HBM fills."""
+    lru = _Lru(10)
+    lru.fill(-1, [3, 4])
+    assert (len(lru), lru.used) == (3, 10)  # 3 + 4 + 3; then 4 would not fit
+    lru.fill(-1 - len(lru), [1])
+    assert (len(lru), lru.used) == (3, 10)  # full: nothing more
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, hbm_budget_bytes=2 * one, dram_bytes=3 * one, demote_s_per_byte=1e-12)
+    calls = [request(0, 1.0, 1), request(1, 1.5, 1, session_index=1)]
+    for carried, evictions in ((False, 0), (True, 1)):
+        copies: list[tuple[float, str]] = []
+        served = simulate(calls, EXACT, dataclasses.replace(tiers, carried=carried), copies=copies)
+        assert [s.path for s in served] == ["full_recompute", "hbm_hit"]
+        assert sum(1 for _, label in copies if label == "demotions") == evictions
+
+
 def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_but_a_sample():
     """The ranker's demotion gate (services/ranker/demotion_gate.py), modelled: 20 users who
     do not come back, then two who do. Every copy is paid by no reload, so the gate closes and
@@ -752,6 +772,8 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         setup = load_model(path, config).setup
         assert setup.preinfer_steps is not None  # the relay's model
         assert setup.demotion_gate == (config != "relay-demote-pressure")
+        assert setup.carried  # tiers full of earlier points' psi, as the search's stack
+        assert not load_model(path, config, changes={"cold_start": 1.0}).setup.carried
         assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
         assert (setup.dram_bytes == 0) == (config == "no-expander")
     assert (
