@@ -234,6 +234,7 @@ class Runner:
             "batch_p99": s["batch_p99"],
             "returning_share": s["returning_share"],
             "by_served": s["by_served"],  # latency, queue and compute per path (hit, full, ...)
+            "by_user": s["by_user"],  # new and returning users' calls apart: paths, P99
             **{k: s.get(k, 0.0) for k in _SERVED},
             # nvidia-smi's busy share of the stack's GPUs (None: not sampled, e.g. on the CPU).
             "gpu_util": _finite_or_none(p.rankers["gpu_util"]),

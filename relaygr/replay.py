@@ -178,7 +178,8 @@ class ReplayResult:
         batch_p50, batch_p99 (calls in the batch that computed each call);
         hbm_hit, inflight_join, dram_reload, full_recompute (fractions of OK calls) and
         served_by_counts; by_served (per path that served calls: calls, latency / queue /
-        compute P50 and P99, batch P50); slo_attainment (OK calls within slo_ms / OK calls) and
+        compute P50 and P99, batch P50); by_user (new and returning users' calls apart: calls,
+        the paths' fractions, latency P99); slo_attainment (OK calls within slo_ms / OK calls) and
         slo_attainment_all (/ sent); meets_slo (every planned call sent, none failed, p99 <=
         slo_ms); offered_rps (realized: sends per second between the first and last send),
         planned_rps; lag_ms_{p99,max} and retrieval_lag_ms_{p99,max} (behind schedule);
@@ -239,6 +240,22 @@ class ReplayResult:
             }
             for k in SERVED_BY
             if served[k]
+        }
+        # New users' calls (a session's first: served by pre-inference or in full) and returning
+        # ones (psi kept, or in DRAM) apart: a tier may help one and cost the other (k22, k23).
+        out["by_user"] = {
+            kind: {
+                "calls": len(group),
+                **{
+                    k: sum(1 for r in group if r.served_by == k) / len(group) if group else 0.0
+                    for k in SERVED_BY
+                },
+                "latency_ms_p99": percentile([r.latency_ms for r in group], 99),
+            }
+            for kind, group in (
+                ("new", [r for r in ok if not r.planned.returning]),
+                ("returning", [r for r in ok if r.planned.returning]),
+            )
         }
         under = sum(1 for x in lat if x <= slo_ms)
         out["slo_attainment"] = under / len(ok) if ok else 0.0  # of OK calls

@@ -56,6 +56,8 @@ def test_goodput_run_writes_a_result_with_a_first_miss_for_every_record(tmp_path
             assert point["meets_slo"] is False
             assert point["calls"] >= 4
             assert point["p99_ms"] > 0
+            by_user = point["by_user"]  # new and returning users' calls apart
+            assert by_user["new"]["calls"] + by_user["returning"]["calls"] == point["ok"]
             assert 0.0 <= point["busy_fraction"] <= 1.0
             assert point["gpu_util"] is None  # nvidia-smi's count: GPU stacks only
             assert 0.0 <= point["starved_fraction"] <= 1.0  # idle between batches with calls waiting

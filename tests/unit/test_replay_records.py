@@ -227,3 +227,23 @@ def test_a_signal_path_service_that_does_not_answer_its_metrics_reads_as_empty(c
         port = sock.getsockname()[1]  # bound, not listening: refused
         assert asyncio.run(scrape_signal_path(port, "trigger")) == {}
     assert f"the trigger's metrics (port {port}) did not answer" in capsys.readouterr().err
+
+
+def test_new_and_returning_users_calls_are_summarised_apart():
+    new = [served(i, latency_ms=30.0 + i) for i in range(4)]  # first calls, in full
+    back = [
+        dataclasses.replace(
+            served(100 + i, latency_ms=5.0),
+            planned=planned(100 + i, session_index=1),
+            served_by="dram_reload" if i == 0 else "hbm_hit",
+        )
+        for i in range(4)
+    ]
+    by = result([*new, *back]).summary(slo_ms=100.0)["by_user"]
+    assert by["new"]["calls"] == by["returning"]["calls"] == 4
+    assert by["new"]["full_recompute"] == 1.0
+    assert (by["returning"]["hbm_hit"], by["returning"]["dram_reload"]) == (0.75, 0.25)
+    assert by["returning"]["latency_ms_p99"] == pytest.approx(5.0)
+    assert by["new"]["latency_ms_p99"] == pytest.approx(33.0, abs=0.1)
+    empty = result([]).summary(slo_ms=100.0)["by_user"]
+    assert empty["new"]["calls"] == 0
