@@ -764,6 +764,7 @@ def simulate(
     preinfers: list[tuple[float, float, float, float]] | None = None,
     decisions: list[tuple[float, str]] | None = None,
     copies: list[tuple[float, str]] | None = None,
+    gate: DemotionGate | None = None,
 ) -> list[Served]:
     """Every call of `requests` through one modelled ranker (module docstring), in order of
     service; the latencies of all of them (the caller drops the lead-in's). `preinfer_steps`, when
@@ -773,7 +774,9 @@ def simulate(
     trigger's decision on each retrieval event: (its time, the trigger's counter label:
     services/trigger/admission.py's Reason, an admission as admitted_risk / _reuse / _spare);
     `copies` each psi leaving HBM for DRAM or not, and each back: (time, "demotions",
-    "demotions_skipped" or "reloads", the ranker's point fields)."""
+    "demotions_skipped" or "reloads", the ranker's point fields); `gate` (with the setup's
+    demotion gate) the gate to go on with, as a search's ranker carries its own from point to
+    point (otherwise a warm one of this point's own)."""
     rng = np.random.default_rng(seed)
     rank_fit = _scheduler_fit(cal)
     limit = setup.graph_full_tokens
@@ -797,7 +800,10 @@ def simulate(
         for tier in (dram, hbm):  # foreign users: negative ids, never asked for again
             tier.fill(-1 - len(tier), sizes)
     # Warm: the ranker's gate enters a point past its min_demotions (module docstring).
-    gate = DemotionGate(min_demotions=0) if setup.demotion_gate else None
+    if not setup.demotion_gate:
+        gate = None
+    elif gate is None:
+        gate = DemotionGate(min_demotions=0)
     to_host = CopyEngine(setup.demote_s_per_byte)  # demotions
     to_device = CopyEngine(setup.reload_s_per_byte)  # reloads
     # The batches' and steps' own copies: behind psi's on the engines, or by kernels.
@@ -1236,10 +1242,16 @@ def simulate(
 
 
 def p99_at(
-    workload: WorkloadConfig, rate: float, cal: Calibration, setup: Setup, seed: int = 0
+    workload: WorkloadConfig,
+    rate: float,
+    cal: Calibration,
+    setup: Setup,
+    seed: int = 0,
+    gates: dict[int, DemotionGate] | None = None,
 ) -> dict[str, Any]:
     """One modelled point: the workload at `rate` (bench.goodput's point: 10 s and 400 calls at
-    least, after its lead-in), its measured window's P99 and path shares."""
+    least, after its lead-in), its measured window's P99 and path shares. `gates`: each ranker
+    process's demotion gate, carried from the points before (made at its first)."""
     cfg = dataclasses.replace(workload, rate_rps=rate, duration_s=max(10.0, 400 / rate))
     plan = generate(cfg)
     steps: list[tuple[float, float]] = []
@@ -1249,7 +1261,17 @@ def p99_at(
     served = [
         s
         for k, requests in enumerate(by_process(plan.requests, setup.processes))
-        for s in simulate(requests, cal, setup, seed + 7919 * k, steps, built, decided, copied)
+        for s in simulate(
+            requests,
+            cal,
+            setup,
+            seed + 7919 * k,
+            steps,
+            built,
+            decided,
+            copied,
+            None if gates is None else gates.setdefault(k, DemotionGate()),
+        )
         if not s.request.lead_in
     ]
     # Over the whole replay, lead-in included: the harness reads the rankers' counters before
@@ -1319,16 +1341,21 @@ def goodput(
     precision: float = 0.05,
     cap_rps: float = 4096.0,
     seed: int = 0,
+    search: SearchConfig | None = None,
 ) -> tuple[float, float, list[dict[str, Any]]]:
     """bench.goodput's search (relaygr.search) on the model, its grid the one rate `start_rps`:
     up by `growth` until a miss (down, when that misses), then bisection to `precision`. Returns
-    the highest rate met (0: none), the lowest missed (inf: none up to `cap_rps`), every point."""
-    config = SearchConfig(
+    the highest rate met (0: none), the lowest missed (inf: none up to `cap_rps`), every point.
+    `search`: the run's own search instead (its grid, growth, precision), every point in its
+    order with one demotion gate per ranker process carried through them, as the run's rankers
+    carried theirs (its warm-up is not modelled)."""
+    config = search or SearchConfig(
         grid=(start_rps,), precision=precision, growth=growth, cap_rps=max(cap_rps, start_rps)
     )
+    gates: dict[int, DemotionGate] | None = {} if search is not None else None
 
     def measure(rate: float) -> Point:
-        point = p99_at(workload, rate, cal, setup, seed)
+        point = p99_at(workload, rate, cal, setup, seed, gates)
         return Point(rate, point["p99_ms"], point["meets_slo"], point)
 
     result = find_limit(measure, config)
@@ -1337,6 +1364,21 @@ def goodput(
 
 
 # ---------------------------------------------------------------------- the command
+
+
+def run_search_config(result: dict[str, Any]) -> SearchConfig:
+    """The search a goodput result file ran (its config's grid, growth, precision, cap, floor)."""
+    c = result["config"]
+    try:
+        return SearchConfig(
+            grid=tuple(float(r) for r in c["grid"]),
+            precision=float(c["precision"]),
+            growth=float(c["growth"]),
+            cap_rps=float(c.get("cap_rps", 10_000.0)),
+            floor_rps=float(c.get("floor_rps", 0.0)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"the file's search cannot be read: {exc}") from exc
 
 
 def _workload(result: dict[str, Any], name: str) -> WorkloadConfig:
@@ -2108,6 +2150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "inputs and scores cross (the ranker's --batch-copies): engine (behind psi's "
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine)")  # fmt: skip
+    what_if.add_argument("--gate-history", action="store_true",
+                         help="the run's own search (its grid, growth and precision) with one demotion gate "
+                         "carried through its points, as the run's ranker carried its own, instead of a "
+                         "search from the measured limit with a warm gate at each point")  # fmt: skip
     what_if.add_argument("--cold-start", action="store_true",
                          help="HBM and host DRAM start each modelled point empty (the model before k23), "
                          "instead of full of earlier points' psi as a search's stack has them")  # fmt: skip
@@ -2176,9 +2222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     met, missed = measured_limit(result, args.config, workload)
     start = met if met > 0 else missed / 2
+    run_search = run_search_config(result) if args.gate_history else None
     # One search per model seed; the median limit and that search's points (the lower median).
     searches = sorted(
-        (goodput(modelled, cal, setup, start, seed=args.seed + i) for i in range(args.seeds)),
+        (
+            goodput(modelled, cal, setup, start, seed=args.seed + i, search=run_search)
+            for i in range(args.seeds)
+        ),
         key=lambda found: found[0],
     )
     low, high, points = searches[(len(searches) - 1) // 2]

@@ -39,12 +39,14 @@ from relaygr.sim import (
     main,
     measured_trigger_shares,
     modelled_configs,
+    p99_at,
     parse_trigger_settings,
     preinfer_ms_per_psi,
     preinfer_scale_to,
     processes_of,
     ran_demotion_gate,
     request_host_ms,
+    run_search_config,
     scaled,
     shape_of,
     signal_trip_ms,
@@ -52,6 +54,7 @@ from relaygr.sim import (
     trigger_view,
 )
 from relaygr.workload import PlannedRequest, WorkloadConfig
+from services.ranker.demotion_gate import DemotionGate
 from services.ranker.scheduler import Chunk, SchedulerConfig
 from services.trigger.config import ADMISSION_SETTINGS, TriggerConfig
 from shared.config import load_config
@@ -312,6 +315,31 @@ def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
     met = [p for p in points if p["meets_slo"]]
     assert max(p["rate_rps"] for p in met) == low
     assert all(p["busy"] > 0 for p in points)
+
+
+def test_a_search_with_the_runs_history_carries_one_demotion_gate_through_its_points():
+    """--gate-history: the run's own grid, growth and precision, every point in its order, each
+    ranker process's gate carried from point to point (made fresh at the first, as the run's)."""
+    run = {
+        "config": {"grid": [20.0, 30.0], "growth": 1.5, "precision": 0.2, "cap_rps": 200.0, "floor_rps": 4.0}
+    }
+    search = run_search_config(run)
+    assert (search.grid, search.growth, search.precision, search.floor_rps) == ((20.0, 30.0), 1.5, 0.2, 4.0)
+    with pytest.raises(ValueError, match="search cannot be read"):
+        run_search_config({"config": {"grid": [20.0]}})
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    setup = Setup(psi=True, hbm_budget_bytes=4 * one, dram_bytes=8 * one, demotion_gate=True, copy_cost_ms=0.5,
+                  carried=True)  # fmt: skip
+    workload = WorkloadConfig(fixed_prefix_len=4096, lead_in_s=2.0)
+    gates: dict[int, DemotionGate] = {}
+    first = p99_at(workload, 20.0, EXACT, setup, gates=gates)
+    assert first["demotions"] + first["demotions_skipped"] > 0  # the gate was asked
+    gate = gates[0]
+    p99_at(workload, 30.0, EXACT, setup, gates=gates)
+    assert gates[0] is gate  # the same gate went on
+    low, high, points = goodput(workload, EXACT, setup, start_rps=50.0, search=search)
+    assert [p["rate_rps"] for p in points][:2] == [20.0, 30.0]  # the run's grid first
+    assert 0 < low < high
 
 
 def test_the_command_compares_with_the_measured_file_and_refuses_what_it_does_not_model(tmp_path, capsys):
