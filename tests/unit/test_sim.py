@@ -45,6 +45,7 @@ from relaygr.sim import (
     preinfer_scale_to,
     processes_of,
     ran_demotion_gate,
+    reload_saving_ms,
     request_host_ms,
     run_search_config,
     scaled,
@@ -315,6 +316,15 @@ def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
     met = [p for p in points if p["meets_slo"]]
     assert max(p["rate_rps"] for p in met) == low
     assert all(p["busy"] > 0 for p in points)
+
+
+def test_a_reload_saves_the_calibrated_full_ranking_less_the_call_against_psi():
+    """The gate's saving per reload, as the ranker's fit of its measured batches gives it (not the
+    scheduler's fit, which at 16384 tokens put a full ranking at 7.6 ms against 20.0: k23a)."""
+    tokens = 4096 + 320
+    want = (FULL.fitted_s(tokens, 4096 * tokens) - CACHED.fitted_s(320, 0)) * 1e3
+    assert reload_saving_ms(EXACT, 4096, 320) == pytest.approx(want)
+    assert reload_saving_ms(EXACT, 8192, 320) > reload_saving_ms(EXACT, 4096, 320)  # longer: more
 
 
 def test_a_search_with_the_runs_history_carries_one_demotion_gate_through_its_points():
