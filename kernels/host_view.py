@@ -3,7 +3,7 @@
 A copy engine serves the copies of one direction in the order they were queued, from every
 stream (bench.copy_contention, k23 on an H200): a batch's scores copied to the host while a 512
 MiB psi copy to the host is in flight wait for all of it (8.2-8.6 ms), in 16 or 64 MiB pieces
-too when the pieces are queued at once, and the stream that queued them waits with them. A kernel
+too, queued at once or two at a time, and the stream that queued them waits with them. A kernel
 that reads or writes page-locked host memory through its unified address (zero-copy over PCIe)
 takes no copy engine, so it does not queue behind psi's copies.
 

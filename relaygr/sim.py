@@ -107,6 +107,7 @@ from relaygr.compressed import open_text
 from relaygr.search import Point, SearchConfig, find_limit, recorded_beyond_reach
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.config import BatchCopies
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
@@ -447,9 +448,9 @@ class Setup:
     # the lead-in's first calls. False: both start empty (the model before k23; at 16384 tokens
     # the lead-in then filled HBM and its copies and the gate's state began late).
     carried: bool = False
-    # A pre-inference graph step's K/V, copied out of the graph's buffer into the psi blocks by a
-    # device memcpy, waits for the device -> host engine's piece in progress (where a device
-    # memcpy runs on that copy engine: bench.copy_contention's kv_d2d says whether it does).
+    # A what-if: a pre-inference graph step's K/V, copied out of the graph's buffer into the psi
+    # blocks by a device memcpy, waits for the device -> host copies in progress, as where a device
+    # memcpy ran on that copy engine (on an H200 it does not: bench.copy_contention k23, kv_d2d).
     kv_copies_on_engine: bool = False
 
 
@@ -674,7 +675,7 @@ class _Lru:
 
 
 # The ranker's batch_copies, in the order the what-if changes encode them (float indices).
-BATCH_COPIES = ("engine", "scores_aside", "kernel")
+BATCH_COPIES = tuple(b.value for b in BatchCopies)
 
 
 def _no_wait(t: float) -> float:
@@ -2148,8 +2149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "issues instead of at the run's measured rate per batch: for what-ifs of the tiers "
                          "(--arena-gb 0: no DRAM tier, no copies)")  # fmt: skip
     what_if.add_argument("--copy-engines", choices=("on", "off"), default=None,
-                         help="psi's copies hold the copy engines, and a ranking batch's own copy waits for "
-                         "the piece in progress (on, where the file measured the copies' device time: "
+                         help="psi's copies hold the copy engines, and a ranking batch's own copy waits until "
+                         "the engine is idle (on, where the file measured the copies' device time: "
                          "CopyEngine), or cost the host's issue alone (off: the model before k22)")  # fmt: skip
     what_if.add_argument("--batch-copies", choices=BATCH_COPIES, default=None,
                          help="with the copy engines: how ranking batches' and pre-inference steps' own "
@@ -2165,8 +2166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "instead of full of earlier points' psi as a search's stack has them")  # fmt: skip
     what_if.add_argument("--kv-copies-on-engine", action="store_true",
                          help="with the copy engines: a pre-inference graph step's K/V copy into the psi "
-                         "blocks (a device memcpy) waits for the device -> host piece in progress, as where "
-                         "a device memcpy runs on that engine (bench.copy_contention's kv_d2d)")  # fmt: skip
+                         "blocks (a device memcpy) waits for the device -> host copies in progress, as where "
+                         "a device memcpy ran on that engine (on an H200 it does not: bench.copy_contention "
+                         "k23, kv_d2d)")  # fmt: skip
     what_if.add_argument("--chunks-ahead", action="store_true",
                          help="relay: the ranker's --chunks-ahead (pre-inference graph steps launched behind "
                          "the step on the device, the host going on meanwhile)")  # fmt: skip

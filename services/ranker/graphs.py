@@ -50,6 +50,7 @@ from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kernels.host_view import copy_by_kernel, device_view
+from services.ranker.config import BatchCopies
 from services.ranker.events import wait_until_done
 from services.ranker.model import HostTokens, HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
@@ -95,7 +96,7 @@ class GraphLimits:
 # Graph families (BucketKey.mode).
 CACHED, FULL, PREINFER, CHUNK = "cached", "full", "preinfer", "chunk"
 # How a batch's inputs and scores cross between host and device (RankGraphs' batch_copies).
-BATCH_COPIES = ("engine", "scores_aside", "kernel")
+BATCH_COPIES = tuple(b.value for b in BatchCopies)
 
 
 @dataclass(frozen=True, order=True)
@@ -593,7 +594,7 @@ class RankGraphs:
             # A kernel, not a device memcpy (which may queue on a copy engine too), then the copy
             # to the host on the scores' stream, ordered after it. The slot's event follows that
             # copy, and so the staging copy and this kernel before it (_Slot.reuse waits for it).
-            torch.mul(graph.logits[:count], 1.0, out=slot.aside[:count])
+            copy_by_kernel(slot.aside[:count], graph.logits[:count])
             slot.aside_done.record(torch.cuda.current_stream(self.model.device))
             self._scores_stream.wait_event(slot.aside_done)
             with torch.cuda.stream(self._scores_stream):
