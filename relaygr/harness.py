@@ -168,7 +168,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "relay-scores-aside": {"ranker_args": ("--batch-copies", "scores_aside")},
     # Inputs and scores moved by kernels through device views of the page-locked buffers, no copy
     # engine (RELAYGR_RANKER_BATCH_COPIES kernel): beside any psi copy, 0.05-0.2 ms (k23b).
+    # The default since k24 (the relay): at 16384 tokens on an H200 it met 42.19 req/s, as did
+    # the relay with engine copies and no-expander in the same lease (k24a-c, one GPU, three
+    # calls), with no call against psi over 5.1 ms of device time at 46.41 req/s (engine: 23
+    # such calls, up to 19.4 ms). Kept so that the files' names stay runnable.
     "relay-kernel-copies": {"ranker_args": ("--batch-copies", "kernel")},
+    # The relay with batches' copies on the ranking stream, the default before k24: the A/B of
+    # the default.
+    "relay-engine-copies": {"ranker_args": ("--batch-copies", "engine")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.
@@ -405,8 +412,10 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
     """The first ranker's pre-inference step costs as it measured them at start-up (its log):
     `eager` and, where first chunks replay CUDA graphs, `graph` ({per_step_ms, per_token_us,
     per_pair_ns}), with the graphs' `graph_tokens`, `graph_batch` and `graph_reads_psi` (later
-    chunks replay graphs too; absent before 2026-11-30's k20); {} before they are logged. What
-    the capacity model (relaygr.sim) plans and costs pre-inference steps by."""
+    chunks replay graphs too; absent before 2026-11-30's k20) and `batch_copies` (how batches'
+    copies ran, after any fallback; absent before k24, when every ranker ran "engine" unless a
+    config said otherwise); {} before they are logged. What the capacity model (relaygr.sim)
+    plans and costs pre-inference steps and batches' copies by."""
     if not stack.rankers:
         return {}
     out: dict[str, Any] = {}
@@ -420,7 +429,11 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
         else:
             out["graph"] = costs
             out.update(
-                {k: record[k] for k in ("graph_tokens", "graph_batch", "graph_reads_psi") if k in record}
+                {
+                    k: record[k]
+                    for k in ("graph_tokens", "graph_batch", "graph_reads_psi", "batch_copies")
+                    if k in record
+                }
             )
     return out
 

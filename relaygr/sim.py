@@ -1413,7 +1413,7 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
-            "relay-kernel-copies")  # fmt: skip
+            "relay-kernel-copies", "relay-engine-copies")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1429,6 +1429,7 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     # A batch's scores out on a stream of their own; inputs and scores by kernels (--batch-copies).
     "relay-scores-aside": {"batch_copies": float(BATCH_COPIES.index("scores_aside"))},
     "relay-kernel-copies": {"batch_copies": float(BATCH_COPIES.index("kernel"))},
+    "relay-engine-copies": {"batch_copies": float(BATCH_COPIES.index("engine"))},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
@@ -1668,6 +1669,18 @@ def ran_demotion_gate(result: dict[str, Any], config: str, workload: str) -> boo
         if r["config"] == config and r["workload"] == workload
         for p in r["points"]
     )
+
+
+def ran_batch_copies(result: dict[str, Any], config: str, workload: str) -> str:
+    """How the file's rankers' batches' copies ran (the ranker's --batch-copies, after any
+    fallback), as its search records logged it (`ranker_step_costs.batch_copies`, since k24);
+    "engine" for files before that, when it was every ranker's default."""
+    for r in result["results"]:
+        if r["config"] == config and r["workload"] == workload:
+            copies = (r.get("ranker_step_costs") or {}).get("batch_copies")
+            if copies in BATCH_COPIES:
+                return str(copies)
+    return "engine"
 
 
 def event_loop_ms(result: dict[str, Any], config: str, workload: str) -> float:
@@ -2020,7 +2033,11 @@ def load_model(
             setup,
             demote_s_per_byte=demote_rate,
             reload_s_per_byte=reload_rate,
-            batch_copies=BATCH_COPIES[int(changes.get("batch_copies", 0.0))],
+            batch_copies=(
+                BATCH_COPIES[int(changes["batch_copies"])]
+                if "batch_copies" in changes
+                else ran_batch_copies(result, config, chosen)
+            ),
             kv_copies_on_engine=bool(changes.get("kv_copies_on_engine", 0.0)),
         )
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
@@ -2156,7 +2173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="with the copy engines: how ranking batches' and pre-inference steps' own "
                          "inputs and scores cross (the ranker's --batch-copies): engine (behind psi's "
                          "copies, the device waiting), scores_aside (scores behind them on their own "
-                         "stream: the call waits, the device goes on), kernel (no copy engine)")  # fmt: skip
+                         "stream: the call waits, the device goes on), kernel (no copy engine); default: "
+                         "as the file's rankers ran (its records' batch_copies; engine before k24)")  # fmt: skip
     what_if.add_argument("--gate-history", action="store_true",
                          help="the run's own search (its grid, growth and precision) with one demotion gate "
                          "carried through its points, as the run's ranker carried its own, instead of a "

@@ -178,7 +178,7 @@ class RankerConfig(TlsSettings):
                                      "two steps in three run eagerly, 3.5 ms of fixed cost each against "
                                      "0.8 for a replay; on, the relay's limit rose 33.75 -> 37.97 req/s "
                                      "in one call, k20b)")  # fmt: skip
-    batch_copies: BatchCopies = setting(BatchCopies.ENGINE, env="RELAYGR_RANKER_BATCH_COPIES",
+    batch_copies: BatchCopies = setting(BatchCopies.KERNEL, env="RELAYGR_RANKER_BATCH_COPIES",
                                 renamed_from="RELAYGR_RANKER_SCORES_ASIDE",
                                 help="CUDA only: how a replayed batch's inputs reach the device and its "
                                 "scores the host. A copy engine serves each direction in order, so a "
@@ -188,7 +188,10 @@ class RankerConfig(TlsSettings):
                                 "scores copied aside by a kernel and to the host on a stream of their own "
                                 "(inputs still wait behind a reload); kernel: both, and a new psi's "
                                 "timestamps, moved by kernels through device views of page-locked "
-                                "memory, no copy engine (off until measured in a goodput search)")  # fmt: skip
+                                "memory, no copy engine (the default: at 16384 tokens on an H200, k24, "
+                                "calls against psi never took over 5.1 ms of device time at 46.41 req/s, "
+                                "against 19.4 ms with engine; where the device gives no such view it runs "
+                                "as engine, with a warning)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

@@ -186,8 +186,8 @@ class EngineConfig:
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
     graph_psi_chunks: bool = True
     # CUDA: how a batch's inputs and scores cross between host and device (RankGraphs'
-    # batch_copies: "engine", "scores_aside" or "kernel").
-    batch_copies: str = "engine"
+    # batch_copies: "engine", "scores_aside" or "kernel"; the ranker's default, kernel, here too).
+    batch_copies: str = "kernel"
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True
@@ -865,7 +865,8 @@ class Engine:
         log.info("preinfer_graph_steps_calibrated", per_step_ms=round(prior.per_batch_s * 1e3, 3),
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
                  step_ms=[round(t * 1e3, 3) for t in seconds], graph_tokens=graphs.limits.max_full_tokens,
-                 graph_batch=graphs.limits.max_full_batch, graph_reads_psi=graphs.chunks_reading_psi)  # fmt: skip
+                 graph_batch=graphs.limits.max_full_batch, graph_reads_psi=graphs.chunks_reading_psi,
+                 batch_copies=graphs.batch_copies)  # fmt: skip
 
     def _fitted_prior(self, steps: list[tuple[int, int]], seconds: list[float]) -> CostPrior | None:
         """A step-cost prior fitted to measured steps of (tokens, end) (pairs: tokens x end);

@@ -317,7 +317,7 @@ class RankGraphs:
         limits: GraphLimits,
         full_keeps_kv: bool = False,
         chunks_reading_psi: bool = False,
-        batch_copies: str = "engine",
+        batch_copies: str = "kernel",
     ) -> None:
         """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
         buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
@@ -333,8 +333,8 @@ class RankGraphs:
         on a stream of their own (the ranking stream no longer waits behind a demotion; the call
         still does, and inputs still wait behind a reload). "kernel": both are moved by
         kernels through device views of the page-locked buffers (kernels.host_view: zero-copy,
-        no copy engine; k23: 0.05-0.2 ms beside any psi copy); where the device gives no such
-        view, "engine"."""
+        no copy engine; k23: 0.05-0.2 ms beside any psi copy; the default since k24); where the
+        device gives no such view, "engine"."""
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on a CUDA device")
         from kernels.hstu_attention import triton_impl

@@ -436,13 +436,15 @@ def test_a_search_record_carries_what_the_capacity_model_needs_of_its_stack():
     ranker = SimpleNamespace(records=lambda: [
         {"event": "preinfer_steps_calibrated", "per_step_ms": 4.5, "per_token_us": 0.0, "per_pair_ns": 0.03},
         {"event": "preinfer_graph_steps_calibrated", "per_step_ms": 0.7, "per_token_us": 0.37,
-         "per_pair_ns": 0.02, "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True},
+         "per_pair_ns": 0.02, "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True,
+         "batch_copies": "kernel"},
     ])  # fmt: skip
     trigger = SimpleNamespace(records=lambda: [{"event": "trigger_ready", "admission": {"slo_ms": 50.0}}])
     got = stack_settings(SimpleNamespace(rankers=[ranker], trigger=trigger))  # type: ignore[arg-type]
     assert got["ranker_step_costs"]["eager"]["per_step_ms"] == 4.5
     assert got["ranker_step_costs"]["graph"]["per_pair_ns"] == 0.02
     assert got["ranker_step_costs"]["graph_reads_psi"] is True  # what the model plans chunks by
+    assert got["ranker_step_costs"]["batch_copies"] == "kernel"  # how the model times batches' copies
     assert got["trigger_settings"] == {"slo_ms": 50.0}
     assert stack_settings(SimpleNamespace(rankers=[], trigger=None)) == {  # type: ignore[arg-type]
         "ranker_step_costs": {},

@@ -44,6 +44,7 @@ from relaygr.sim import (
     preinfer_ms_per_psi,
     preinfer_scale_to,
     processes_of,
+    ran_batch_copies,
     ran_demotion_gate,
     reload_saving_ms,
     request_host_ms,
@@ -300,6 +301,11 @@ def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_
     points = {"results": [{"config": "relay", "workload": "L4096", "points": [{"demotions_skipped": 3.0}]}]}
     assert ran_demotion_gate(points, "relay", "L4096")
     assert not ran_demotion_gate(points, "relay", "mix")
+    # Batches' copies as the file's rankers ran them (logged since k24), engine before that.
+    assert ran_batch_copies(points, "relay", "L4096") == "engine"
+    points["results"][0]["ranker_step_costs"] = {"batch_copies": "kernel"}
+    assert ran_batch_copies(points, "relay", "L4096") == "kernel"
+    assert ran_batch_copies(points, "relay", "mix") == "engine"
     # The copy's price adds the event loop's CPU per demotion where the file measured it (k21
     # on), weighted by the points' demotions, as the ranker's gate does.
     assert demote_loop_cpu_ms(points, "relay", "L4096") == 0.0
@@ -632,6 +638,13 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     path.write_text(json.dumps(result))
     model = load_model(path, "relay")
     assert model.setup.preinfer_steps == StepCosts.parse("3,0,0.02", "0.5,0.3,0.02", 17408)  # no psi measured
+    # Batches' copies: engine where the file does not say (before k24); its record where it does;
+    # a variant or a what-if over both.
+    assert model.setup.batch_copies == "engine"
+    result["results"][0]["ranker_step_costs"]["batch_copies"] = "kernel"
+    path.write_text(json.dumps(result))
+    assert load_model(path, "relay").setup.batch_copies == "kernel"
+    assert load_model(path, "relay", changes={"batch_copies": 0.0}).setup.batch_copies == "engine"
     assert model.setup.preinfer_trip_ms is not None  # every signal pre-inferred (no trigger modelled)
     # Full rankings up to the file's graph size replay alone, as on its GPU; 0 batches them by cost.
     assert model.setup.graph_full_tokens == 17408
@@ -793,18 +806,25 @@ def test_the_command_models_chunk_graphs_by_the_record_the_config_or_a_what_if(t
 
 
 def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
-    """The harness's relay-demote-pressure, relay-budget-by-kind and no-expander: the relay's model
-    with the setting each changes (a what-if given on the command line wins)."""
+    """The harness's relay-demote-pressure, relay-budget-by-kind, no-expander and the three ways of
+    batches' copies: the relay's model with the setting each changes (a what-if given on the
+    command line wins)."""
     rows = [record(i, "hbm_hit", 4096, 1.2, 8.0) for i in range(100)]
     rows += [record(1000 + i, "full_recompute", 4096, 3.6, 12.0) for i in range(20)]
     costs = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.02},
              "graph": {"per_step_ms": 0.5, "per_token_us": 0.3, "per_pair_ns": 0.02},
              "graph_tokens": 17408, "graph_batch": 2, "graph_reads_psi": True}  # fmt: skip
-    for config in ("no-expander", "relay-demote-pressure", "relay-budget-by-kind"):
+    copies = {
+        "relay-kernel-copies": "kernel",
+        "relay-engine-copies": "engine",
+        "relay-scores-aside": "scores_aside",
+    }
+    for config in ("no-expander", "relay-demote-pressure", *copies, "relay-budget-by-kind"):
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
         result["results"][0]["points"][0]["demotions_skipped"] = 0.0  # run with the gate's setting
-        result["results"][0]["ranker_step_costs"] = costs
+        # Since k24 the file says how its rankers copied (kernel by default); the variant wins.
+        result["results"][0]["ranker_step_costs"] = {**costs, "batch_copies": "kernel"}
         path.write_text(json.dumps(result))
         assert modelled_configs(path) == [config]
         setup = load_model(path, config).setup
@@ -814,6 +834,7 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         assert not load_model(path, config, changes={"cold_start": 1.0}).setup.carried
         assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
         assert (setup.dram_bytes == 0) == (config == "no-expander")
+        assert setup.batch_copies == copies.get(config, "kernel")
     assert (
         load_model(
             path, "relay-budget-by-kind", changes={"budget_by_kind": 0.0}
