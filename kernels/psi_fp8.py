@@ -1,0 +1,103 @@
+"""psi's K/V in 8-bit floats: half the bytes of bf16, one scale per group of tokens of one head.
+
+psi is 32 KiB a token in the bench preset (8 layers x K and V x 1024 features x bf16): 512 MiB a
+user at 16384 tokens, where a 110000 MiB HBM budget holds ~214 users and each copy to or from
+host DRAM takes ~10 ms (k22-k24 on an H200). Stored as float8 e4m3 (3 mantissa bits, largest
+finite 448) with a float32 scale per (layer, K or V, group of `group_tokens` tokens, head), it
+takes half the bytes and a little more for the scales (4 bytes per group_tokens x head_dim
+values: 1/64 more at 1 token x 256 dims, 1/1024 at 16 tokens).
+
+A group's scale maps its largest magnitude to 448, so each value keeps ~2^-4 of relative
+precision and no group overflows. A group that is all zeros gets scale 1 (its values stay 0).
+Non-finite values are not hidden: a NaN or an infinity makes its group's scale and values NaN,
+so scores computed from it are non-finite and the ranker's guard (no such score is answered)
+still holds.
+
+Whether the relay may store psi this way is decided by what it does to scores: bench.psi_fp8
+measures the scores' error and the top-k agreement of candidate rankings against bf16 psi.
+These functions are plain torch, the same on CPU and GPU; nothing in the ranker uses them yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """psi's K/V [L, 2, P, H*D] as float8 values and per-group float32 scales."""
+
+    values: torch.Tensor  # [L, 2, P, H*D] float8_e4m3fn
+    scales: torch.Tensor  # [L, 2, ceil(P / group_tokens), heads] float32
+    group_tokens: int
+    heads: int
+    dtype: torch.dtype  # what dequantize_kv gives back
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.values.numel() * self.values.element_size()
+            + self.scales.numel() * self.scales.element_size()
+        )
+
+
+def _grouped(kv: torch.Tensor, heads: int, group_tokens: int) -> tuple[torch.Tensor, int]:
+    """kv [L, 2, P, H*D] as [L, 2, groups, group_tokens, heads, D] (zero-padded to whole groups),
+    and the padding's token count."""
+    layers, two, tokens, hidden = kv.shape
+    pad = -tokens % group_tokens
+    if pad:
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, pad))
+    groups = (tokens + pad) // group_tokens
+    return kv.reshape(layers, two, groups, group_tokens, heads, hidden // heads), pad
+
+
+def quantize_kv(kv: torch.Tensor, heads: int, group_tokens: int = 1) -> QuantizedKV:
+    """kv [L, 2, P, H*D] (any float dtype) as float8 e4m3 with one scale per (layer, K or V,
+    group of `group_tokens` tokens, head). ValueError on a shape that does not split so."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"psi kv must be [L, 2, P, H*D], got {tuple(kv.shape)}")
+    if heads < 1 or kv.shape[3] % heads:
+        raise ValueError(f"{kv.shape[3]} features do not split into {heads} heads")
+    if group_tokens < 1:
+        raise ValueError("group_tokens must be >= 1")
+    grouped, pad = _grouped(kv.float(), heads, group_tokens)
+    amax = grouped.abs().amax(dim=(3, 5))  # [L, 2, groups, heads]; NaN where a NaN is
+    # An all-zero group keeps scale 1; a NaN keeps its group's scale NaN (NaN > 0 is false, so
+    # testing for > 0 would give a NaN's group scale 1 and let its values through).
+    scales = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    scaled = grouped / scales[:, :, :, None, :, None]
+    values = scaled.to(FP8).reshape(kv.shape[0], 2, -1, kv.shape[3])
+    if pad:
+        values = values[:, :, : kv.shape[2]]
+    return QuantizedKV(values.contiguous(), scales.contiguous(), group_tokens, heads, kv.dtype)
+
+
+def dequantize_kv(q: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The K/V [L, 2, P, H*D] in q.dtype (into `out` when given, of that shape and dtype)."""
+    layers, two, tokens, hidden = q.values.shape
+    grouped, pad = _grouped(q.values.to(torch.float32), q.heads, q.group_tokens)
+    full = (grouped * q.scales[:, :, :, None, :, None]).reshape(layers, two, -1, hidden)
+    if pad:
+        full = full[:, :, :tokens]
+    if out is None:
+        return full.to(q.dtype).contiguous()  # a psi block is contiguous (PrefixKV.build)
+    if out.shape != q.values.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.values.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return out.copy_(full)
+
+
+def bytes_ratio(head_dim: int, group_tokens: int, element_size: int = 2) -> float:
+    """Bytes of float8 psi (values and scales) over those of psi at `element_size` bytes a value."""
+    return (1 + 4 / (group_tokens * head_dim)) / element_size
+
+
+def relative_step() -> float:
+    """The largest relative rounding step of e4m3 in its normal range (3 mantissa bits)."""
+    return math.ldexp(1.0, -4)
