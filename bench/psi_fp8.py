@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args, acc)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
     paths = write_result("psi-fp8", config, rows, COLUMNS, out_dir=args.out_dir, tag=args.tag,
-                         header="Scores against psi stored as float8 e4m3 (kernels.psi_fp8) vs psi as computed.")  # fmt: skip
+                         header=f"Scores against psi stored as float8 e4m3 (kernels.psi_fp8) vs psi as computed; "
+                         f"model {args.preset} ({rows[0]['dtype'] if rows else ''}), weights from seed 0, "
+                         f"{args.recent} recent + {args.candidates} candidates.\n\n")  # fmt: skip
     print("wrote", *paths)
 
 

@@ -176,6 +176,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The relay with batches' copies on the ranking stream, the default before k24: the A/B of
     # the default.
     "relay-engine-copies": {"ranker_args": ("--batch-copies", "engine")},
+    # psi stored in host DRAM as float8 e4m3 with per-group scales (RELAYGR_RANKER_HOST_PSI_FORMAT
+    # fp8): half the bytes to copy each way and to hold; scores off by bench.psi_fp8's eps.
+    "relay-host-fp8": {"ranker_args": ("--host-psi-format", "fp8")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.

@@ -56,6 +56,13 @@ class BatchCopies(enum.StrEnum):
     KERNEL = "kernel"  # both moved by kernels through device views of page-locked memory
 
 
+class HostPsiFormat(enum.StrEnum):
+    """How psi is stored in host DRAM (services/ranker/transfer.py)."""
+
+    NATIVE = "native"  # as computed (bf16 in the bench preset)
+    FP8 = "fp8"  # float8 e4m3 with a scale per 16 tokens of one head: half the bytes
+
+
 class Keep(enum.StrEnum):
     """Which full rankings keep their prefix's psi (services/ranker/relay_cache.py)."""
 
@@ -321,6 +328,14 @@ class RankerConfig(TlsSettings):
                                    "time; RELAYGR_RANKER_BATCH_COPIES is the way out) and each costs the device "
                                    "loop a copy call (L4096, h2d: 8 MiB pieces doubled its time issuing copies)",
                                    check=non_negative)  # fmt: skip
+    host_psi_format: HostPsiFormat = setting(HostPsiFormat.NATIVE, env="RELAYGR_RANKER_HOST_PSI_FORMAT",
+                                             help="how psi is stored in host DRAM: native (as computed) or "
+                                             "fp8 (float8 e4m3, a float32 scale per 16 tokens of one head: "
+                                             "half the bytes to copy and to hold, quantized and dequantized on "
+                                             "the copy stream; scores off by bench.psi_fp8's eps: on the CPU "
+                                             "with the bench preset at 4096 tokens 0.03, 8% of the scores' "
+                                             "spread, 9 of each user's 10 best kept at worst). Off until "
+                                             "measured in a goodput search")  # fmt: skip
     gil_switch_ms: float = setting(0.05, env="RELAYGR_RANKER_GIL_SWITCH_MS",
                                    renamed_from="RELAYGR_GIL_SWITCH_MS",
                                    help="Python thread switch interval: how long a thread that wants the "

@@ -21,9 +21,17 @@ import torch
 from kernels.device import Accelerator
 from services.ranker.engine import Engine
 from services.ranker.psi import Psi, PsiKey
-from services.ranker.transfer import host_meta, host_nbytes, issue_from_host, issue_to_host
+from services.ranker.transfer import (
+    HOST_FORMATS,
+    host_meta,
+    host_nbytes,
+    issue_from_host,
+    issue_to_host,
+    stored_nbytes,
+)
 from shared.expander.client import ExpanderClient, ExpanderRefused, ExpanderUnavailable
 from shared.logging import get_logger
+from shared.modelspec import ModelSpec
 
 log = get_logger("ranker.host_tier")
 _LEASE_S = 10.0
@@ -38,12 +46,23 @@ class HostTier:
         owner: str = "ranker",
         connect_timeout_s: float = 2.0,
         copy_piece_bytes: int = 0,
+        psi_format: str = "native",
+        spec: ModelSpec | None = None,
     ) -> None:
-        """`copy_piece_bytes`: psi is copied in pieces of at most this many bytes (0: whole)."""
+        """`copy_piece_bytes`: psi is copied in pieces of at most this many bytes (0: whole).
+        `psi_format`: how psi is stored in the arena (transfer.py: "native", or "fp8" with its
+        scales per head of the model `spec`, which it needs). Reloads read whatever format each
+        psi was stored in."""
+        if psi_format not in HOST_FORMATS:
+            raise ValueError(f"psi_format must be one of {', '.join(HOST_FORMATS)}, not {psi_format!r}")
+        if psi_format != "native" and spec is None:
+            raise ValueError(f"psi_format {psi_format!r} needs the model's spec")
         self.socket_path = socket_path
         self.accel = accel
         self.owner = owner
         self.copy_piece_bytes = copy_piece_bytes
+        self.psi_format = psi_format
+        self.spec = spec
         self._on_change = on_change
         self._timeout = connect_timeout_s
         self._client: ExpanderClient | None = None
@@ -57,6 +76,14 @@ class HostTier:
         self._watch: asyncio.Future[None] | None = None
         self._closing = False
         self._releases: set[asyncio.Future[None]] = set()  # arena leases being given back
+
+    def stored_nbytes(self, prefix_len: int) -> int | None:
+        """Bytes a psi of `prefix_len` tokens takes in the arena, as this tier stores it (what a
+        reload copies); None without the model's spec."""
+        s = self.spec
+        if s is None:
+            return None
+        return stored_nbytes(s.num_layers, prefix_len, s.hidden, s.dtype_bytes, self.psi_format, s.num_heads)
 
     @property
     def connected(self) -> bool:
@@ -121,7 +148,7 @@ class HostTier:
         client, arena = self._client, self._arena
         if client is None or arena is None:
             return False
-        meta = host_meta(psi)
+        meta = host_meta(psi, self.psi_format, 1 if self.spec is None else self.spec.num_heads)
         nbytes = host_nbytes(meta)
         try:
             reservation = await client.reserve(key, nbytes, meta, self.owner, _LEASE_S)
@@ -135,7 +162,7 @@ class HostTier:
         dest = arena[reservation.offset : reservation.offset + nbytes]
         self._use(+1)
         try:
-            await engine.copy(lambda: issue_to_host(psi, dest, self.copy_piece_bytes), work="demote")
+            await engine.copy(lambda: issue_to_host(psi, dest, self.copy_piece_bytes, meta), work="demote")
             await client.commit(reservation.lease_id)
             return True
         except ExpanderUnavailable:

@@ -711,7 +711,8 @@ class RelayCache:
             # The index says yes: the reload's acquire asks anyway, so a lookup first would only
             # add a round trip to the call's path. A key the index holds by mistake (lost
             # meanwhile, or sharing a slot) costs a failed acquire, and the call ranks in full.
-            nbytes: int | None = self._psi_bytes(prefix.length)
+            stored = self.host.stored_nbytes(prefix.length)  # in the tier's format (fp8: half)
+            nbytes: int | None = stored if stored is not None else self._psi_bytes(prefix.length)
         else:
             nbytes = await self.host.lookup(key)
         self._on_event("host_lookup", "absent" if nbytes is None else "found")

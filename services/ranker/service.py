@@ -436,6 +436,8 @@ class RankerService(pb_grpc.RankerServicer):
                 self.accel,
                 on_change=self._host_changed,
                 copy_piece_bytes=self.config.copy_piece_bytes,
+                psi_format=self.config.host_psi_format.value,
+                spec=self.spec,
             )
             await self.host.start()
             self.relay.host = self.host

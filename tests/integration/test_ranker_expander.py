@@ -356,3 +356,40 @@ async def test_a_ranker_warns_when_the_arena_holds_less_than_its_hbm(tmp_path):
             await r.channel.close()
             r.proc.stop()
         expander.stop()
+
+
+async def test_psi_stored_as_fp8_takes_half_the_bytes_and_ranks_within_its_rounding(tmp_path, reference):
+    """--host-psi-format fp8: ranker A stores its consumed psi in the arena as float8 with
+    per-group scales (a quarter of float32 psi's K/V bytes and the scales), ranker B reloads it;
+    B's scores are full inference's within what e4m3's rounding of psi does to them."""
+    sock = tmp_path / "run" / "expander.sock"
+    expander = start_expander(sock)
+    expander_metrics = expander.wait_event("expander_ready")["metrics_port"]
+    a, b = (Ranker(sock, "--demotion", "consumed", "--host-psi-format", "fp8") for _ in range(2))
+    try:
+        for r in (a, b):
+            await r.wait(lambda s: s.expander_connected)
+        (prefix,), (suffix,) = batch(13, [Shape(3, 1200, 8, 24)])
+        want = full_scores(reference, prefix, suffix)
+        assert close((await produce_and_consume_on(a, prefix, suffix, "a0")).scores, want)
+        await a.wait(lambda st: st.demotions == 1)
+        spec = preset("tiny")
+        plen = prefix.length
+        stored = expander.metric(expander_metrics, 'relaygr_expander_bytes{kind="stored"}')
+        native = spec.psi_bytes(plen)
+        fp8 = (
+            2 * spec.num_layers * plen * spec.hidden
+            + 2 * spec.num_layers * -(-plen // 16) * spec.num_heads * 4
+        )
+        assert stored == fp8 + 8 * plen < native / 3  # float32 K/V as 1 byte a value
+        ranked = await b.stub.Rank(rank_request(prefix, suffix, "b0-r"), timeout=30)
+        assert ranked.served_by == pb.DRAM_RELOAD
+        got = list(ranked.scores)
+        spread = (sum((x - sum(want) / len(want)) ** 2 for x in want) / len(want)) ** 0.5
+        error = max(abs(x - y) for x, y in zip(got, want, strict=True))
+        assert 0 < error < 0.25 * spread  # rounded, not lost: bench.psi_fp8 shows 0.03-0.1 of the spread
+    finally:
+        for r in (a, b):
+            await r.channel.close()
+            r.proc.stop()
+        expander.stop()

@@ -6,9 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.device import accelerator
+from kernels.psi_fp8 import dequantize_kv, quantize_kv
 from services.ranker import transfer
+from services.ranker.host_tier import HostTier
 from services.ranker.psi import Psi, PsiKey, psi_memory
-from services.ranker.transfer import copy_in_pieces, host_meta, host_nbytes, issue_from_host, issue_to_host
+from services.ranker.transfer import (
+    copy_in_pieces,
+    host_meta,
+    host_nbytes,
+    issue_from_host,
+    issue_to_host,
+    stored_nbytes,
+)
+from shared.modelspec import preset
 
 KEY = PsiKey(user_id=1, prefix_version=2, model_version="m", fingerprint=3)
 
@@ -100,3 +111,58 @@ def test_a_block_that_is_not_the_psi_s_own_is_refused():
         Psi(KEY, kv, ts, torch.zeros_like(block))
     with pytest.raises(ValueError, match="block"):
         Psi(KEY, kv, ts, block[:-8])
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 1000])
+@pytest.mark.parametrize("plen", [77, 64])  # a partial last group of 16 tokens, and none
+def test_fp8_psi_comes_back_as_its_quantization_and_takes_half_the_bytes(piece_bytes, plen):
+    kv, ts, block = psi_memory(3, plen, 32, torch.bfloat16, "cpu")
+    kv.copy_(torch.randn(3, 2, plen, 32).to(torch.bfloat16) * 5)
+    ts.copy_(torch.arange(plen) * 1000)
+    psi = Psi(KEY, kv, ts, block)
+    meta = host_meta(psi, "fp8", heads=4)
+    assert host_nbytes(meta) == stored_nbytes(3, plen, 32, 2, "fp8", heads=4)
+    assert host_nbytes(meta) < 0.55 * host_nbytes(host_meta(psi))  # half, and the scales
+    assert host_nbytes(host_meta(psi)) == stored_nbytes(3, plen, 32, 2)
+    host = torch.zeros(host_nbytes(meta), dtype=torch.uint8)
+    issue_to_host(psi, host, piece_bytes, meta)
+    back = issue_from_host(host, meta, KEY, torch.device("cpu"), piece_bytes=piece_bytes)
+    assert back.kv.dtype == torch.bfloat16
+    assert back.block is not None  # one block in HBM, as a computed psi's
+    assert torch.equal(back.kv, dequantize_kv(quantize_kv(psi.kv, 4, 16)))
+    assert torch.equal(back.timestamps, psi.timestamps)
+    assert float((back.kv.float() - psi.kv.float()).abs().max()) <= 2.0**-4 * float(
+        psi.kv.float().abs().max()
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"format": "int4"}, "format"),
+        ({"heads": 5}, "sizes disagree"),
+        ({"group_tokens": 8}, "sizes disagree"),
+        ({"kv_bytes": 10}, "sizes disagree"),
+        ({"heads": "x"}, "bad psi metadata"),
+    ],
+)
+def test_fp8_metadata_that_does_not_describe_the_bytes_is_refused(change, match):
+    psi = Psi(KEY, torch.zeros(2, 2, 20, 32), torch.zeros(20, dtype=torch.int64))
+    meta = host_meta(psi, "fp8", heads=4)
+    host = torch.zeros(host_nbytes(meta), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        issue_from_host(host, {**meta, **change}, KEY, torch.device("cpu"))
+    with pytest.raises(ValueError, match="host format"):
+        host_meta(psi, "fp4")
+
+
+def test_a_host_tier_stores_in_a_format_it_can_size_and_refuses_others():
+    cpu, spec = accelerator("cpu"), preset("bench")
+    assert HostTier("sock", cpu).stored_nbytes(4096) is None  # no spec: the caller's own estimate
+    assert HostTier("sock", cpu, spec=spec).stored_nbytes(4096) == spec.psi_bytes(4096)
+    fp8 = HostTier("sock", cpu, psi_format="fp8", spec=spec).stored_nbytes(4096)
+    assert fp8 == 8 * 2 * 4096 * 1024 + 8 * 2 * 256 * 4 * 4 + 8 * 4096  # values, scales, timestamps
+    with pytest.raises(ValueError, match="needs the model's spec"):
+        HostTier("sock", cpu, psi_format="fp8")
+    with pytest.raises(ValueError, match="psi_format must be one of native, fp8"):
+        HostTier("sock", cpu, psi_format="bf8", spec=spec)

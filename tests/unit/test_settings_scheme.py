@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from services.expander.config import ExpanderConfig
-from services.ranker.config import BatchCopies, Device, RankerConfig
+from services.ranker.config import BatchCopies, Device, HostPsiFormat, RankerConfig
 from services.router.config import FrontDoor, Placement, RouterConfig
 from services.trigger.admission import Policy
 from services.trigger.config import TriggerConfig
@@ -95,6 +95,7 @@ def test_one_variable_sets_a_shared_setting_in_every_service():
         (RankerConfig, ["--device", "cpu"], "device", Device.CPU, "auto, cpu, cuda, npu"),
         (RankerConfig, ["--batch-copies", "kernel"], "batch_copies", BatchCopies.KERNEL,
          "engine, scores_aside, kernel"),
+        (RankerConfig, ["--host-psi-format", "fp8"], "host_psi_format", HostPsiFormat.FP8, "native, fp8"),
         (RouterConfig, [*ARGV["router"], "--placement", "round_robin"], "placement", Placement.ROUND_ROBIN,
          "affinity, round_robin"),
         (RouterConfig, [*ARGV["router"], "--front-door", "grpc"], "front_door", FrontDoor.GRPC, "relay, grpc"),
