@@ -15,12 +15,12 @@ still holds.
 
 Whether the relay may store psi this way is decided by what it does to scores: bench.psi_fp8
 measures the scores' error and the top-k agreement of candidate rankings against bf16 psi.
-These functions are plain torch, the same on CPU and GPU; nothing in the ranker uses them yet.
+These functions are plain torch, the same on CPU and GPU. The ranker's host tier uses them when
+its host_psi_format is fp8 (services/ranker/transfer.py); HBM keeps psi as computed.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +98,3 @@ def dequantize_kv(q: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tens
             full = (grouped * q.scales[layer, half][:, None, :, None]).reshape(-1, hidden)
             out[layer, half] = full[:tokens]
     return out
-
-
-def bytes_ratio(head_dim: int, group_tokens: int, element_size: int = 2) -> float:
-    """Bytes of float8 psi (values and scales) over those of psi at `element_size` bytes a value."""
-    return (1 + 4 / (group_tokens * head_dim)) / element_size
-
-
-def relative_step() -> float:
-    """The largest relative rounding step of e4m3 in its normal range (3 mantissa bits)."""
-    return math.ldexp(1.0, -4)

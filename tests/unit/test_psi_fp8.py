@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import psi_fp8 as bench_psi_fp8
-from kernels.psi_fp8 import FP8, FP8_MAX, bytes_ratio, dequantize_kv, quantize_kv
+from kernels.psi_fp8 import FP8, FP8_MAX, dequantize_kv, quantize_kv
 
 HEADS = 4
 
@@ -47,9 +47,11 @@ def test_the_bytes_are_half_of_bf16_and_the_scales_a_small_rest():
     plain = kv.numel() * kv.element_size()
     for group in (1, 16, 64):
         q = quantize_kv(kv, HEADS, group)
-        assert q.nbytes / plain == pytest.approx(bytes_ratio(16, group))
-    assert bytes_ratio(256, 1) == pytest.approx((1 + 1 / 64) / 2)  # the bench preset's heads
-    assert bytes_ratio(256, 16) == pytest.approx((1 + 1 / 1024) / 2)
+        scales = 2 * 2 * (64 // group) * HEADS * 4  # a float32 per layer, K or V, group and head
+        assert q.nbytes == plain // 2 + scales
+    # The bench preset's 256 dims a head, a scale per 16 tokens: 1/1024 more than half.
+    q = quantize_kv(torch.zeros(1, 2, 32, 1024, dtype=torch.bfloat16), 4, 16)
+    assert q.nbytes / (2 * 32 * 1024 * 2) == pytest.approx((1 + 1 / 1024) / 2)
 
 
 def test_zeros_stay_zeros_and_a_non_finite_value_poisons_only_its_group():
