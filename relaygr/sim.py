@@ -121,6 +121,7 @@ from services.ranker.scheduler import (
     SchedulerConfig,
     chunk_work,
 )
+from services.ranker.transfer import stored_nbytes
 from services.trigger.admission import (
     Bounds,
     InstanceLedger,
@@ -141,6 +142,9 @@ from shared.placement import stable_hash
 from shared.wire import MAX_PREINFER_DUES
 
 PSI_BYTES_PER_TOKEN = 32 * 1024  # the bench preset: 8 layers x 2 (K, V) x 1024 x 2 bytes
+# The bench preset's psi in host DRAM as fp8 (values, a scale per 16 tokens of each of 4 heads,
+# timestamps) over psi as computed: ~0.5.
+HOST_FP8_SCALE = stored_nbytes(8, 4096, 1024, 2, "fp8", heads=4) / stored_nbytes(8, 4096, 1024, 2)
 PSI_PATHS = (  # how a call is served from psi (the per-call records' served_by)
     "hbm_hit",
     "dram_reload",
@@ -443,6 +447,10 @@ class Setup:
     # their own (the call waits for them, the device goes on; inputs still wait); "kernel", moved
     # by kernels through device views of page-locked memory, waiting for no copy engine.
     batch_copies: str = "engine"
+    # psi's bytes in host DRAM and over the link, against HBM's (the ranker's host_psi_format:
+    # 1 native; fp8 about half, HOST_FP8_SCALE): the arena holds that many more, each copy moves
+    # that share of the bytes, and a call's reload waits that much less of its copy.
+    host_bytes_scale: float = 1.0
     # HBM and host DRAM enter the modelled point full of earlier points' psi (other users', as
     # big as this workload's), as a search's stack has them: psi leaves HBM, through the gate, from
     # the lead-in's first calls. False: both start empty (the model before k23; at 16384 tokens
@@ -891,8 +899,9 @@ def simulate(
                 if copies is not None:
                     copies.append((now, "demotions_skipped"))
                 continue  # evicted without a copy
-            dram.put(old, size)  # demoted before it goes (demotion under pressure)
-            to_host.copy(max(now, device_free), size)  # issued now, after the compute queued
+            stored = round(size * setup.host_bytes_scale)
+            dram.put(old, stored)  # demoted before it goes (demotion under pressure)
+            to_host.copy(max(now, device_free), stored)  # issued now, after the compute queued
             copied()
             if copies is not None:
                 copies.append((now, "demotions"))
@@ -906,9 +915,16 @@ def simulate(
         if gate is not None:
             gate.reloaded()
 
-    def draw_reload_ms() -> float:
+    def draw_reload_ms(nbytes: int) -> float:
+        """A call's wait for its reload of `nbytes` of psi, drawn from the file's; with a host
+        format of fewer bytes, less the copy time those bytes no longer take."""
         pool = cal.reload_cache_ms
-        return float(pool[rng.integers(len(pool))]) if pool else 0.0
+        drawn = float(pool[rng.integers(len(pool))]) if pool else 0.0
+        saved_s = (1.0 - setup.host_bytes_scale) * nbytes * setup.reload_s_per_byte
+        return max(0.0, drawn - saved_s * 1e3)
+
+    def reload_copy(nbytes: int) -> None:
+        to_device.copy(max(now, device_free), round(nbytes * setup.host_bytes_scale))
 
     def busy_share(t: float, window_s: float = 2.0) -> float:
         """The device's busy share over the last `window_s` (as the ranker reports it)."""
@@ -1014,10 +1030,10 @@ def simulate(
             return
         if key in dram:
             dram.pop(key)
-            to_device.copy(max(now, device_free), r.prefix_len * PSI_BYTES_PER_TOKEN)
+            reload_copy(r.prefix_len * PSI_BYTES_PER_TOKEN)
             keep(key, r.prefix_len, r.recent_len + r.candidates)  # a prefetch: back in HBM before its call
             reloaded()
-            ready_at[key] = t + draw_reload_ms() / 1e3
+            ready_at[key] = t + draw_reload_ms(r.prefix_len * PSI_BYTES_PER_TOKEN) / 1e3
             return
         pid = next_id()
         # The lead test alone (with the trigger's whole admission, its decision included it):
@@ -1103,9 +1119,9 @@ def simulate(
         if path != "dram_reload":
             rank_queue.add(item)
         else:
-            reloads.append((t + draw_reload_ms() / 1e3, item.id))
+            reloads.append((t + draw_reload_ms(r.prefix_len * PSI_BYTES_PER_TOKEN) / 1e3, item.id))
             dram.pop(key)
-            to_device.copy(max(now, device_free), r.prefix_len * PSI_BYTES_PER_TOKEN)
+            reload_copy(r.prefix_len * PSI_BYTES_PER_TOKEN)
             keep(key, r.prefix_len, suffix)  # back in HBM (a reload is admitted like any psi)
             reloaded()
 
@@ -1423,7 +1439,7 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
-            "relay-kernel-copies", "relay-engine-copies")  # fmt: skip
+            "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1440,6 +1456,8 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     "relay-scores-aside": {"batch_copies": float(BATCH_COPIES.index("scores_aside"))},
     "relay-kernel-copies": {"batch_copies": float(BATCH_COPIES.index("kernel"))},
     "relay-engine-copies": {"batch_copies": float(BATCH_COPIES.index("engine"))},
+    # psi in host DRAM as fp8 (--host-psi-format): half the bytes held and copied.
+    "relay-host-fp8": {"host_bytes_scale": HOST_FP8_SCALE},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time
@@ -2050,6 +2068,7 @@ def load_model(
             ),
             kv_copies_on_engine=bool(changes.get("kv_copies_on_engine", 0.0)),
         )
+    setup = dataclasses.replace(setup, host_bytes_scale=float(changes.get("host_bytes_scale", 1.0)))
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
     slo_s = call_slo_s(result, config, chosen)
     if "ranker_slo_ms" in changes:
@@ -2185,6 +2204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine); default: "
                          "as the file's rankers ran (its records' batch_copies; engine before k24)")  # fmt: skip
+    what_if.add_argument("--host-psi-format", choices=("native", "fp8"), default=None,
+                         help="how psi is held in host DRAM and copied (the ranker's --host-psi-format): "
+                         "native, or fp8 (about half the bytes; its quantization's device time is not "
+                         "modelled)")  # fmt: skip
     what_if.add_argument("--gate-history", action="store_true",
                          help="the run's own search (its grid, growth and precision) with one demotion gate "
                          "carried through its points, as the run's ranker carried its own, instead of a "
@@ -2229,6 +2252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
                ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
+               ("host_bytes_scale", None if args.host_psi_format is None
+                else HOST_FP8_SCALE if args.host_psi_format == "fp8" else 1.0),
                ("cold_start", 1.0 if args.cold_start else None),
                ("request_host_ms", args.request_host_ms), ("trigger_host_ms", args.trigger_host_ms),
                ("processes", args.processes))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from relaygr.sim import (
+    HOST_FP8_SCALE,
     PSI_BYTES_PER_TOKEN,
     PSI_CHUNK_VARIANTS,
     AdmissionPolicy,
@@ -218,6 +219,30 @@ def test_a_call_against_psi_waits_for_the_demotion_copying_while_its_scores_come
     # Nothing copied, nothing held: the first call's psi is dropped without a DRAM tier.
     none = simulate(calls, EXACT, dataclasses.replace(tiers, dram_bytes=0, demote_s_per_byte=0.05 / one))
     assert none[2].latency_ms == pytest.approx(free[2].latency_ms)
+
+
+def test_psi_held_in_dram_as_fp8_fits_twice_as_many_and_copies_in_half_the_time():
+    """HBM holds one psi, DRAM two as computed: four users each push the last one out, then the
+    first two return. As computed, DRAM lost user 1's psi to user 3's, and user 2's to user 4's
+    when user 1 came back; as fp8 (half the bytes) it holds four. A call's reload waits less."""
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=2 * one + 1, demote_s_per_byte=0.01 / one,
+                  reload_s_per_byte=0.01 / one)  # fmt: skip
+    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 2.0, 3), request(3, 2.5, 4),
+             request(4, 3.0, 1, session_index=1), request(5, 3.5, 2, session_index=1)]  # fmt: skip
+    native = [s.path for s in simulate(calls, EXACT, tiers)]
+    fp8 = [
+        s.path for s in simulate(calls, EXACT, dataclasses.replace(tiers, host_bytes_scale=HOST_FP8_SCALE))
+    ]
+    assert native[4:] == ["full_recompute", "full_recompute"]
+    assert fp8[4:] == ["dram_reload", "dram_reload"]
+    assert pytest.approx(0.5, abs=0.001) == HOST_FP8_SCALE
+    # A call's reload waits less of its copy: the saved share of a 10 ms copy off the drawn wait.
+    slow = Calibration(FULL, CACHED, EXACT.overhead_ms, (12.0,), batches=0)
+    calls = [request(0, 1.0, 1), request(1, 1.5, 2), request(2, 2.0, 1, session_index=1)]
+    waits = {scale: simulate(calls, slow, dataclasses.replace(tiers, host_bytes_scale=scale))[2].latency_ms
+             for scale in (1.0, 0.5)}  # fmt: skip
+    assert waits[1.0] - waits[0.5] == pytest.approx(5.0, abs=0.01)
 
 
 def test_a_pre_inference_steps_kv_copy_waits_for_the_demotion_in_progress_where_asked():
@@ -821,7 +846,7 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         "relay-engine-copies": "engine",
         "relay-scores-aside": "scores_aside",
     }
-    for config in ("no-expander", "relay-demote-pressure", *copies, "relay-budget-by-kind"):
+    for config in ("no-expander", "relay-demote-pressure", *copies, "relay-host-fp8", "relay-budget-by-kind"):
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
         result["results"][0]["points"][0]["demotions_skipped"] = 0.0  # run with the gate's setting
@@ -837,6 +862,7 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
         assert (setup.dram_bytes == 0) == (config == "no-expander")
         assert setup.batch_copies == copies.get(config, "kernel")
+        assert setup.host_bytes_scale == (HOST_FP8_SCALE if config == "relay-host-fp8" else 1.0)
     assert (
         load_model(
             path, "relay-budget-by-kind", changes={"budget_by_kind": 0.0}
