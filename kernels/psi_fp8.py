@@ -47,54 +47,67 @@ class QuantizedKV:
         )
 
 
-def _grouped(slab: torch.Tensor, heads: int, group_tokens: int) -> torch.Tensor:
-    """One layer's K or V [P, H*D] as [groups, group_tokens, heads, D], zero-padded to whole
-    groups."""
-    tokens, hidden = slab.shape
+# The float32 working set of one pass: slabs (one layer's K or V) are taken as many at a time as
+# fit, so that a psi takes few passes (each a handful of kernels issued by the device loop) and
+# never a float32 copy of all of it (1 GiB at 16384 tokens of the bench preset).
+_PASS_BYTES = 256 << 20
+
+
+def _grouped(slabs: torch.Tensor, heads: int, group_tokens: int) -> torch.Tensor:
+    """Slabs [n, P, H*D] as [n, groups, group_tokens, heads, D], zero-padded to whole groups."""
+    n, tokens, hidden = slabs.shape
     pad = -tokens % group_tokens
     if pad:
-        slab = torch.nn.functional.pad(slab, (0, 0, 0, pad))
-    return slab.reshape(-1, group_tokens, heads, hidden // heads)
+        slabs = torch.nn.functional.pad(slabs, (0, 0, 0, pad))
+    return slabs.reshape(n, -1, group_tokens, heads, hidden // heads)
+
+
+def _passes(slabs: int, tokens: int, hidden: int) -> range:
+    """Starts of the passes over `slabs` slabs of [tokens, hidden] (step: slabs a pass)."""
+    return range(0, slabs, max(1, _PASS_BYTES // max(1, tokens * hidden * 4)))
 
 
 def quantize_kv(kv: torch.Tensor, heads: int, group_tokens: int = 1) -> QuantizedKV:
     """kv [L, 2, P, H*D] (any float dtype) as float8 e4m3 with one scale per (layer, K or V,
-    group of `group_tokens` tokens, head). ValueError on a shape that does not split so. Works
-    one layer's K or V at a time: at 16384 tokens of the bench preset its float32 working copy
-    is 64 MiB, where the whole psi's would be 1 GiB (on the copy stream, beside the HBM cache)."""
+    group of `group_tokens` tokens, head). ValueError on a shape that does not split so."""
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"psi kv must be [L, 2, P, H*D], got {tuple(kv.shape)}")
     if heads < 1 or kv.shape[3] % heads:
         raise ValueError(f"{kv.shape[3]} features do not split into {heads} heads")
     if group_tokens < 1:
         raise ValueError("group_tokens must be >= 1")
-    layers, _two, tokens, _hidden = kv.shape
+    layers, _two, tokens, hidden = kv.shape
+    slabs = kv.reshape(layers * 2, tokens, hidden)
     values = torch.empty(kv.shape, dtype=FP8, device=kv.device)
     scales = torch.empty(layers, 2, -(-tokens // group_tokens), heads, dtype=torch.float32, device=kv.device)
-    for layer in range(layers):
-        for half in range(2):
-            grouped = _grouped(kv[layer, half].float(), heads, group_tokens)
-            amax = grouped.abs().amax(dim=(1, 3))  # [groups, heads]; NaN where a NaN is
-            # An all-zero group keeps scale 1; a NaN keeps its group's scale NaN (NaN > 0 is
-            # false, so testing for > 0 would give a NaN's group scale 1 and let its values through).
-            scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
-            scales[layer, half] = scale
-            scaled = (grouped / scale[:, None, :, None]).reshape(-1, kv.shape[3])
-            values[layer, half] = scaled[:tokens].to(FP8)
+    flat_values, flat_scales = values.view(layers * 2, tokens, hidden), scales.view(layers * 2, -1, heads)
+    step = _passes(layers * 2, tokens, hidden).step
+    for at in range(0, layers * 2, step):
+        grouped = _grouped(slabs[at : at + step].float(), heads, group_tokens)
+        amax = grouped.abs().amax(dim=(2, 4))  # [n, groups, heads]; NaN where a NaN is
+        # An all-zero group keeps scale 1; a NaN keeps its group's scale NaN (NaN > 0 is false,
+        # so testing for > 0 would give a NaN's group scale 1 and let its values through).
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+        flat_scales[at : at + step] = scale
+        scaled = (grouped / scale[:, :, None, :, None]).reshape(grouped.shape[0], -1, hidden)
+        flat_values[at : at + step] = scaled[:, :tokens].to(FP8)
     return QuantizedKV(values, scales, group_tokens, heads, kv.dtype)
 
 
 def dequantize_kv(q: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The K/V [L, 2, P, H*D] in q.dtype (into `out` when given, of that shape and dtype), one
-    layer's K or V at a time."""
+    """The K/V [L, 2, P, H*D] in q.dtype (into `out` when given, of that shape and dtype)."""
     layers, _two, tokens, hidden = q.values.shape
     if out is None:
         out = torch.empty(q.values.shape, dtype=q.dtype, device=q.values.device)
     elif out.shape != q.values.shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {tuple(q.values.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
-    for layer in range(layers):
-        for half in range(2):
-            grouped = _grouped(q.values[layer, half].to(torch.float32), q.heads, q.group_tokens)
-            full = (grouped * q.scales[layer, half][:, None, :, None]).reshape(-1, hidden)
-            out[layer, half] = full[:tokens]
+    slabs, flat_out = q.values.view(layers * 2, tokens, hidden), out.view(layers * 2, tokens, hidden)
+    flat_scales = q.scales.view(layers * 2, -1, q.heads)
+    step = _passes(layers * 2, tokens, hidden).step
+    for at in range(0, layers * 2, step):
+        grouped = _grouped(slabs[at : at + step].to(torch.float32), q.heads, q.group_tokens)
+        full = (grouped * flat_scales[at : at + step][:, :, None, :, None]).reshape(
+            grouped.shape[0], -1, hidden
+        )
+        flat_out[at : at + step] = full[:, :tokens]
     return out

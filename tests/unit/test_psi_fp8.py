@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import psi_fp8 as bench_psi_fp8
+from kernels import psi_fp8
 from kernels.psi_fp8 import FP8, FP8_MAX, dequantize_kv, quantize_kv
 
 HEADS = 4
@@ -123,3 +124,16 @@ def test_bad_benchmark_arguments_are_refused_with_one_line(argv, capsys):
     with pytest.raises(SystemExit):
         bench_psi_fp8.main(["--device", "cpu", *argv])
     assert "error" in capsys.readouterr().err
+
+
+def test_a_psi_too_big_for_one_pass_is_taken_in_several_with_the_same_result(monkeypatch):
+    kv = kv_of(37, torch.bfloat16)  # 4 slabs (2 layers x K, V) of 37 x 64 float32: 9472 bytes each
+    whole = quantize_kv(kv, HEADS, 5)
+    back = dequantize_kv(whole)  # in one pass
+    monkeypatch.setattr(psi_fp8, "_PASS_BYTES", 9472 * 3)  # three slabs, then one
+    assert psi_fp8._passes(4, 37, 64) == range(0, 4, 3)
+    parts = quantize_kv(kv, HEADS, 5)
+    assert torch.equal(parts.values.view(torch.uint8), whole.values.view(torch.uint8))
+    assert torch.equal(parts.scales, whole.scales)
+    monkeypatch.setattr(psi_fp8, "_PASS_BYTES", 1)  # one slab a pass, however small
+    assert torch.equal(dequantize_kv(parts), back)
