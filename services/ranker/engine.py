@@ -80,6 +80,7 @@ import torch
 from kernels.device import Accelerator
 from kernels.host_view import HostStaging
 from services.ranker.call_cost import CostFit, CostPrior
+from services.ranker.config import BatchCopies
 from services.ranker.copy_stages import CopyStages
 from services.ranker.copy_watch import CopyWatcher
 from services.ranker.device_time import WORKS, DeviceTime, SectionTimer, starved_seconds
@@ -186,8 +187,8 @@ class EngineConfig:
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
     graph_psi_chunks: bool = True
     # CUDA: how a batch's inputs and scores cross between host and device (RankGraphs'
-    # batch_copies: "engine", "scores_aside" or "kernel"; the ranker's default, kernel, here too).
-    batch_copies: str = "kernel"
+    # batch_copies: "engine", "scores_aside" or "kernel"; the ranker's default here too).
+    batch_copies: str = BatchCopies.KERNEL.value
     # Launch the next ranking batch before collecting the scores of the one on the device
     # (Engine._loop): at most two batches in flight.
     launch_ahead: bool = True

@@ -317,7 +317,7 @@ class RankGraphs:
         limits: GraphLimits,
         full_keeps_kv: bool = False,
         chunks_reading_psi: bool = False,
-        batch_copies: str = "kernel",
+        batch_copies: str = BatchCopies.KERNEL.value,
     ) -> None:
         """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
         buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%

@@ -114,8 +114,8 @@ def issue_to_host(
         copy_in_pieces(dest[: psi.nbytes], psi.block, piece_bytes)
         return
     kv_bytes = psi.kv.numel() * psi.kv.element_size()
-    copy_in_pieces(dest[:kv_bytes], psi.kv.reshape(-1).view(torch.uint8), piece_bytes)
-    dest[kv_bytes : kv_bytes + psi.prefix_len * 8].copy_(psi.timestamps.view(torch.uint8), non_blocking=True)
+    copy_in_pieces(dest[:kv_bytes], _bytes_of(psi.kv), piece_bytes)
+    dest[kv_bytes : kv_bytes + psi.prefix_len * 8].copy_(_bytes_of(psi.timestamps), non_blocking=True)
 
 
 def issue_from_host(
@@ -177,6 +177,6 @@ def issue_from_host(
     elif block is not None:  # one copy: the block is the host layout
         copy_in_pieces(block, src[: block.numel()], piece_bytes)
     else:
-        copy_in_pieces(kv.reshape(-1).view(torch.uint8), src[:kv_bytes], piece_bytes)
-        ts.view(torch.uint8).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
+        copy_in_pieces(_bytes_of(kv), src[:kv_bytes], piece_bytes)
+        _bytes_of(ts).copy_(src[kv_bytes : kv_bytes + plen * 8], non_blocking=True)
     return Psi(key, kv, ts, block)

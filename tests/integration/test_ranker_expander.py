@@ -375,7 +375,11 @@ async def test_psi_stored_as_fp8_takes_half_the_bytes_and_ranks_within_its_round
         await a.wait(lambda st: st.demotions == 1)
         spec = preset("tiny")
         plen = prefix.length
-        stored = expander.metric(expander_metrics, 'relaygr_expander_bytes{kind="stored"}')
+        # The daemon's gauges follow its store on each sweep: wait for the one after the commit.
+        deadline = time.monotonic() + 10.0
+        while not (stored := expander.metric(expander_metrics, 'relaygr_expander_bytes{kind="stored"}')):
+            assert time.monotonic() < deadline, "the expander's stored bytes never showed the demotion"
+            await asyncio.sleep(0.05)
         native = spec.psi_bytes(plen)
         fp8 = (
             2 * spec.num_layers * plen * spec.hidden
