@@ -27,6 +27,11 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# Scales are amax times this, not amax / 448: CUDA divides a tensor by a Python number as a
+# multiplication by its float32 reciprocal and the CPU divides, which differ in the last bit
+# for some amax (k25, on an H200: the GPU's bytes were not the CPU's). A multiplication by one
+# float32 constant is the same on both.
+_FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def quantize_kv(kv: torch.Tensor, heads: int, group_tokens: int = 1) -> Quantize
         amax = grouped.abs().amax(dim=(2, 4))  # [n, groups, heads]; NaN where a NaN is
         # An all-zero group keeps scale 1; a NaN keeps its group's scale NaN (NaN > 0 is false,
         # so testing for > 0 would give a NaN's group scale 1 and let its values through).
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax * _FP8_MAX_RECIPROCAL)
         flat_scales[at : at + step] = scale
         scaled = (grouped / scale[:, :, None, :, None]).reshape(grouped.shape[0], -1, hidden)
         flat_values[at : at + step] = scaled[:, :tokens].to(FP8)

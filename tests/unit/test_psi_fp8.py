@@ -43,6 +43,20 @@ def test_a_value_comes_back_within_e4m3s_rounding_of_its_groups_scale(dtype, gro
     assert float(q.values.float().abs().max()) <= FP8_MAX
 
 
+def test_a_scale_is_its_groups_largest_magnitude_times_the_float32_reciprocal_of_448():
+    # CUDA divides a tensor by a Python number as a product with the number's float32 reciprocal;
+    # the CPU divides. The scale is that product on both, so the GPU's bytes are the CPU's (k25:
+    # with amax / 448 they differed in the last bit for some groups). Here: amax values whose
+    # quotient and product by the reciprocal differ.
+    amax = torch.linspace(0.5, 900.0, 4001)
+    reciprocal = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(448.0, dtype=torch.float32)
+    assert not torch.equal(amax / 448.0, amax * reciprocal)  # the test can tell them apart
+    kv = torch.zeros(1, 2, amax.numel(), 16)
+    kv[0, 0, :, 0] = amax  # one head of 16 dims, one token a group: amax is the group's largest
+    q = quantize_kv(kv, 1, 1)
+    assert torch.equal(q.scales[0, 0, :, 0], amax * reciprocal)
+
+
 def test_the_bytes_are_half_of_bf16_and_the_scales_a_small_rest():
     kv = kv_of(64, torch.bfloat16)
     plain = kv.numel() * kv.element_size()
