@@ -509,6 +509,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
         # Candidates for host DRAM the demotion gate did not copy (services/ranker/demotion_gate.py).
         totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
+        # Candidates not copied because no reload would take them back (CostModel.may_reload).
+        totals["demotions_never_reloaded"] += samples.get(
+            'relaygr_ranker_demotions_total{result="never_reloaded"}', 0.0
+        )
         # Full rankings the keep gate let go without keeping psi (services/ranker/keep_gate.py).
         totals["ranking_psi_declined"] += samples.get("relaygr_ranker_ranking_psi_declined_total", 0.0)
         # What the relay shed while the event loop was behind (services/ranker/loop_lag.py).
@@ -933,6 +937,9 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: device[k] / max(1, len(stack.ranker_metrics_ports)) for k in GATE_FIELDS},
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
+        # Candidates whose reload could never pay (services/ranker/cost_model.py, may_reload): not copied.
+        "demotions_never_reloaded": device["demotions_never_reloaded"]
+        - device_before["demotions_never_reloaded"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
         "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
         # Keeps and copies to DRAM shed while the event loop was behind (services/ranker/loop_lag.py).

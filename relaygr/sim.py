@@ -108,6 +108,7 @@ from relaygr.search import Point, SearchConfig, find_limit, recorded_beyond_reac
 from relaygr.workload import PlannedRequest, WorkloadConfig, generate
 from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.config import BatchCopies
+from services.ranker.cost_model import BUSY_COPY_PREFERENCE, COPY_OVERHEAD_MS
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
@@ -447,6 +448,9 @@ class Setup:
     # their own (the call waits for them, the device goes on; inputs still wait); "kernel", moved
     # by kernels through device views of page-locked memory, waiting for no copy engine.
     batch_copies: str = "engine"
+    # psi no reload would take back (the ranker's CostModel.may_reload, since k25) is not copied
+    # to host DRAM; False: the ranker before it, which offered every candidate to the gate.
+    skip_unreloadable: bool = False
     # psi's bytes in host DRAM and over the link, against HBM's (the ranker's host_psi_format:
     # 1 native; fp8 about half, HOST_FP8_SCALE): the arena holds that many more, each copy moves
     # that share of the bytes, and a call's reload waits that much less of its copy.
@@ -895,11 +899,15 @@ def simulate(
             if dram.capacity <= 0:
                 continue
             saving = reload_saving_ms(cal, size // PSI_BYTES_PER_TOKEN, suffix)
+            stored = round(size * setup.host_bytes_scale)
+            if setup.skip_unreloadable and setup.reload_s_per_byte > 0 and not may_reload(stored, saving):
+                if copies is not None:
+                    copies.append((now, "demotions_never_reloaded"))
+                continue  # no reload would take it back (CostModel.may_reload): not copied
             if gate is not None and not gate.admits(old[0], saving, setup.copy_cost_ms):
                 if copies is not None:
                     copies.append((now, "demotions_skipped"))
                 continue  # evicted without a copy
-            stored = round(size * setup.host_bytes_scale)
             dram.put(old, stored)  # demoted before it goes (demotion under pressure)
             to_host.copy(max(now, device_free), stored)  # issued now, after the compute queued
             copied()
@@ -907,6 +915,10 @@ def simulate(
                 copies.append((now, "demotions"))
             if gate is not None:
                 gate.demoted()
+
+    def may_reload(nbytes: int, saving_ms: float) -> bool:
+        """The ranker's rule (CostModel.may_reload) at the file's copy rate."""
+        return COPY_OVERHEAD_MS + nbytes * setup.reload_s_per_byte * 1e3 <= BUSY_COPY_PREFERENCE * saving_ms
 
     def reloaded() -> None:
         copied()
@@ -1335,7 +1347,10 @@ def p99_at(
         "preinfer_build_ms_mean": float(np.mean([d - s for _, s, d, _ in built]) * 1e3) if built else None,
         "preinfer_done_after_call": sum(d > c for _, _, d, c in built),
         # The tiers' copies, as the ranker's point fields count them.
-        **{label: copy_counts.get(label, 0) for label in ("demotions", "demotions_skipped", "reloads")},
+        **{
+            label: copy_counts.get(label, 0)
+            for label in ("demotions", "demotions_skipped", "demotions_never_reloaded", "reloads")
+        },
         **{f"trigger_{label}": n / events for label, n in sorted(reasons.items())},
     }
 
@@ -1711,6 +1726,17 @@ def ran_batch_copies(result: dict[str, Any], config: str, workload: str) -> str:
     return "engine"
 
 
+def ran_skip_unreloadable(result: dict[str, Any], config: str, workload: str) -> bool:
+    """Whether the file's rankers left psi no reload would take back out of host DRAM
+    (CostModel.may_reload): their points count such candidates (`demotions_never_reloaded`)."""
+    return any(
+        "demotions_never_reloaded" in p
+        for r in result["results"]
+        if r["config"] == config and r["workload"] == workload
+        for p in r["points"]
+    )
+
+
 def event_loop_ms(result: dict[str, Any], config: str, workload: str) -> float:
     """The rankers' event loops' CPU ms per request they handle (Rank calls and PreInfer
     signals): what Setup.request_host_s charges each arrival under the interpreter lock. From
@@ -2067,6 +2093,11 @@ def load_model(
                 else ran_batch_copies(result, config, chosen)
             ),
             kv_copies_on_engine=bool(changes.get("kv_copies_on_engine", 0.0)),
+            skip_unreloadable=(
+                bool(changes["skip_unreloadable"])
+                if "skip_unreloadable" in changes
+                else ran_skip_unreloadable(result, config, chosen)
+            ),
         )
     setup = dataclasses.replace(setup, host_bytes_scale=float(changes.get("host_bytes_scale", 1.0)))
     deadline_s = changes.get("call_deadline_s", call_deadline_s(result, config, chosen))
@@ -2204,6 +2235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine); default: "
                          "as the file's rankers ran (its records' batch_copies; engine before k24)")  # fmt: skip
+    what_if.add_argument("--skip-unreloadable", choices=("on", "off"), default=None,
+                         help="with the copy engines: psi whose reload would never pay (the ranker's "
+                         "CostModel.may_reload) is not copied to host DRAM (on), or offered to the gate "
+                         "as any (off); default: as the file's rankers ran (on where its points count "
+                         "demotions_never_reloaded)")  # fmt: skip
     what_if.add_argument("--host-psi-format", choices=("native", "fp8"), default=None,
                          help="how psi is held in host DRAM and copied (the ranker's --host-psi-format): "
                          "native, or fp8 (about half the bytes; its quantization's device time is not "
@@ -2252,6 +2288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
                ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
+               ("skip_unreloadable", None if args.skip_unreloadable is None
+                else float(args.skip_unreloadable == "on")),
                ("host_bytes_scale", None if args.host_psi_format is None
                 else HOST_FP8_SCALE if args.host_psi_format == "fp8" else 1.0),
                ("cold_start", 1.0 if args.cold_start else None),

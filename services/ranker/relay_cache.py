@@ -240,6 +240,7 @@ class RelayCache:
         self.demotion_cpu = CpuMeter()  # the event loop's CPU copying psi to host DRAM
         self._suffix_tokens = 0.0  # recent calls' suffix length (mean): what a reload would save
         self.demotions_skipped = 0  # candidates the gate did not copy (evicted without a copy)
+        self.demotions_never_reloaded = 0  # candidates no reload would take back: not copied
         self._decisions_logged: collections.Counter[str] = collections.Counter()  # reload choices, by reason
         self._largest_admitted = 0  # bytes of the largest psi admitted: the reserve's floor
         self.psi_from_rankings = 0  # full rankings whose psi entered the cache
@@ -802,7 +803,16 @@ class RelayCache:
         copy_ms = self.host_ms_per_demotion() if gate is not None and candidates else None
         for key in candidates:
             psi_key = cast(PsiKey, key)
-            if gate is not None and not gate.admits(psi_key.user_id, self._saving_ms(psi_key), copy_ms):
+            saving_ms = self._saving_ms(psi_key)
+            if saving_ms is not None and not self._may_reload(psi_key, saving_ms):
+                # A copy no call would take back (its reload slower than what it saves: the
+                # reload decision's own rule) is host time and DRAM spent for nothing, and not
+                # an opportunity the gate should weigh: settled, not copied, counted apart.
+                if self.cache.settle(psi_key):
+                    self.demotions_never_reloaded += 1
+                    self._on_event("demotion", "never_reloaded")
+                continue
+            if gate is not None and not gate.admits(psi_key.user_id, saving_ms, copy_ms):
                 # Not copied: the entry stays an evictable hot copy, and the admission that
                 # needs its room drops it (counted as evicted without a host copy).
                 if self.cache.settle(psi_key):
@@ -820,6 +830,16 @@ class RelayCache:
             return None
         saving_s = self.engine.reload_saving_s(view.nbytes // per_token, max(1, round(self._suffix_tokens)))
         return None if saving_s is None else saving_s * 1e3
+
+    def _may_reload(self, key: PsiKey, saving_ms: float) -> bool:
+        """Whether the reload decision could ever take this psi back from host DRAM (CostModel.
+        may_reload), its copy sized in the tier's format (fp8: about half)."""
+        view = self.cache.lookup(key)
+        per_token = self._psi_bytes(1)
+        if view is None or per_token <= 0:
+            return True
+        stored = self.host.stored_nbytes(view.nbytes // per_token) if self.host is not None else None
+        return self.costs.may_reload(view.nbytes if stored is None else stored, saving_ms)
 
     def _start_demotion(self, key: PsiKey) -> None:
         starting_from = time.thread_time()

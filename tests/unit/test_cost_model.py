@@ -52,3 +52,23 @@ def test_a_callers_measured_saving_overrides_the_step_model():
     decision = costs.choose(PSI_4K, 4096, compute_busy=False, recompute_ms=3.1)
     assert (decision.reload, decision.reason, decision.recompute_ms) == (True, "cheaper", 3.1)
     assert not costs.choose(PSI_4K, 4096, compute_busy=True, recompute_ms=1.0).reload
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_psi_may_be_reloaded_exactly_where_some_load_would_have_choose_reload_it(busy):
+    """may_reload is choose's widest rule (under load): psi it rejects is never reloaded, idle
+    or busy; psi choose reloads under load, it accepts."""
+    costs = CostModel(SPEC, assumed_tflops=200.0, h2d_gbps=50.0)
+    for mib in (1, 20, 50, 100, 128, 512):
+        nbytes = mib << 20
+        for saving_ms in (0.1, 0.5, 1.0, 2.0, 3.0, 10.0):
+            chosen = costs.choose(nbytes, 4096, compute_busy=busy, recompute_ms=saving_ms).reload
+            if chosen:
+                assert costs.may_reload(nbytes, saving_ms)
+            if busy:
+                assert chosen == costs.may_reload(nbytes, saving_ms)
+    # On the H200's link (~54 GB/s, k25b): ~660-token psi of the bench preset (21.6 MB) saving
+    # 0.2 ms is never worth a copy; 4096-token psi (128 MiB) saving 2.3 ms is.
+    h200 = CostModel(SPEC, assumed_tflops=200.0, h2d_gbps=54.0)
+    assert not h200.may_reload(21_632_160, 0.22)
+    assert h200.may_reload(128 << 20, 2.3)

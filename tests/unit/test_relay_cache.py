@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.device import accelerator
+from relaygr.synthetic import Shape, batch
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, EngineConfig, NonFiniteScores, nonfinite_calls
@@ -286,6 +287,9 @@ class CopyingHost:
     async def lookup(self, key: PsiKey) -> int | None:
         return None  # holds nothing: a pre-inference computes its psi
 
+    def stored_nbytes(self, prefix_len: int) -> int | None:
+        return None  # as HBM holds it
+
 
 class SlowCopyingHost(CopyingHost):
     """Takes every demotion, spending `step_s` of the event loop's CPU on each side of an await
@@ -386,6 +390,46 @@ async def test_the_demotion_gate_copies_only_a_sample_while_copies_do_not_pay(ke
         after(None)
     await asyncio.gather(*r.tasks)
     assert again.user_id in asked
+
+
+async def test_psi_no_reload_would_take_back_is_never_copied_to_host_dram(keeping, monkeypatch):
+    """A candidate whose reload would take longer than the reload decision ever accepts for
+    what it saves (CostModel.may_reload: 1.5 x the saving, under load) is not copied, whatever
+    the gate would say, and the gate is not asked: it stays an evictable hot copy, counted as
+    never reloaded. Longer psi, whose reload pays, is copied as before."""
+    r = keeping
+    host = CopyingHost()
+    gate = DemotionGate(sample_every=1, min_demotions=1)  # would copy every candidate it is asked about
+    r.rebuild(demotion_reserve_bytes=r.cache.budget_bytes, demotion_gate=gate)
+    r.relay.host = cast(HostTier, host)
+    monkeypatch.setattr(r.engine, "host_ms_per_copy", lambda: 0.3)
+    # A reload costs at least the copy's fixed 0.2 ms: psi under 800 tokens saves 0.1 ms here,
+    # so no reload would ever take it back; longer psi saves 2 ms.
+    monkeypatch.setattr(
+        r.engine, "reload_saving_s", lambda prefix_len, suffix_len: 1e-4 if prefix_len < 800 else 2e-3
+    )
+    asked: list[int] = []
+    admits = gate.admits
+    monkeypatch.setattr(gate, "admits", lambda user, *a: asked.append(user) or admits(user, *a))
+    keys = {}
+    prefixes, suffixes = batch(7, [Shape(3, 600, 8, 16), Shape(3, 900, 8, 16)])  # users 0 and 1
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"n{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        assert (await r.rank(key, prefix, suffix)).served is Served.FULL_RECOMPUTE
+        for after in r.after:
+            after(None)
+        r.after.clear()
+        await asyncio.gather(*r.tasks)
+        keys[(600, 900)[i]] = key
+    short, long = keys[600], keys[900]
+    assert host.demoted == [long]
+    assert r.relay.demotions_never_reloaded == 1
+    assert r.relay.demotions_skipped == 0
+    assert ("demotion", "never_reloaded") in r.events
+    assert short.user_id not in asked
+    assert long.user_id in asked
+    assert r.state(short) is EntryState.CONSUMED  # still hot in HBM, evictable
 
 
 async def test_a_preinference_not_started_within_its_lease_is_dropped_and_frees_its_room(take_over):

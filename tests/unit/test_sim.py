@@ -47,6 +47,7 @@ from relaygr.sim import (
     preinfer_scale_to,
     processes_of,
     ran_batch_copies,
+    ran_skip_unreloadable,
     ran_demotion_gate,
     reload_saving_ms,
     request_host_ms,
@@ -340,6 +341,37 @@ def test_with_the_demotion_gate_psi_that_no_reload_pays_for_leaves_hbm_uncopied_
                 {"demotions": 300.0, "demote_loop_cpu_ms_mean": 3.0}, {"demotions": 0.0}]  # fmt: skip
     points = {"results": [{"config": "relay", "workload": "L4096", "points": measured}]}
     assert demote_loop_cpu_ms(points, "relay", "L4096") == pytest.approx(2.5)
+
+
+def test_psi_no_reload_would_take_back_is_not_copied_where_the_ranker_skips_it():
+    """The ranker's CostModel.may_reload, modelled (Setup.skip_unreloadable): over a link so slow
+    that a 4096-token psi's reload takes 3x what it saves, the returning user's psi is not
+    copied to DRAM and the call ranks in full; over a fast one it is copied and reloaded. Files
+    whose points count such candidates are modelled with it, older ones without."""
+    one = 4096 * PSI_BYTES_PER_TOKEN
+    saving_ms = reload_saving_ms(EXACT, 4096, 320)
+    slow = (3.0 * saving_ms - 0.2) / 1e3 / one  # seconds per byte: the reload takes 3x the saving
+    tiers = Setup(psi=True, hbm_budget_bytes=one, dram_bytes=400 * one, skip_unreloadable=True)
+    calls = [request(0, 1.0, 16), request(1, 1.05, 17), request(0, 3.0, 16, session_index=1)]
+    for rate, path, label in (
+        (slow, "full_recompute", "demotions_never_reloaded"),
+        (slow / 30, "dram_reload", "demotions"),
+    ):
+        copies: list[tuple[float, str]] = []
+        setup = dataclasses.replace(tiers, reload_s_per_byte=rate, demote_s_per_byte=rate)
+        served = simulate(calls, EXACT, setup, copies=copies)
+        assert [s.path for s in served if s.request.session_index] == [path]
+        assert label in {lab for _, lab in copies}
+    # Without the rule (the ranker before k25) the slow link's psi is copied and reloaded.
+    setup = dataclasses.replace(
+        tiers, reload_s_per_byte=slow, demote_s_per_byte=slow, skip_unreloadable=False
+    )
+    assert [s.path for s in simulate(calls, EXACT, setup) if s.request.session_index] == ["dram_reload"]
+    points = {
+        "results": [{"config": "relay", "workload": "mix", "points": [{"demotions_never_reloaded": 0.0}]}]
+    }
+    assert ran_skip_unreloadable(points, "relay", "mix")
+    assert not ran_skip_unreloadable(points, "relay", "L4096")
 
 
 def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
