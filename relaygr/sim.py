@@ -66,11 +66,14 @@ replays, same seed, same lead-in, the measured window only counted):
     made. On the H200's length mix that left the baseline's modelled limit 15-22% over the
     measured (k15a, k15c; the process at 0.96-1.0 cores, the lock's limit); 0.5 ms a request
     (`--request-host-ms`, a what-if) brought all eight L4096 and mix checks of k15a-d within 12%.
-    Unchecked: the calls' measured `launch_ms`, which the model draws, already holds a launch's
-    waits for the lock, so charging the event loop's whole CPU on top may count some of it
-    twice (py-spy on an H200 host saw ~1.2 ms a request on-CPU, k17c; 1.0 ms in the model put
-    the mix baseline at 336 req/s where 421.9 was measured). `--request-host-ms 0` is the
-    model without it.
+    The calls' measured `launch_ms` and the loop's host-step sections by wall time already hold
+    the device loop's waits for the lock, so where the event loop is charged, they are taken at
+    the device loop's own thread CPU instead (the points' loop_<section>_cpu_s: launches scaled
+    by the launch section's CPU over its wall time, 0.69-0.73 on an H200; `launch_own_share`).
+    Checked on the first single-process files with the event loop's CPU (k25a-b, one H200):
+    baseline / relay at L4096 1.04 / 0.91 of measured, on the mix 0.86 / 1.00, where the wall
+    times with the charge gave 0.97 / 0.86 and 0.77 / 0.86, and no charge 1.04 / 0.91 and
+    0.94 / 1.30. `--host-by-wall` and `--request-host-ms 0` are the models without it.
 Several ranker processes of one GPU (`<name>-<N>p[-mps]`) are modelled as rankers of their own,
 each with its users (rendezvous placement, as the router's) and its share of the tiers, at the
 device costs the file measured with them side by side (Setup.processes). The copy engines (since
@@ -399,6 +402,11 @@ class Setup:
     # The host's launch of each ranking batch, as measured times this (module docstring); 0:
     # not modelled, every batch starts when the device is free.
     launch_scale: float = 1.0
+    # The device loop's own CPU share of a measured launch (the launch section's thread CPU over
+    # its wall time): where the model charges the event loop's lock time apart (request_host_s),
+    # a launch's measured wall time already holds its waits for that lock, so only this share of
+    # it is the loop's own work (module docstring); 1: the launch's wall time whole.
+    launch_own_share: float = 1.0
     # The host's time per batch between launches (settling the batch before, copies, planning:
     # `host_step_s`), also times launch_scale; 0: not modelled.
     host_step_s: float = 0.0
@@ -1206,8 +1214,10 @@ def simulate(
                 # the step runs once the device is free. Its chunks count as built at the
                 # launch: what reads their psi next is launched behind the step on the stream.
                 tokens, _ = chunk_work(plan.chunks)
-                launch = setup.launch_scale * (cal.cached or cal.full).draw_launch_s(
-                    tokens, rng, len(plan.chunks)
+                launch = (
+                    setup.launch_scale
+                    * setup.launch_own_share
+                    * (cal.cached or cal.full).draw_launch_s(tokens, rng, len(plan.chunks))
                 )
                 begin = inputs_wait(max(device_free, now + launch))
                 now += launch
@@ -1251,7 +1261,7 @@ def simulate(
         cost = cal.full if batch[0][0].kind is RankKind.FULL else (cal.cached or cal.full)
         tokens = sum(b[0].tokens for b in batch)
         seconds = cost.draw_s(tokens, sum(b[0].pairs for b in batch), rng, len(batch))
-        launch_s = setup.launch_scale * cost.draw_launch_s(tokens, rng, len(batch))
+        launch_s = setup.launch_scale * setup.launch_own_share * cost.draw_launch_s(tokens, rng, len(batch))
         if batch[0][0].kind is RankKind.CACHED:
             cached_ms.append(seconds * 1e3 / len(batch))  # what the trigger prices a call against psi by
         if launch_s <= 0.0:
@@ -1621,25 +1631,45 @@ def graph_full_tokens(result: dict[str, Any], config: str, workload: str) -> int
     return 0
 
 
-def host_step_s(result: dict[str, Any], config: str, workload: str) -> float:
+def host_step_s(result: dict[str, Any], config: str, workload: str, by: str = "wall") -> float:
     """The host's time per ranking batch between launches (settle, copies, plan), as the file's
-    points measured it (loop_* wall seconds over the batches replayed or run eagerly in the same
-    span), weighted by batches; 0 where the file has no loop sections (runs before 598c4dc)."""
-    per_batch, per_copy, copies_per_batch = _host_costs(result, config, workload)
+    points measured it (loop_* seconds over the batches replayed or run eagerly in the same
+    span), weighted by batches; 0 where the file has no loop sections (runs before 598c4dc).
+    `by`: "wall" (the sections' wall time, waits for the interpreter lock included) or "cpu"
+    (the device loop's thread CPU in them: its own work)."""
+    per_batch, per_copy, copies_per_batch = _host_costs(result, config, workload, by)
     return per_batch + per_copy * copies_per_batch
 
 
-def host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[float, float]:
+def launch_own_share(result: dict[str, Any], config: str, workload: str) -> float | None:
+    """The device loop's thread CPU in its launch section over that section's wall time, summed
+    over the file's points (0.69-0.73 on an H200, k25a-b); None where the points have no
+    thread CPU figures for it."""
+    cpu = wall = 0.0
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            if p.get("loop_launch_cpu_s") is not None and p.get("loop_launch_wall_s"):
+                cpu += float(p["loop_launch_cpu_s"])
+                wall += float(p["loop_launch_wall_s"])
+    return min(1.0, cpu / wall) if wall > 0 else None
+
+
+def host_costs(result: dict[str, Any], config: str, workload: str, by: str = "wall") -> tuple[float, float]:
     """host_step_s split in two: the host's time per ranking batch between launches less the
     copies' issue (settle, plan), and the loop's time per copy of psi issued (its `copies` section
     over the demotions and reloads of the same points: 0.34-0.46 ms on an H200, L4096 and L16384,
     k10c / k10d). Where the file counts no copies, they stay in the first (0 for the second)."""
-    per_batch, per_copy, _ = _host_costs(result, config, workload)
+    per_batch, per_copy, _ = _host_costs(result, config, workload, by)
     return per_batch, per_copy
 
 
-def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[float, float, float]:
-    """(seconds per batch less the copies counted, seconds per copy, copies per batch)."""
+def _host_costs(
+    result: dict[str, Any], config: str, workload: str, by: str = "wall"
+) -> tuple[float, float, float]:
+    """(seconds per batch less the copies counted, seconds per copy, copies per batch), by the
+    sections' wall time or thread CPU (`by`)."""
     seconds = batches = copy_s = copies = 0.0
     for r in result["results"]:
         if r["config"] != config or r["workload"] != workload:
@@ -1647,7 +1677,7 @@ def _host_costs(result: dict[str, Any], config: str, workload: str) -> tuple[flo
         for p in r["points"]:
             n = sum(float(p.get(f"graph_{what}_{family}", 0.0))
                     for what in ("replays", "eager_batches") for family in _RANK_FAMILIES)  # fmt: skip
-            spent = {section: p.get(f"loop_{section}_wall_s") for section in _HOST_STEP_SECTIONS}
+            spent = {section: p.get(f"loop_{section}_{by}_s") for section in _HOST_STEP_SECTIONS}
             if n <= 0 or any(v is None for v in spent.values()):
                 continue
             issued = float(p.get("demotions", 0.0)) + float(p.get("reloads", 0.0))
@@ -2032,10 +2062,18 @@ def load_model(
     # priced per copy the model issues: its copies can differ from the run's (at L16384, k10d,
     # the ranker demoted ~18 psi a second where the model's LRU evicts fewer, and the split
     # alone moved the modelled limit 41 -> 46 req/s), so the checks keep the measured rate.
+    # Where the event loop's lock time is charged apart (request_host_s), the device loop's host
+    # work is its own thread CPU, not its sections' wall time, which holds its waits for the lock
+    # (counted twice otherwise: k25b's baseline on the mix modelled 0.77 of measured); files
+    # without thread CPU figures keep the wall time. --host-by-wall: the model before.
+    request_host_s = float(changes.get("request_host_ms", event_loop_ms(result, config, chosen))) / 1e3
+    own_share = launch_own_share(result, config, chosen)
+    by_cpu = request_host_s > 0 and own_share is not None and not changes.get("host_by_wall", 0.0)
+    by = "cpu" if by_cpu else "wall"
     if changes.get("copies_apart", 0.0) and not model.startswith("baseline"):
-        per_batch_s, per_copy_s = host_costs(result, config, chosen)
+        per_batch_s, per_copy_s = host_costs(result, config, chosen, by)
     else:
-        per_batch_s, per_copy_s = host_step_s(result, config, chosen), 0.0
+        per_batch_s, per_copy_s = host_step_s(result, config, chosen, by), 0.0
     admission = None
     if view is not None and changes.get("lead_test_only", 0.0) == 0.0:
         record = next(r for r in result["results"] if r["config"] == config and r["workload"] == chosen)
@@ -2065,7 +2103,8 @@ def load_model(
         processes=processes,
         graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
-        request_host_s=float(changes.get("request_host_ms", event_loop_ms(result, config, chosen))) / 1e3,
+        launch_own_share=own_share if by_cpu and own_share is not None else 1.0,
+        request_host_s=request_host_s,
         trigger_host_ms=float(changes.get("trigger_host_ms", request_host_ms(result, config, chosen))),
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
@@ -2235,6 +2274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine); default: "
                          "as the file's rankers ran (its records' batch_copies; engine before k24)")  # fmt: skip
+    what_if.add_argument("--host-by-wall", action="store_true",
+                         help="the device loop's launches and host steps at their measured wall time even "
+                         "where the event loop's lock time is charged apart (the model before k25; "
+                         "default there: their thread CPU, the wall time holding the waits for the lock)")  # fmt: skip
     what_if.add_argument("--skip-unreloadable", choices=("on", "off"), default=None,
                          help="with the copy engines: psi whose reload would never pay (the ranker's "
                          "CostModel.may_reload) is not copied to host DRAM (on), or offered to the gate "
@@ -2288,6 +2331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("copy_engines", None if args.copy_engines is None else float(args.copy_engines == "on")),
                ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
+               ("host_by_wall", 1.0 if args.host_by_wall else None),
                ("skip_unreloadable", None if args.skip_unreloadable is None
                 else float(args.skip_unreloadable == "on")),
                ("host_bytes_scale", None if args.host_psi_format is None
@@ -2353,6 +2397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "call_deadline_s": setup.call_deadline_s,
         "call_slo_s": None if math.isinf(setup.call_slo_s) else setup.call_slo_s,
         "host_step_ms": setup.host_step_s * 1e3,
+        # The share of each measured launch modelled as the device loop's own work (1: all of it).
+        "launch_own_share": setup.launch_own_share,
         "copy_issue_ms": setup.copy_issue_s * 1e3,
         # The event loop's CPU per request under the interpreter lock (0: not modelled).
         "request_host_ms": setup.request_host_s * 1e3,
