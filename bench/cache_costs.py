@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench.report import RESULTS_DIR, write_result
+from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine
 from services.ranker.hbm_cache import Claim, HbmCache, Lease
@@ -44,6 +45,7 @@ from services.ranker.host_tier import HostTier
 from services.ranker.keep_gate import KeepGate
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import RelayCache
+from shared.modelspec import preset
 from shared.stats import median, percentile
 
 MIB = 2**20
@@ -72,13 +74,23 @@ class _HostIndex:
     def may_hold(self, key: PsiKey) -> bool:
         return False
 
+    def stored_nbytes(self, prefix_len: int) -> int | None:
+        return None  # psi as HBM holds it
+
 
 def _key(user: int) -> PsiKey:
     # user_id % 8 == 1: never in the demotion gate's sample, so every candidate is declined.
     return PsiKey(user * 8 + 1, 1, "bench", user)
 
 
-def build(budget_mib: int, psi_mib: int, demoted_every: int, copy_ms: float, saving_ms: float) -> RelayCache:
+def build(
+    budget_mib: int,
+    psi_mib: int,
+    demoted_every: int,
+    copy_ms: float,
+    saving_ms: float,
+    h2d_gbps: float = 54.0,
+) -> RelayCache:
     """A relay cache over a full HBM cache of consumed psi (module docstring)."""
     clock = itertools.count()  # strictly increasing uses: the orders are exact
     cache = HbmCache(budget_mib * MIB, lambda: float(next(clock)))
@@ -87,7 +99,9 @@ def build(budget_mib: int, psi_mib: int, demoted_every: int, copy_ms: float, sav
     relay = RelayCache(
         cache,
         cast(Engine, _DeviceFigures(copy_ms, saving_ms)),
-        cast(Any, None),  # no cost model: no reload is weighed on these paths
+        # The reload decision's link (k25: 54 GB/s on an H200): the demotion decision first asks
+        # whether a reload could ever pay for each candidate (CostModel.may_reload).
+        CostModel(preset("bench"), assumed_tflops=200.0, h2d_gbps=h2d_gbps),
         lambda tokens: tokens * MIB,
         lambda coro, name: None,  # type: ignore[arg-type, return-value]
         join_margin_ms=2.0,
@@ -179,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--saving-ms", type=float, default=1.6, help="a read's device saving, as the engine measures it"
     )
+    p.add_argument("--h2d-gbps", type=float, default=54.0,
+                   help="the host-to-device link the reload decision prices a copy at (H200, k25)")  # fmt: skip
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--tag", default="")
@@ -192,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     # asks the closed gate (the mix on an H200); then one psi in --demoted-every a hot copy read
     # again (a gate that copied, or an earlier workload), which covers it.
     for every in (0, args.demoted_every):
-        relay = build(args.budget_mib, args.psi_mib, every, args.copy_ms, args.saving_ms)
+        relay = build(args.budget_mib, args.psi_mib, every, args.copy_ms, args.saving_ms, args.h2d_gbps)
         hot = hot_copies(args.budget_mib, args.psi_mib, every)
         case = f"1 in {every}" if every else "none"
         rows += [{"hot_copies": case, **row} for row in measure(relay, args.psi_mib, args.reps, hot)]
