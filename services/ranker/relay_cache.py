@@ -37,7 +37,10 @@ candidate only while the tier earns its copies: reloads per demotion (measured) 
 time a reload saves against the host time a copy costs (the device loop's issue and the event
 loop's own steps, `host_ms_per_demotion`); otherwise one candidate in its sample,
 and the rest are evicted without a copy. On an H200 with 120 GB of HBM beside a 64 GiB arena,
-the length mix made ~2000 demotions a point and 0-5 reloads.
+the length mix made ~2000 demotions a point and 0-5 reloads. Before the gate is asked, a
+candidate whose reload the reload decision would never choose (its copy slower than 1.5x what it
+saves: CostModel.may_reload) is evicted without a copy, whatever the gate says: on the mix (k25b)
+~660- and ~1600-token psi took 0.6 and 1.2 ms to copy back and saved 0.2 and 0.8.
 
 Shedding (`host_pressed`, services/ranker/loop_lag.py): while the event loop is behind, full
 rankings keep no psi and no psi is copied to DRAM. Both are work the baseline does not do, paid
