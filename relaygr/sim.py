@@ -69,7 +69,8 @@ replays, same seed, same lead-in, the measured window only counted):
     The calls' measured `launch_ms` and the loop's host-step sections by wall time already hold
     the device loop's waits for the lock, so where the event loop is charged, they are taken at
     the device loop's own thread CPU instead (the points' loop_<section>_cpu_s: launches scaled
-    by the launch section's CPU over its wall time, 0.69-0.73 on an H200; `launch_own_share`).
+    by the launch section's CPU over its wall time: on an H200 0.69-0.73 at L4096 and on the
+    mix, 0.76-0.94 at 8192-16384 tokens; `launch_own_share`).
     Checked on the first single-process files with the event loop's CPU (k25a-b, one H200):
     baseline / relay at L4096 1.04 / 0.91 of measured, on the mix 0.86 / 1.00, where the wall
     times with the charge gave 0.97 / 0.86 and 0.77 / 0.86, and no charge 1.04 / 0.91 and
@@ -1643,7 +1644,8 @@ def host_step_s(result: dict[str, Any], config: str, workload: str, by: str = "w
 
 def launch_own_share(result: dict[str, Any], config: str, workload: str) -> float | None:
     """The device loop's thread CPU in its launch section over that section's wall time, summed
-    over the file's points (0.69-0.73 on an H200, k25a-b); None where the points have no
+    over the file's points (on an H200 0.69-0.73 at L4096 and on the mix, k25a-b; 0.76-0.94 at
+    8192-16384 tokens, k18-k24); None where the points have no
     thread CPU figures for it."""
     cpu = wall = 0.0
     for r in result["results"]:
