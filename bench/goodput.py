@@ -245,7 +245,7 @@ class Runner:
                                          "demotions", "hbm_evictions", "hbm_evicted_undemoted", "hbm_released", "resident_bytes_max",
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
-                                         "dram_used_bytes_max", "alloc_retries", "device_mallocs", "device_frees", "demotions_skipped", "demotions_never_reloaded", "demotions_shed", "ranking_psi_shed", "device_memory_short",
+                                         "dram_used_bytes_max", "alloc_retries", "device_mallocs", "device_frees", "demotions_skipped", "demotions_never_reloaded", "device_loop_slow", "demotions_shed", "ranking_psi_shed", "device_memory_short",
                                          "ranking_psi_declined", "takeover_passes_partial",
                                          "takeover_passes_full")},
             # The rankers' host CPU ms per request as they report it (None where none did).

@@ -509,6 +509,10 @@ async def device_counters(stack: Stack) -> dict[str, float]:
             )
         # Candidates for host DRAM the demotion gate did not copy (services/ranker/demotion_gate.py).
         totals["demotions_skipped"] += samples.get('relaygr_ranker_demotions_total{result="skipped"}', 0.0)
+        # Sections of the device loop's host work that ran past its watch (services/ranker/loop_watch.py).
+        totals["device_loop_slow"] += sum(
+            v for k, v in samples.items() if k.startswith("relaygr_ranker_device_loop_slow_total")
+        )
         # Candidates not copied because no reload would take them back (CostModel.may_reload).
         totals["demotions_never_reloaded"] += samples.get(
             'relaygr_ranker_demotions_total{result="never_reloaded"}', 0.0
@@ -937,6 +941,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         **{k: device[k] / max(1, len(stack.ranker_metrics_ports)) for k in GATE_FIELDS},
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
+        # The device loop's host sections past RELAYGR_RANKER_LOOP_SLOW_MS (their lines: device_loop_slow).
+        "device_loop_slow": device["device_loop_slow"] - device_before["device_loop_slow"],
         # Candidates whose reload could never pay (services/ranker/cost_model.py, may_reload): not copied.
         "demotions_never_reloaded": device["demotions_never_reloaded"]
         - device_before["demotions_never_reloaded"],

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -88,7 +89,7 @@ STALL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 STALL_STACK_FRAMES = 12
 
 
-def _stack_lines(frame: FrameType | None, limit: int) -> list[str]:
+def stack_lines(frame: FrameType | None, limit: int) -> list[str]:
     """`file:line function` of `frame` and its callers, innermost last, at most `limit`."""
     if frame is None:  # the thread has no Python frame (ended, or not started yet)
         return []
@@ -112,9 +113,18 @@ class HostStalls:
     frames). A late loop with no late thread is the service's own Python work: one long
     callback, or many queued at once; the stack names it. At most one such line a second."""
 
-    def __init__(self, registry: CollectorRegistry, period_s: float = 0.01, log_over_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        period_s: float = 0.01,
+        log_over_s: float = 0.02,
+        watchers: Sequence[Callable[[float], None]] = (),
+    ) -> None:
         if period_s <= 0:
             raise ValueError("period_s must be > 0")
+        # Called on each wake-up with time.perf_counter() (a service's own watchdogs: the
+        # ranker's device loop, services/ranker/loop_watch.py); one that raises is dropped.
+        self._watchers = list(watchers)
         self.stalls = Histogram("relaygr_host_stall_seconds", "how late a sleeping thread woke",
                                 buckets=STALL_BUCKETS, registry=registry)  # fmt: skip
         self.loop_lag = Histogram("relaygr_event_loop_lag_seconds", "how late the event loop ran a timer",
@@ -158,6 +168,12 @@ class HostStalls:
                     self._logged_at, self._over = now, 0
             if self._loop_thread is not None:
                 self._watch_loop(now)
+            for watcher in list(self._watchers):
+                try:
+                    watcher(now)
+                except Exception as exc:  # a watchdog's fault must not end the stall watch
+                    log.warning("watcher_failed", watcher=repr(watcher), error=repr(exc))
+                    self._watchers.remove(watcher)
 
     def _watch_loop(self, now: float) -> None:
         tick = self._tick_at
@@ -169,10 +185,10 @@ class HostStalls:
         if now - self._loop_logged_at < 1.0:
             return
         frames = sys._current_frames()
-        others = {t.name: _stack_lines(frames.get(t.ident or -1), 1)
+        others = {t.name: stack_lines(frames.get(t.ident or -1), 1)
                   for t in threading.enumerate() if t.ident not in (self._loop_thread, threading.get_ident())}  # fmt: skip
         log.warning("event_loop_stall", behind_ms=round(behind * 1e3, 1), stalls_since_last_line=self._loop_over,
-                    loop_frames=_stack_lines(frames.get(self._loop_thread or -1), STALL_STACK_FRAMES),
+                    loop_frames=stack_lines(frames.get(self._loop_thread or -1), STALL_STACK_FRAMES),
                     threads={name: top[0] for name, top in others.items() if top})  # fmt: skip
         self._loop_logged_at, self._loop_over = now, 0
 

@@ -332,10 +332,10 @@ class RankerConfig(TlsSettings):
                                              help="how psi is stored in host DRAM: native (as computed) or "
                                              "fp8 (float8 e4m3, a float32 scale per 16 tokens of one head: "
                                              "half the bytes to copy and to hold, quantized and dequantized on "
-                                             "the copy stream; scores off by bench.psi_fp8's eps: on the CPU "
-                                             "with the bench preset at 4096 tokens 0.03, 8% of the scores' "
-                                             "spread, 9 of each user's 10 best kept at worst). Off until "
-                                             "measured in a goodput search")  # fmt: skip
+                                             "the copy stream; scores off by bench.psi_fp8's eps: on an H200 "
+                                             "with the bench preset at 4096 and 16384 tokens 0.021-0.027, 5-7% "
+                                             "of the scores' spread, 9 of each user's 10 best kept at worst, k25). "
+                                             "Off until measured in a goodput search")  # fmt: skip
     gil_switch_ms: float = setting(0.05, env="RELAYGR_RANKER_GIL_SWITCH_MS",
                                    renamed_from="RELAYGR_GIL_SWITCH_MS",
                                    help="Python thread switch interval: how long a thread that wants the "
@@ -343,6 +343,13 @@ class RankerConfig(TlsSettings):
                                    "thread gives it up; on an H200 host with the event loop busy a graph "
                                    "launch took 12.1 ms at 0.5, 3.6 at 0.1, 0.5 alone: bench.host_costs)",
                                    check=positive)  # fmt: skip
+    loop_slow_ms: float = setting(5.0, env="RELAYGR_RANKER_LOOP_SLOW_MS",
+                                  help="a section of the device loop's host work (launch, plan, settle, "
+                                  "copies) that runs longer than this is counted, and at most once a second "
+                                  "logged with what every thread was running then (device_loop_slow; on an "
+                                  "H200's length mix launches of ~1 ms took 6-8 ms for 400 ms, k25c; watched on a GPU or NPU "
+                                  "only, where the loop issues work without waiting for it; 0: off)",
+                                  check=non_negative)  # fmt: skip
     timer_slack_us: float = setting(1.0, env="RELAYGR_RANKER_TIMER_SLACK_US",
                                     help="the ranker's threads' timer slack (Linux): how late the kernel may "
                                     "end the timed wait of a thread that wants the interpreter, on top of the "

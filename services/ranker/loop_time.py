@@ -39,6 +39,9 @@ class LoopTime:
         self._lock = threading.Lock()
         self._wall = dict.fromkeys(SECTIONS, 0.0)
         self._cpu = dict.fromkeys(SECTIONS, 0.0)
+        # The section running now: (name, its start on perf_counter, the loop thread's ident),
+        # None between sections. One tuple assigned whole, so another thread reads it whole.
+        self._open: tuple[str, float, int] | None = None
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -46,13 +49,20 @@ class LoopTime:
         if name not in self._wall:
             raise ValueError(f"unknown loop section {name!r} (one of {', '.join(SECTIONS)})")
         wall0, cpu0 = time.perf_counter(), time.thread_time()
+        self._open = (name, wall0, threading.get_ident())
         try:
             yield
         finally:
+            self._open = None
             wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
             with self._lock:
                 self._wall[name] += wall
                 self._cpu[name] += cpu
+
+    def running(self) -> tuple[str, float, int] | None:
+        """The section the loop is in now (name, start on time.perf_counter(), the loop thread's
+        ident), or None between sections: for a watchdog on another thread (loop_watch.py)."""
+        return self._open
 
     def snapshot(self) -> dict[str, tuple[float, float]]:
         """Per section: (wall seconds, thread-CPU seconds) so far."""

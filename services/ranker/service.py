@@ -63,6 +63,7 @@ from services.ranker.host_cost import HostCost
 from services.ranker.keep_gate import KeepGate
 from services.ranker.loop_lag import LoopLag
 from services.ranker.loop_time import LoopTimeCollector
+from services.ranker.loop_watch import LoopWatch
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import PsiKey
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
@@ -451,7 +452,14 @@ class RankerService(pb_grpc.RankerServicer):
             settle_heap()
             if self._gc_pauses is None:
                 self._gc_pauses = GcPauses(self.registry)  # a collection stops the device thread too
-                self._stalls = HostStalls(self.registry)
+                watchers = []
+                # What the threads run while the device loop's host work is slow: on an accelerator,
+                # whose work the loop only issues (on the CPU a launch computes: always "slow").
+                if self.config.loop_slow_ms > 0 and self.accel.device.type != "cpu":
+                    watchers.append(
+                        LoopWatch(self.engine.loop_time, self.registry, self.config.loop_slow_ms).check
+                    )
+                self._stalls = HostStalls(self.registry, watchers=watchers)
 
     async def run(self, install_signals: bool = True) -> int:
         """Starts, serves until stopped (SIGTERM / SIGINT when `install_signals`, `shutdown()`, or
