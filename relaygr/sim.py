@@ -114,6 +114,7 @@ from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.config import BatchCopies
 from services.ranker.cost_model import BUSY_COPY_PREFERENCE, COPY_OVERHEAD_MS
 from services.ranker.demotion_gate import DemotionGate
+from services.ranker.keep_gate import KeepGate
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
 from services.ranker.scheduler import (
@@ -421,6 +422,15 @@ class Setup:
     # gate's sample; False: every psi leaving HBM is copied (pressure).
     demotion_gate: bool = False
     copy_cost_ms: float | None = None
+    # The ranker's keep gate (RELAYGR_RANKER_RANKING_PSI_KEEP=earned; services/ranker/keep_gate.py):
+    # a full ranking keeps its prefix's psi only while later calls reading kept psi save more
+    # device time than a keep costs the host (`keep_cost_ms`, as the file's rankers measured
+    # it; None: unknown, the gate open), else one user in the gate's sample; False: every full
+    # ranking of at least keep_min_tokens keeps it. `keep_reuse`: the reads per keep the file's
+    # rankers had measured (their gates enter each point warm), None: learned from nothing.
+    keep_gate: bool = False
+    keep_cost_ms: float | None = None
+    keep_reuse: float | None = None
     # The event loop's work per request (decoding, validating, answering a Rank call or a
     # PreInfer signal) held under the interpreter lock the device loop's host work shares: owed
     # by each arrival, paid while the device loop waits for the device or for work, else it
@@ -764,6 +774,22 @@ class _Production:
     waiters: list[tuple[RankItem, PlannedRequest, float]] = dataclasses.field(default_factory=list)
 
 
+def _warm_keep_gate(reuse: float | None, seeded: int = 64) -> KeepGate:
+    """The ranker's keep gate as a search's ranker enters a point: past its first keeps, its
+    reads per keep the file's measured (`reuse`: `seeded` keeps and as many reads), or nothing
+    yet learned (None: open until its first keep, as a fresh one is after min_kept)."""
+    gate = KeepGate(min_kept=0)
+    if reuse is not None:
+        for i in range(seeded):
+            gate.kept()
+            if i < round(reuse * seeded):
+                gate.read()
+        if reuse * seeded > seeded:  # more reads than keeps: the rest
+            for _ in range(round(reuse * seeded) - seeded):
+                gate.read()
+    return gate
+
+
 def reload_saving_ms(cal: Calibration, prefix_len: int, suffix: int) -> float:
     """What a reload saves a call, as the ranker prices it (Engine.reload_saving_s: its fit of
     the batches it measured, full rankings of such prefixes among them): the calibrated full
@@ -848,6 +874,8 @@ def simulate(
         gate = None
     elif gate is None:
         gate = DemotionGate(min_demotions=0)
+    keep_gate = _warm_keep_gate(setup.keep_reuse) if setup.keep_gate else None
+    kept_by_ranking: set[tuple[int, int]] = set()  # psi in HBM that a full ranking kept
     to_host = CopyEngine(setup.demote_s_per_byte)  # demotions
     to_device = CopyEngine(setup.reload_s_per_byte)  # reloads
     # The batches' and steps' own copies: behind psi's on the engines, or by kernels.
@@ -904,6 +932,7 @@ def simulate(
         copy_debt += setup.copy_issue_s
 
     def keep(key: tuple[int, int], prefix_len: int, suffix: int) -> None:
+        kept_by_ranking.discard(key)  # psi of another source from here on (a ranking's: serve adds it)
         for old, size in hbm.put(key, prefix_len * PSI_BYTES_PER_TOKEN):
             if dram.capacity <= 0:
                 continue
@@ -1123,6 +1152,8 @@ def simulate(
         if setup.psi and key in hbm:
             hbm.touch(key)
             path = "hbm_hit"
+            if keep_gate is not None and key in kept_by_ranking:
+                keep_gate.read()  # a read of psi a full ranking kept (the ranker's claim source)
             if ready_at.get(key, -math.inf) > t:  # produced ahead, not complete when the call came
                 path = "inflight_join"
                 item = RankItem(next_id(), RankKind.CACHED, deadline, t, suffix, due_by=due_by)
@@ -1154,7 +1185,23 @@ def simulate(
                 extra += float(cal.miss_cache_ms[rng.integers(len(cal.miss_cache_ms))])
             out.append(Served(r, path, (end - arrived) * 1e3 + extra, seconds * 1e3 / len(batch)))
             if setup.psi and item.kind is RankKind.FULL and r.prefix_len >= setup.keep_min_tokens:
-                keep((r.user_id, r.prefix_version), r.prefix_len, r.recent_len + r.candidates)
+                key, suffix = (r.user_id, r.prefix_version), r.recent_len + r.candidates
+                if path != "full_recompute" or keep_gate is None:
+                    keep(key, r.prefix_len, suffix)
+                    if copies is not None and path == "full_recompute":
+                        copies.append((now, "psi_from_rankings"))
+                    continue
+                if not keep_gate.admits(
+                    r.user_id, reload_saving_ms(cal, r.prefix_len, suffix), setup.keep_cost_ms
+                ):
+                    if copies is not None:
+                        copies.append((now, "ranking_psi_declined"))
+                    continue  # declined: this call's psi is not kept
+                keep(key, r.prefix_len, suffix)
+                keep_gate.kept()
+                kept_by_ranking.add(key)
+                if copies is not None:
+                    copies.append((now, "psi_from_rankings"))
 
     while i < len(by_arrival) or j < len(signals) or queue or productions:
         while view is not None and next_report <= now:  # the rankers' Stats, as the trigger polls them
@@ -1360,7 +1407,14 @@ def p99_at(
         # The tiers' copies, as the ranker's point fields count them.
         **{
             label: copy_counts.get(label, 0)
-            for label in ("demotions", "demotions_skipped", "demotions_never_reloaded", "reloads")
+            for label in (
+                "demotions",
+                "demotions_skipped",
+                "demotions_never_reloaded",
+                "reloads",
+                "psi_from_rankings",
+                "ranking_psi_declined",
+            )
         },
         **{f"trigger_{label}": n / events for label, n in sorted(reasons.items())},
     }
@@ -1746,6 +1800,34 @@ def ran_demotion_gate(result: dict[str, Any], config: str, workload: str) -> boo
     )
 
 
+def ran_keep_gate(result: dict[str, Any], config: str, workload: str) -> bool:
+    """Whether the file's rankers' keep gate turned full rankings away (their points count
+    `ranking_psi_declined`): on the length mix it did (k18c on), at fixed lengths it never has."""
+    return any(
+        float(p.get("ranking_psi_declined", 0.0) or 0.0) > 0
+        for r in result["results"]
+        if r["config"] == config and r["workload"] == workload
+        for p in r["points"]
+    )
+
+
+def keep_gate_figures(
+    result: dict[str, Any], config: str, workload: str
+) -> tuple[float | None, float | None]:
+    """What the file's rankers' keep gates weighed at their points' ends, the median over the
+    points that report it: (host ms a keep costs, reads per keep); None where none did (k25 on)."""
+    costs, reuse = [], []
+    for r in result["results"]:
+        if r["config"] != config or r["workload"] != workload:
+            continue
+        for p in r["points"]:
+            if p.get("keep_gate_host_ms_per_action") is not None:
+                costs.append(float(p["keep_gate_host_ms_per_action"]))
+            if p.get("keep_gate_returns_per_action") is not None:
+                reuse.append(float(p["keep_gate_returns_per_action"]))
+    return (statistics.median(costs) if costs else None, statistics.median(reuse) if reuse else None)
+
+
 def ran_batch_copies(result: dict[str, Any], config: str, workload: str) -> str:
     """How the file's rankers' batches' copies ran (the ranker's --batch-copies, after any
     fallback), as its search records logged it (`ranker_step_costs.batch_copies`, since k24);
@@ -2111,6 +2193,9 @@ def load_model(
         host_step_s=per_batch_s,
         copy_issue_s=per_copy_s,
         demotion_gate=bool(changes.get("demotion_earned", ran_demotion_gate(result, config, chosen))),
+        keep_gate=bool(changes.get("keep_gate", ran_keep_gate(result, config, chosen))),
+        keep_cost_ms=keep_gate_figures(result, config, chosen)[0],
+        keep_reuse=keep_gate_figures(result, config, chosen)[1],
         copy_cost_ms=(
             host_costs(result, config, chosen)[1] * 1e3 + demote_loop_cpu_ms(result, config, chosen)
         )
@@ -2276,6 +2361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "copies, the device waiting), scores_aside (scores behind them on their own "
                          "stream: the call waits, the device goes on), kernel (no copy engine); default: "
                          "as the file's rankers ran (its records' batch_copies; engine before k24)")  # fmt: skip
+    what_if.add_argument("--keep-gate", choices=("on", "off"), default=None,
+                         help="full rankings keep psi through the ranker's keep gate at the file's measured "
+                         "cost and reuse (on), or every one of at least 512 tokens (off); default: as the "
+                         "file's rankers ran (on where its points count ranking_psi_declined)")  # fmt: skip
     what_if.add_argument("--host-by-wall", action="store_true",
                          help="the device loop's launches and host steps at their measured wall time even "
                          "where the event loop's lock time is charged apart (the model before k25; "
@@ -2334,6 +2423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("batch_copies", None if args.batch_copies is None else float(BATCH_COPIES.index(args.batch_copies))),
                ("kv_copies_on_engine", 1.0 if args.kv_copies_on_engine else None),
                ("host_by_wall", 1.0 if args.host_by_wall else None),
+               ("keep_gate", None if args.keep_gate is None else float(args.keep_gate == "on")),
                ("skip_unreloadable", None if args.skip_unreloadable is None
                 else float(args.skip_unreloadable == "on")),
                ("host_bytes_scale", None if args.host_psi_format is None

@@ -37,6 +37,7 @@ from relaygr.sim import (
     goodput,
     host_costs,
     host_step_s,
+    keep_gate_figures,
     launch_own_share,
     load_model,
     main,
@@ -49,6 +50,7 @@ from relaygr.sim import (
     processes_of,
     ran_batch_copies,
     ran_demotion_gate,
+    ran_keep_gate,
     ran_skip_unreloadable,
     reload_saving_ms,
     request_host_ms,
@@ -373,6 +375,46 @@ def test_psi_no_reload_would_take_back_is_not_copied_where_the_ranker_skips_it()
     }
     assert ran_skip_unreloadable(points, "relay", "mix")
     assert not ran_skip_unreloadable(points, "relay", "L4096")
+
+
+def test_with_the_keep_gate_full_rankings_keep_psi_only_while_reads_pay_or_for_the_sample():
+    """The ranker's keep gate (services/ranker/keep_gate.py), modelled: 24 new users ranked in
+    full, each back once. Entering the point with no read per keep measured (the file's reuse
+    0), at a keep's host cost above any saving, the gate keeps only its sample's psi (user ids
+    divisible by 8): only those users come back to a hit. Measured to pay (reuse 2 reads a
+    keep), or without the gate, every user's psi is kept."""
+    calls = [request(u, 1.0 + u * 0.01, u) for u in range(24)]
+    calls += [request(100 + u, 3.0 + u * 0.01, u, session_index=1) for u in range(24)]
+    tiers = Setup(psi=True, hbm_budget_bytes=100 * 4096 * PSI_BYTES_PER_TOKEN)
+
+    def back(setup: Setup) -> tuple[set[int], collections.Counter[str]]:
+        copies: list[tuple[float, str]] = []
+        served = simulate(calls, EXACT, setup, copies=copies)
+        hit = {s.request.user_id for s in served if s.request.session_index and s.path == "hbm_hit"}
+        return hit, collections.Counter(label for _, label in copies)
+
+    closed = dataclasses.replace(tiers, keep_gate=True, keep_cost_ms=100.0, keep_reuse=0.0)
+    hit, counts = back(closed)
+    assert hit == {0, 8, 16}
+    # Each full ranking is asked: the 21 others' first calls and their returns, ranked in full.
+    assert (counts["psi_from_rankings"], counts["ranking_psi_declined"]) == (3, 42)
+    paying = dataclasses.replace(closed, keep_cost_ms=0.1, keep_reuse=2.0)
+    assert back(paying)[0] == set(range(24))
+    hit, counts = back(tiers)
+    assert hit == set(range(24))
+    assert (counts["psi_from_rankings"], counts["ranking_psi_declined"]) == (24, 0)
+    # An unknown cost keeps the gate open, as in the ranker.
+    assert back(dataclasses.replace(closed, keep_cost_ms=None))[0] == set(range(24))
+    # From a file: gated where its points count declined keeps; the gate's figures the medians.
+    points = [{"ranking_psi_declined": 5.0, "keep_gate_host_ms_per_action": 0.6, "keep_gate_returns_per_action": 0.9},
+              {"ranking_psi_declined": 0.0, "keep_gate_host_ms_per_action": 0.4, "keep_gate_returns_per_action": None},
+              {"ranking_psi_declined": 2.0}]  # fmt: skip
+    result = {"results": [{"config": "relay", "workload": "mix", "points": points},
+                          {"config": "relay", "workload": "L4096", "points": [{"ranking_psi_declined": 0.0}]}]}  # fmt: skip
+    assert ran_keep_gate(result, "relay", "mix")
+    assert not ran_keep_gate(result, "relay", "L4096")  # at fixed lengths it never declined
+    assert keep_gate_figures(result, "relay", "mix") == (pytest.approx(0.5), pytest.approx(0.9))
+    assert keep_gate_figures(result, "relay", "L4096") == (None, None)
 
 
 def test_the_goodput_search_brackets_a_limit_and_the_p99_rises_with_the_rate():
