@@ -2491,6 +2491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host_step_ms": setup.host_step_s * 1e3,
         # The share of each measured launch modelled as the device loop's own work (1: all of it).
         "launch_own_share": setup.launch_own_share,
+        # The ranker's keep gate as modelled (False: every full ranking keeps psi), and its figures.
+        "keep_gate": setup.keep_gate,
+        "keep_cost_ms": setup.keep_cost_ms,
+        "keep_reuse": setup.keep_reuse,
         "copy_issue_ms": setup.copy_issue_s * 1e3,
         # The event loop's CPU per request under the interpreter lock (0: not modelled).
         "request_host_ms": setup.request_host_s * 1e3,
