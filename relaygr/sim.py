@@ -779,14 +779,11 @@ def _warm_keep_gate(reuse: float | None, seeded: int = 64) -> KeepGate:
     reads per keep the file's measured (`reuse`: `seeded` keeps and as many reads), or nothing
     yet learned (None: open until its first keep, as a fresh one is after min_kept)."""
     gate = KeepGate(min_kept=0)
-    if reuse is not None:
-        for i in range(seeded):
+    if reuse is not None:  # nothing decays until the point's first opportunity: order is moot
+        for _ in range(seeded):
             gate.kept()
-            if i < round(reuse * seeded):
-                gate.read()
-        if reuse * seeded > seeded:  # more reads than keeps: the rest
-            for _ in range(round(reuse * seeded) - seeded):
-                gate.read()
+        for _ in range(round(reuse * seeded)):
+            gate.read()
     return gate
 
 
@@ -2151,6 +2148,7 @@ def load_model(
     # (counted twice otherwise: k25b's baseline on the mix modelled 0.77 of measured); files
     # without thread CPU figures keep the wall time. --host-by-wall: the model before.
     request_host_s = float(changes.get("request_host_ms", event_loop_ms(result, config, chosen))) / 1e3
+    keep_cost_ms, keep_reuse = keep_gate_figures(result, config, chosen)
     own_share = launch_own_share(result, config, chosen)
     by_cpu = request_host_s > 0 and own_share is not None and not changes.get("host_by_wall", 0.0)
     by = "cpu" if by_cpu else "wall"
@@ -2194,8 +2192,8 @@ def load_model(
         copy_issue_s=per_copy_s,
         demotion_gate=bool(changes.get("demotion_earned", ran_demotion_gate(result, config, chosen))),
         keep_gate=bool(changes.get("keep_gate", ran_keep_gate(result, config, chosen))),
-        keep_cost_ms=keep_gate_figures(result, config, chosen)[0],
-        keep_reuse=keep_gate_figures(result, config, chosen)[1],
+        keep_cost_ms=keep_cost_ms,
+        keep_reuse=keep_reuse,
         copy_cost_ms=(
             host_costs(result, config, chosen)[1] * 1e3 + demote_loop_cpu_ms(result, config, chosen)
         )
