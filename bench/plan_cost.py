@@ -41,17 +41,6 @@ PER_BATCH_S, PER_TOKEN_S, PER_PAIR_S = 0.521e-3, 0.3814e-6, 0.01404e-9
 MIX_LENGTHS = (136, 320, 477, 1000, 2000, 4096, 8192, 12000)
 
 
-def cpu_model() -> str:
-    """The host CPU's model name (planning is host work), or "" where /proc/cpuinfo has none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def backlog(depth: int, rate_rps: float, slo_s: float, now: float, seed: int) -> list[RankItem]:
     rng = random.Random(seed)
     calls = []
@@ -126,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
               f"list {rows[-1]['list_us']:8.1f} us", flush=True)  # fmt: skip
     config = {"rate_rps": args.rate, "slo_ms": args.slo_ms, "seconds": args.seconds, "seed": args.seed,
               "fit": {"per_batch_s": PER_BATCH_S, "per_token_s": PER_TOKEN_S, "per_pair_s": PER_PAIR_S}}  # fmt: skip
-    info = {**machine(), "cpu_model": cpu_model()}
+    info = machine()
     header = "\n\n".join(__doc__.split("\n\n")[2:4]) + "\n\n"
     for path in write_result("plan-cost", config, rows, ["queued", "doomed", "queue_us", "list_us"],
                              out_dir=args.out_dir, tag=args.tag, header=header, info=info):  # fmt: skip

@@ -47,5 +47,9 @@ def write_result(
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps({"machine": info, "config": config, "results": results}, indent=2) + "\n")
     title = f"# {name} on {info['device']} (commit {info['commit']})\n\n"
+    if info.get("cpu_model") or info.get("host_probe_ms"):
+        # Host-bound limits move with the host: say which one measured (harness.machine).
+        title += (f"Host: {info.get('cpu_model') or 'CPU unnamed'}, {info.get('cpu_count')} cores; a fixed "
+                  f"Python loop took {info.get('host_probe_ms')} ms (lower: a faster host).\n\n")  # fmt: skip
     md_path.write_text(title + header + markdown_table(results, columns) + footer)
     return json_path, md_path

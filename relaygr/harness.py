@@ -1123,7 +1123,46 @@ def machine() -> dict[str, Any]:
         # This boot of this machine: leased machines here all call themselves "vm", so results
         # of one sitting are told from another lease's by it (bench.goodput --merge).
         "boot_id": boot_id(),
+        # The host's CPU and its speed at one thread of Python: the rankers' limits on short
+        # prefixes are host-bound, and leases of one machine kind differ there (H200, k25 and
+        # k26, 2026-12-01: the same code and calls took 6-16% more ranker CPU on the second
+        # lease, and each limit moved a grid step).
+        "cpu_model": cpu_model(),
+        "host_probe_ms": host_probe_ms(),
     }
+
+
+def cpu_model() -> str:
+    """The host CPU's model name, or "" where /proc/cpuinfo names none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _probe_work(n: int) -> int:
+    # What a ranker's host does most: small dicts, attribute-free arithmetic, calls.
+    total = 0
+    table: dict[int, int] = {}
+    for i in range(n):
+        table[i & 1023] = i
+        total += table.get((i * 7) & 1023, i)
+    return total
+
+
+def host_probe_ms(n: int = 100_000, runs: int = 5) -> float:
+    """The best of `runs` timings of a fixed pure-Python loop on this thread, in ms: lower is a
+    faster host. The best, not the mean: it is the host's speed, not its neighbours' noise (the
+    points record steal and host busy). ~10-20 ms in all on current hosts."""
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        _probe_work(n)
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1e3, 3)
 
 
 def boot_id() -> str | None:

@@ -26,6 +26,9 @@ def result_file(
         "device": "NVIDIA H100",
         "commit": "abc",
         "cuda_visible_devices": gpu,
+        "cpu_model": "Some Xeon",
+        "cpu_count": 16,
+        "host_probe_ms": 12.5,
     }
     config = {"preset": "bench", "slo_ms": slo_ms, "rankers": 1, "min_duration_s": 10.0, "min_calls": 400,
               "precision": 0.1, "session_mean_requests": 3.0, "think_scale": 0.1, "gap_ms": [20.0, 200.0], "tag": gpu,
@@ -68,6 +71,7 @@ def test_merge_writes_one_report_with_medians(tmp_path):
     md = next(p for p in paths if p.suffix == ".md").read_text()
     assert "NVIDIA H100" in md
     assert "(commit abc)" in md
+    assert "Host: Some Xeon, 16 cores; a fixed Python loop took 12.5 ms" in md  # the measuring host
     assert "| L4096 | 55 (50, 60) | 140 (150, 130) |" in md  # medians over both repeats, every value
     merged = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
     assert [r["repeat"] for r in merged["results"]] == [0, 0, 1, 1]

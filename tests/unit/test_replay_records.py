@@ -8,10 +8,19 @@ import gc
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-from relaygr.harness import boot_id, host_cpu_fractions, host_cpu_times, machine
+from relaygr.harness import (
+    _probe_work,
+    boot_id,
+    cpu_model,
+    host_cpu_fractions,
+    host_cpu_times,
+    host_probe_ms,
+    machine,
+)
 from relaygr.replay import OK, ReplayResult, RequestRecord, replay
 from relaygr.workload import Materializer, PlannedRequest, WorkloadConfig, generate
 from shared.protos import ranker_pb2 as pb
@@ -145,6 +154,19 @@ def test_the_machine_record_names_this_boot():
     assert boot_id() == boot_id()
     assert len(boot_id() or "") == 36  # a UUID
     assert machine()["boot_id"] == boot_id()
+
+
+def test_the_machine_record_names_the_host_cpu_and_its_speed():
+    # Leases of one machine kind differ in host speed; host-bound limits are compared with it.
+    info = machine()
+    assert info["cpu_model"] == cpu_model()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "model name" in cpuinfo.read_text():
+        assert info["cpu_model"]
+    assert info["host_probe_ms"] > 0
+    assert host_probe_ms(n=1000, runs=1) > 0
+    # The probe's work is fixed, the same on every host: i=0 reads its own 0, 1 and 2 miss.
+    assert _probe_work(3) == 3
 
 
 def test_breakdown_of_an_unanswered_call_has_no_server_timings():
