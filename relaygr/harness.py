@@ -246,6 +246,16 @@ for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
         **CONFIGS[_name],
         "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     }
+# Full rankings of two sequences up to 2048 tokens in all batched into captured graphs
+# (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default until measured): on an H200's length
+# mix (k26b) every full ranking ran alone, a third of them queued over 5 ms on a ranker bound by
+# its host. The capacity model predicts the baseline 337.5 -> 400.8 req/s and the relay 337.5 ->
+# 350.2 there (predictions); baseline and relay alike, each compared with its own.
+for _name in ("baseline", "relay"):
+    CONFIGS[f"{_name}-full-batch"] = {
+        **CONFIGS[_name],
+        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--graph-full-batch-tokens", "2048"),
+    }
 # The baseline with launch-ahead off, beside `baseline` in one sitting.
 CONFIGS["baseline-serial"] = {
     **CONFIGS["baseline"],
@@ -415,9 +425,10 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
     """The first ranker's pre-inference step costs as it measured them at start-up (its log):
     `eager` and, where first chunks replay CUDA graphs, `graph` ({per_step_ms, per_token_us,
     per_pair_ns}), with the graphs' `graph_tokens`, `graph_batch` and `graph_reads_psi` (later
-    chunks replay graphs too; absent before 2026-11-30's k20) and `batch_copies` (how batches'
+    chunks replay graphs too; absent before 2026-11-30's k20), `batch_copies` (how batches'
     copies ran, after any fallback; absent before k24, when every ranker ran "engine" unless a
-    config said otherwise); {} before they are logged. What the capacity model (relaygr.sim)
+    config said otherwise) and `full_batch_tokens` (full rankings of several sequences given
+    graphs; absent before k27); {} before they are logged. What the capacity model (relaygr.sim)
     plans and costs pre-inference steps and batches' copies by."""
     if not stack.rankers:
         return {}
@@ -434,7 +445,13 @@ def ranker_step_costs(stack: Stack) -> dict[str, Any]:
             out.update(
                 {
                     k: record[k]
-                    for k in ("graph_tokens", "graph_batch", "graph_reads_psi", "batch_copies")
+                    for k in (
+                        "graph_tokens",
+                        "graph_batch",
+                        "graph_reads_psi",
+                        "batch_copies",
+                        "full_batch_tokens",
+                    )
                     if k in record
                 }
             )

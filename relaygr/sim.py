@@ -101,7 +101,7 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -114,6 +114,7 @@ from services.ranker.call_cost import CostFit, CostPrior
 from services.ranker.config import BatchCopies
 from services.ranker.cost_model import BUSY_COPY_PREFERENCE, COPY_OVERHEAD_MS
 from services.ranker.demotion_gate import DemotionGate
+from services.ranker.graphs import FULL, GraphLimits, bucket_for, multi_full_keys
 from services.ranker.keep_gate import KeepGate
 from services.ranker.loop_time import SECTIONS as LOOP_SECTIONS
 from services.ranker.rank_queue import RankQueue
@@ -385,6 +386,10 @@ class Setup:
     # (the batch-1 graphs captured at start-up) and no batch of several; 0: not modelled, full
     # rankings batched by cost alone (the ranker before 7f46ff9, and the CPU).
     graph_full_tokens: int = 0
+    # Full rankings also replay graphs of several sequences (up to the scheduler's graph_batch)
+    # totalling at most this many tokens (the ranker's RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS,
+    # captured at start-up); 0: none, every full ranking alone (the ranker before it).
+    full_batch_tokens: int = 0
     # Pre-inference of every request whose psi is held nowhere (the `preinfer-all` policy), its
     # signal reaching the ranker this long after the retrieval event; None: no pre-inference.
     preinfer_trip_ms: float | None = None
@@ -848,6 +853,7 @@ def simulate(
     rank_fit = _scheduler_fit(cal, requests)
     limit = setup.graph_full_tokens
     steps = setup.preinfer_steps
+    graph_batch = steps.graph_batch if steps is not None else 2
     scheduler = IterationScheduler(
         setup.scheduler,
         # Pre-inference steps: as the ranker measured them, else a prefix's forward costs what
@@ -856,8 +862,8 @@ def simulate(
         rank_fit,
         first_costs=StepCosts.fit(steps.graph) if steps is not None and steps.graph is not None else None,
         graph_tokens=steps.graph_tokens if steps is not None else 0,
-        full_replays=(lambda tokens: len(tokens) == 1 and tokens[0] <= limit) if limit > 0 else None,
-        graph_batch=steps.graph_batch if steps is not None else 2,
+        full_replays=_full_replays(limit, setup.full_batch_tokens, graph_batch) if limit > 0 else None,
+        graph_batch=graph_batch,
     )
     if steps is not None:
         steps.plans(scheduler)
@@ -1667,6 +1673,36 @@ def call_slo_s(result: dict[str, Any], config: str, workload: str) -> float:
     return math.inf
 
 
+def _full_replays(single_tokens: int, batch_tokens: int, graph_batch: int) -> Callable[[Sequence[int]], bool]:
+    """The scheduler's full_replays as the ranker's captured full graphs answer it: one full
+    ranking of at most `single_tokens`, or 2..`graph_batch` of them totalling at most
+    `batch_tokens` (services/ranker/graphs.py warm_full_keys)."""
+
+    limits = GraphLimits(
+        max_full_tokens=max(single_tokens, batch_tokens),
+        max_full_batch=graph_batch,
+        full_batch_tokens=batch_tokens,
+    ).validate()
+    held = set(multi_full_keys(limits))
+
+    def replays(tokens: Sequence[int]) -> bool:
+        if len(tokens) == 1:
+            return tokens[0] <= single_tokens
+        return bucket_for(len(tokens), sum(tokens), max(tokens), limits, FULL) in held
+
+    return replays
+
+
+def full_batch_tokens(result: dict[str, Any], config: str, workload: str) -> int:
+    """The most tokens a multi-sequence full graph of the file's ranker held
+    (`ranker_step_costs.full_batch_tokens`); 0 where it recorded none (none captured)."""
+    for r in result.get("results", []):
+        if r.get("config") == config and r.get("workload") == workload:
+            costs = r.get("ranker_step_costs") or {}
+            return int(costs.get("full_batch_tokens", 0)) if costs.get("graph") else 0
+    return 0
+
+
 def graph_full_tokens(result: dict[str, Any], config: str, workload: str) -> int:
     """The longest full ranking the file's ranker replayed alone as a captured graph (its
     `ranker_step_costs.graph_tokens`: full rankings and pre-inference steps share the ladder); 0
@@ -2184,6 +2220,7 @@ def load_model(
         dram_bytes=int(float(changes.get("arena_gb", c.get("arena_gb", 24))) * 2**30) // processes,
         processes=processes,
         graph_full_tokens=int(changes.get("graph_full_tokens", graph_full_tokens(result, config, chosen))),
+        full_batch_tokens=int(changes.get("full_batch_tokens", full_batch_tokens(result, config, chosen))),
         launch_scale=float(changes.get("launch_scale", 1.0)),
         launch_own_share=own_share if by_cpu and own_share is not None else 1.0,
         request_host_s=request_host_s,
@@ -2293,6 +2330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="full rankings of at most this many tokens replay batch-1 graphs and are never "
                          "batched (default: the file's ranker_step_costs.graph_tokens, 17408 on the GPU since "
                          "17182da; 0: batched by cost alone, as on the CPU)")  # fmt: skip
+    what_if.add_argument("--full-batch-tokens", type=int, default=None,
+                         help="full rankings also replay graphs of several sequences totalling at most this "
+                         "many tokens (the ranker's RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; default: the "
+                         "file's, 0 before it existed)")  # fmt: skip
     what_if.add_argument("--full-scale", type=float, default=1.0, help="full rankings cost this x measured")
     what_if.add_argument("--launch-scale", type=float, default=1.0,
                          help="the host's launch of a batch takes this x measured (0: not modelled)")  # fmt: skip
@@ -2405,6 +2446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--seeds: at least 1")
     changes = {k: v for k, v in (("hbm_budget_mb", args.hbm_budget_mb), ("arena_gb", args.arena_gb),
                ("lead_in_s", args.lead_in_s), ("graph_full_tokens", args.graph_full_tokens),
+               ("full_batch_tokens", args.full_batch_tokens),
                ("cached_scale", args.cached_scale), ("full_scale", args.full_scale),
                ("launch_scale", args.launch_scale), ("call_deadline_s", args.call_deadline_s),
                ("ranker_slo_ms", args.ranker_slo_ms), ("preinfer_scale", args.preinfer_scale),

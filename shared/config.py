@@ -190,9 +190,12 @@ def load_config(
     for f in fields:
         kind = hints[f.name]
         listed = f"one of {' | '.join(choices(kind))}; " if _is_enum(kind) else ""
-        parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar="VALUE",
-                            help=f"{f.metadata.get('help', '')} (env {f.metadata.get('env')}; {listed}"
-                            f"default {_shown(f.default)})")  # fmt: skip
+        text = (f"{f.metadata.get('help', '')} (env {f.metadata.get('env')}; {listed}"
+                f"default {_shown(f.default)})")  # fmt: skip
+        # argparse formats help with %: a literal one ("5-7%") made --help raise a TypeError.
+        parser.add_argument(
+            _flag(f.name), dest=f.name, default=None, metavar="VALUE", help=text.replace("%", "%%")
+        )
     try:
         parsed, unknown = parser.parse_known_args(list(argv or []))
     except argparse.ArgumentError as exc:

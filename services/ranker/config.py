@@ -219,6 +219,15 @@ class RankerConfig(TlsSettings):
                                          "Pre-inference graphs share one K/V staging buffer of "
                                          "layers x 2 x tokens x hidden (570 MB at 17408 for the bench "
                                          "preset)", check=non_negative)  # fmt: skip
+    # Off until measured on a GPU: the capacity model predicts, on k26b's mix (H200), the
+    # baseline 337.5 -> 400.8 req/s at 2048 and the relay 337.5 -> 350.2 (predictions).
+    graph_full_batch_tokens: int = setting(0, env="RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS",
+                                           help="CUDA only: full rankings of two sequences totalling at most "
+                                           "this many tokens get graphs captured at start-up, so that the "
+                                           "scheduler may batch them (it batches full rankings only into "
+                                           "shapes a graph holds); 0: every full ranking runs alone. At "
+                                           "most RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS; 27 graphs at 2048",
+                                           check=non_negative)  # fmt: skip
     cpu_affinity: tuple[int, ...] = setting((), env="RELAYGR_RANKER_CPU_AFFINITY",
                                             renamed_from="RELAYGR_CPU_AFFINITY", check=_usable_cpus,
                                             help="CPUs this instance's threads run on (comma-separated; "
@@ -374,6 +383,10 @@ class RankerConfig(TlsSettings):
             raise ConfigError(
                 "RELAYGR_RANKER_ADMISSION_MIN_LIMIT (0: 4 x RELAYGR_RANKER_MAX_BATCH) must not exceed "
                 "RELAYGR_RANKER_MAX_INFLIGHT_RANKS"
+            )
+        if self.graph_full_batch_tokens > self.graph_max_full_tokens:
+            raise ConfigError(
+                "RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS must not exceed RELAYGR_RANKER_GRAPH_MAX_FULL_TOKENS"
             )
         if self.admission_prior_batch_ms + self.admission_prior_token_us <= 0:
             raise ConfigError(

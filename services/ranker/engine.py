@@ -867,6 +867,7 @@ class Engine:
                  per_token_us=round(prior.per_token_s * 1e6, 4), per_pair_ns=round(prior.per_pair_s * 1e9, 5),
                  step_ms=[round(t * 1e3, 3) for t in seconds], graph_tokens=graphs.limits.max_full_tokens,
                  graph_batch=graphs.limits.max_full_batch, graph_reads_psi=graphs.chunks_reading_psi,
+                 full_batch_tokens=graphs.limits.full_batch_tokens,
                  batch_copies=graphs.batch_copies)  # fmt: skip
 
     def _fitted_prior(self, steps: list[tuple[int, int]], seconds: list[float]) -> CostPrior | None:

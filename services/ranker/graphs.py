@@ -82,12 +82,20 @@ class GraphLimits:
     max_full_tokens: int = 0
     max_full_batch: int = 2
     max_full_graphs: int = 40  # 26 one-sequence sizes up to 17408 tokens, and two-sequence ones
+    # Full rankings of 2..max_full_batch sequences totalling at most this many tokens get graphs
+    # captured at start-up (warm_full_keys), over and above max_full_graphs; 0: none. Without
+    # them the scheduler, which batches full rankings only into shapes a graph holds, ran every
+    # full ranking alone: on an H200's length mix (k26b) all 3818 of a point's calls, a third
+    # of them queued over 5 ms, each paying a launch of its own on a ranker bound by its host.
+    full_batch_tokens: int = 0
 
     def validate(self) -> GraphLimits:
         if min(self.max_batch, self.max_tokens, self.max_prefix_tokens, self.max_graphs) < 1:
             raise ValueError(f"graph limits must be >= 1: {self}")
         if self.max_full_tokens < 0 or min(self.max_full_batch, self.max_full_graphs) < 1:
             raise ValueError(f"full graph limits: tokens >= 0, batch and graphs >= 1: {self}")
+        if not 0 <= self.full_batch_tokens <= self.max_full_tokens:
+            raise ValueError(f"full_batch_tokens must be within 0..max_full_tokens: {self}")
         if self.rab_index_mb <= 0:
             raise ValueError("rab_index_mb must be > 0")
         return self
@@ -141,12 +149,49 @@ def _full_ladder(max_tokens: int) -> tuple[int, ...]:
 def warm_full_keys(limits: GraphLimits, chunks_reading_psi: bool = False) -> list[BucketKey]:
     """The full and preinfer buckets (and the chunk family's, with `chunks_reading_psi`) of one
     sequence at every size of their ladder (what the ranker captures at start-up, so that no
-    capture stalls the device thread mid-serving), at most max_full_graphs per family."""
+    capture stalls the device thread mid-serving), at most max_full_graphs per family; and the
+    full family's buckets of several sequences up to `full_batch_tokens` (multi_full_keys)."""
     if limits.max_full_tokens <= 0:
         return []
     sizes = _full_ladder(limits.max_full_tokens)[: limits.max_full_graphs]
     modes = (FULL, PREINFER, CHUNK) if chunks_reading_psi else (FULL, PREINFER)
-    return [BucketKey(1, t, t, mode) for mode in modes for t in sizes]
+    return [BucketKey(1, t, t, mode) for mode in modes for t in sizes] + list(multi_full_keys(limits))
+
+
+@functools.lru_cache(maxsize=16)
+def multi_full_keys(limits: GraphLimits) -> tuple[BucketKey, ...]:
+    """Every full-family bucket that bucket_for gives a batch of 2..max_full_batch full rankings
+    totalling at most `full_batch_tokens`: for each batch bucket and token size of the ladder,
+    each longest-sequence bucket such a batch can have (its longest sequence holds at least an
+    even share of more tokens than the size below). A few per size: 27 for two sequences up
+    to 2048 tokens."""
+    if limits.full_batch_tokens <= 0 or limits.max_full_batch < 2:
+        return ()
+    ladder = _full_ladder(limits.max_full_tokens)
+    keys: set[BucketKey] = set()
+    for n in range(2, limits.max_full_batch + 1):
+        below = 0  # the ladder's size below t: a batch in t's bucket has more tokens than it
+        for t in ladder:
+            if t > limits.full_batch_tokens:
+                break
+            longest = _pow2_at_least(-(-(below + 1) // n))  # ceil: the longest of n sequences
+            while True:
+                key = bucket_for(n, t, min(longest, t), limits, FULL)
+                if key is not None:
+                    keys.add(key)
+                if longest >= t:
+                    break
+                longest *= 2
+            below = t
+    return tuple(sorted(keys))
+
+
+def family_graph_cap(limits: GraphLimits, mode: str) -> int:
+    """The most graphs a family holds: max_graphs for the cached family, max_full_graphs for the
+    others, the full family's also the several-sequence buckets captured at start-up."""
+    if mode == CACHED:
+        return limits.max_graphs
+    return limits.max_full_graphs + (len(multi_full_keys(limits)) if mode == FULL else 0)
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -563,7 +608,7 @@ class RankGraphs:
         if key in self._failed:
             self._fallback("capture_failed", mode)
             return None
-        cap = self.limits.max_graphs if mode == CACHED else self.limits.max_full_graphs
+        cap = family_graph_cap(self.limits, mode)
         held = sum(1 for k in (*self._graphs, *self._pending) if k.mode == mode)
         if held < cap:
             self._pending.add(key)
@@ -710,7 +755,7 @@ class RankGraphs:
         while self._pending and done < limit:
             key = min(self._pending)
             self._pending.discard(key)
-            cap = self.limits.max_graphs if key.mode == CACHED else self.limits.max_full_graphs
+            cap = family_graph_cap(self.limits, key.mode)
             if key in self._graphs or sum(1 for k in self._graphs if k.mode == key.mode) >= cap:
                 continue
             started = time.perf_counter()

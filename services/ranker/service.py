@@ -285,7 +285,9 @@ class RankerService(pb_grpc.RankerServicer):
                 budget_by_kind=config.step_budget_by_kind,
                 cuda_graphs=config.cuda_graphs,
                 graph_limits=GraphLimits(
-                    max_tokens=config.graph_max_tokens, max_full_tokens=config.graph_max_full_tokens
+                    max_tokens=config.graph_max_tokens,
+                    max_full_tokens=config.graph_max_full_tokens,
+                    full_batch_tokens=config.graph_full_batch_tokens,
                 ),
                 full_keeps_psi=config.ranking_psi_min_tokens > 0,
                 graph_psi_chunks=config.graph_psi_chunks,

@@ -25,6 +25,10 @@ def test_every_configuration_makes_a_stack(name):
         assert stack.trigger_args[len(stack.trigger_args) - len(own) :] == own  # after the run's
     want_gb = CONFIGS[name].get("arena_gb", 2.0)
     assert bench_stack.arena_bytes == int(want_gb * 2**30) // 4096 * 4096
+    # Its rankers' and trigger's own flags parse: a misspelt one would first fail on a GPU lease.
+    load_config(RankerConfig, ["--device", "cpu", *CONFIGS[name].get("ranker_args", ())], env={})
+    trigger_env = {"RELAYGR_RANKERS": "127.0.0.1:50051"}
+    load_config(TriggerConfig, list(CONFIGS[name].get("trigger_args", ())), env=trigger_env)
 
 
 def test_a_configuration_that_fixes_its_arena_overrides_the_runs():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from services.ranker.config import RankerConfig
@@ -68,3 +70,38 @@ def test_the_schedulers_unmeasured_rules_are_off_by_default_and_reach_the_ranker
     assert getattr(load_config(RankerConfig, ["--device", "cpu"], env={env_name: "1"}), setting)
     with pytest.raises(ConfigError):
         load_config(RankerConfig, ["--device", "cpu", flag, "sometimes"], env={})
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("services.ranker.config", "RankerConfig"),
+        ("services.router.config", "RouterConfig"),
+        ("services.trigger.config", "TriggerConfig"),
+        ("services.expander.config", "ExpanderConfig"),
+    ],
+)
+def test_every_service_prints_its_help(module: str, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A literal "%" in a setting's help ("5-7% of the scores' spread") made the ranker's --help
+    # raise a TypeError inside argparse instead of printing.
+    cls = getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit) as exited:
+        load_config(cls, ["--help"], env={})
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "(env RELAYGR_" in out
+    if name == "RankerConfig":
+        assert "5-7% of" in out  # printed as written
+
+
+def test_full_batch_graphs_are_refused_past_the_full_graphs_limit() -> None:
+    config = load_config(RankerConfig, ["--device", "cpu", "--graph-full-batch-tokens", "2048"], env={})
+    assert config.graph_full_batch_tokens == 2048
+    with pytest.raises(ConfigError, match="RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS must not exceed"):
+        load_config(
+            RankerConfig,
+            ["--device", "cpu", "--graph-full-batch-tokens", "4096", "--graph-max-full-tokens", "2048"],
+            env={},
+        )
+    with pytest.raises(ConfigError, match="graph_full_batch_tokens"):
+        load_config(RankerConfig, ["--device", "cpu", "--graph-full-batch-tokens", "-1"], env={})

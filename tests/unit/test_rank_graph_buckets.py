@@ -20,6 +20,8 @@ from services.ranker.graphs import (
     GraphStats,
     GraphStatsCollector,
     bucket_for,
+    family_graph_cap,
+    multi_full_keys,
     prefix_reads,
     token_ladder,
     warm_full_keys,
@@ -152,6 +154,54 @@ def test_full_and_preinfer_graphs_of_one_sequence_are_all_captured_at_start_up()
     assert {k.tokens for k in with_chunks if k.mode == CHUNK} == set(sizes)
     for tokens in (1, 700, 8192):
         assert bucket_for(1, tokens, tokens, limits, CHUNK) in with_chunks
+
+
+@given(
+    st.integers(min_value=2, max_value=4),
+    st.sampled_from([256, 640, 1000, 2048, 4096]),
+    st.data(),
+)
+def test_batches_of_full_rankings_within_full_batch_tokens_land_on_buckets_warmed_at_start_up(
+    max_full_batch: int, full_batch_tokens: int, data: st.DataObject
+) -> None:
+    # The scheduler batches full rankings only into shapes a captured graph holds; graphs of
+    # several sequences are captured only at start-up (warm_full_keys): every batch of 2..max
+    # full rankings whose bucket fits within full_batch_tokens must find its graph there.
+    limits = GraphLimits(
+        max_full_tokens=17408, max_full_batch=max_full_batch, full_batch_tokens=full_batch_tokens
+    ).validate()
+    held = set(warm_full_keys(limits))
+    n = data.draw(st.integers(min_value=2, max_value=max_full_batch))
+    lengths = data.draw(
+        st.lists(st.integers(min_value=1, max_value=full_batch_tokens), min_size=n, max_size=n)
+    )
+    key = bucket_for(n, sum(lengths), max(lengths), limits, FULL)
+    if key is not None and key.tokens <= full_batch_tokens:
+        assert key in held, (lengths, key)
+    else:  # more tokens than the largest size within full_batch_tokens: never warmed
+        assert key not in set(multi_full_keys(limits))
+
+
+def test_full_graphs_of_several_sequences_are_off_by_default_bounded_and_counted_in_the_cap():
+    assert multi_full_keys(GraphLimits(max_full_tokens=17408)) == ()  # off by default
+    assert RankerConfig().graph_full_batch_tokens == 0
+    one = GraphLimits(max_full_tokens=17408, full_batch_tokens=2048, max_full_batch=1)
+    assert multi_full_keys(one) == ()  # nothing to batch with one sequence a graph
+    limits = GraphLimits(max_full_tokens=17408, full_batch_tokens=2048)
+    keys = multi_full_keys(limits)
+    assert len(keys) == 27  # what the setting's help says
+    assert {k.mode for k in keys} == {FULL}
+    assert {k.batch for k in keys} == {2}
+    assert max(k.tokens for k in keys) == 2048
+    singles = [k for k in warm_full_keys(limits) if k.mode == FULL and k.batch == 1]
+    # Room for all of them beside the one-sequence graphs; other families keep their cap.
+    assert family_graph_cap(limits, FULL) == limits.max_full_graphs + 27 >= len(singles) + 27
+    assert family_graph_cap(limits, PREINFER) == limits.max_full_graphs
+    assert family_graph_cap(limits, CACHED) == limits.max_graphs
+    with pytest.raises(ValueError, match="full_batch_tokens"):
+        GraphLimits(max_full_tokens=1024, full_batch_tokens=2048).validate()
+    with pytest.raises(ValueError, match="full_batch_tokens"):
+        GraphLimits(max_full_tokens=1024, full_batch_tokens=-1).validate()
 
 
 def test_prefix_reads_stage_whole_blocks_or_their_first_tokens_and_refuse_a_read_past_one():

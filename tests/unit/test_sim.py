@@ -24,6 +24,7 @@ from relaygr.sim import (
     Setup,
     StepCosts,
     TriggerView,
+    _full_replays,
     _Lru,
     _modelled_ms_per_psi,
     _scheduler_fit,
@@ -525,6 +526,23 @@ def test_full_rankings_stay_alone_where_only_single_graphs_are_modelled():
     assert len({s.latency_ms for s in alone}) == 4  # each its own batch, one after another
 
 
+def test_full_rankings_pair_up_where_graphs_of_two_are_modelled():
+    calls = [request(i, 1.0, user=i, prefix_len=300) for i in range(4)]  # four short fulls at once
+    alone = simulate(calls, EXACT, Setup(graph_full_tokens=8192))
+    paired = simulate(calls, EXACT, Setup(graph_full_tokens=8192, full_batch_tokens=2048))
+    assert len({s.latency_ms for s in alone}) == 4
+    assert len({s.latency_ms for s in paired}) < 4  # some shared a graph of two
+    # As the ranker's warmed buckets answer: pairs within the size, never three, never past it.
+    replays = _full_replays(8192, 2048, 2)
+    assert replays([5000])
+    assert not replays([9000])
+    assert replays([620, 620])
+    assert replays([1000, 1000])
+    assert not replays([1500, 1000])  # 2500 tokens: no graph of two that large
+    assert not replays([300, 300, 300])  # three: more than a graph of the family holds
+    assert not _full_replays(8192, 0, 2)([300, 300])  # off: every full ranking alone
+
+
 def test_pre_inference_serves_calls_from_psi_joins_a_late_one_and_never_computes_twice():
     pre = Setup(psi=True, preinfer_trip_ms=10.0, scheduler=SchedulerConfig(max_wait_s=0.0))  # no wait to fill
     one = FULL.fitted_s(4096, 4096 * 4096)  # a 4096-token pre-inference (costed as its forward)
@@ -751,6 +769,12 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     # Full rankings up to the file's graph size replay alone, as on its GPU; 0 batches them by cost.
     assert model.setup.graph_full_tokens == 17408
     assert load_model(path, "relay", changes={"graph_full_tokens": 0}).setup.graph_full_tokens == 0
+    # Graphs of two full rankings: none before the file records them; its figure where it does.
+    assert model.setup.full_batch_tokens == 0
+    assert load_model(path, "relay", changes={"full_batch_tokens": 2048}).setup.full_batch_tokens == 2048
+    result["results"][0]["ranker_step_costs"]["full_batch_tokens"] = 4096
+    path.write_text(json.dumps(result))
+    assert load_model(path, "relay").setup.full_batch_tokens == 4096
     # The signal's trip as a what-if: a slower (or faster) signal path than the file's.
     slow = load_model(path, "relay", changes={"signal_trip_ms": 45.0})
     assert slow.setup.preinfer_trip_ms == 45.0
