@@ -19,7 +19,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from services.ranker.graphs import GraphLimits, RankGraphs, bucket_for  # noqa: E402
+from services.ranker.graphs import (  # noqa: E402
+    GraphLimits,
+    RankGraphs,
+    bucket_for,
+    multi_full_keys,
+    warm_full_keys,
+)
 
 SPEC = preset("tiny").with_overrides(name="graphs", num_layers=3, num_heads=2, head_dim=32)
 
@@ -143,6 +149,49 @@ def test_full_graph_replays_match_eager_full(model):
     assert graphs.full(prefixes, suffixes) is None
     assert graphs.stats.fallbacks["too_large"] >= 1
     assert graphs.stats.counts()["full"]["eager"] >= 1
+
+
+def test_full_rankings_of_two_sequences_replay_graphs_captured_at_start_up(model):
+    """full_batch_tokens: warm_full_keys holds every bucket of two full rankings up to that many
+    tokens, so that the scheduler (which batches full rankings only into held shapes) may pair
+    them from the first call; each pair's scores are what each ranking gets eagerly alone, a
+    kept psi is what preinfer builds, and a pair over the limit is not held."""
+    limits = GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=2048, max_full_batch=2,
+                         full_batch_tokens=1024)  # fmt: skip
+    graphs = RankGraphs(model, limits, full_keeps_kv=True)
+    keys = warm_full_keys(limits)
+    graphs.request(keys)
+    graphs.capture_pending(limit=len(keys))
+    assert not graphs.has_pending()
+    assert multi_full_keys(limits)
+    assert set(multi_full_keys(limits)) <= set(keys)
+    assert graphs.stats.captured == len(set(keys))  # none failed, none over the family's cap
+    tol = 2e-3 if model.spec.dtype == "float32" else 2e-2
+    cases = [
+        [Shape(4, 300, 20, 40), Shape(2, 200, 30, 50)],
+        [Shape(3, 700, 8, 30), Shape(0, 0, 10, 10)],  # one without long-term history
+        [Shape(1, 10, 4, 4), Shape(1, 12, 4, 5)],  # the smallest
+        [Shape(2, 450, 10, 30), Shape(2, 430, 12, 40)],  # near the limit, even halves
+    ]
+    for seed, shapes in enumerate(cases):
+        prefixes, suffixes = batch(700 + seed, shapes)
+        lengths = [p.length + s.length for p, s in zip(prefixes, suffixes, strict=True)]
+        assert sum(lengths) <= limits.full_batch_tokens, lengths
+        assert graphs.holds_full(lengths), lengths
+        replays = graphs.stats.replays_by_family.get("full", 0)
+        psis: list = [model.new_psi(prefixes[0]), None]
+        graphed = graphs.full(prefixes, suffixes, psis)
+        assert graphed is not None
+        assert not graphs.has_pending()
+        assert graphs.stats.replays_by_family["full"] == replays + 1
+        torch.cuda.synchronize()
+        alone = [model.full([p], [s])[0] for p, s in zip(prefixes, suffixes, strict=True)]
+        assert max_rel(alone, graphed) <= tol, shapes
+        want = model.preinfer([prefixes[0]])[0]
+        got = psis[0].kv.float()
+        assert (got - want.kv.float()).abs().max() <= tol * max(float(want.kv.float().abs().max()), 1e-3)
+    prefixes, suffixes = batch(800, [Shape(2, 900, 10, 30), Shape(2, 900, 12, 40)])
+    assert not graphs.holds_full([p.length + s.length for p, s in zip(prefixes, suffixes, strict=True)])
 
 
 def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
