@@ -247,10 +247,11 @@ for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
         "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     }
 # Full rankings of two sequences up to 2048 tokens in all batched into captured graphs
-# (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default until measured): on an H200's length
-# mix (k26b) every full ranking ran alone, a third of them queued over 5 ms on a ranker bound by
-# its host. The capacity model predicts the baseline 337.5 -> 400.8 req/s and the relay 337.5 ->
-# 350.2 there (predictions); baseline and relay alike, each compared with its own.
+# (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default): on an H200's length mix (k26b)
+# every full ranking ran alone, a third of them queued over 5 ms on a ranker bound by its host.
+# Measured (k27a, one H200): baseline-full-batch 421.9 req/s, the baseline 421.9 in the same
+# call (20-32% of calls paired); the capacity model had predicted +26%. relay-full-batch is not
+# measured yet. Baseline and relay alike, each compared with its own.
 for _name in ("baseline", "relay"):
     CONFIGS[f"{_name}-full-batch"] = {
         **CONFIGS[_name],
