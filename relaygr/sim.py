@@ -138,6 +138,7 @@ from services.trigger.admission import (
     ReturnRate,
     adds_little_work,
     decide,
+    host_has_spare,
     reuse_pays,
     risk_threshold_ms,
     spare_outweighs_waits,
@@ -547,6 +548,9 @@ class AdmissionPolicy:
     # The spare term weighs the waits a pre-inference imposes on other calls (its call rate from
     # the events the trigger routes, OfferedLoad.rate).
     spare_prices_waits: bool = _TRIGGER_DEFAULTS["spare_prices_waits"]
+    # The spare term needs the host to have room too (admission.host_has_spare): the ranker's
+    # host ms per request (Setup.trigger_host_ms) at the events' rate under this; 0: no bound.
+    spare_host_max: float = _TRIGGER_DEFAULTS["spare_host_max"]
 
     @classmethod
     def of_run(cls, record: dict[str, Any]) -> AdmissionPolicy:
@@ -1033,6 +1037,7 @@ def simulate(
         spare = (
             busy is not None
             and busy < policy.spare_busy_max
+            and host_has_spare(setup.trigger_host_ms or None, offered.rate(decided), policy.spare_host_max)
             and spare_shortens(full, cached, policy.slo_ms, policy.spare_min_saving)
             and (
                 not policy.spare_prices_waits
@@ -1522,7 +1527,7 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
-            "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8")  # fmt: skip
+            "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1541,6 +1546,9 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     "relay-engine-copies": {"batch_copies": float(BATCH_COPIES.index("engine"))},
     # psi in host DRAM as fp8 (--host-psi-format): half the bytes held and copied.
     "relay-host-fp8": {"host_bytes_scale": HOST_FP8_SCALE},
+    # The spare term bounded by the host too: a trigger setting, taken from the run's record of
+    # its trigger (AdmissionPolicy.of_run), nothing else changed.
+    "relay-spare-host": {},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time

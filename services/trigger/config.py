@@ -19,7 +19,7 @@ from shared.tls import TlsSettings
 ADMISSION_SETTINGS = (
     "slo_ms", "risk_fraction", "max_extra_work", "spare_busy_max", "spare_min_saving", "load_window_s",
     "prefetch", "reuse_window_s", "footprint_fraction", "max_backlog", "lease_slack_ms", "max_lease_ms",
-    "stats_interval_s", "suffix_tokens_estimate", "host_cost", "spare_prices_waits",
+    "stats_interval_s", "suffix_tokens_estimate", "host_cost", "spare_prices_waits", "spare_host_max",
 )  # fmt: skip
 
 
@@ -58,6 +58,11 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                               "tokens the relay met 225 req/s without it and at least 250 with it (the "
                               "baseline 250); at 16384 tokens both admitted the same pre-inferences (by "
                               "the spare term) and met 42.2 and 38.0, one step of the search apart")  # fmt: skip
+    spare_host_max: float = setting(0.0, env="RELAYGR_TRIGGER_SPARE_HOST_MAX",
+                                    help="the spare term also needs the instance's host to have room: its "
+                                    "requests' share of one core (its reported host ms per request x its "
+                                    "ranking calls per second) under this (0: the device alone decides, "
+                                    "the default until measured; admission.host_has_spare)", check=non_negative)  # fmt: skip
     spare_min_saving: float = setting(0.1, env="RELAYGR_TRIGGER_SPARE_MIN_SAVING",
                                       help="the spare term admits only where the call against psi is measured "
                                       "to save at least this share of the SLO against the full ranking (at "

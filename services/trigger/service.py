@@ -47,6 +47,7 @@ from services.trigger.admission import (
     ReturnRate,
     adds_little_work,
     decide,
+    host_has_spare,
     reuse_pays,
     risk_threshold_ms,
     spare_outweighs_waits,
@@ -440,6 +441,7 @@ class TriggerService:
         adds_little = self.risk_adds_little(meta.prefix_len, tokens, target)
         spare = (
             self.has_spare(target)
+            and self.host_has_spare(target, offered, now)
             and self.spare_shortens(tokens)
             and (
                 not self.config.spare_prices_waits
@@ -484,6 +486,13 @@ class TriggerService:
         False before any report, and with spare_busy_max 0."""
         busy = self._device_busy.get(target)
         return busy is not None and busy < self.config.spare_busy_max
+
+    def host_has_spare(self, target: str, offered: OfferedLoad, now: float) -> bool:
+        """Whether `target`'s host has room for the spare term (admission.host_has_spare): its
+        reported host ms per request at its call rate, the higher of its reports' and the
+        events this trigger routes to it (as spare_outweighs_waits takes it)."""
+        rate = max(offered.rate(now), self._call_rate.get(target, 0.0))
+        return host_has_spare(self._host_ms.get(target), rate, self.config.spare_host_max)
 
     def spare_shortens(self, tokens: int) -> bool:
         """Whether a call of `tokens` gets enough shorter against psi for the spare term

@@ -1112,6 +1112,29 @@ def test_the_modelled_trigger_admits_new_users_into_spare_device_time_only_where
     assert {label for _, label in decided} == {"not_at_risk"}
 
 
+def test_the_modelled_trigger_bounds_the_spare_term_by_the_hosts_share_where_the_run_did():
+    # The spare admissions above (new users, an idle device, 0.5-2.5 events a second as the
+    # trigger's 2 s window counts them), with the trigger's host bound (spare_host_max) and the
+    # ranker's host at 3 ms a request: under 0.01 of a core, every one admitted; at 2 s of host a
+    # request (a core from the first event on) the term waits for the host, as the trigger does
+    # (admission.host_has_spare).
+    calls = [request(i, 1.0 + 0.2 * i, user=i) for i in range(5)]
+    policy = AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05, spare_host_max=0.6)
+    for host_ms, labels in ((3.0, ["admitted_spare"] * 5), (2000.0, ["not_at_risk"] * 5)):
+        setup = dataclasses.replace(_admission_setup(policy), trigger_host_ms=host_ms)
+        decided: list[tuple[float, str]] = []
+        simulate(calls, EXACT, setup, decisions=decided)
+        assert [label for _, label in decided] == labels, host_ms
+    # Without the bound (the default, and every run before it) the host's share does not count.
+    assert AdmissionPolicy().spare_host_max == 0.0
+    assert AdmissionPolicy.of_run({"trigger_settings": {"slo_ms": 50.0}}).spare_host_max == 0.0
+    unbounded = dataclasses.replace(_admission_setup(AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05)),
+                                    trigger_host_ms=2000.0)  # fmt: skip
+    decided = []
+    simulate(calls, EXACT, unbounded, decisions=decided)
+    assert [label for _, label in decided] == ["admitted_spare"] * 5
+
+
 def test_the_modelled_trigger_weighs_the_spare_terms_saving_against_the_waits_it_imposes():
     # New users at 100 calls a second; a pre-inference is one 14 ms eager step and saves its call
     # 4.1 ms (5.0 - 0.86) and others ~100 x (5.0^2 - 0.86^2) / 2 / 1000 = 1.2 ms of waits behind

@@ -22,7 +22,7 @@ from services.trigger.events import (
     signal_size_bound,
 )
 from services.trigger.service import TriggerService
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 from shared.dlq import read_dead_letter
 from shared.protos import events_pb2 as ev
 from shared.protos import ranker_pb2 as pb
@@ -289,6 +289,35 @@ def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_i
     assert trigger("--policy", "sequence", "--rankers", "127.0.0.1:1").config.spare_prices_waits
     off = trigger("--policy", "sequence", "--rankers", "127.0.0.1:1", "--spare-prices-waits", "false")
     assert not off.config.spare_prices_waits
+
+
+def test_the_spare_term_waits_for_the_host_where_a_host_bound_is_set():
+    """--spare-host-max: with the device idle and a saving worth the pre-inference, the spare
+    term still needs the ranker's host to have room (its host ms per request at its call rate);
+    off by default, and a flag with a wrong value stops the trigger at start-up."""
+    target = "127.0.0.1:1"
+    reply = stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8)
+    reply.device_busy = 0.2
+    reply.host_ms_per_request = 3.0
+    offered = OfferedLoad(window_s=2.0)
+    now = 0.0
+    for _ in range(3000):  # ten seconds of events at 300 a second: 0.9 of a core
+        now += 1.0 / 300.0
+        offered.add(now, 18.4)
+    bounded = trigger("--policy", "sequence", "--rankers", target, "--spare-host-max", "0.6")
+    default = trigger("--policy", "sequence", "--rankers", target)
+    for t in (bounded, default):
+        t._absorb(target, reply)
+        assert t.has_spare(target)  # the device has room either way
+    assert default.config.spare_host_max == 0.0
+    assert default.host_has_spare(target, offered, now)
+    assert not bounded.host_has_spare(target, offered, now)
+    quiet = OfferedLoad(window_s=2.0)
+    for i in range(100):  # ten seconds at 10 a second: 0.03 of a core
+        quiet.add(now + i / 10.0, 18.4)
+    assert bounded.host_has_spare(target, quiet, now + 10.0)
+    with pytest.raises(ConfigError, match=r"spare_host_max .* must be >= 0"):
+        trigger("--policy", "sequence", "--rankers", target, "--spare-host-max", "-1")
 
 
 def test_the_spare_terms_call_rate_is_the_rankers_own_where_this_trigger_sees_a_share():

@@ -16,6 +16,7 @@ from services.trigger.admission import (
     ReturnRate,
     adds_little_work,
     decide,
+    host_has_spare,
     reuse_pays,
     risk_threshold_ms,
     spare_outweighs_waits,
@@ -244,6 +245,23 @@ def test_the_spare_term_wants_a_saving_that_counts_against_the_slo():
     assert spare_shortens(full_ms=2.8, cached_ms=1.3, slo_ms=10.0, min_saving=0.1)
     # Both tests hold: a large saving that is still most of the full ranking is not enough.
     assert not spare_shortens(full_ms=40.0, cached_ms=30.0, slo_ms=50.0, min_saving=0.1)
+
+
+def test_the_spare_terms_host_bound_is_the_share_of_a_core_the_instances_requests_take():
+    # The H200's length mix (k27b): ~2.7-3.6 ms of host a request at 300-400 calls a second is
+    # about one core: no room for the spare term under a bound of 0.6.
+    assert not host_has_spare(host_ms_per_request=3.0, calls_per_s=300.0, host_max=0.6)
+    # 16384 tokens at ~45 calls a second (k24): the host is mostly idle.
+    assert host_has_spare(host_ms_per_request=4.0, calls_per_s=45.0, host_max=0.6)
+    # At the bound: refused (a share of 0.6 is not under 0.6).
+    assert not host_has_spare(host_ms_per_request=2.0, calls_per_s=300.0, host_max=0.6)
+    assert host_has_spare(host_ms_per_request=2.0, calls_per_s=299.0, host_max=0.6)
+    # Off (0), or a host not yet measured: the device alone decides, as before the bound.
+    assert host_has_spare(host_ms_per_request=3.0, calls_per_s=1000.0, host_max=0.0)
+    assert host_has_spare(host_ms_per_request=None, calls_per_s=1000.0, host_max=0.6)
+    assert host_has_spare(host_ms_per_request=0.0, calls_per_s=1000.0, host_max=0.6)
+    # A negative rate (a count that went back) is no load.
+    assert host_has_spare(host_ms_per_request=3.0, calls_per_s=-5.0, host_max=0.6)
 
 
 def test_adds_little_work_compares_pre_inference_plus_the_cached_call_with_the_full_ranking():
