@@ -85,6 +85,15 @@ pieces or no pieces (k23b; CopyEngine), unless the ranker moves those bytes by k
 (`--batch-copies`, the ranker's RELAYGR_RANKER_BATCH_COPIES). Not modelled yet: the router's load bound and failover, several
 GPUs, the signal path's tail.
 
+Why a loop of our own and not a DES library (SimPy): the model is one device loop per ranker,
+the same plan -> launch -> settle cycle as services/ranker/engine.py, and at each step it calls
+the ranker's own scheduler, keep and demotion gates and the trigger's admission, all plain
+synchronous functions of the state and a clock. A next-event loop over that state is what the
+engine's loop is; SimPy would wrap each call and the loop in generator processes and resources
+without modelling anything more (one resource, no preemption), and put its scheduling between
+our code and the code it checks. GPUs are modelled one at a time (each serves its own users),
+so a plan's size does not grow the event count.
+
 Calibration comes only from a goodput result file and the per-call records beside it
 (bench/results/calls/<file stem>-<config>-<workload>-p<n>-<rate>.jsonl.xz), never from
 constants: the costs of a configuration on a workload are fitted on all its measured points.
