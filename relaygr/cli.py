@@ -49,6 +49,17 @@ def _integer(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def session_requests(text: str) -> float:
+    """A finite number >= 1: a session's mean requests (1: every user comes once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (NaN and infinity are refused: no SLO or budget means either)."""
     try:
@@ -158,13 +169,20 @@ def _plan(args: argparse.Namespace) -> int:
             configs = [c.strip() for c in args.configs.split(",") if c.strip()]
             if not configs:
                 raise ValueError("--configs: name at least one configuration")
+        session = {
+            k: v
+            for k, v in (
+                ("session_mean_requests", args.session_mean_requests),
+                ("think_scale", args.think_scale),
+            )
+            if v is not None
+        }
         rows = plan(source, configs, args.target_rps, args.workload, args.slo_ms, args.users, changes,
-                    trigger_settings=settings)  # fmt: skip
-        varied = (
-            sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes, settings)
-            if args.sensitivity
-            else []
-        )
+                    trigger_settings=settings, session=session)  # fmt: skip
+        varied = []
+        if args.sensitivity:
+            varied = sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes,
+                                 settings, session)  # fmt: skip
         if args.plot:
             plot(rows, Path(args.plot))
     except ValueError as exc:
@@ -273,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="host DRAM for psi per GPU (default: the file's)")  # fmt: skip
     plan.add_argument("--hbm-budget-mb", type=positive_float, default=None, metavar="MB",
                       help="psi bytes in HBM per GPU (default: the file's)")  # fmt: skip
+    plan.add_argument("--session-mean-requests", type=session_requests, default=None, metavar="N",
+                      help="mean requests of a user's session (geometric, >= 1; 1: no user comes back) "
+                      "instead of the file's workload's")  # fmt: skip
+    plan.add_argument("--think-scale", type=positive_float, default=None, metavar="X",
+                      help="think times between a session's requests: ML-100K's gaps x this, instead of "
+                      "the file's workload's")  # fmt: skip
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plans here")
     plan.add_argument("--plot", default=None, metavar="PNG",
                       help="P99 against the per-GPU rate, per configuration, with the SLO")  # fmt: skip

@@ -85,13 +85,23 @@ def plan(
     changes: dict[str, float] | None = None,
     seed: int = 0,
     trigger_settings: dict[str, Any] | None = None,
+    session: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """One plan per configuration, each modelled from `source`'s own records of it (`relay`: with
-    `trigger_settings` instead of the run's where given)."""
+    `trigger_settings` instead of the run's where given). `session`: the users' session model
+    instead of the run's (SESSION_KEYS: the mean requests of a session, its think times' scale),
+    the calls' costs as the run measured them."""
     if users is not None and users < 1:
         raise ValueError("--users must be >= 1")
     if slo_ms is not None and not slo_ms > 0:
         raise ValueError("--slo-ms must be > 0")
+    session = dict(session or {})
+    if set(session) - set(SESSION_KEYS):
+        raise ValueError(f"session: only {', '.join(SESSION_KEYS)}")
+    if session.get("session_mean_requests", 1.0) < 1:
+        raise ValueError("--session-mean-requests must be >= 1")
+    if not session.get("think_scale", 1.0) > 0:
+        raise ValueError("--think-scale must be > 0")
     rows = []
     for config in configs:
         # The trigger's settings are the relay's alone (the others' files ran no trigger that admits).
@@ -99,8 +109,24 @@ def plan(
         model = load_model(source, config, workload, changes, trigger_settings=settings or None)
         if slo_ms is not None:
             model = dataclasses.replace(model, setup=dataclasses.replace(model.setup, slo_ms=slo_ms))
-        rows.append(plan_one(model, target_rps, users, seed))
+        if session:
+            traffic = dataclasses.replace(
+                model.traffic,
+                session_mean_requests=session.get(
+                    "session_mean_requests", model.traffic.session_mean_requests
+                ),
+                think_scale=session.get("think_scale", model.traffic.think_scale),
+            )
+            model = dataclasses.replace(model, traffic=traffic)
+        row = plan_one(model, target_rps, users, seed)
+        row["session_mean_requests"] = model.traffic.session_mean_requests
+        row["think_scale"] = model.traffic.think_scale
+        rows.append(row)
     return rows
+
+
+# The session model a plan may take instead of its run's (relaygr.workload.WorkloadConfig).
+SESSION_KEYS = ("session_mean_requests", "think_scale")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -127,6 +153,8 @@ SENSITIVITY: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     # The host's launch of each batch and its time between launches: at 16384 tokens on an H200
     # (k10d) the relay's modelled limit halves when they double (eager steps launch for 8-12 ms).
     ("the host's launch and step time", "launch_scale", (0.5, 1.5)),
+    # Requests a user's session makes: the relay's reuse comes from them (1: none to reuse).
+    ("requests per session", "session_mean_requests", (1 / 3, 2.0)),
 )
 
 
@@ -139,25 +167,30 @@ def sensitivity(
     slo_ms: float | None = None,
     changes: dict[str, float] | None = None,
     trigger_settings: dict[str, Any] | None = None,
+    session: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """GPUs with one input varied at a time (SENSITIVITY), beside the plan `base`: which inputs
-    matter most. Inputs a configuration does not use (DRAM and psi for the baseline) are left out."""
+    matter most. Inputs a configuration does not use (DRAM, psi and sessions for the baseline) are
+    left out."""
     rows = []
     for name, key, factors in SENSITIVITY:
         for config, reference in zip(configs, base, strict=True):
-            if key in ("arena_gb", "cached_scale") and config == "baseline":
+            if key in ("arena_gb", "cached_scale", "session_mean_requests") and config == "baseline":
                 continue
             for factor in factors:
                 varied = dict(changes or {})
+                sessions = dict(session or {})
                 slo = slo_ms
                 if key == "slo_ms":
                     slo = reference["slo_ms"] * factor
                 elif key == "arena_gb":
                     varied[key] = reference["dram_gb_per_gpu"] * factor
+                elif key == "session_mean_requests":
+                    sessions[key] = max(1.0, reference[key] * factor)
                 else:
                     varied[key] = varied.get(key, 1.0) * factor
                 (row,) = plan(source, [config], target_rps, workload, slo, None, varied,
-                              trigger_settings=trigger_settings)  # fmt: skip
+                              trigger_settings=trigger_settings, session=sessions)  # fmt: skip
                 rows.append({"input": name, "factor": factor, "config": config, "gpus": row["gpus"],
                              "base_gpus": reference["gpus"], "change": row["gpus"] / reference["gpus"] - 1})  # fmt: skip
     return rows

@@ -62,6 +62,15 @@ def test_a_thousand_gpu_plan_for_a_hundred_million_users_takes_seconds(source):
         (["--target-rps", "100", "--configs", "relay"], "holds no records of relay (it holds baseline)"),
         (["--target-rps", "100", "--configs", " , "], "--configs: name at least one configuration"),
         (["--target-rps", "100", "--trigger-setting", "spare_min_saving"], "--trigger-setting"),
+        (
+            ["--target-rps", "100", "--session-mean-requests", "0.5"],
+            "--session-mean-requests: must be a finite number >= 1",
+        ),
+        (
+            ["--target-rps", "100", "--session-mean-requests", "inf"],
+            "--session-mean-requests: must be a finite number >= 1",
+        ),
+        (["--target-rps", "100", "--think-scale", "0"], "--think-scale: must be a finite number > 0"),
     ],
 )
 def test_bad_inputs_get_one_line_errors(source, capsys, argv, message):
@@ -181,3 +190,17 @@ def test_gpus_are_added_until_the_point_at_the_target_meets_the_slo(source, monk
     monkeypatch.setattr(planning, "p99_at", lambda *a, **k: real(*a, **k) | {"meets_slo": False})
     with pytest.raises(ValueError, match="misses the 50 ms SLO even on"):
         plan(source, ["baseline"], 10_000)
+
+
+def test_a_plan_takes_another_session_model_than_its_runs(source):
+    """--session-mean-requests / --think-scale: the users' sessions instead of the run's, the
+    calls' costs as measured; each plan says which sessions it modelled."""
+    (run,) = plan(source, ["baseline"], 1_000)
+    assert (run["session_mean_requests"], run["think_scale"]) == (3.0, 0.1)  # the workload's defaults
+    (once,) = plan(source, ["baseline"], 1_000, session={"session_mean_requests": 1.0, "think_scale": 0.5})
+    assert (once["session_mean_requests"], once["think_scale"]) == (1.0, 0.5)
+    assert once["served"] == {"full_recompute": 1.0}
+    for bad, message in (({"session_mean_requests": 0.9}, "must be >= 1"), ({"think_scale": 0.0}, "must be > 0"),
+                         ({"users": 5.0}, "session: only")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            plan(source, ["baseline"], 1_000, session=bad)
