@@ -154,6 +154,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from relaygr.plan import plan, plot, sensitivity, sensitivity_table, table
     from relaygr.sim import modelled_configs, parse_trigger_settings
+    from relaygr.workload import read_length_histogram
 
     changes = {
         k: v for k, v in (("arena_gb", args.arena_gb), ("hbm_budget_mb", args.hbm_budget_mb)) if v is not None
@@ -177,17 +178,24 @@ def _plan(args: argparse.Namespace) -> int:
             )
             if v is not None
         }
+        lengths = read_length_histogram(Path(args.lengths)) if args.lengths else ()
         rows = plan(source, configs, args.target_rps, args.workload, args.slo_ms, args.users, changes,
-                    trigger_settings=settings, session=session)  # fmt: skip
+                    trigger_settings=settings, session=session, lengths=lengths)  # fmt: skip
         varied = []
         if args.sensitivity:
             varied = sensitivity(source, configs, args.target_rps, rows, args.workload, args.slo_ms, changes,
-                                 settings, session)  # fmt: skip
+                                 settings, session, lengths)  # fmt: skip
         if args.plot:
             plot(rows, Path(args.plot))
     except ValueError as exc:
         fail(str(exc))
     print(table(rows))
+    for r in rows:
+        if r.get("extrapolated"):
+            low, high = r["calibrated_call_tokens"]
+            print(f"note: {r['config']}: --lengths gives prefixes of {r['prefix_tokens'][0]}-{r['prefix_tokens'][2]} "
+                  f"tokens; the run measured full rankings of {low}-{high} tokens with their suffixes: costs "
+                  "outside that are extrapolated by the fit")  # fmt: skip
     if varied:
         print()
         print(sensitivity_table(varied))
@@ -297,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--think-scale", type=positive_float, default=None, metavar="X",
                       help="think times between a session's requests: ML-100K's gaps x this, instead of "
                       "the file's workload's")  # fmt: skip
+    plan.add_argument("--lengths", default=None, metavar="FILE",
+                      help="the users' prefix lengths from a histogram file (one 'upper_length,weight' "
+                      "line a bin, lengths increasing) instead of the file's workload; the costs "
+                      "stay the file's, extrapolated outside its lengths (the plan says so)")  # fmt: skip
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the plans here")
     plan.add_argument("--plot", default=None, metavar="PNG",
                       help="P99 against the per-GPU rate, per configuration, with the SLO")  # fmt: skip

@@ -20,7 +20,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at
+from relaygr.workload import user_prefix_lengths
 
 # GPUs are raised by this factor (at least one) while the point at the target misses, this often
 # at most (about 1.5x) before the plan is refused.
@@ -86,11 +89,15 @@ def plan(
     seed: int = 0,
     trigger_settings: dict[str, Any] | None = None,
     session: dict[str, float] | None = None,
+    lengths: tuple[tuple[int, float], ...] = (),
 ) -> list[dict[str, Any]]:
     """One plan per configuration, each modelled from `source`'s own records of it (`relay`: with
     `trigger_settings` instead of the run's where given). `session`: the users' session model
-    instead of the run's (SESSION_KEYS: the mean requests of a session, its think times' scale),
-    the calls' costs as the run measured them."""
+    instead of the run's (SESSION_KEYS: the mean requests of a session, its think times' scale);
+    `lengths`: the users' prefix lengths drawn from these (upper length, weight) bins instead of
+    the run's workload (relaygr.workload, length_histogram). Either way the calls' costs are as
+    the run measured them, fitted by tokens: lengths outside the run's are extrapolated, and
+    each plan says so (`extrapolated`, beside the run's `calibrated_prefix_tokens`)."""
     if users is not None and users < 1:
         raise ValueError("--users must be >= 1")
     if slo_ms is not None and not slo_ms > 0:
@@ -109,6 +116,22 @@ def plan(
         model = load_model(source, config, workload, changes, trigger_settings=settings or None)
         if slo_ms is not None:
             model = dataclasses.replace(model, setup=dataclasses.replace(model.setup, slo_ms=slo_ms))
+        if lengths:
+            if model.traffic.fixed_prefix_len is not None:
+                # One length's records fit no cost per token: k27c's (L4096) put a 1024-token full
+                # ranking at 0.27 ms, where the mix's fit (k27b) gives 1.25 and 8192 tokens 7.8
+                # (bench.core on an H200: 7.4).
+                raise ValueError(
+                    f"--lengths needs a source run of the length mix: {source.name}'s {model.workload} "
+                    "measured one length, whose costs do not extrapolate to others"
+                )
+            try:
+                histogram = dataclasses.replace(
+                    model.traffic, length_histogram=lengths, fixed_prefix_len=None
+                )
+            except ValueError as exc:
+                raise ValueError(f"--lengths: {exc}") from None
+            model = dataclasses.replace(model, traffic=histogram)
         if session:
             traffic = dataclasses.replace(
                 model.traffic,
@@ -121,6 +144,15 @@ def plan(
         row = plan_one(model, target_rps, users, seed)
         row["session_mean_requests"] = model.traffic.session_mean_requests
         row["think_scale"] = model.traffic.think_scale
+        # The full rankings' sequences the run measured (prefix and suffix tokens of a call).
+        row["calibrated_call_tokens"] = list(model.cal.full.call_tokens)
+        if lengths:
+            planned = user_prefix_lengths(model.traffic)
+            suffix = model.traffic.recent_tokens + model.traffic.candidates
+            low, high = model.cal.full.call_tokens
+            row["workload"] = f"{model.workload} costs, --lengths"
+            row["prefix_tokens"] = [int(planned.min()), int(np.median(planned)), int(planned.max())]
+            row["extrapolated"] = bool(planned.min() + suffix < low or planned.max() + suffix > high)
         rows.append(row)
     return rows
 
@@ -168,6 +200,7 @@ def sensitivity(
     changes: dict[str, float] | None = None,
     trigger_settings: dict[str, Any] | None = None,
     session: dict[str, float] | None = None,
+    lengths: tuple[tuple[int, float], ...] = (),
 ) -> list[dict[str, Any]]:
     """GPUs with one input varied at a time (SENSITIVITY), beside the plan `base`: which inputs
     matter most. Inputs a configuration does not use (DRAM, psi and sessions for the baseline) are
@@ -190,7 +223,7 @@ def sensitivity(
                 else:
                     varied[key] = varied.get(key, 1.0) * factor
                 (row,) = plan(source, [config], target_rps, workload, slo, None, varied,
-                              trigger_settings=trigger_settings, session=sessions)  # fmt: skip
+                              trigger_settings=trigger_settings, session=sessions, lengths=lengths)  # fmt: skip
                 rows.append({"input": name, "factor": factor, "config": config, "gpus": row["gpus"],
                              "base_gpus": reference["gpus"], "change": row["gpus"] / reference["gpus"] - 1})  # fmt: skip
     return rows

@@ -197,6 +197,9 @@ class KindCost:
     # where the records carry no launch time (files before it was recorded).
     launches: tuple[float, ...] = ()
     launches_by_shape: dict[tuple[int, int], tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    # The fewest and most tokens a call of the measured batches had (their tokens over their
+    # calls): outside them the fit extrapolates ((0, 0): not recorded).
+    call_tokens: tuple[int, int] = (0, 0)
 
     def fitted_s(self, tokens: int, pairs: int) -> float:
         return self.per_batch_s + self.per_token_s * tokens + self.per_pair_s * pairs
@@ -266,9 +269,11 @@ def _fit(samples: Sequence[_Batch]) -> KindCost:
     for b in samples:
         if b.launch_ms is not None:
             launches[shape_of(b.calls, b.tokens)].append(b.launch_ms / 1e3)
+    per_call = [b.tokens // max(1, b.calls) for b in samples]
     return KindCost(
         per_batch, per_token, per_pair, ratios, {k: tuple(v) for k, v in by_shape.items()},
         tuple(x for pool in launches.values() for x in pool), {k: tuple(v) for k, v in launches.items()},
+        (min(per_call), max(per_call)),
     )  # fmt: skip
 
 

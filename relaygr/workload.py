@@ -46,7 +46,10 @@ The model (state it in reports as written here):
   `length_scale` (a uniform jitter within one scaled unit, so lengths are not all multiples of the
   scale), clipped to `max_prefix_len`; and since ML-100K dropped users with under 20 ratings, a
   fraction `short_head_fraction` of users (an assumption, not data) get lengths uniform in
-  [1, 20 x length_scale). Lengths never drop below `profile_tokens` + 1.
+  [1, 20 x length_scale). With `length_histogram` ((upper length, weight) bins, lengths
+  increasing) a user's length is drawn from the bins by weight, uniform within its bin (above the
+  previous bin's upper length, at most its own): an operator's own distribution (`relaygr plan
+  --lengths FILE`, read by read_length_histogram). Lengths never drop below `profile_tokens` + 1.
 - Tokens. Each request carries `recent_tokens` recent behaviours eS_l and `candidates` candidates.
 """
 
@@ -56,6 +59,7 @@ import collections
 import functools
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +95,8 @@ class WorkloadConfig:
     burst_low_mean_s: float = 15.0  # bursty: mean dwell in the low state (exponential)
     users: int = 100_000  # population; user ids are 1..users, drawn uniformly per session
     fixed_prefix_len: int | None = None  # every prefix [U, S_l] exactly this long (None: real-data mix)
+    # (upper length, weight) bins instead of the real-data mix (module docstring, Lengths); ()
+    length_histogram: tuple[tuple[int, float], ...] = ()
     length_scale: float = 16.0  # real-data mix: ML-100K history length x this (p50 65 -> ~1k tokens)
     max_prefix_len: int = 16_384  # real-data mix: clip
     short_head_fraction: float = 0.2  # real-data mix: users with lengths in [1, 20 x length_scale)
@@ -120,6 +126,10 @@ class WorkloadConfig:
             problems.append("profile_tokens and recent_tokens must be >= 0, candidates >= 1")
         if self.fixed_prefix_len is not None and self.fixed_prefix_len <= self.profile_tokens:
             problems.append("fixed_prefix_len must exceed profile_tokens (at least one behaviour)")
+        if self.length_histogram:
+            problems += _histogram_problems(self.length_histogram, self.profile_tokens)
+            if self.fixed_prefix_len is not None:
+                problems.append("fixed_prefix_len and length_histogram are two length models: give one")
         if self.length_scale <= 0 or self.max_prefix_len <= self.profile_tokens:
             problems.append("length_scale must be positive and max_prefix_len > profile_tokens")
         if not 0 <= self.short_head_fraction <= 1:
@@ -262,12 +272,66 @@ def think_time_s(u: npt.ArrayLike, think_scale: float) -> npt.NDArray[np.float64
     return np.exp(np.interp(np.asarray(u, dtype=np.float64), levels, logs)) * think_scale
 
 
+def _histogram_problems(bins: tuple[tuple[int, float], ...], profile_tokens: int) -> list[str]:
+    uppers = [int(u) for u, _ in bins]
+    weights = [float(w) for _, w in bins]
+    problems = []
+    if any(b <= a for a, b in itertools.pairwise(uppers)):
+        problems.append("length_histogram: upper lengths must increase")
+    if uppers[0] <= profile_tokens:
+        problems.append(f"length_histogram: lengths must exceed profile_tokens ({profile_tokens})")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        problems.append("length_histogram: weights must be finite, >= 0, and not all 0")
+    return problems
+
+
+def read_length_histogram(path: Path) -> tuple[tuple[int, float], ...]:
+    """A length histogram from a text file: one bin a line, `upper_length,weight` (weights in any
+    unit: counts or shares), '#' comments and blank lines skipped, a first line of names allowed.
+    ValueError, one line, naming the file and line, for anything else; validated as
+    WorkloadConfig validates it (lengths increasing, weights >= 0, not all 0)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the length histogram {path}: {exc}") from None
+    bins: list[tuple[int, float]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            if len(fields) != 2:
+                raise ValueError
+            upper, weight = int(fields[0]), float(fields[1])
+        except ValueError:
+            if not bins and number == 1 and not any(c.isdigit() for c in line):
+                continue  # a header
+            raise ValueError(f"{path}:{number}: expected 'upper_length,weight', got {line!r}") from None
+        bins.append((upper, weight))
+    if not bins:
+        raise ValueError(f"{path}: no 'upper_length,weight' lines")
+    problems = _histogram_problems(tuple(bins), 0)
+    if problems:
+        raise ValueError(f"{path}: {'; '.join(problems)}")
+    return tuple(bins)
+
+
 def user_prefix_lengths(config: WorkloadConfig) -> npt.NDArray[np.int64]:
     """Prefix length of every user (index user_id - 1): a function of the seed and the length
     knobs only, so changing the rate or duration keeps each user's length."""
     if config.fixed_prefix_len is not None:
         return np.full(config.users, config.fixed_prefix_len, dtype=np.int64)
     rng = np.random.default_rng([config.seed, 0x1E46])
+    if config.length_histogram:
+        uppers = np.array([u for u, _ in config.length_histogram], dtype=np.float64)
+        weights = np.array([w for _, w in config.length_histogram], dtype=np.float64)
+        lowers = np.concatenate(([float(config.profile_tokens)], uppers[:-1]))
+        lowers = np.maximum(lowers, config.profile_tokens)  # a first bin starts past the profile
+        drawn = rng.choice(len(uppers), size=config.users, p=weights / weights.sum())
+        # Uniform in (lower, upper]: the bin's own lengths, its upper one included.
+        lengths = np.floor(lowers[drawn] + 1 + rng.random(config.users) * (uppers[drawn] - lowers[drawn]))
+        return np.minimum(lengths, uppers[drawn]).astype(np.int64)
     hist = np.asarray(ml100k_shape()["history_lengths"], dtype=np.float64)
     scaled = np.floor((rng.choice(hist, size=config.users) + rng.random(config.users)) * config.length_scale)
     head_hi = ML100K_MIN_HISTORY * config.length_scale

@@ -12,6 +12,7 @@ import pytest
 
 from relaygr.cli import main
 from relaygr.plan import plan, table
+from relaygr.workload import read_length_histogram
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +205,64 @@ def test_a_plan_takes_another_session_model_than_its_runs(source):
                          ({"users": 5.0}, "session: only")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             plan(source, ["baseline"], 1_000, session=bad)
+
+
+@pytest.fixture(scope="module")
+def mix_source(tmp_path_factory):
+    """A measured run of the baseline on the length mix: full rankings of 0.8 ms plus 0.5 us a
+    token of its sequence, prefixes of 100-6000 tokens."""
+    root = tmp_path_factory.mktemp("mix")
+    (root / "calls").mkdir()
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(600):
+        prefix = int(rng.integers(100, 6000))
+        rows.append({"status": "OK", "served_by": "full_recompute", "prefix_len": prefix, "suffix_len": 320,
+                     "batch_seq": i, "compute_ms": 0.8 + 0.0005 * (prefix + 320) * float(rng.uniform(0.95, 1.05)),
+                     "queue_ms": 1.0, "cache_ms": 0.0, "latency_ms": 6.0})  # fmt: skip
+    with gzip.open(root / "calls" / "goodput-x-m-baseline-mix-p1-300.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows))
+    result = {"config": {"slo_ms": 50.0, "lead_in_s": 2.0}, "results": [{"config": "baseline", "workload": "mix",
+              "points": [{"rate_rps": 300.0, "meets_slo": True}, {"rate_rps": 500.0, "meets_slo": False}]}]}  # fmt: skip
+    path = root / "goodput-x-m.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_a_plan_takes_the_operators_length_histogram_on_a_mix_runs_costs(
+    mix_source, source, tmp_path, capsys
+):
+    """--lengths FILE: users' prefixes drawn from the operator's bins, priced by the mix run's
+    fit; longer prefixes never need fewer GPUs; a run of one length is refused (its costs fit
+    that length only), and lengths past the run's are flagged as extrapolated."""
+    short, long = tmp_path / "short.csv", tmp_path / "long.csv"
+    short.write_text("upper_length,weight\n200,0\n512,1\n1024,1\n")  # 201-1024 tokens
+    long.write_text("4096,1\n8192,3\n")
+    (mixed,) = plan(mix_source, ["baseline"], 5_000)
+    (few,) = plan(mix_source, ["baseline"], 5_000, lengths=read_length_histogram(short))
+    (many,) = plan(mix_source, ["baseline"], 5_000, lengths=read_length_histogram(long))
+    assert few["gpus"] <= mixed["gpus"] <= many["gpus"]
+    assert few["per_gpu_goodput_rps"] > many["per_gpu_goodput_rps"]
+    assert few["workload"] == "mix costs, --lengths"
+    assert few["prefix_tokens"][2] <= 1024
+    assert not few["extrapolated"]
+    assert many["extrapolated"]  # up to 8192 tokens, the run measured under 6000
+    assert "extrapolated" not in mixed
+    with pytest.raises(ValueError, match="needs a source run of the length mix"):
+        plan(source, ["baseline"], 5_000, lengths=read_length_histogram(short))
+    assert main(["plan", "--from", str(mix_source), "--target-rps", "5000", "--lengths", str(long)]) == 0
+    assert "are extrapolated by the fit" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "plan",
+                "--from",
+                str(mix_source),
+                "--target-rps",
+                "5000",
+                "--lengths",
+                str(tmp_path / "none.csv"),
+            ]
+        )
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -16,6 +16,7 @@ from relaygr.workload import (
     WorkloadConfig,
     generate,
     ml100k_shape,
+    read_length_histogram,
     think_time_s,
     user_prefix_lengths,
 )
@@ -254,3 +255,49 @@ def test_bad_configs_are_refused():
         WorkloadConfig(session_mean_requests=0.5)
     with pytest.raises(ValueError, match="arrivals"):
         WorkloadConfig(arrivals="uniform")  # type: ignore[arg-type]
+
+
+def test_a_length_histogram_draws_each_users_length_from_its_bins_by_weight():
+    config = WorkloadConfig(users=40_000, length_histogram=((1024, 1.0), (4096, 0.0), (16384, 3.0)))
+    lengths = user_prefix_lengths(config)
+    assert lengths.min() >= config.profile_tokens + 1
+    assert lengths.max() <= 16384
+    low = np.mean(lengths <= 1024)
+    assert low == pytest.approx(0.25, abs=0.01)  # weight 1 of 4
+    assert not np.any((lengths > 1024) & (lengths <= 4096))  # weight 0: nobody there
+    assert np.mean(lengths > 4096) == pytest.approx(0.75, abs=0.01)
+    # Uniform within a bin: the upper bin's users spread over (4096, 16384].
+    upper = lengths[lengths > 4096]
+    assert np.median(upper) == pytest.approx((4096 + 16384) / 2, rel=0.03)
+    assert np.array_equal(lengths, user_prefix_lengths(config))  # a function of the seed
+    one = user_prefix_lengths(WorkloadConfig(users=1000, length_histogram=((64, 1.0),)))
+    assert one.min() >= 9
+    assert one.max() <= 64
+
+
+def test_bad_length_histograms_are_refused():
+    with pytest.raises(ValueError, match="upper lengths must increase"):
+        WorkloadConfig(length_histogram=((4096, 1.0), (1024, 1.0)))
+    with pytest.raises(ValueError, match="must exceed profile_tokens"):
+        WorkloadConfig(length_histogram=((8, 1.0),))
+    with pytest.raises(ValueError, match="not all 0"):
+        WorkloadConfig(length_histogram=((1024, 0.0),))
+    with pytest.raises(ValueError, match="not all 0"):
+        WorkloadConfig(length_histogram=((1024, float("nan")),))
+    with pytest.raises(ValueError, match="two length models"):
+        WorkloadConfig(fixed_prefix_len=4096, length_histogram=((1024, 1.0),))
+
+
+def test_a_length_histogram_file_is_read_with_its_header_and_comments(tmp_path):
+    good = tmp_path / "lengths.csv"
+    good.write_text("upper_length,weight\n# from our own logs\n1024, 50\n\n4096,30  # the body\n16384,20\n")
+    assert read_length_histogram(good) == ((1024, 50.0), (4096, 30.0), (16384, 20.0))
+    for text, message in (("1024\n", "expected 'upper_length,weight'"), ("1024,x\n", ":1: expected"),
+                          ("a,b\n1024,1\n2048,y\n", ":3: expected"), ("# nothing\n", "no 'upper_length,weight'"),
+                          ("4096,1\n1024,1\n", "must increase"), ("1024,-1\n", "weights must be")):  # fmt: skip
+        bad = tmp_path / "bad.csv"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_length_histogram(bad)
+    with pytest.raises(ValueError, match="cannot read the length histogram"):
+        read_length_histogram(tmp_path / "missing.csv")
