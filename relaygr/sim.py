@@ -822,26 +822,41 @@ def reload_saving_ms(cal: Calibration, prefix_len: int, suffix: int) -> float:
     return max(0.0, full - against_psi) * 1e3
 
 
-# The sizes every modelled scheduler's fit observes (tokens of a call, 320 of them its suffix).
+# The sizes a modelled scheduler's fit observes where it is given no workload (tokens of a call,
+# 320 of them its suffix).
 _FIT_SIZES = (320, 1280, 4416, 8832)
+# The workload's full rankings the fit observes (quantiles of their tokens), and the batches of
+# calls against psi (this many calls of the workload's suffix each).
+_FIT_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+_FIT_CACHED_CALLS = (1, 2, 4, 8)
 
 
 def _scheduler_fit(cal: Calibration, requests: Sequence[PlannedRequest] = ()) -> CostFit:
-    """The one fit the scheduler judges every batch and step by (as the engine's own fits): fed
-    the calibrated costs of both kinds at a spread of sizes, a full ranking's pairs as CallWork
-    counts them, and at the sizes of `requests` (their median, 90th percentile and largest),
-    as the ranker's fit learns from the calls it serves. Without those, at 16384 tokens the fit
-    put a 16704-token full ranking at 7.6 ms against the calibration's 20.0 (k23c)."""
+    """The one fit the scheduler judges every batch and step by, fed what the ranker's own fit
+    learns from (services/ranker/call_cost.py, observe_batches): full rankings at the sizes of
+    `requests` (quantiles of their tokens, each with its prefix's pairs as CallWork counts them)
+    and batches of 1-8 calls against psi of their suffix, at the calibrated costs. Fed full
+    rankings of fixed sizes instead (320-8832 tokens), it extrapolated a fit of one length's
+    records (L4096: every full ranking one shape) down to sizes the ranker never served and
+    priced calls against psi at a full ranking's tokens: on k27c (H200, L4096) it came out with
+    no cost per batch, so the scheduler never batched two calls against psi where the GPU's
+    ranker batched 1.16-2.4 a batch, and the modelled relay missed at 312.5 req/s (P99 ~2 s)
+    what the GPU met (44 ms). Without `requests`, the fixed sizes."""
     fit = CostFit(CostPrior(per_batch_s=cal.full.per_batch_s, per_token_s=cal.full.per_token_s, batches=0.0))
-    sizes = set(_FIT_SIZES)
     if requests:
-        tokens_of = np.array([r.prefix_len + r.recent_len + r.candidates for r in requests])
-        sizes |= {int(np.quantile(tokens_of, q, method="higher")) for q in (0.5, 0.9, 1.0)}
-    for tokens in sorted(sizes):
-        pairs = max(tokens - 320, 0) * tokens
-        fit.observe(tokens, pairs, cal.full.fitted_s(tokens, pairs))
-        if cal.cached is not None:
-            fit.observe(tokens, 0, cal.cached.fitted_s(tokens, 0))
+        by_tokens = sorted(requests, key=lambda r: r.prefix_len + r.recent_len + r.candidates)
+        picks = {by_tokens[min(len(by_tokens) - 1, int(q * len(by_tokens)))] for q in _FIT_QUANTILES}
+        full = sorted({(r.prefix_len, r.recent_len + r.candidates) for r in picks})
+        suffix = int(np.median([r.recent_len + r.candidates for r in requests]))
+    else:
+        full = [(max(tokens - 320, 0), min(tokens, 320)) for tokens in _FIT_SIZES]
+        suffix = 320
+    for prefix, call_suffix in full:
+        tokens = prefix + call_suffix
+        fit.observe(tokens, prefix * tokens, cal.full.fitted_s(tokens, prefix * tokens))
+    if cal.cached is not None:
+        for calls in _FIT_CACHED_CALLS:
+            fit.observe(suffix * calls, 0, cal.cached.fitted_s(suffix * calls, 0))
     return fit
 
 

@@ -1460,9 +1460,15 @@ def test_the_schedulers_fit_learns_the_workloads_own_sizes():
     fixed = _scheduler_fit(EXACT).seconds(work)
     learned = _scheduler_fit(EXACT, long_calls).seconds(work)
     assert abs(learned - calibrated) < abs(fixed - calibrated)
-    # Calls of the fixed sizes teach it nothing new.
-    short_calls = [request(i, 1.0 + i, i, prefix_len=4096) for i in range(20)]
-    short = CallWork.of(4096, 320, against_psi=False)
-    assert _scheduler_fit(EXACT, short_calls).seconds(short) == pytest.approx(
-        _scheduler_fit(EXACT).seconds(short)
-    )
+    # A workload of one length (L4096): the fit learns that full ranking and batches of calls
+    # against psi at their calibrated costs, as the ranker's fit does from what it serves. Fed
+    # fixed sizes down to 320 tokens instead, it priced the full ranking 11% low here, and on
+    # k27c's records (H200) it had no cost per batch: no two calls against psi were ever batched.
+    one_length = _scheduler_fit(EXACT, [request(i, 1.0 + i, i, prefix_len=4096) for i in range(20)])
+    full = CallWork.of(4096, 320, against_psi=False)
+    assert one_length.seconds(full) == pytest.approx(EXACT.full.fitted_s(full.tokens, full.pairs), rel=1e-3)
+    assert _scheduler_fit(EXACT).seconds(full) < 0.9 * EXACT.full.fitted_s(full.tokens, full.pairs)
+    for calls in (1, 2, 4):
+        batch = CallWork.of(4096, 320 * calls, against_psi=True)
+        assert one_length.seconds(batch) == pytest.approx(EXACT.cached.fitted_s(320 * calls, 0), rel=1e-3)
+    assert one_length.coefficients.per_batch_s == pytest.approx(EXACT.cached.per_batch_s, rel=1e-3)
