@@ -26,11 +26,19 @@ def source(tmp_path_factory):
          "compute_ms": float(rng.uniform(3.3, 4.0)), "queue_ms": 1.0, "cache_ms": 0.0, "latency_ms": 8.0}
         for i in range(400)
     ]  # fmt: skip
-    with gzip.open(root / "calls" / "goodput-x-p-baseline-L4096-p1-150.jsonl.gz", "wt") as f:
+    return baseline_run(root / "goodput-x-p.json", "L4096", rows, met_rps=150.0, missed_rps=250.0)
+
+
+def baseline_run(path, workload: str, rows: list[dict], met_rps: float, missed_rps: float):
+    """A goodput result file at `path` of the baseline on `workload`, met at met_rps and missed at
+    missed_rps, and the met point's per-call records `rows` beside it."""
+    with gzip.open(
+        path.parent / "calls" / f"{path.stem}-baseline-{workload}-p1-{met_rps:g}.jsonl.gz", "wt"
+    ) as f:
         f.write("\n".join(json.dumps(r) for r in rows))
-    result = {"config": {"slo_ms": 50.0, "lead_in_s": 2.0}, "results": [{"config": "baseline", "workload": "L4096",
-              "points": [{"rate_rps": 150.0, "meets_slo": True}, {"rate_rps": 250.0, "meets_slo": False}]}]}  # fmt: skip
-    path = root / "goodput-x-p.json"
+    points = [{"rate_rps": met_rps, "meets_slo": True}, {"rate_rps": missed_rps, "meets_slo": False}]
+    result = {"config": {"slo_ms": 50.0, "lead_in_s": 2.0},
+              "results": [{"config": "baseline", "workload": workload, "points": points}]}  # fmt: skip
     path.write_text(json.dumps(result))
     return path
 
@@ -220,13 +228,7 @@ def mix_source(tmp_path_factory):
         rows.append({"status": "OK", "served_by": "full_recompute", "prefix_len": prefix, "suffix_len": 320,
                      "batch_seq": i, "compute_ms": 0.8 + 0.0005 * (prefix + 320) * float(rng.uniform(0.95, 1.05)),
                      "queue_ms": 1.0, "cache_ms": 0.0, "latency_ms": 6.0})  # fmt: skip
-    with gzip.open(root / "calls" / "goodput-x-m-baseline-mix-p1-300.jsonl.gz", "wt") as f:
-        f.write("\n".join(json.dumps(r) for r in rows))
-    result = {"config": {"slo_ms": 50.0, "lead_in_s": 2.0}, "results": [{"config": "baseline", "workload": "mix",
-              "points": [{"rate_rps": 300.0, "meets_slo": True}, {"rate_rps": 500.0, "meets_slo": False}]}]}  # fmt: skip
-    path = root / "goodput-x-m.json"
-    path.write_text(json.dumps(result))
-    return path
+    return baseline_run(root / "goodput-x-m.json", "mix", rows, met_rps=300.0, missed_rps=500.0)
 
 
 def test_a_plan_takes_the_operators_length_histogram_on_a_mix_runs_costs(
