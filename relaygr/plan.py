@@ -97,7 +97,7 @@ def plan(
     `lengths`: the users' prefix lengths drawn from these (upper length, weight) bins instead of
     the run's workload (relaygr.workload, length_histogram). Either way the calls' costs are as
     the run measured them, fitted by tokens: lengths outside the run's are extrapolated, and
-    each plan says so (`extrapolated`, beside the run's `calibrated_prefix_tokens`)."""
+    each plan says so (`extrapolated`, beside the run's `calibrated_call_tokens`)."""
     if users is not None and users < 1:
         raise ValueError("--users must be >= 1")
     if slo_ms is not None and not slo_ms > 0:

@@ -384,8 +384,8 @@ def host_has_spare(host_ms_per_request: float | None, calls_per_s: float, host_m
     then goes by the device alone, as before the test). The device's busy share says nothing of
     a ranker bound by its host: on the H200's length mix (k27b) the device was 0.50-0.57 busy
     while the ranker took 0.85-0.93 cores, and the spare term admitted 44 pre-inferences a point
-    whose steps held 127-195 calls for 0.44-0.74 s, those of the bursts that decided the points
-    among them (the relay met 337.5 req/s against the baseline's 398.4 in that call)."""
+    whose steps held 127-195 calls for 0.44-0.74 s, likely among them calls of the bursts that
+    decided the points (the relay met 337.5 req/s against the baseline's 398.4 in that call)."""
     if host_max <= 0 or host_ms_per_request is None or host_ms_per_request <= 0:
         return True
     return host_ms_per_request * max(calls_per_s, 0.0) / 1e3 < host_max
