@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at
+from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at, search_start_rps
 from relaygr.workload import user_prefix_lengths
 
 # GPUs are raised by this factor (at least one) while the point at the target misses, this often
@@ -37,7 +37,7 @@ def plan_one(model: Model, target_rps: float, users: int | None = None, seed: in
     if not target_rps > 0:
         raise ValueError("--target-rps must be > 0")
     met, missed = measured_limit(model.result, model.config, model.workload)
-    start = met if met > 0 else (missed / 2 if math.isfinite(missed) else 10.0)
+    start = search_start_rps(met, missed)
     per_gpu, _, points = goodput(model.traffic, model.cal, model.setup, start, seed=seed)
     if per_gpu <= 0:
         raise ValueError(f"{model.config}: no rate meets the {model.setup.slo_ms:g} ms SLO on one GPU")

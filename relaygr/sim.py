@@ -1994,6 +1994,15 @@ def measured_limit(result: dict[str, Any], config: str, workload: str) -> tuple[
     return met, missed
 
 
+def search_start_rps(met: float, missed: float) -> float:
+    """Where the model's search of a configuration starts: the file's highest rate met, else half
+    its lowest missed, else (no point usable: each beyond the load generator's reach, or a
+    broken stack's) 10 req/s, from where the search steps up as the benchmark's does."""
+    if met > 0:
+        return met
+    return missed / 2 if math.isfinite(missed) else 10.0
+
+
 def write_result(path: Path, machine: dict[str, Any], record: dict[str, Any]) -> None:
     """Adds `record` to the result file at `path` (EVALUATION.md's layout: machine, config,
     results), replacing one of the same configuration, workload, measured file and what-if."""
@@ -2533,7 +2542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.traffic,
     )
     met, missed = measured_limit(result, args.config, workload)
-    start = met if met > 0 else missed / 2
+    start = search_start_rps(met, missed)
     run_search = run_search_config(result) if args.gate_history else None
     # One search per model seed; the median limit and that search's points (the lower median).
     searches = sorted(

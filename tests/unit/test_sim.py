@@ -57,6 +57,7 @@ from relaygr.sim import (
     request_host_ms,
     run_search_config,
     scaled,
+    search_start_rps,
     shape_of,
     signal_trip_ms,
     simulate,
@@ -1472,3 +1473,11 @@ def test_the_schedulers_fit_learns_the_workloads_own_sizes():
         batch = CallWork.of(4096, 320 * calls, against_psi=True)
         assert one_length.seconds(batch) == pytest.approx(EXACT.cached.fitted_s(320 * calls, 0), rel=1e-3)
     assert one_length.coefficients.per_batch_s == pytest.approx(EXACT.cached.per_batch_s, rel=1e-3)
+
+
+def test_the_models_search_starts_where_the_file_measured_or_low_where_it_measured_nothing():
+    assert search_start_rps(237.5, 250.0) == 237.5
+    assert search_start_rps(0.0, 150.0) == 75.0
+    # No usable point (each beyond the load generator's reach: H100 pa1): the search starts low
+    # and steps up, where it started at infinity and failed inside the workload generator.
+    assert search_start_rps(0.0, math.inf) == 10.0
