@@ -489,10 +489,15 @@ class TriggerService:
 
     def host_has_spare(self, target: str, offered: OfferedLoad, now: float) -> bool:
         """Whether `target`'s host has room for the spare term (admission.host_has_spare): its
-        reported host ms per request at its call rate, the higher of its reports' and the
-        events this trigger routes to it (as spare_outweighs_waits takes it)."""
-        rate = max(offered.rate(now), self._call_rate.get(target, 0.0))
+        reported host ms per request at its call rate (calls_per_s)."""
+        rate = self.calls_per_s(target, offered, now)
         return host_has_spare(self._host_ms.get(target), rate, self.config.spare_host_max)
+
+    def calls_per_s(self, target: str, offered: OfferedLoad, now: float) -> float:
+        """`target`'s ranking calls per second: the higher of what its reports say (every
+        caller's calls) and the events this trigger routes to it (one trigger of several sees
+        only its partitions' share)."""
+        return max(offered.rate(now), self._call_rate.get(target, 0.0))
 
     def spare_shortens(self, tokens: int) -> bool:
         """Whether a call of `tokens` gets enough shorter against psi for the spare term
@@ -509,9 +514,8 @@ class TriggerService:
     ) -> bool:
         """Whether the spare term's saving on this call outweighs the waits its pre-inference
         would impose on `target`'s other calls (admission.spare_outweighs_waits), at its call
-        rate: the higher of what its reports say (every caller's calls) and the events this
-        trigger routes to it (one trigger of several sees only its partitions' share)."""
-        rate = max(offered.rate(now), self._call_rate.get(target, 0.0))
+        rate (calls_per_s)."""
+        rate = self.calls_per_s(target, offered, now)
         return spare_outweighs_waits(
             self.full_work.full_ms(tokens), self.cached_call_ms(), self.preinfer_ms(prefix_len), rate
         )
