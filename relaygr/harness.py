@@ -184,6 +184,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # psi stored in host DRAM as float8 e4m3 with per-group scales (RELAYGR_RANKER_HOST_PSI_FORMAT
     # fp8): half the bytes to copy each way and to hold; scores off by bench.psi_fp8's eps.
     "relay-host-fp8": {"ranker_args": ("--host-psi-format", "fp8")},
+    # Every psi leaving HBM copied to host DRAM as fp8 (relay-demote-pressure with
+    # relay-host-fp8): at L4096 on an H200 (k27c) the demotion gate copied 653 of ~4000
+    # candidates a point (its yield 0.29 reloads a copy x ~2.4 ms saved against 0.72 ms of host
+    # a copy: on the edge), 4% of calls were reloads; relaygr.sim put this at +26% goodput.
+    "relay-host-fp8-pressure": {"ranker_args": ("--host-psi-format", "fp8", "--demotion", "pressure")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With
     # the benchmarks' 10 s deadline every call against psi passes over every full ranking.

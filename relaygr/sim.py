@@ -1556,7 +1556,8 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "baseline-gil005", "baseline-gil05", "relay-nospare-gil005", "relay-nospare-gil05",
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
-            "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host")  # fmt: skip
+            "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host",
+            "relay-host-fp8-pressure")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1575,6 +1576,7 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     "relay-engine-copies": {"batch_copies": float(BATCH_COPIES.index("engine"))},
     # psi in host DRAM as fp8 (--host-psi-format): half the bytes held and copied.
     "relay-host-fp8": {"host_bytes_scale": HOST_FP8_SCALE},
+    "relay-host-fp8-pressure": {"host_bytes_scale": HOST_FP8_SCALE, "demotion_earned": 0.0},
     # The spare term bounded by the host too: a trigger setting, taken from the run's record of
     # its trigger (AdmissionPolicy.of_run), nothing else changed.
     "relay-spare-host": {},

@@ -946,7 +946,10 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         "relay-engine-copies": "engine",
         "relay-scores-aside": "scores_aside",
     }
-    for config in ("no-expander", "relay-demote-pressure", *copies, "relay-host-fp8", "relay-budget-by-kind"):
+    pressed = ("relay-demote-pressure", "relay-host-fp8-pressure")
+    fp8 = ("relay-host-fp8", "relay-host-fp8-pressure")
+    configs = ("no-expander", *pressed, *copies, *fp8, "relay-budget-by-kind")
+    for config in configs:
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
         result["results"][0]["points"][0]["demotions_skipped"] = 0.0  # run with the gate's setting
@@ -956,13 +959,13 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
         assert modelled_configs(path) == [config]
         setup = load_model(path, config).setup
         assert setup.preinfer_steps is not None  # the relay's model
-        assert setup.demotion_gate == (config != "relay-demote-pressure")
+        assert setup.demotion_gate == (config not in pressed)
         assert setup.carried  # tiers full of earlier points' psi, as the search's stack
         assert not load_model(path, config, changes={"cold_start": 1.0}).setup.carried
         assert setup.scheduler.budget_by_kind == (config == "relay-budget-by-kind")
         assert (setup.dram_bytes == 0) == (config == "no-expander")
         assert setup.batch_copies == copies.get(config, "kernel")
-        assert setup.host_bytes_scale == (HOST_FP8_SCALE if config == "relay-host-fp8" else 1.0)
+        assert setup.host_bytes_scale == (HOST_FP8_SCALE if config in fp8 else 1.0)
     assert (
         load_model(
             path, "relay-budget-by-kind", changes={"budget_by_kind": 0.0}
