@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from relaygr.sim import (
+    CEILING,
     HOST_FP8_SCALE,
     PSI_BYTES_PER_TOKEN,
     PSI_CHUNK_VARIANTS,
@@ -58,6 +59,7 @@ from relaygr.sim import (
     run_search_config,
     scaled,
     search_start_rps,
+    session_what_if,
     shape_of,
     signal_trip_ms,
     simulate,
@@ -800,6 +802,32 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
     assert seeded["predicted_goodput_rps"] == sorted(seeded["predicted_goodput_rps_by_seed"])[1]
     with pytest.raises(SystemExit):
         main([str(path), "--config", "relay", "--seeds", "0"])
+    # The ceiling: the device the only limit; a flag given beside it wins. The session model as a
+    # what-if, recorded with it; values WorkloadConfig would let through (NaN) refused in one line.
+    ceiling = tmp_path / "ceiling.json"
+    argv = [
+        str(path),
+        "--config",
+        "relay",
+        "--ceiling",
+        "--launch-scale",
+        "0.5",
+        "--session-mean-requests",
+        "5",
+    ]
+    assert main([*argv, "--json", str(ceiling)]) == 0
+    (bound,) = json.loads(ceiling.read_text())["results"]
+    assert bound["what_if"] == {**CEILING, "launch_scale": 0.5, "session_mean_requests": 5.0}
+    assert bound["keep_gate"] is False
+    assert bound["request_host_ms"] == 0.0
+    assert bound["predicted_over_measured"] is None  # a what-if is no check
+    for bad in (["--session-mean-requests", "nan"], ["--session-mean-requests", "0.5"], ["--think-scale", "0"],
+                ["--think-scale", "inf"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main([str(path), "--config", "relay", *bad])
+    assert session_what_if(None, None) == {}
+    assert session_what_if(1.0, 0.2) == {"session_mean_requests": 1.0, "think_scale": 0.2}
+    assert "finite" in str(session_what_if(float("nan"), None))
     assert main([str(path), "--config", "relay", "--eager-step-costs", "4,0,0", "--json", str(out_file)]) == 0
     given = [r for r in json.loads(out_file.read_text())["results"] if r["what_if"]]
     assert given[0]["what_if"] == {"eager_step_costs": "4,0,0", "graph_step_costs": None}
