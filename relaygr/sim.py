@@ -574,7 +574,7 @@ class AdmissionPolicy:
         passed the saving test), and its `risk_fraction` / `slo_ms` as the record gives them.
         Settings a record lacks are from a trigger of before them, which had them off
         (_LATER_SETTINGS: host pricing came in the twenty-fourth session, the spare term's waits
-        in the twenty-sixth)."""
+        in the twenty-sixth, its host bound in the thirty-ninth and on by default in the fortieth)."""
         settings = record.get("trigger_settings")
         if settings:
             known = {f.name for f in dataclasses.fields(cls)}
@@ -587,7 +587,7 @@ class AdmissionPolicy:
 
 
 # Trigger settings added after runs were recorded, as the triggers before them behaved.
-_LATER_SETTINGS: dict[str, Any] = {"host_cost": False, "spare_prices_waits": False}
+_LATER_SETTINGS: dict[str, Any] = {"host_cost": False, "spare_prices_waits": False, "spare_host_max": 0.0}
 
 
 class _Report(NamedTuple):
@@ -1557,7 +1557,7 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
             "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host",
-            "relay-host-fp8-pressure")  # fmt: skip
+            "relay-host-fp8-pressure", "relay-spare-device")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1580,6 +1580,7 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     # The spare term bounded by the host too: a trigger setting, taken from the run's record of
     # its trigger (AdmissionPolicy.of_run), nothing else changed.
     "relay-spare-host": {},
+    "relay-spare-device": {},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack): the same models, the host's time

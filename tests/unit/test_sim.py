@@ -1157,11 +1157,17 @@ def test_the_modelled_trigger_bounds_the_spare_term_by_the_hosts_share_where_the
         decided: list[tuple[float, str]] = []
         simulate(calls, EXACT, setup, decisions=decided)
         assert [label for _, label in decided] == labels, host_ms
-    # Without the bound (the default, and every run before it) the host's share does not count.
-    assert AdmissionPolicy().spare_host_max == 0.0
+    # The bound is the trigger's default since k28b; a run that records no such setting ran
+    # without it (every run before the thirty-ninth session): there the host's share does not count.
+    assert AdmissionPolicy().spare_host_max == 0.6
     assert AdmissionPolicy.of_run({"trigger_settings": {"slo_ms": 50.0}}).spare_host_max == 0.0
-    unbounded = dataclasses.replace(_admission_setup(AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05)),
-                                    trigger_host_ms=2000.0)  # fmt: skip
+    assert AdmissionPolicy.of_run({"slo_ms": 50.0}).spare_host_max == 0.0
+    recorded = {"trigger_settings": {"slo_ms": 50.0, "spare_host_max": 0.6}}
+    assert AdmissionPolicy.of_run(recorded).spare_host_max == 0.6
+    unbounded = dataclasses.replace(
+        _admission_setup(AdmissionPolicy(reuse_window_s=0.0, spare_min_saving=0.05, spare_host_max=0.0)),
+        trigger_host_ms=2000.0,
+    )
     decided = []
     simulate(calls, EXACT, unbounded, decisions=decided)
     assert [label for _, label in decided] == ["admitted_spare"] * 5

@@ -294,7 +294,8 @@ def test_the_spare_terms_saving_is_weighed_against_the_waits_it_imposes_at_the_i
 def test_the_spare_term_waits_for_the_host_where_a_host_bound_is_set():
     """--spare-host-max: with the device idle and a saving worth the pre-inference, the spare
     term still needs the ranker's host to have room (its host ms per request at its call rate);
-    off by default, and a flag with a wrong value stops the trigger at start-up."""
+    0.6 of a core by default (k28b), 0 turns the test off, and a flag with a wrong value stops
+    the trigger at start-up."""
     target = "127.0.0.1:1"
     reply = stats_reply([(1, 16704, 18.4)] * 8, [(1, 1.9)] * 8, [(16384, 20.0)] * 8)
     reply.device_busy = 0.2
@@ -304,13 +305,13 @@ def test_the_spare_term_waits_for_the_host_where_a_host_bound_is_set():
     for _ in range(3000):  # ten seconds of events at 300 a second: 0.9 of a core
         now += 1.0 / 300.0
         offered.add(now, 18.4)
-    bounded = trigger("--policy", "sequence", "--rankers", target, "--spare-host-max", "0.6")
-    default = trigger("--policy", "sequence", "--rankers", target)
-    for t in (bounded, default):
+    bounded = trigger("--policy", "sequence", "--rankers", target)
+    off = trigger("--policy", "sequence", "--rankers", target, "--spare-host-max", "0")
+    for t in (bounded, off):
         t._absorb(target, reply)
         assert t.has_spare(target)  # the device has room either way
-    assert default.config.spare_host_max == 0.0
-    assert default.host_has_spare(target, offered, now)
+    assert bounded.config.spare_host_max == 0.6
+    assert off.host_has_spare(target, offered, now)
     assert not bounded.host_has_spare(target, offered, now)
     quiet = OfferedLoad(window_s=2.0)
     for i in range(100):  # ten seconds at 10 a second: 0.03 of a core
