@@ -191,6 +191,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # relay-host-fp8): at L4096 on an H200 (k27c) the demotion gate copied 653 of ~4000
     # candidates a point (its yield 0.29 reloads a copy x ~2.4 ms saved against 0.72 ms of host
     # a copy: on the edge), 4% of calls were reloads; relaygr.sim put this at +26% goodput.
+    # Measured on an H100 (k28a, L4096): 160 req/s against the relay's 225 in the same call:
+    # reloads rose to 26-32% of calls, but quantizing ~230 psi a second on the device slowed
+    # every batch and the expander's answers (goodput-nvidia-h100-80gb-hbm3-x1.md).
     "relay-host-fp8-pressure": {"ranker_args": ("--host-psi-format", "fp8", "--demotion", "pressure")},
     # Calls scheduled by the client's own gRPC deadline alone (RELAYGR_RANKER_LATENCY_TARGET_MS 0;
     # the stacks' rankers get half the SLO): beside relay-nospare, what the target buys. With

@@ -2581,7 +2581,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     if session:
-        model = dataclasses.replace(model, traffic=dataclasses.replace(model.traffic, **session))
+        traffic = dataclasses.replace(
+            model.traffic,
+            session_mean_requests=session.get("session_mean_requests", model.traffic.session_mean_requests),
+            think_scale=session.get("think_scale", model.traffic.think_scale),
+        )
+        model = dataclasses.replace(model, traffic=traffic)
     asked: dict[str, Any] = dict(changes) | session | {f"trigger_{k}": v for k, v in settings.items()}
     if args.eager_step_costs:  # the steps as given, not as the file recorded them
         asked["eager_step_costs"] = args.eager_step_costs

@@ -64,8 +64,8 @@ class TriggerConfig(KafkaSettings, TlsSettings):
                                     "ranking calls per second) under this (0: the device alone decides; "
                                     "admission.host_has_spare). On an H100's length mix (k28b, one call) "
                                     "0.6 met the same limit as 0 (390.6 req/s) with P99 14.5 / 14.1 / 19.8 ms "
-                                    "against 18.1 / 18.6 / 43.4 at 250 / 312.5 / 390.6 req/s: 12-18 spare "
-                                    "pre-inferences a point instead of 28-60, whose steps held 37-58 calls "
+                                    "against 18.1 / 18.6 / 43.4 at 250 / 312.5 / 390.6 req/s: 11-18 spare "
+                                    "pre-inferences a point instead of 28-60, whose steps held 36-58 calls "
                                     "instead of 61-283", check=non_negative)  # fmt: skip
     spare_min_saving: float = setting(0.1, env="RELAYGR_TRIGGER_SPARE_MIN_SAVING",
                                       help="the spare term admits only where the call against psi is measured "
