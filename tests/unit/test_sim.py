@@ -811,16 +811,20 @@ def test_the_command_models_the_relay_by_its_recorded_steps_or_those_given(tmp_p
         "relay",
         "--ceiling",
         "--launch-scale",
-        "0.5",
+        "1",
         "--session-mean-requests",
         "5",
     ]
+    # A scale given at its default is a change against the ceiling (and none without it, below).
     assert main([*argv, "--json", str(ceiling)]) == 0
     (bound,) = json.loads(ceiling.read_text())["results"]
-    assert bound["what_if"] == {**CEILING, "launch_scale": 0.5, "session_mean_requests": 5.0}
+    assert bound["what_if"] == {**CEILING, "launch_scale": 1.0, "session_mean_requests": 5.0}
     assert bound["keep_gate"] is False
     assert bound["request_host_ms"] == 0.0
     assert bound["predicted_over_measured"] is None  # a what-if is no check
+    plain = tmp_path / "plain.json"
+    assert main([str(path), "--config", "relay", "--launch-scale", "1", "--json", str(plain)]) == 0
+    assert json.loads(plain.read_text())["results"][0]["what_if"] == {}
     for bad in (["--session-mean-requests", "nan"], ["--session-mean-requests", "0.5"], ["--think-scale", "0"],
                 ["--think-scale", "inf"]):  # fmt: skip
         with pytest.raises(SystemExit):
