@@ -22,7 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from relaygr.sim import PSI_PATHS, Model, goodput, load_model, measured_limit, p99_at, search_start_rps
+from relaygr.sim import (
+    PSI_PATHS,
+    Model,
+    goodput,
+    load_model,
+    measured_limit,
+    p99_at,
+    search_start_rps,
+    with_session,
+)
 from relaygr.workload import user_prefix_lengths
 
 # GPUs are raised by this factor (at least one) while the point at the target misses, this often
@@ -132,15 +141,7 @@ def plan(
             except ValueError as exc:
                 raise ValueError(f"--lengths: {exc}") from None
             model = dataclasses.replace(model, traffic=histogram)
-        if session:
-            traffic = dataclasses.replace(
-                model.traffic,
-                session_mean_requests=session.get(
-                    "session_mean_requests", model.traffic.session_mean_requests
-                ),
-                think_scale=session.get("think_scale", model.traffic.think_scale),
-            )
-            model = dataclasses.replace(model, traffic=traffic)
+        model = with_session(model, session)
         row = plan_one(model, target_rps, users, seed)
         row["session_mean_requests"] = model.traffic.session_mean_requests
         row["think_scale"] = model.traffic.think_scale

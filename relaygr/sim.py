@@ -2387,6 +2387,19 @@ def session_what_if(mean_requests: float | None, think_scale: float | None) -> d
     return session
 
 
+def with_session(model: Model, session: dict[str, float]) -> Model:
+    """The model replaying users of another session model (WorkloadConfig's fields
+    session_mean_requests, think_scale; those absent stay the run's), at the run's costs."""
+    if not session:
+        return model
+    traffic = dataclasses.replace(
+        model.traffic,
+        session_mean_requests=session.get("session_mean_requests", model.traffic.session_mean_requests),
+        think_scale=session.get("think_scale", model.traffic.think_scale),
+    )
+    return dataclasses.replace(model, traffic=traffic)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m relaygr.sim", description=__doc__.split("\n\n")[0])
     p.add_argument("result", type=Path, help="a bench.goodput result file, its calls/ directory beside it")
@@ -2584,13 +2597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_model(args.result, args.config, args.workload, changes, step_costs, settings)
     except ValueError as exc:
         p.error(str(exc))
-    if session:
-        traffic = dataclasses.replace(
-            model.traffic,
-            session_mean_requests=session.get("session_mean_requests", model.traffic.session_mean_requests),
-            think_scale=session.get("think_scale", model.traffic.think_scale),
-        )
-        model = dataclasses.replace(model, traffic=traffic)
+    model = with_session(model, session)
     asked: dict[str, Any] = dict(changes) | session | {f"trigger_{k}": v for k, v in settings.items()}
     if args.eager_step_costs:  # the steps as given, not as the file recorded them
         asked["eager_step_costs"] = args.eager_step_costs
