@@ -684,12 +684,15 @@ class StepCosts:
 
 
 class _Lru:
-    """Bytes-bounded LRU of psi keys."""
+    """Bytes-bounded LRU of psi keys. Psi filled in from earlier points (fill) is held as a run
+    that put evicts piece by piece, oldest first: a tier of a petabyte (the ceiling's HBM) costs
+    nothing to fill, where one key per psi would take millions."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.used = 0
         self._items: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self._filled: list[tuple[int, list[int], int, int]] = []  # (first user, sizes, next, end)
 
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._items
@@ -702,27 +705,48 @@ class _Lru:
 
     def fill(self, first_user: int, sizes: Sequence[int]) -> None:
         """Fills the free room with psi of users first_user, first_user - 1, ... (sizes in turn,
-        those that fit): what a stack holds from the points before this one."""
-        user, i = first_user, 0
+        until one does not fit): what a stack holds from the points before this one. They are
+        older than anything put later, and go first."""
+        if self._items:
+            raise ValueError("a tier is filled before anything is put in it (what it fills is older)")
         positive = [n for n in sizes if 0 < n <= self.capacity]
-        while positive and self.used + positive[i % len(positive)] <= self.capacity:
-            n = positive[i % len(positive)]
-            self._items[(user, 0)] = n
-            self.used += n
-            user, i = user - 1, i + 1
+        if not positive:
+            return
+        room = self.capacity - self.used
+        cycles, room = divmod(room, sum(positive))
+        count, filled = cycles * len(positive), cycles * sum(positive)
+        for n in positive:
+            if n > room:
+                break
+            room, count, filled = room - n, count + 1, filled + n
+        if count:
+            self._filled.append((first_user, positive, 0, count))
+            self.used += filled
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + sum(end - nxt for _, _, nxt, end in self._filled)
+
+    def _evict_oldest(self) -> tuple[tuple[int, int], int]:
+        if self._filled:
+            first_user, sizes, nxt, end = self._filled[0]
+            size = sizes[nxt % len(sizes)]
+            if nxt + 1 < end:
+                self._filled[0] = (first_user, sizes, nxt + 1, end)
+            else:
+                self._filled.pop(0)
+            self.used -= size
+            return (first_user - nxt, 0), size
+        old, size = self._items.popitem(last=False)
+        self.used -= size
+        return old, size
 
     def put(self, key: tuple[int, int], nbytes: int) -> list[tuple[tuple[int, int], int]]:
         """Inserts (most recent); returns what it evicted, oldest first."""
         if key in self._items:
             self.pop(key)
         evicted = []
-        while self._items and self.used + nbytes > self.capacity:
-            old, size = self._items.popitem(last=False)
-            self.used -= size
-            evicted.append((old, size))
+        while (self._items or self._filled) and self.used + nbytes > self.capacity:
+            evicted.append(self._evict_oldest())
         if nbytes <= self.capacity:
             self._items[key] = nbytes
             self.used += nbytes

@@ -120,6 +120,25 @@ def test_the_lru_evicts_the_oldest_bytes_first():
     assert lru.used == 0
 
 
+def test_a_filled_tier_evicts_what_it_was_filled_with_first_and_a_petabyte_fills_at_once():
+    """The ceiling's HBM is a petabyte: filling it one key per psi would take millions of steps
+    (CI timed out on it). The filled run is evicted piece by piece, oldest first, before any psi
+    put after it, under the users' ids it was filled with."""
+    lru = _Lru(10)
+    lru.fill(-1, [3, 4])
+    assert lru.put((7, 1), 5) == [((-1, 0), 3), ((-2, 0), 4)]
+    assert lru.put((8, 1), 4) == [((-3, 0), 3)]
+    assert (len(lru), lru.used) == (2, 9)
+    assert lru.put((9, 1), 2) == [((7, 1), 5)]
+    with pytest.raises(ValueError, match="before anything is put"):
+        lru.fill(-10, [1])
+    huge = _Lru(10**18)
+    huge.fill(-1, [128 << 20, 64 << 20])
+    assert huge.used <= huge.capacity < huge.used + (128 << 20)
+    assert len(huge) == 2 * (10**18 // (192 << 20)) + (1 if 10**18 % (192 << 20) >= 128 << 20 else 0)
+    assert huge.put((1, 1), 256 << 20) == [((-1, 0), 128 << 20), ((-2, 0), 64 << 20), ((-3, 0), 128 << 20)]
+
+
 def test_calibration_recovers_the_costs_it_was_measured_at():
     rng = np.random.default_rng(0)
     records, seq = [], 0
