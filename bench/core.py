@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -99,11 +99,18 @@ def measure_peaks(device: torch.device, sync: Callable[[], None]) -> tuple[float
 
 
 def profile_cached(
-    model: HSTURanker, graphs: Any, prefix_len: int, batch_size: int, args: argparse.Namespace
-) -> None:
+    model: HSTURanker,
+    graphs: Any,
+    prefix_len: int,
+    batch_size: int,
+    args: argparse.Namespace,
+    sync: Callable[[], None],
+) -> list[dict[str, Any]]:
     """Prints where one call's device time goes: the top kernels by device time (torch.profiler,
-    averaged over the calls) beside the wall-clock time per call, for cached ranking (the
-    replayed graph and the eager path) and, with args.profile_full, the full pass."""
+    averaged over the calls) beside the wall-clock time per call and the device's timeline
+    (kernel_timeline), for cached ranking (the replayed graph and the eager path) and, with
+    args.profile_full, the full pass. Returns one row per call kind (the results file's
+    `profile`)."""
     from torch.profiler import ProfilerActivity, profile
 
     shape = Shape(PROFILE_TOKENS, prefix_len - PROFILE_TOKENS, args.recent, args.candidates)
@@ -116,26 +123,77 @@ def profile_cached(
     if args.profile_full:
         calls["full"] = lambda: model.full(prefixes, suffixes)
     reps = 5
+    rows: list[dict[str, Any]] = []
+    on_cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
     for label, fn in calls.items():
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(reps):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             wall_ms = (time.perf_counter() - t0) * 1e3 / reps
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         events.sort(key=lambda e: e.self_device_time_total, reverse=True)
         device_ms = sum(e.self_device_time_total for e in events) / 1e3 / reps
+        intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+        row: dict[str, Any] = {"call": label, "prefix_len": prefix_len, "batch": batch_size,
+                               "wall_ms": wall_ms, "kernel_ms": device_ms}  # fmt: skip
+        timeline = ""
+        if intervals:  # none on the CPU, which has no device timeline apart from the host's
+            row.update(kernel_timeline(intervals, reps))
+            timeline = (f"; per call: device span {row['span_ms']:.3f} ms, busy {row['busy_ms']:.3f}, "
+                        f"idle within the span {row['idle_in_span_ms']:.3f}, "
+                        f"device idle between calls {row['between_calls_ms']:.3f}")  # fmt: skip
+        rows.append(row)
         print(f"profile {label} P={prefix_len} B={batch_size}: wall {wall_ms:.3f} ms/call, "
-              f"device kernels {device_ms:.3f} ms/call")  # fmt: skip
+              f"device kernels {device_ms:.3f} ms/call{timeline}")  # fmt: skip
         for e in events[:14]:
             print(f"  {e.self_device_time_total / 1e3 / reps:8.3f} ms  x{e.count // reps:4d}  {e.key[:90]}")
+    return rows
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def kernel_timeline(intervals: Sequence[tuple[float, float]], calls: int) -> dict[str, float]:
+    """Where a call's wall time goes on the device, from the (start, end) times in us of every
+    device operation of `calls` identical calls issued one after another: medians per call of
+    the span from its first operation's start to its last's end, the time within it some
+    operation ran (`busy_ms`, overlaps counted once), the span's idle rest (gaps between a CUDA
+    graph's kernels, or kernels waiting for the host), and the device's idle time from one
+    call's last operation to the next call's first (the host's time between them: staging,
+    launch, scores back). The operations are split into calls in time order, the same count
+    each; `calls` that do not divide them raise ValueError."""
+    if calls < 1 or not intervals or len(intervals) % calls:
+        raise ValueError(f"{len(intervals)} device operations do not split into {calls} calls")
+    ordered = sorted(intervals)
+    each = len(ordered) // calls
+    spans, busy, between = [], [], []
+    for i in range(calls):
+        ops = ordered[i * each : (i + 1) * each]
+        first, last = ops[0][0], max(end for _, end in ops)
+        spans.append(last - first)
+        covered, reach = 0.0, first
+        for start, end in ops:
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        busy.append(covered)
+        if i + 1 < calls:
+            between.append(max(0.0, ordered[(i + 1) * each][0] - last))
+    span_ms, busy_ms = median(spans) / 1e3, median(busy) / 1e3
+    return {
+        "span_ms": span_ms,
+        "busy_ms": busy_ms,
+        "idle_in_span_ms": span_ms - busy_ms,
+        "between_calls_ms": median(between) / 1e3 if between else 0.0,
+    }
+
+
+def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one row per prefix length x batch, the --profile rows: none without it)."""
     acc = accelerator(args.device)
     spec = preset(args.preset)
     model = HSTURanker.from_seed(spec, seed=0, device=acc.device)
@@ -157,7 +215,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if graphs.rank(suffixes, psis, keys) is None:
                 graphs.capture_pending(limit=4)
             del psis
-        profile_cached(model, graphs, args.profile_prefix, args.profile_batch, args)
+        profiled = profile_cached(
+            model, graphs, args.profile_prefix, args.profile_batch, args, acc.synchronize
+        )
+    else:
+        profiled = []
     results = []
     for prefix_len in args.prefix_lens:
         for batch_size in args.batches:
@@ -228,7 +290,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             del psis, full, cached
             if acc.backend == "cuda":
                 torch.cuda.empty_cache()
-    return results
+    return results, profiled
 
 
 def time_graph_passes(
@@ -291,8 +353,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-prefix", type=int, default=8192)
     parser.add_argument("--profile-batch", type=int, default=8)
     args = parser.parse_args(argv)
-    results = run(args)
+    results, profiled = run(args)
     config = {k: v for k, v in vars(args).items() if k != "out_dir"}
+    if profiled:
+        # Per profiled call kind: wall and kernel time per call, and the device's timeline
+        # (kernel_timeline): what of the wall is device work, gaps inside it, and host between.
+        config["profile_calls"] = profiled
     config["profile_tokens"] = PROFILE_TOKENS
     config["spec"] = preset(args.preset).to_json()
     config["timing"] = "wall-clock per call, device synchronised, median of reps"
