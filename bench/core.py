@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, 
     acc = accelerator(args.device)
     spec = preset(args.preset)
     model = HSTURanker.from_seed(spec, seed=0, device=acc.device)
+    model.fuse_norm_gate(args.layer_kernels == "fused")  # before any graph is captured
     peak_tflops, peak_gbps = measure_peaks(acc.device, acc.synchronize)
     print(f"device {acc.name}: matmul {peak_tflops:.0f} TFLOP/s, copy {peak_gbps:.0f} GB/s")
     graphs = None
@@ -339,6 +340,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--recent", type=int, default=64)
     parser.add_argument("--candidates", type=int, default=256)
+    parser.add_argument(
+        "--layer-kernels",
+        choices=("torch", "fused"),
+        default="torch",
+        help="each layer's LayerNorm(attn) * u as torch's two kernels or one (kernels/norm_gate.py; "
+        "the ranker's --layer-kernels)",
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(

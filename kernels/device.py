@@ -8,6 +8,7 @@ breaks `import torch`, so it is never a hard dependency.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -137,4 +138,10 @@ def accelerator(requested: str = "auto", index: int = 0) -> Accelerator:
 
 def triton_usable(t: torch.Tensor) -> bool:
     """The Triton kernels run on CUDA tensors only, and only where triton imports."""
-    return t.is_cuda and importlib.util.find_spec("triton") is not None
+    return t.is_cuda and _triton_present()
+
+
+@functools.cache
+def _triton_present() -> bool:
+    # Once per process: asked per layer of an eager pass, where a module search costs ~10 us.
+    return importlib.util.find_spec("triton") is not None

@@ -279,6 +279,14 @@ CONFIGS["baseline-serial"] = {
     "ranker_args": (*CONFIGS["baseline"]["ranker_args"], "--launch-ahead", "false"),
 }
 
+# Each layer's LayerNorm(attn) * u as one Triton kernel (kernels/norm_gate.py; the ranker's
+# --layer-kernels fused), beside the same configuration with torch's two kernels in one sitting.
+for _name in ("baseline", "relay"):
+    CONFIGS[f"{_name}-fused-gate"] = {
+        **CONFIGS[_name],
+        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--layer-kernels", "fused"),
+    }
+
 
 def ranker_slo_ms(name: str, slo_ms: float) -> float:
     """The SLO configuration `name`'s rankers hold calls doomed past (ranker --slo-ms): its own

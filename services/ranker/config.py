@@ -56,6 +56,13 @@ class BatchCopies(enum.StrEnum):
     KERNEL = "kernel"  # both moved by kernels through device views of page-locked memory
 
 
+class LayerKernels(enum.StrEnum):
+    """How each layer computes its gate, LayerNorm(attn) * u (kernels/norm_gate.py)."""
+
+    TORCH = "torch"  # torch's norm, then a multiply: two kernels
+    FUSED = "fused"  # one Triton kernel on CUDA (torch on other devices)
+
+
 class HostPsiFormat(enum.StrEnum):
     """How psi is stored in host DRAM (services/ranker/transfer.py)."""
 
@@ -199,6 +206,12 @@ class RankerConfig(TlsSettings):
                                 "calls against psi never took over 5.1 ms of device time at 46.41 req/s, "
                                 "against 19.4 ms with engine; where the device gives no such view it runs "
                                 "as engine, with a warning)")  # fmt: skip
+    layer_kernels: LayerKernels = setting(LayerKernels.TORCH, env="RELAYGR_RANKER_LAYER_KERNELS",
+                                          help="how each layer computes LayerNorm(attn) * u: torch (two "
+                                          "kernels, four passes over the layer's tokens) or fused (one "
+                                          "Triton kernel, three passes, on CUDA; torch on other devices). "
+                                          "torch until fused is measured on a GPU (bench.core "
+                                          "--layer-kernels)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

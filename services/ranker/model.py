@@ -54,6 +54,7 @@ from kernels.hstu_attention import (
     hstu_attention,
     prepare_attention,
 )
+from kernels.norm_gate import norm_gate
 from services.ranker.psi import Psi, PsiKey, psi_memory
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.modelspec import ModelSpec
@@ -73,6 +74,8 @@ class HSTULayer(nn.Module):
         # Relative attention bias per head, kept in float32 (read by the kernels as such).
         self.pos_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_pos_buckets))
         self.time_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_time_buckets))
+        # LayerNorm(attn) * u as one kernel on CUDA (kernels/norm_gate.py): HSTURanker.fuse_norm_gate.
+        self.fused_norm_gate = False
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """u, v, q, k as [T, H*D] views of one SiLU(W1 LN(x)) tensor."""
@@ -81,7 +84,9 @@ class HSTULayer(nn.Module):
         return u, v, q, k
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return x + self.out(self.norm_attn(attn) * u)
+        norm = self.norm_attn
+        gate = norm_gate(attn, u, norm.weight, norm.bias, norm.eps, fused=self.fused_norm_gate)
+        return x + self.out(gate)
 
 
 # The attention of one forward pass: (q, k, v as [T, H, D], layer index) -> [T, H, D].
@@ -260,6 +265,17 @@ class HSTURanker(nn.Module):
 
     def _stack(self) -> list[HSTULayer]:
         return [cast(HSTULayer, layer) for layer in self.layers]
+
+    def fuse_norm_gate(self, fused: bool) -> None:
+        """Whether every layer computes its gate, LayerNorm(attn) * u, in one kernel on CUDA
+        (kernels/norm_gate.py) or as torch's two. Set before any CUDA graph is captured (a graph
+        keeps the kernels it was captured with)."""
+        for layer in self._stack():
+            layer.fused_norm_gate = fused
+
+    @property
+    def fused_norm_gate(self) -> bool:
+        return any(layer.fused_norm_gate for layer in self._stack())
 
     @property
     def device(self) -> torch.device:

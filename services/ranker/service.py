@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kernels.device import Accelerator, accelerator
 from services.ranker.admission import AdmissionLimiter, Refusal
 from services.ranker.call_cost import CallWork
-from services.ranker.config import Demotion, Keep, RankerConfig
+from services.ranker.config import Demotion, Keep, LayerKernels, RankerConfig
 from services.ranker.copy_stages import CopyStagesCollector
 from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
@@ -268,6 +268,7 @@ class RankerService(pb_grpc.RankerServicer):
             self.model = HSTURanker.load(config.checkpoint, self.accel.device)
         else:
             self.model = HSTURanker.from_seed(spec, config.seed, self.accel.device)
+        self.model.fuse_norm_gate(config.layer_kernels is LayerKernels.FUSED)  # before any graph
         self.spec = self.model.spec
         # psi keys grouped by (user, prefix version, model): tells a content mismatch from a miss.
         self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic, group_of=_psi_name)
