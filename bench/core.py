@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, 
     acc = accelerator(args.device)
     spec = preset(args.preset)
     model = HSTURanker.from_seed(spec, seed=0, device=acc.device)
-    model.fuse_norm_gate(args.layer_kernels == "fused")  # before any graph is captured
+    model.fuse_norms(args.layer_kernels == "fused")  # before any graph is captured
     peak_tflops, peak_gbps = measure_peaks(acc.device, acc.synchronize)
     print(f"device {acc.name}: matmul {peak_tflops:.0f} TFLOP/s, copy {peak_gbps:.0f} GB/s")
     graphs = None
@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
         "--layer-kernels",
         choices=("torch", "fused"),
         default="torch",
-        help="each layer's LayerNorm(attn) * u as torch's two kernels or one (kernels/norm_gate.py; "
+        help="each layer's norms and what is around them as torch's four kernels or two fused ones "
+        "(kernels/fused_norms.py; "
         "the ranker's --layer-kernels)",
     )
     parser.add_argument("--reps", type=int, default=10)

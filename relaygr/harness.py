@@ -279,10 +279,10 @@ CONFIGS["baseline-serial"] = {
     "ranker_args": (*CONFIGS["baseline"]["ranker_args"], "--launch-ahead", "false"),
 }
 
-# Each layer's LayerNorm(attn) * u as one Triton kernel (kernels/norm_gate.py; the ranker's
-# --layer-kernels fused), beside the same configuration with torch's two kernels in one sitting.
+# Each layer's norms fused with what is around them, two Triton kernels (kernels/fused_norms.py;
+# the ranker's --layer-kernels fused), beside the same configuration with torch's four.
 for _name in ("baseline", "relay"):
-    CONFIGS[f"{_name}-fused-gate"] = {
+    CONFIGS[f"{_name}-fused-norms"] = {
         **CONFIGS[_name],
         "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--layer-kernels", "fused"),
     }

@@ -57,10 +57,10 @@ class BatchCopies(enum.StrEnum):
 
 
 class LayerKernels(enum.StrEnum):
-    """How each layer computes its gate, LayerNorm(attn) * u (kernels/norm_gate.py)."""
+    """How each layer computes its norms with what is around them (kernels/fused_norms.py)."""
 
-    TORCH = "torch"  # torch's norm, then a multiply: two kernels
-    FUSED = "fused"  # one Triton kernel on CUDA (torch on other devices)
+    TORCH = "torch"  # torch's kernels: a norm, then a multiply; an add, then a norm
+    FUSED = "fused"  # one Triton kernel for each pair on CUDA (torch on other devices)
 
 
 class HostPsiFormat(enum.StrEnum):
@@ -207,10 +207,11 @@ class RankerConfig(TlsSettings):
                                 "against 19.4 ms with engine; where the device gives no such view it runs "
                                 "as engine, with a warning)")  # fmt: skip
     layer_kernels: LayerKernels = setting(LayerKernels.TORCH, env="RELAYGR_RANKER_LAYER_KERNELS",
-                                          help="how each layer computes LayerNorm(attn) * u: torch (two "
-                                          "kernels, four passes over the layer's tokens) or fused (one "
-                                          "Triton kernel, three passes, on CUDA; torch on other devices). "
-                                          "torch until fused is measured on a GPU (bench.core "
+                                          help="how each layer computes LayerNorm(attn) * u, and its "
+                                          "output x + W_o(...) with the next layer's norm of it: torch "
+                                          "(four kernels, ten passes over the layer's tokens) or fused "
+                                          "(two Triton kernels, seven passes, on CUDA; torch on other "
+                                          "devices). torch until fused is measured on a GPU (bench.core "
                                           "--layer-kernels)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "

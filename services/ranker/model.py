@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kernels.fused_norms import add_norm, norm_gate
 from kernels.host_view import HostStaging
 from kernels.hstu_attention import (
     AttentionImpl,
@@ -54,7 +55,6 @@ from kernels.hstu_attention import (
     hstu_attention,
     prepare_attention,
 )
-from kernels.norm_gate import norm_gate
 from services.ranker.psi import Psi, PsiKey, psi_memory
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.modelspec import ModelSpec
@@ -74,19 +74,31 @@ class HSTULayer(nn.Module):
         # Relative attention bias per head, kept in float32 (read by the kernels as such).
         self.pos_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_pos_buckets))
         self.time_bias = nn.Parameter(torch.zeros(spec.num_heads, spec.num_time_buckets))
-        # LayerNorm(attn) * u as one kernel on CUDA (kernels/norm_gate.py): HSTURanker.fuse_norm_gate.
-        self.fused_norm_gate = False
+        # The norms fused with what is around them on CUDA (kernels/fused_norms.py):
+        # HSTURanker.fuse_norms.
+        self.fused_norms = False
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """u, v, q, k as [T, H*D] views of one SiLU(W1 LN(x)) tensor."""
-        uvqk = F.silu(self.uvqk(self.norm_in(x)))
+    def project(
+        self, x: torch.Tensor, normed: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """u, v, q, k as [T, H*D] views of one SiLU(W1 LN(x)) tensor. `normed`: LN(x) where the
+        layer before computed it with x (finish, given this layer's norm_in)."""
+        uvqk = F.silu(self.uvqk(self.norm_in(x) if normed is None else normed))
         u, v, q, k = uvqk.split(self.spec.hidden, dim=1)
         return u, v, q, k
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def finish(
+        self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor, next_norm: nn.LayerNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output, x + W_o(LN(attn) * u), and with `next_norm` (the next layer's
+        norm_in) that norm of it, for the next project (kernels/fused_norms.py: one kernel each
+        with fused_norms on CUDA); None without."""
         norm = self.norm_attn
-        gate = norm_gate(attn, u, norm.weight, norm.bias, norm.eps, fused=self.fused_norm_gate)
-        return x + self.out(gate)
+        gate = norm_gate(attn, u, norm.weight, norm.bias, norm.eps, fused=self.fused_norms)
+        out = self.out(gate)
+        if next_norm is None:
+            return x + out, None
+        return add_norm(x, out, next_norm.weight, next_norm.bias, next_norm.eps, fused=self.fused_norms)
 
 
 # The attention of one forward pass: (q, k, v as [T, H, D], layer index) -> [T, H, D].
@@ -266,16 +278,23 @@ class HSTURanker(nn.Module):
     def _stack(self) -> list[HSTULayer]:
         return [cast(HSTULayer, layer) for layer in self.layers]
 
-    def fuse_norm_gate(self, fused: bool) -> None:
-        """Whether every layer computes its gate, LayerNorm(attn) * u, in one kernel on CUDA
-        (kernels/norm_gate.py) or as torch's two. Set before any CUDA graph is captured (a graph
-        keeps the kernels it was captured with)."""
+    def fuse_norms(self, fused: bool) -> None:
+        """Whether every layer computes LayerNorm(attn) * u, and its residual sum with the next
+        layer's norm of it, as one kernel each on CUDA (kernels/fused_norms.py) or as torch's
+        two each. Set before any CUDA graph is captured (a graph keeps the kernels it was
+        captured with)."""
         for layer in self._stack():
-            layer.fused_norm_gate = fused
+            layer.fused_norms = fused
 
     @property
-    def fused_norm_gate(self) -> bool:
-        return any(layer.fused_norm_gate for layer in self._stack())
+    def fused_norms(self) -> bool:
+        return any(layer.fused_norms for layer in self._stack())
+
+    def _next_norms(self) -> list[nn.LayerNorm | None]:
+        """Per layer, the next layer's input norm (None after the last): what finish computes
+        with the layer's output."""
+        stack = self._stack()
+        return [layer.norm_in for layer in stack[1:]] + [None]
 
     @property
     def device(self) -> torch.device:
@@ -342,15 +361,16 @@ class HSTURanker(nn.Module):
             attend = self._prepare(seq, None)
             num_layers, total = self.spec.num_layers, seq.total_tokens
             kv_all = torch.empty(num_layers, 2, total, self.spec.hidden, dtype=x.dtype, device=x.device)
+        normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
             with torch.inference_mode():
-                u, v, q, k = layer.project(x)
+                u, v, q, k = layer.project(x, normed)
                 kv_all[index, 0].copy_(k)
                 kv_all[index, 1].copy_(v)
                 if index + 1 < num_layers:  # the last layer's output is never needed: psi is its K/V
                     shape = (total, self.spec.num_heads, self.spec.head_dim)
                     attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
-                    x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+                    x, normed = layer.finish(x, attn.reshape(total, self.spec.hidden), u, next_norms[index])
             yield index
         psis = []
         with torch.inference_mode():
@@ -482,8 +502,9 @@ class HSTURanker(nn.Module):
         x = self._embed(tokens)
         total, num_layers = seq.total_tokens, self.spec.num_layers
         shape = (total, self.spec.num_heads, self.spec.head_dim)
+        normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
-            u, v, q, k = layer.project(x)
+            u, v, q, k = layer.project(x, normed)
             for b, ((psi, c), n) in enumerate(zip(targets, writes, strict=True)):
                 if n and psi is not None:
                     start = seq.offsets_host[b]
@@ -491,7 +512,7 @@ class HSTURanker(nn.Module):
                     psi.kv[index, 1, c : c + n].copy_(v[start : start + n])
             if last or index + 1 < num_layers:  # a chunk's last layer: only its K/V are needed
                 attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
-                x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+                x, normed = layer.finish(x, attn.reshape(total, self.spec.hidden), u, next_norms[index])
         return x
 
     # ------------------------------------------------------------------ internals
@@ -545,13 +566,14 @@ class HSTURanker(nn.Module):
         a CUDA graph can hold."""
         total, num_layers = x.shape[0], self.spec.num_layers
         shape = (total, self.spec.num_heads, self.spec.head_dim)
+        normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
-            u, v, q, k = layer.project(x)
+            u, v, q, k = layer.project(x, normed)
             kv_out[index, 0, :total].copy_(k)
             kv_out[index, 1, :total].copy_(v)
             if last or index + 1 < num_layers:
                 attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
-                x = layer.finish(x, attn.reshape(total, self.spec.hidden), u)
+                x, normed = layer.finish(x, attn.reshape(total, self.spec.hidden), u, next_norms[index])
         return x
 
     def _pack(
@@ -644,10 +666,11 @@ class HSTURanker(nn.Module):
         """Every HSTU layer over new tokens x [T, d]; attend(q, k, v, layer) is the attention,
         q/k/v as [T, H, D] views."""
         shape = (x.shape[0], self.spec.num_heads, self.spec.head_dim)
+        normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
-            u, v, q, k = layer.project(x)
+            u, v, q, k = layer.project(x, normed)
             attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
-            x = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u)
+            x, normed = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u, next_norms[index])
         return x
 
     def score_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -268,7 +268,7 @@ class RankerService(pb_grpc.RankerServicer):
             self.model = HSTURanker.load(config.checkpoint, self.accel.device)
         else:
             self.model = HSTURanker.from_seed(spec, config.seed, self.accel.device)
-        self.model.fuse_norm_gate(config.layer_kernels is LayerKernels.FUSED)  # before any graph
+        self.model.fuse_norms(config.layer_kernels is LayerKernels.FUSED)  # before any graph
         self.spec = self.model.spec
         # psi keys grouped by (user, prefix version, model): tells a content mismatch from a miss.
         self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic, group_of=_psi_name)

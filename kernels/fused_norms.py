@@ -1,0 +1,201 @@
+"""The elementwise rest of an HSTU layer, fused on CUDA: two Triton kernels around the norms.
+
+An HSTU layer is x' = x + W_o(LayerNorm_attn(attn) * u), and the next layer starts with
+LayerNorm_in(x') (services/ranker/model.py, HSTULayer). Done by torch, that is four kernels and
+ten passes over [T, d] around the output projection:
+
+* `norm_gate`: LayerNorm(attn) * u. torch's norm reads attn and writes its output, which the
+  multiply reads again beside u: two kernels, five passes. The fused kernel reads attn and u
+  once and writes the gate: one kernel, three passes.
+* `add_norm`: x + y (y = W_o's output) and the next layer's LayerNorm of the sum. torch's add
+  reads both and writes the sum, which the norm reads again: two kernels, five passes. The fused
+  kernel writes the sum (the residual stream) and its norm: one kernel, four passes.
+
+So two graph nodes fewer per layer, and seven passes instead of ten. On an H200 the four kernels took ~0.6
+ms a layer of a full ranking at 8192 tokens x 8 (4.8 of its 43 ms: profiles/
+kernels-nvidia-h200-k9.txt), and ~30 us a layer of a call against psi.
+
+Numerics: norms in float32 as torch's (mean, then the variance of the differences); the sum is
+rounded to its dtype and normed as rounded, as torch does; the gate's product is rounded once,
+where torch rounds the norm's output and then the product (on bfloat16 about one rounding step of
+the gate apart). Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) truncates where CUDA
+rounds to nearest.
+
+A ranker chooses with --layer-kernels (services/ranker/config.py): `torch` (the default until
+measured on a GPU) or `fused`, these kernels on CUDA and torch on other devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.device import triton_usable
+
+
+def norm_gate_reference(
+    attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """LayerNorm(attn) * u as torch computes it in the model (two roundings in attn's dtype)."""
+    return F.layer_norm(attn, (attn.shape[-1],), weight, bias, eps) * u
+
+
+def norm_gate(
+    attn: torch.Tensor,
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    fused: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(attn) * u over rows of [T, d]: the fused kernel where asked for and the tensors
+    are on CUDA (and Triton imports), else torch."""
+    if fused and triton_usable(attn):
+        return norm_gate_triton(attn, u, weight, bias, eps)
+    return norm_gate_reference(attn, u, weight, bias, eps)
+
+
+def add_norm_reference(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, LayerNorm(x + y)) as torch computes them in the model."""
+    total = x + y
+    return total, F.layer_norm(total, (total.shape[-1],), weight, bias, eps)
+
+
+def add_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, LayerNorm(x + y)) over rows of [T, d]: the fused kernel where asked for and the
+    tensors are on CUDA (and Triton imports), else torch."""
+    if fused and triton_usable(x):
+        return add_norm_triton(x, y, weight, bias, eps)
+    return add_norm_reference(x, y, weight, bias, eps)
+
+
+def add_norm_triton(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_norm in one Triton kernel: rows of x and y (unit stride within a row) -> (x + y,
+    LayerNorm(x + y)), two new [T, d] tensors in x's dtype."""
+    _check(x, y, weight, bias, "add_norm")
+    rows, d = x.shape
+    total = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    normed = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    if rows == 0 or d == 0:
+        return total, normed
+    config = _config(d)
+    grid = (-(-rows // config["ROWS"]),)
+    _kernels()["add_norm"][grid](
+        x, y, weight, bias, total, normed, rows, d, x.stride(0), y.stride(0), total.stride(0), eps,
+        BLOCK_D=config["BLOCK_D"], ROWS=config["ROWS"], num_warps=config["num_warps"],
+    )  # fmt: skip
+    return total, normed
+
+
+def _check(
+    attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, what: str = "norm_gate"
+) -> None:
+    if attn.dim() != 2 or u.shape != attn.shape:
+        raise ValueError(f"{what} takes two tensors of one shape [T, d], not {tuple(attn.shape)} "
+                         f"and {tuple(u.shape)}")  # fmt: skip
+    d = attn.shape[1]
+    if weight.shape != (d,) or bias.shape != (d,):
+        raise ValueError(
+            f"norm_gate's weight and bias are [{d}], not {tuple(weight.shape)}, {tuple(bias.shape)}"
+        )
+    if (attn.shape[0] > 1 and d > 0) and (attn.stride(1) != 1 or u.stride(1) != 1):
+        raise ValueError(f"{what} reads rows of unit stride (each may be a column slice of a wider tensor)")
+    if u.dtype != attn.dtype or u.device != attn.device:
+        raise ValueError(
+            f"{what}'s second tensor is {u.dtype} on {u.device}, its first {attn.dtype} on {attn.device}"
+        )
+
+
+def norm_gate_triton(
+    attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """norm_gate in one Triton kernel: rows of attn and u (each row of unit stride; u may be a
+    column slice of the layer's UVQK tensor) -> a new [T, d] tensor in attn's dtype."""
+    _check(attn, u, weight, bias)
+    rows, d = attn.shape
+    out = torch.empty(rows, d, dtype=attn.dtype, device=attn.device)
+    if rows == 0 or d == 0:
+        return out
+    config = _config(d)
+    grid = (-(-rows // config["ROWS"]),)
+    _kernels()["norm_gate"][grid](
+        attn, u, weight, bias, out, rows, d, attn.stride(0), u.stride(0), out.stride(0), eps,
+        BLOCK_D=config["BLOCK_D"], ROWS=config["ROWS"], num_warps=config["num_warps"],
+    )  # fmt: skip
+    return out
+
+
+def _config(d: int) -> dict[str, int]:
+    """A tile of ROWS rows x the row padded to a power of two: ~4096 elements a program (at
+    d 1024, 4 rows and 8 warps: 16 bf16 values a thread, two 16-byte loads per tensor)."""
+    block_d = 1 << max(0, (d - 1).bit_length())
+    rows = max(1, min(16, 4096 // block_d))
+    return {"BLOCK_D": block_d, "ROWS": rows, "num_warps": 8 if rows * block_d >= 4096 else 4}
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    """The Triton kernels, compiled on first use (triton is imported only where they run)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _norm_gate_fwd(
+        A, U, W, B, OUT, rows, d, stride_a, stride_u, stride_o, eps,
+        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        col = tl.arange(0, BLOCK_D)
+        col_ok = col < d
+        mask = (row < rows)[:, None] & col_ok[None, :]
+        r64 = row.to(tl.int64)[:, None]
+        a = tl.load(A + r64 * stride_a + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(a, axis=1) / d
+        diff = tl.where(mask, a - mean[:, None], 0.0)
+        var = tl.sum(diff * diff, axis=1) / d
+        rstd = tl.rsqrt(var + eps)
+        w = tl.load(W + col, mask=col_ok, other=0.0).to(tl.float32)
+        b = tl.load(B + col, mask=col_ok, other=0.0).to(tl.float32)
+        u = tl.load(U + r64 * stride_u + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = (diff * rstd[:, None] * w[None, :] + b[None, :]) * u
+        tl.store(OUT + r64 * stride_o + col[None, :], gate.to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_norm_fwd(
+        X, Y, W, B, TOTAL, NORMED, rows, d, stride_x, stride_y, stride_o, eps,
+        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        col = tl.arange(0, BLOCK_D)
+        col_ok = col < d
+        mask = (row < rows)[:, None] & col_ok[None, :]
+        r64 = row.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + r64 * stride_y + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = (x + y).to(TOTAL.dtype.element_ty)  # rounded, then normed as rounded (as torch)
+        tl.store(TOTAL + r64 * stride_o + col[None, :], total, mask=mask)
+        t = total.to(tl.float32)
+        mean = tl.sum(t, axis=1) / d
+        diff = tl.where(mask, t - mean[:, None], 0.0)
+        var = tl.sum(diff * diff, axis=1) / d
+        rstd = tl.rsqrt(var + eps)
+        w = tl.load(W + col, mask=col_ok, other=0.0).to(tl.float32)
+        b = tl.load(B + col, mask=col_ok, other=0.0).to(tl.float32)
+        normed = diff * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(NORMED + r64 * stride_o + col[None, :], normed.to(NORMED.dtype.element_ty), mask=mask)
+
+    return {"norm_gate": _norm_gate_fwd, "add_norm": _add_norm_fwd}
