@@ -365,6 +365,7 @@ class HSTURanker(nn.Module):
         for index, layer in enumerate(self._stack()):
             with torch.inference_mode():
                 u, v, q, k = layer.project(x, normed)
+                normed = None  # consumed: not held through the attention
                 kv_all[index, 0].copy_(k)
                 kv_all[index, 1].copy_(v)
                 if index + 1 < num_layers:  # the last layer's output is never needed: psi is its K/V
@@ -505,6 +506,7 @@ class HSTURanker(nn.Module):
         normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x, normed)
+            normed = None  # consumed: not held through the attention
             for b, ((psi, c), n) in enumerate(zip(targets, writes, strict=True)):
                 if n and psi is not None:
                     start = seq.offsets_host[b]
@@ -569,6 +571,7 @@ class HSTURanker(nn.Module):
         normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x, normed)
+            normed = None  # consumed: not held through the attention
             kv_out[index, 0, :total].copy_(k)
             kv_out[index, 1, :total].copy_(v)
             if last or index + 1 < num_layers:
@@ -669,6 +672,7 @@ class HSTURanker(nn.Module):
         normed, next_norms = None, self._next_norms()
         for index, layer in enumerate(self._stack()):
             u, v, q, k = layer.project(x, normed)
+            normed = None  # consumed: not held through the attention
             attn = attend(q.view(shape), k.view(shape), v.view(shape), index)
             x, normed = layer.finish(x, attn.reshape(x.shape[0], self.spec.hidden), u, next_norms[index])
         return x
