@@ -999,7 +999,8 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
     }
     pressed = ("relay-demote-pressure", "relay-host-fp8-pressure")
     fp8 = ("relay-host-fp8", "relay-host-fp8-pressure")
-    configs = ("no-expander", *pressed, *copies, *fp8, "relay-budget-by-kind")
+    # relay-budget-by-kind last: the check after the loop reads its file.
+    configs = ("no-expander", *pressed, *copies, *fp8, "relay-fused-norms", "relay-budget-by-kind")
     for config in configs:
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
@@ -1420,12 +1421,14 @@ def test_the_configurations_a_file_holds_are_those_the_model_can_take(tmp_path):
         {"config": "relay-nospare-2p-mps"},
         {"config": "relay-shed-2p-mps"},
         {"config": "baseline"},
+        {"config": "baseline-fused-norms"},
     ]
     path.write_text(json.dumps({"results": results}))
-    assert modelled_configs(path) == ["baseline", "relay-nospare-2p-mps"]  # the relay without step costs: no
+    # The relay without step costs: no.
+    assert modelled_configs(path) == ["baseline", "relay-nospare-2p-mps", "baseline-fused-norms"]
     results[1]["ranker_step_costs"] = {"eager": {"per_step_ms": 3.0, "per_token_us": 0.0, "per_pair_ns": 0.0}}
     path.write_text(json.dumps({"results": results}))
-    assert modelled_configs(path) == ["baseline", "relay", "relay-nospare-2p-mps"]
+    assert modelled_configs(path) == ["baseline", "relay", "relay-nospare-2p-mps", "baseline-fused-norms"]
     for bad in ("{", json.dumps({"results": [1]}), json.dumps({"nothing": []})):
         path.write_text(bad)
         with pytest.raises(ValueError, match="cannot read"):
