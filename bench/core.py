@@ -145,10 +145,14 @@ def profile_cached(
                                "wall_ms": wall_ms, "kernel_ms": device_ms}  # fmt: skip
         timeline = ""
         if intervals:  # none on the CPU, which has no device timeline apart from the host's
-            row.update(kernel_timeline(intervals, reps))
-            timeline = (f"; per call: device span {row['span_ms']:.3f} ms, busy {row['busy_ms']:.3f}, "
-                        f"idle within the span {row['idle_in_span_ms']:.3f}, "
-                        f"device idle between calls {row['between_calls_ms']:.3f}")  # fmt: skip
+            try:
+                row.update(kernel_timeline(intervals, reps))
+                timeline = (f"; per call: device span {row['span_ms']:.3f} ms, busy {row['busy_ms']:.3f}, "
+                            f"idle within the span {row['idle_in_span_ms']:.3f}, "
+                            f"device idle between calls {row['between_calls_ms']:.3f}")  # fmt: skip
+            except ValueError as exc:  # calls that did not issue alike (a one-off copy): no split
+                row["timeline_error"] = str(exc)
+                timeline = f"; no timeline: {exc}"
         rows.append(row)
         print(f"profile {label} P={prefix_len} B={batch_size}: wall {wall_ms:.3f} ms/call, "
               f"device kernels {device_ms:.3f} ms/call{timeline}")  # fmt: skip

@@ -47,6 +47,7 @@ DLQ_TOPIC = DEFAULT_DLQ_TOPIC
 # that long for a SyncGroup answer that never came; a timeout lets it join again.
 REQUEST_TIMEOUT_ENV = "RELAYGR_KAFKA_REQUEST_TIMEOUT_MS"
 EMBEDDED_REQUEST_TIMEOUT_MS = 5000
+PROBE = b"relaygr renew_broker probe"  # a malformed record: each reader counts it, and dead-letters it
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,10 @@ class Stack:
 
     async def _consumers_behind(self, within_s: float) -> list[ServiceProcess]:
         """Those of the trigger and the router (those the stack runs) that have not counted a
-        malformed record sent to their topics within `within_s`."""
+        malformed record sent to each partition of their topics within `within_s`. Every
+        partition: a consumer that read one but not another would drop a search's events
+        unseen (a full test run here once saw the trigger read the probe's partition and not,
+        for 60 s, the next record's)."""
         readers = [(p, topic, counter, ready) for p, topic, counter, ready in (
             (self.trigger, RETRIEVAL_TOPIC, "relaygr_trigger_dead_letters_total", "trigger_ready"),
             (self.router, SIGNAL_TOPIC, "relaygr_router_signals_total", "router_ready"),
@@ -273,16 +277,20 @@ class Stack:
         before = await counts()
         producer = make_producer(KafkaSettings(bootstrap=self.bootstrap))
         await producer.start()
+        sent = []
         try:
             for _, topic, _, _ in readers:
-                await producer.send_and_wait(topic, b"relaygr renew_broker probe", key=b"0")
+                partitions = sorted(await producer.partitions_for(topic))
+                for partition in partitions:
+                    await producer.send_and_wait(topic, PROBE, partition=partition)
+                sent.append(len(partitions))
         finally:
             await producer.stop()
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             now = await counts()
             behind = [
-                p for (p, _, _, _), n, b in zip(readers, now, before, strict=True) if not n > b
+                p for (p, _, _, _), n, b, k in zip(readers, now, before, sent, strict=True) if not n >= b + k
             ]  # NaN: behind
             if not behind:
                 return []
