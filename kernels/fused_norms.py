@@ -186,7 +186,8 @@ def _kernels() -> dict[str, Any]:
         r64 = row.to(tl.int64)[:, None]
         x = tl.load(X + r64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + r64 * stride_y + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        total = (x + y).to(TOTAL.dtype.element_ty)  # rounded, then normed as rounded (as torch)
+        # Rounded to nearest, then normed as rounded: as torch does (the sum bit for bit).
+        total = (x + y).to(TOTAL.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(TOTAL + r64 * stride_o + col[None, :], total, mask=mask)
         t = total.to(tl.float32)
         mean = tl.sum(t, axis=1) / d
