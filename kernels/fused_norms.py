@@ -21,14 +21,12 @@ where torch rounds the norm's output and then the product (on bfloat16 about one
 the gate apart). Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) truncates where CUDA
 rounds to nearest.
 
+The kernels themselves are in kernels/fused_norms_triton.py, imported only where they run.
 A ranker chooses with --layer-kernels (services/ranker/config.py): `torch` (the default until
 measured on a GPU) or `fused`, these kernels on CUDA and torch on other devices.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,30 +85,20 @@ def add_norm_triton(
     """add_norm in one Triton kernel: rows of x and y (unit stride within a row) -> (x + y,
     LayerNorm(x + y)), two new [T, d] tensors in x's dtype."""
     _check(x, y, weight, bias, "add_norm")
-    rows, d = x.shape
-    total = torch.empty(rows, d, dtype=x.dtype, device=x.device)
-    normed = torch.empty(rows, d, dtype=x.dtype, device=x.device)
-    if rows == 0 or d == 0:
-        return total, normed
-    config = _config(d)
-    grid = (-(-rows // config["ROWS"]),)
-    _kernels()["add_norm"][grid](
-        x, y, weight, bias, total, normed, rows, d, x.stride(0), y.stride(0), total.stride(0), eps,
-        BLOCK_D=config["BLOCK_D"], ROWS=config["ROWS"], num_warps=config["num_warps"],
-    )  # fmt: skip
+    total = torch.empty_like(x, memory_format=torch.contiguous_format)
+    normed = torch.empty_like(total)
+    _launch("add_norm_fwd", (x, y, weight, bias), (total, normed), eps)
     return total, normed
 
 
-def _check(
-    attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, what: str = "norm_gate"
-) -> None:
+def _check(attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, what: str) -> None:
     if attn.dim() != 2 or u.shape != attn.shape:
         raise ValueError(f"{what} takes two tensors of one shape [T, d], not {tuple(attn.shape)} "
                          f"and {tuple(u.shape)}")  # fmt: skip
     d = attn.shape[1]
     if weight.shape != (d,) or bias.shape != (d,):
         raise ValueError(
-            f"norm_gate's weight and bias are [{d}], not {tuple(weight.shape)}, {tuple(bias.shape)}"
+            f"{what}'s weight and bias are [{d}], not {tuple(weight.shape)}, {tuple(bias.shape)}"
         )
     if (attn.shape[0] > 1 and d > 0) and (attn.stride(1) != 1 or u.stride(1) != 1):
         raise ValueError(f"{what} reads rows of unit stride (each may be a column slice of a wider tensor)")
@@ -125,18 +113,27 @@ def norm_gate_triton(
 ) -> torch.Tensor:
     """norm_gate in one Triton kernel: rows of attn and u (each row of unit stride; u may be a
     column slice of the layer's UVQK tensor) -> a new [T, d] tensor in attn's dtype."""
-    _check(attn, u, weight, bias)
-    rows, d = attn.shape
-    out = torch.empty(rows, d, dtype=attn.dtype, device=attn.device)
+    _check(attn, u, weight, bias, "norm_gate")
+    out = torch.empty_like(attn, memory_format=torch.contiguous_format)
+    _launch("norm_gate_fwd", (attn, u, weight, bias), (out,), eps)
+    return out
+
+
+def _launch(
+    kernel: str, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...], eps: float
+) -> None:
+    """One of kernels/fused_norms_triton.py's kernels over the rows of inputs[0] (its first two
+    inputs are [T, d] rows, then the norm's weight and bias) into `outputs` (new [T, d] tensors)."""
+    rows, d = inputs[0].shape
     if rows == 0 or d == 0:
-        return out
+        return
+    from kernels import fused_norms_triton  # triton is imported only where the kernels run
+
     config = _config(d)
-    grid = (-(-rows // config["ROWS"]),)
-    _kernels()["norm_gate"][grid](
-        attn, u, weight, bias, out, rows, d, attn.stride(0), u.stride(0), out.stride(0), eps,
+    getattr(fused_norms_triton, kernel)[(-(-rows // config["ROWS"]),)](
+        *inputs, *outputs, rows, d, inputs[0].stride(0), inputs[1].stride(0), outputs[0].stride(0), eps,
         BLOCK_D=config["BLOCK_D"], ROWS=config["ROWS"], num_warps=config["num_warps"],
     )  # fmt: skip
-    return out
 
 
 def _config(d: int) -> dict[str, int]:
@@ -145,58 +142,3 @@ def _config(d: int) -> dict[str, int]:
     block_d = 1 << max(0, (d - 1).bit_length())
     rows = max(1, min(16, 4096 // block_d))
     return {"BLOCK_D": block_d, "ROWS": rows, "num_warps": 8 if rows * block_d >= 4096 else 4}
-
-
-@functools.cache
-def _kernels() -> dict[str, Any]:
-    """The Triton kernels, compiled on first use (triton is imported only where they run)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _norm_gate_fwd(
-        A, U, W, B, OUT, rows, d, stride_a, stride_u, stride_o, eps,
-        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, BLOCK_D)
-        col_ok = col < d
-        mask = (row < rows)[:, None] & col_ok[None, :]
-        r64 = row.to(tl.int64)[:, None]
-        a = tl.load(A + r64 * stride_a + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(a, axis=1) / d
-        diff = tl.where(mask, a - mean[:, None], 0.0)
-        var = tl.sum(diff * diff, axis=1) / d
-        rstd = tl.rsqrt(var + eps)
-        w = tl.load(W + col, mask=col_ok, other=0.0).to(tl.float32)
-        b = tl.load(B + col, mask=col_ok, other=0.0).to(tl.float32)
-        u = tl.load(U + r64 * stride_u + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate = (diff * rstd[:, None] * w[None, :] + b[None, :]) * u
-        tl.store(OUT + r64 * stride_o + col[None, :], gate.to(OUT.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _add_norm_fwd(
-        X, Y, W, B, TOTAL, NORMED, rows, d, stride_x, stride_y, stride_o, eps,
-        BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        col = tl.arange(0, BLOCK_D)
-        col_ok = col < d
-        mask = (row < rows)[:, None] & col_ok[None, :]
-        r64 = row.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(Y + r64 * stride_y + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        # Rounded to nearest, then normed as rounded: as torch does (the sum bit for bit).
-        total = (x + y).to(TOTAL.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(TOTAL + r64 * stride_o + col[None, :], total, mask=mask)
-        t = total.to(tl.float32)
-        mean = tl.sum(t, axis=1) / d
-        diff = tl.where(mask, t - mean[:, None], 0.0)
-        var = tl.sum(diff * diff, axis=1) / d
-        rstd = tl.rsqrt(var + eps)
-        w = tl.load(W + col, mask=col_ok, other=0.0).to(tl.float32)
-        b = tl.load(B + col, mask=col_ok, other=0.0).to(tl.float32)
-        normed = diff * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(NORMED + r64 * stride_o + col[None, :], normed.to(NORMED.dtype.element_ty), mask=mask)
-
-    return {"norm_gate": _norm_gate_fwd, "add_norm": _add_norm_fwd}
