@@ -31,6 +31,7 @@ import grpc
 import torch
 
 from bench.report import RESULTS_DIR, median, percentile, write_result
+from relaygr.cpu_usage import threads_cpu_s
 from relaygr.processes import ServiceProcess
 from relaygr.synthetic import Shape
 from relaygr.synthetic import request as synthetic_request
@@ -50,19 +51,13 @@ MAIN, ENGINE, OTHER = "main", "engine", "other"
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the process's threads, grouped: its main thread, the device loop,
-    and every other thread (gRPC's, the stall watch's, ...). Threads gone since are not counted:
-    the ranker's live for its lifetime."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of the process's threads (relaygr.cpu_usage), grouped: its main thread,
+    the device loop, and every other thread (gRPC's, the stall watch's, ...). Threads gone since
+    are not counted: the ranker's live for its lifetime."""
     out = {MAIN: 0.0, ENGINE: 0.0, OTHER: 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended between the listing and the read
-            continue
-        group = MAIN if int(tid) == pid else ENGINE if name == "relaygr-engine" else OTHER
-        out[group] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    for key, seconds in threads_cpu_s(pid).items():
+        name, tid = key.rsplit("/", 1)
+        out[MAIN if int(tid) == pid else ENGINE if name == "relaygr-engine" else OTHER] += seconds
     return out
 
 
