@@ -13,9 +13,10 @@ from bench.ranker_cpu import ENGINE, MAIN, OTHER, main, thread_cpu_s
 
 
 def test_thread_groups_of_this_process_add_up_to_its_cpu():
+    # Not "no device loop here": in a full test run, engines of earlier in-process tests live on.
     groups = thread_cpu_s(os.getpid())
     assert set(groups) == {MAIN, ENGINE, OTHER}
-    assert groups[ENGINE] == 0.0  # no device loop here
+    assert groups[MAIN] > 0  # this thread has run
     assert sum(groups.values()) <= time.process_time() + 0.05
 
 
