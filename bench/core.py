@@ -347,10 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--layer-kernels",
         choices=("torch", "fused"),
-        default="torch",
+        default="fused",
         help="each layer's norms and what is around them as torch's four kernels or two fused ones "
-        "(kernels/fused_norms.py; "
-        "the ranker's --layer-kernels)",
+        "(kernels/fused_norms.py; the ranker's --layer-kernels, fused by default)",
     )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

@@ -22,8 +22,11 @@ the gate apart). Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) trunca
 rounds to nearest.
 
 The kernels themselves are in kernels/fused_norms_triton.py, imported only where they run.
-A ranker chooses with --layer-kernels (services/ranker/config.py): `torch` (the default until
-measured on a GPU) or `fused`, these kernels on CUDA and torch on other devices.
+A ranker chooses with --layer-kernels (services/ranker/config.py): `fused` (the default), these
+kernels on CUDA and torch on other devices, or `torch`. Measured on an H100 (bench.core, one
+sitting, k29a: bench/results/core-nvidia-h100-80gb-hbm3-k29a-*.md): every shape 4-16% faster,
+e.g. full rankings of 4096 tokens x 8 17.65 ms against 20.01, calls against 8192-token psi x 8
+4.13 ms against 4.33.
 """
 
 from __future__ import annotations

@@ -280,12 +280,14 @@ CONFIGS["baseline-serial"] = {
 }
 
 # Each layer's norms fused with what is around them, two Triton kernels (kernels/fused_norms.py;
-# the ranker's --layer-kernels fused), beside the same configuration with torch's four.
+# the ranker's --layer-kernels, fused by default since k29), or torch's four (-torch-norms: the
+# rankers before it), to compare in one sitting. The -fused-norms names are those of k29c's runs.
 for _name in ("baseline", "relay"):
-    CONFIGS[f"{_name}-fused-norms"] = {
-        **CONFIGS[_name],
-        "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--layer-kernels", "fused"),
-    }
+    for _kernels in ("fused", "torch"):
+        CONFIGS[f"{_name}-{_kernels}-norms"] = {
+            **CONFIGS[_name],
+            "ranker_args": (*CONFIGS[_name].get("ranker_args", ()), "--layer-kernels", _kernels),
+        }
 
 
 def ranker_slo_ms(name: str, slo_ms: float) -> float:

@@ -1582,7 +1582,8 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "relay-nospare-slack50", "relay-psi-chunk-graphs", "relay-eager-psi-chunks",
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
             "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host",
-            "relay-host-fp8-pressure", "relay-spare-device", "baseline-fused-norms", "relay-fused-norms")  # fmt: skip
+            "relay-host-fp8-pressure", "relay-spare-device", "baseline-fused-norms", "relay-fused-norms",
+            "baseline-torch-norms", "relay-torch-norms")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1606,14 +1607,15 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     # its trigger (AdmissionPolicy.of_run), nothing else changed.
     "relay-spare-host": {},
     "relay-spare-device": {},
-    # Each layer's norms fused (the ranker's --layer-kernels fused): cheaper kernels, which the
+    # Each layer's norms fused or as torch's kernels (the ranker's --layer-kernels): kernels the
     # run's own calls measure; nothing the model plans changes.
     "relay-fused-norms": {},
+    "relay-torch-norms": {},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack) and
-# baseline-fused-norms: the same models, the host's time per batch and the device's per call as
-# their files measured them.
+# baseline-fused-norms / -torch-norms: the same models, the host's time per batch and the
+# device's per call as their files measured them.
 
 
 def modelled_configs(result_path: Path) -> list[str]:

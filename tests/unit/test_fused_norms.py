@@ -95,8 +95,10 @@ def test_shapes_the_kernels_cannot_read_are_refused_before_they_run(kernel, firs
 
 
 def test_the_ranker_takes_torch_or_fused_and_refuses_anything_else():
-    assert load_config(RankerConfig, [], env={}).layer_kernels is LayerKernels.TORCH
-    assert load_config(RankerConfig, ["--layer-kernels", "fused"], env={}).layer_kernels is LayerKernels.FUSED
+    assert load_config(RankerConfig, [], env={}).layer_kernels is LayerKernels.FUSED
+    assert load_config(RankerConfig, ["--layer-kernels", "torch"], env={}).layer_kernels is LayerKernels.TORCH
+    env = {"RELAYGR_RANKER_LAYER_KERNELS": "torch"}
+    assert load_config(RankerConfig, [], env=env).layer_kernels is LayerKernels.TORCH
     with pytest.raises(ConfigError, match="one of torch, fused"):
         load_config(RankerConfig, [], env={"RELAYGR_RANKER_LAYER_KERNELS": "triton"})
 

@@ -1000,7 +1000,15 @@ def test_relay_variants_are_the_relay_with_their_setting_as_a_what_if(tmp_path):
     pressed = ("relay-demote-pressure", "relay-host-fp8-pressure")
     fp8 = ("relay-host-fp8", "relay-host-fp8-pressure")
     # relay-budget-by-kind last: the check after the loop reads its file.
-    configs = ("no-expander", *pressed, *copies, *fp8, "relay-fused-norms", "relay-budget-by-kind")
+    configs = (
+        "no-expander",
+        *pressed,
+        *copies,
+        *fp8,
+        "relay-fused-norms",
+        "relay-torch-norms",
+        "relay-budget-by-kind",
+    )
     for config in configs:
         path = goodput_file(tmp_path, f"goodput-v-{config}", config, {150.0: rows, 250.0: []}, met={150.0})
         result = json.loads(path.read_text())
