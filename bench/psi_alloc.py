@@ -48,14 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import RESULTS_DIR, percentile, write_result
+from relaygr.harness import ALLOCATOR_CONFS
 from relaygr.workload import WorkloadConfig, generate
 from shared.modelspec import preset
 
-ALLOC_CONFS = {
-    "default": "",
-    "expandable": "expandable_segments:True",
-    "gc": "garbage_collection_threshold:0.9",
-}
+# The harness's -expandable and -alloc-gc configurations run the ranker with these.
+ALLOC_CONFS = {"default": "", "expandable": ALLOCATOR_CONFS["expandable"], "gc": ALLOCATOR_CONFS["alloc-gc"]}
 VARIANTS = (*ALLOC_CONFS, *(f"{name}+classes" for name in ALLOC_CONFS))
 MIB = 1 << 20
 COLUMNS = ("variant", "alloc_conf", "allocs", "hits", "evictions", "alloc_retries", "ooms", "device_mallocs",

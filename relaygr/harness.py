@@ -257,10 +257,21 @@ for _name in ("baseline", "relay"):
 # blocks of many sizes left two processes on one GPU reserving 67-69 GB each for 60.4-60.7 GB
 # allocated, and the allocator retried (freeing its cache, a device sync) with 20-29 ms stalls
 # of the event loop. Baseline and relay alike, so that each is compared with its own layout's.
+# The allocator's settings the ranker's configurations may run with (PYTORCH_CUDA_ALLOC_CONF), also
+# what bench.psi_alloc replays the relay's psi churn under.
+ALLOCATOR_CONFS = {"expandable": "expandable_segments:True", "alloc-gc": "garbage_collection_threshold:0.9"}
 for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
     CONFIGS[f"{_name}-expandable"] = {
         **CONFIGS[_name],
-        "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONFS["expandable"]},
+    }
+# The allocator freeing cached blocks it has not reused lately once 90% of the device is taken,
+# before a block that fits nowhere makes it free all of them at once: on an H100's mix (k29b) one
+# such retry (184 blocks freed) stalled a launch 37 ms and decided the relay's P99 at 312.5 req/s.
+for _name in ("baseline", "relay"):
+    CONFIGS[f"{_name}-alloc-gc"] = {
+        **CONFIGS[_name],
+        "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONFS["alloc-gc"]},
     }
 # Full rankings of two sequences up to 2048 tokens in all batched into captured graphs
 # (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default): on an H200's length mix (k26b)

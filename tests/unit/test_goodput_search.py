@@ -497,3 +497,5 @@ def test_the_expandable_variants_set_the_rankers_allocator_and_keep_their_layout
     plain, _ = stack_overrides("baseline-expandable")
     assert plain["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "env" not in stack_overrides("baseline-2p-mps")[0]
+    gc, _ = stack_overrides("relay-alloc-gc")
+    assert gc["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.9"}
