@@ -194,7 +194,8 @@ def slow_windows(
     return rows
 
 
-PAIRED_COLUMNS = ("file", "window_s", "calls", "mean_extra_ms", "max_extra_ms", "took_over", "psi_ahead")
+PAIRED_COLUMNS = ("file", "window_s", "calls", "mean_extra_ms", "max_extra_ms", "took_over", "psi_ahead",
+                  "slowest_launch")  # fmt: skip
 
 
 def _relayed(c: dict[str, Any]) -> bool:
@@ -219,7 +220,10 @@ def paired(
     (partial_prefix) and calls served from pre-inferred psi (`_relayed`): whether its worst
     moments follow pre-inference work. At 337.5 req/s on the mix (H200, k13a) the relay's worst
     100 ms were 30 ms a call slower than the baseline's for the same calls, right after a
-    take-over of an 11.8k-token pre-inference."""
+    take-over of an 11.8k-token pre-inference. Also the slowest launch in that span, beside the
+    same call's in the reference (`slowest_launch`): a stall of the device loop itself (at 312.5
+    req/s on an H100's mix, k29b, a full ranking keeping a 7889-token psi launched in 37.1 ms
+    against 0.8 in the baseline: the device's allocator freed its cache and retried)."""
     ref = {c["index"]: c for c in reference if c.get("status") == "OK" and "index" in c}
     both = [(c, ref[c["index"]]) for c in calls if c.get("status") == "OK" and c.get("index") in ref]
     summary: dict[str, Any] = {"file": name, "paired_calls": len(both)}
@@ -237,15 +241,22 @@ def paired(
     relayed = sorted(
         ((c["at_s"], c) for c in calls if c.get("status") == "OK" and _relayed(c)), key=lambda tc: tc[0]
     )
+    launched = sorted(((c["at_s"], c, r) for c, r in both if "launch_ms" in c), key=lambda tcr: tcr[0])
     rows = []
     for index, xs in ranked:
         start = index * window_s
         ahead = [c for t, c in relayed if start - lead_s <= t < start + window_s]
+        span = [(c, r) for t, c, r in launched if start - lead_s <= t < start + window_s]
+        slowest = None
+        if span:
+            c, r = max(span, key=lambda cr: cr[0]["launch_ms"])
+            slowest = (f"{c['launch_ms']} ms ({c.get('served_by')}, {c.get('prefix_len')} tokens; "
+                       f"reference {r.get('launch_ms')} ms)")  # fmt: skip
         rows.append({
             "file": name, "window_s": round(start, 2), "calls": len(xs),
             "mean_extra_ms": round(statistics.fmean(xs), 1), "max_extra_ms": round(max(xs), 1),
             "took_over": [c["prefix_len"] for c in ahead if c.get("served_by") == "partial_prefix"],
-            "psi_ahead": len(ahead),
+            "psi_ahead": len(ahead), "slowest_launch": slowest,
         })  # fmt: skip
     return summary, rows
 

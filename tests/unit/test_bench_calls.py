@@ -170,10 +170,29 @@ def test_paired_calls_are_compared_with_themselves_and_the_worst_windows_name_wh
     assert windows[0]["mean_extra_ms"] == pytest.approx(30.0)  # calls 22 and 23
     assert windows[0]["took_over"] == [11795]
     assert windows[0]["psi_ahead"] == 1
+    assert windows[0]["slowest_launch"] is None  # records without launch times: nothing to name
     assert calls.paired("x", relay, [])[1] == []  # nothing in common: no windows
     # Two calls on psi stamped at the same instant (records rounded to the millisecond).
     relay[31] = c(31, 1.5, 6.0, "hbm_hit", 0)
     assert calls.paired("relay", relay, reference, window_s=0.1, lead_s=0.25, top=2)[0]["paired_calls"] == 40
+
+
+def test_the_worst_windows_name_the_slowest_launch_beside_the_references():
+    """A stall of the device loop (k29b: a 37.1 ms launch of a full ranking keeping psi, where
+    the baseline launched the same call in 0.8 ms) named in the windows it slowed."""
+
+    def c(index, at_s, latency_ms, launch_ms, prefix_len=300):
+        return {"index": index, "at_s": at_s, "latency_ms": latency_ms, "launch_ms": launch_ms,
+                "served_by": "full_recompute", "session_index": 0, "prefix_len": prefix_len,
+                "status": "OK"}  # fmt: skip
+
+    reference = [c(i, 0.01 * i, 5.0, 0.8) for i in range(100)]
+    relay = [c(i, 0.01 * i, 5.0, 0.5) for i in range(100)]
+    relay[50] = c(50, 0.5, 50.0, 37.1, 7889)
+    relay[51:60] = [c(i, 0.01 * i, 40.0, 0.7) for i in range(51, 60)]  # queued behind it
+    _, windows = calls.paired("relay", relay, reference, window_s=0.1, lead_s=0.25, top=1)
+    assert windows[0]["window_s"] == pytest.approx(0.5)
+    assert windows[0]["slowest_launch"] == "37.1 ms (full_recompute, 7889 tokens; reference 0.8 ms)"
 
 
 def test_against_reads_the_reference_and_prints_the_paired_tables(tmp_path, capsys):
