@@ -24,7 +24,8 @@ does.
 Each variant runs in a process of its own (the allocator reads PYTORCH_CUDA_ALLOC_CONF once):
 `default`; `expandable` (expandable_segments:True: one segment per stream that grows, so free
 neighbours always merge); `gc` (garbage_collection_threshold:0.9: old cached blocks freed before
-the device is full); and each with `+classes`: psi blocks rounded up to size classes
+the device is full); `nosplit` (max_split_size_mb:64: large blocks never split); and each with
+`+classes`: psi blocks rounded up to size classes
 (--class-ratio apart) so that a freed block fits later psi of its class. Reported per variant:
 the allocator's retries (`num_alloc_retries`) and cudaMalloc / cudaFree calls, peak reserved and
 allocated bytes, allocation wall times (p50, p99, max: a retry is the max), hits and evictions.
@@ -52,13 +53,20 @@ from relaygr.harness import ALLOCATOR_CONFS
 from relaygr.workload import WorkloadConfig, generate
 from shared.modelspec import preset
 
-# The harness's -expandable and -alloc-gc configurations run the ranker with these.
-ALLOC_CONFS = {"default": "", "expandable": ALLOCATOR_CONFS["expandable"], "gc": ALLOCATOR_CONFS["alloc-gc"]}
+# The harness's -expandable and -alloc-gc configurations run the ranker with the first two; nosplit
+# (blocks of 64 MiB and over never split, so a large psi's block serves only psi of about its
+# size, and a retry may free just enough of them) has no configuration yet.
+ALLOC_CONFS = {
+    "default": "",
+    "expandable": ALLOCATOR_CONFS["expandable"],
+    "gc": ALLOCATOR_CONFS["alloc-gc"],
+    "nosplit": "max_split_size_mb:64",
+}
 VARIANTS = (*ALLOC_CONFS, *(f"{name}+classes" for name in ALLOC_CONFS))
 MIB = 1 << 20
 COLUMNS = ("variant", "alloc_conf", "allocs", "hits", "evictions", "alloc_retries", "ooms", "device_mallocs",
            "device_frees", "reserved_peak_gb", "allocated_peak_gb", "alloc_ms_p50", "alloc_ms_p99",
-           "alloc_ms_max", "class_waste")  # fmt: skip
+           "alloc_ms_max", "class_waste", "error")  # fmt: skip
 
 
 @dataclass(frozen=True)
