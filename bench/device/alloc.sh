@@ -1,7 +1,8 @@
 #!/bin/bash
 # usage: bench/device/alloc.sh TAG -- bench.psi_alloc on this GPU: the relay's psi churn (the
 # mix, then L4096) against the caching allocator as it is, with expandable segments, with its
-# garbage collection, and each with psi blocks in size classes (each variant a process of its own).
+# garbage collection, with large blocks never split, and (the mix) each with psi blocks in size
+# classes; each variant a process of its own.
 # Figures: allocator retries, cudaMalloc/cudaFree calls, peak reserved vs allocated, the slowest
 # allocation. Results in $OUT (psi-alloc-<device>-TAG-*.json/.md). ~1-2 minutes.
 set -u
@@ -12,6 +13,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p "$OUT"
 timeout -k 10 "${MIX_LIMIT:-240}" python3 -m bench.psi_alloc --device cuda --out-dir "$OUT" --tag "$tag-mix" "$@"
 echo "mix rc=$?"
-timeout -k 10 "${L_LIMIT:-120}" python3 -m bench.psi_alloc --device cuda --prefix-len 4096 --out-dir "$OUT" --tag "$tag-L4096" "$@"
+# One psi size: size classes change nothing there.
+timeout -k 10 "${L_LIMIT:-120}" python3 -m bench.psi_alloc --device cuda --prefix-len 4096 \
+  --variants default expandable gc nosplit --out-dir "$OUT" --tag "$tag-L4096" "$@"
 echo "L4096 rc=$?"
 cat "$OUT"/*.md
