@@ -53,14 +53,12 @@ from relaygr.harness import ALLOCATOR_CONFS
 from relaygr.workload import WorkloadConfig, generate
 from shared.modelspec import preset
 
-# The harness's -expandable and -alloc-gc configurations run the ranker with the first two; nosplit
-# (blocks of 64 MiB and over never split, so a large psi's block serves only psi of about its
-# size, and a retry may free just enough of them) has no configuration yet.
+# The harness's -expandable, -alloc-gc and -alloc-nosplit configurations run the ranker with these.
 ALLOC_CONFS = {
     "default": "",
     "expandable": ALLOCATOR_CONFS["expandable"],
     "gc": ALLOCATOR_CONFS["alloc-gc"],
-    "nosplit": "max_split_size_mb:64",
+    "nosplit": ALLOCATOR_CONFS["alloc-nosplit"],
 }
 VARIANTS = (*ALLOC_CONFS, *(f"{name}+classes" for name in ALLOC_CONFS))
 MIB = 1 << 20

@@ -259,7 +259,11 @@ for _name in ("baseline", "relay"):
 # of the event loop. Baseline and relay alike, so that each is compared with its own layout's.
 # The allocator's settings the ranker's configurations may run with (PYTORCH_CUDA_ALLOC_CONF), also
 # what bench.psi_alloc replays the relay's psi churn under.
-ALLOCATOR_CONFS = {"expandable": "expandable_segments:True", "alloc-gc": "garbage_collection_threshold:0.9"}
+ALLOCATOR_CONFS = {
+    "expandable": "expandable_segments:True",
+    "alloc-gc": "garbage_collection_threshold:0.9",
+    "alloc-nosplit": "max_split_size_mb:64",
+}
 for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
     CONFIGS[f"{_name}-expandable"] = {
         **CONFIGS[_name],
@@ -268,11 +272,14 @@ for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
 # The allocator freeing cached blocks it has not reused lately once 90% of the device is taken,
 # before a block that fits nowhere makes it free all of them at once: on an H100's mix (k29b) one
 # such retry (184 blocks freed) stalled a launch 37 ms and decided the relay's P99 at 312.5 req/s.
+# -alloc-nosplit: blocks of 64 MiB and over never split, so a large psi's block serves only psi
+# of about its size, and a retry frees just enough of them before it frees everything.
 for _name in ("baseline", "relay"):
-    CONFIGS[f"{_name}-alloc-gc"] = {
-        **CONFIGS[_name],
-        "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONFS["alloc-gc"]},
-    }
+    for _setting in ("alloc-gc", "alloc-nosplit"):
+        CONFIGS[f"{_name}-{_setting}"] = {
+            **CONFIGS[_name],
+            "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONFS[_setting]},
+        }
 # Full rankings of two sequences up to 2048 tokens in all batched into captured graphs
 # (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default): on an H200's length mix (k26b)
 # every full ranking ran alone, a third of them queued over 5 ms on a ranker bound by its host.

@@ -1501,8 +1501,8 @@ def by_process(requests: Sequence[PlannedRequest], processes: int) -> list[list[
 
 def processes_of(config: str) -> tuple[str, int]:
     """A configuration's model and its ranker processes per GPU: `relay-2p-mps` -> (relay, 2);
-    `-expandable` and `-alloc-gc` (the allocator's settings) are the same model."""
-    name = config.removesuffix("-expandable").removesuffix("-alloc-gc")
+    `-expandable`, `-alloc-gc` and `-alloc-nosplit` (the allocator's settings) are the same model."""
+    name = config.removesuffix("-expandable").removesuffix("-alloc-gc").removesuffix("-alloc-nosplit")
     match = re.fullmatch(r"(.+)-(\d+)p(-mps)?", name)
     return (match.group(1), int(match.group(2))) if match else (name, 1)
 
@@ -2172,7 +2172,7 @@ def load_model(
         processes = int(changes["processes"])
     if model not in MODELLED:
         raise ValueError(
-            f"--config: the model covers {', '.join(MODELLED)}, each also as <name>-<N>p[-mps][-expandable] or <name>-alloc-gc"
+            f"--config: the model covers {', '.join(MODELLED)}, each also as <name>-<N>p[-mps][-expandable] or <name>-alloc-gc|nosplit"
         )
     psi_chunk_graphs = PSI_CHUNK_VARIANTS.get(model)
     if psi_chunk_graphs is not None:

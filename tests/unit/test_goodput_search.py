@@ -499,3 +499,6 @@ def test_the_expandable_variants_set_the_rankers_allocator_and_keep_their_layout
     assert "env" not in stack_overrides("baseline-2p-mps")[0]
     gc, _ = stack_overrides("relay-alloc-gc")
     assert gc["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.9"}
+    assert stack_overrides("baseline-alloc-nosplit")[0]["env"] == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"
+    }

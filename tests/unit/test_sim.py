@@ -1487,6 +1487,7 @@ def test_a_configurations_ranker_processes_per_gpu_come_from_its_name():
     assert processes_of("relay-nospare-2p") == ("relay-nospare", 2)
     assert processes_of("baseline-expandable") == ("baseline", 1)
     assert processes_of("relay-alloc-gc") == ("relay", 1)
+    assert processes_of("relay-alloc-nosplit") == ("relay", 1)
     assert processes_of("relay-2pp") == ("relay-2pp", 1)
 
 
