@@ -26,7 +26,8 @@ Each variant runs in a process of its own (the allocator reads PYTORCH_CUDA_ALLO
 neighbours always merge); `gc` (garbage_collection_threshold:0.9: old cached blocks freed before
 the device is full); `nosplit` (max_split_size_mb:64: large blocks never split); and each with
 `+classes`: psi blocks rounded up to size classes
-(--class-ratio apart) so that a freed block fits later psi of its class. Reported per variant:
+(--class-ratio apart: services/ranker/psi.py, PsiSizeClasses, what the ranker's
+--psi-size-classes allocates) so that a freed block fits later psi of its class. Reported per variant:
 the allocator's retries (`num_alloc_retries`) and cudaMalloc / cudaFree calls, peak reserved and
 allocated bytes, allocation wall times (p50, p99, max: a retry is the max), hits and evictions.
 On the CPU the replay runs (the eviction counts are the same) and allocator figures are None.
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import subprocess
@@ -51,6 +51,7 @@ from typing import Any
 from bench.report import RESULTS_DIR, percentile, write_result
 from relaygr.harness import ALLOCATOR_CONFS
 from relaygr.workload import WorkloadConfig, generate
+from services.ranker.psi import PsiSizeClasses
 from shared.modelspec import preset
 
 # The harness's -expandable, -alloc-gc and -alloc-nosplit configurations run the ranker with these.
@@ -86,28 +87,9 @@ class Churn:
 
 
 def psi_bytes(prefix_len: int, preset_name: str) -> int:
-    """A psi's block for a prefix of this many tokens: K and V of every layer, then its int64
-    timestamps (services/ranker/psi.py, psi_memory)."""
-    spec = preset(preset_name)
-    itemsize = 2 if spec.dtype in ("bfloat16", "float16") else 4
-    return spec.num_layers * 2 * prefix_len * spec.hidden * itemsize + prefix_len * 8
-
-
-def size_class(nbytes: int, ratio: float, floor: int = 2 * MIB) -> int:
-    """The smallest class >= nbytes, classes floor x ratio^k rounded up to 2 MiB (the caching
-    allocator's rounding of large blocks); ratio <= 1: nbytes itself."""
-    if ratio <= 1.0:
-        return nbytes
-
-    def bound(k: int) -> int:
-        return -(-math.ceil(floor * ratio**k) // (2 * MIB)) * (2 * MIB)
-
-    k = max(0, math.ceil(math.log(max(nbytes, 1) / floor, ratio)))
-    while k > 0 and bound(k - 1) >= nbytes:  # the float log may land one class high
-        k -= 1
-    while bound(k) < nbytes:
-        k += 1
-    return bound(k)
+    """A psi's block for a prefix of this many tokens (ModelSpec.psi_bytes, psi.psi_memory's
+    layout: K and V of every layer, then the timestamps)."""
+    return preset(preset_name).psi_bytes(prefix_len)
 
 
 def churn(
@@ -176,6 +158,7 @@ def replay(
         if spare > 0:
             ballast = torch.empty(spare, dtype=torch.uint8, device=device)
         torch.cuda.reset_peak_memory_stats()
+    classes = PsiSizeClasses(class_ratio) if class_ratio > 1.0 else None
     blocks: dict[int, Any] = {}
     times: list[float] = []
     asked = given = ooms = 0
@@ -183,7 +166,7 @@ def replay(
         if op.kind == "free":
             blocks.pop(op.ident, None)
             continue
-        size = size_class(op.nbytes, class_ratio)
+        size = classes.footprint(op.nbytes) if classes is not None else op.nbytes
         t0 = time.perf_counter()
         try:
             blocks[op.ident] = torch.empty(size, dtype=torch.uint8, device=device)
@@ -277,8 +260,8 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse
         p.error("--rate, --duration-s and --budget-mb must be positive, --headroom-mb >= 0")
     if not 0.0 < args.keep_fraction <= 1.0:
         p.error("--keep-fraction must be in (0, 1]")
-    if args.class_ratio <= 1.0:
-        p.error("--class-ratio must be > 1")
+    if not 1.0 < args.class_ratio <= 2.0:
+        p.error("--class-ratio must be in (1, 2]")
     try:
         preset(args.preset)
     except ValueError as exc:

@@ -280,6 +280,12 @@ for _name in ("baseline", "relay"):
             **CONFIGS[_name],
             "env": {**CONFIGS[_name].get("env", {}), "PYTORCH_CUDA_ALLOC_CONF": ALLOCATOR_CONFS[_setting]},
         }
+# psi blocks in size classes 1.125 apart (the ranker's --psi-size-classes; services/ranker/psi.py):
+# a freed block fits later psi of its class, against the allocator's fragments (k29b's retry).
+CONFIGS["relay-psi-classes"] = {
+    **CONFIGS["relay"],
+    "ranker_args": (*CONFIGS["relay"].get("ranker_args", ()), "--psi-size-classes", "1.125"),
+}
 # Full rankings of two sequences up to 2048 tokens in all batched into captured graphs
 # (RELAYGR_RANKER_GRAPH_FULL_BATCH_TOKENS; off by default): on an H200's length mix (k26b)
 # every full ranking ran alone, a third of them queued over 5 ms on a ranker bound by its host.

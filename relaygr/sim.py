@@ -1583,7 +1583,7 @@ MODELLED = ("baseline", "relay", "relay-nospare", "preinfer-all", "relay-nospare
             "relay-demote-pressure", "relay-budget-by-kind", "no-expander", "relay-scores-aside",
             "relay-kernel-copies", "relay-engine-copies", "relay-host-fp8", "relay-spare-host",
             "relay-host-fp8-pressure", "relay-spare-device", "baseline-fused-norms", "relay-fused-norms",
-            "baseline-torch-norms", "relay-torch-norms")  # fmt: skip
+            "baseline-torch-norms", "relay-torch-norms", "relay-psi-classes")  # fmt: skip
 # The relay with pre-inference chunks that read psi replaying graphs (True) or run eagerly
 # (False), whatever its file's step record says (k20's relay-psi-chunk-graphs predates the record).
 PSI_CHUNK_VARIANTS = {"relay-psi-chunk-graphs": True, "relay-eager-psi-chunks": False}
@@ -1611,6 +1611,9 @@ RELAY_VARIANTS: dict[str, dict[str, float]] = {
     # run's own calls measure; nothing the model plans changes.
     "relay-fused-norms": {},
     "relay-torch-norms": {},
+    # psi blocks in size classes: the allocator's behaviour, which the model does not plan; the
+    # run's own calls measure what it changes.
+    "relay-psi-classes": {},
 }
 # relay-nospare with another latency target: the same model, calls due as its rankers had them.
 # The -gil and -slack variants (the rankers' interpreter switch interval, timer slack) and

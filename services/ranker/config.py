@@ -32,6 +32,10 @@ def _usable_cpus(values: tuple[int, ...]) -> str | None:
     )
 
 
+def _class_ratio(value: float) -> str | None:
+    return None if value == 0 or 1.0 < value <= 2.0 else "must be 0 (off) or a ratio in (1, 2]"
+
+
 def _whole_chunks(value: int) -> str | None:
     return (
         None
@@ -214,6 +218,14 @@ class RankerConfig(TlsSettings):
                                           "full rankings of 4096 x 8 took 17.65 ms against 20.01 and calls "
                                           "against psi 2.97 against 3.56, 4-16% less on every shape) or "
                                           "torch (four kernels, ten passes)")  # fmt: skip
+    psi_size_classes: float = setting(0.0, env="RELAYGR_RANKER_PSI_SIZE_CLASSES", check=_class_ratio,
+                                      help="0 (off), or psi blocks allocated in size classes this ratio "
+                                      "apart (e.g. 1.125; services/ranker/psi.py, PsiSizeClasses), the HBM "
+                                      "budget counting each class's bytes: a freed block then fits later "
+                                      "psi of its class, against the fragments that made the device's "
+                                      "allocator free its whole cache and retry (an H100's mix, k29b: a 37 "
+                                      "ms stall). Off until measured (bench.psi_alloc, then the harness's "
+                                      "relay-psi-classes)")  # fmt: skip
     chunks_ahead: bool = setting(False, env="RELAYGR_RANKER_CHUNKS_AHEAD",
                                  help="launch pre-inference steps the way launch-ahead launches ranking "
                                  "batches: behind the step on the device, settled after the next one is "

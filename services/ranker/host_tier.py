@@ -20,7 +20,7 @@ import torch
 
 from kernels.device import Accelerator
 from services.ranker.engine import Engine
-from services.ranker.psi import Psi, PsiKey
+from services.ranker.psi import Psi, PsiKey, PsiSizeClasses
 from services.ranker.transfer import (
     HOST_FORMATS,
     host_meta,
@@ -48,11 +48,13 @@ class HostTier:
         copy_piece_bytes: int = 0,
         psi_format: str = "native",
         spec: ModelSpec | None = None,
+        psi_classes: PsiSizeClasses | None = None,
     ) -> None:
         """`copy_piece_bytes`: psi is copied in pieces of at most this many bytes (0: whole).
         `psi_format`: how psi is stored in the arena (transfer.py: "native", or "fp8" with its
         scales per head of the model `spec`, which it needs). Reloads read whatever format each
-        psi was stored in."""
+        psi was stored in. `psi_classes`: a reloaded psi's block in size classes (psi.py), as the
+        ranker's other psi."""
         if psi_format not in HOST_FORMATS:
             raise ValueError(f"psi_format must be one of {', '.join(HOST_FORMATS)}, not {psi_format!r}")
         if psi_format != "native" and spec is None:
@@ -63,6 +65,7 @@ class HostTier:
         self.copy_piece_bytes = copy_piece_bytes
         self.psi_format = psi_format
         self.spec = spec
+        self.psi_classes = psi_classes
         self._on_change = on_change
         self._timeout = connect_timeout_s
         self._client: ExpanderClient | None = None
@@ -205,7 +208,13 @@ class HostTier:
             nbytes = acquired.nbytes
             return await engine.copy(
                 lambda: issue_from_host(
-                    src, meta, key, self.accel.device, engine.compute_stream, self.copy_piece_bytes
+                    src,
+                    meta,
+                    key,
+                    self.accel.device,
+                    engine.compute_stream,
+                    self.copy_piece_bytes,
+                    classes=self.psi_classes,
                 ),
                 work="reload",
                 on_timed=None if on_copied is None else (lambda seconds: on_copied(nbytes, seconds)),

@@ -55,7 +55,7 @@ from kernels.hstu_attention import (
     hstu_attention,
     prepare_attention,
 )
-from services.ranker.psi import Psi, PsiKey, psi_memory
+from services.ranker.psi import Psi, PsiKey, PsiSizeClasses, psi_memory
 from services.ranker.sequences import Behaviors, InvalidSequenceError, RankingSuffix, UserPrefix
 from shared.modelspec import ModelSpec
 
@@ -208,6 +208,8 @@ class HSTURanker(nn.Module):
         # Set by an engine whose batches' copies go by kernel (batch_copies "kernel"): a new psi's
         # timestamps reach the device the same way (new_psi), not on a copy engine.
         self.host_staging: HostStaging | None = None
+        # Set by a ranker that allocates psi in size classes (--psi-size-classes): new_psi's blocks.
+        self.psi_classes: PsiSizeClasses | None = None
         self.params = AttentionParams(
             alpha=spec.head_dim**-0.5,
             inv_norm=1.0 / spec.attn_norm,
@@ -408,7 +410,9 @@ class HSTURanker(nn.Module):
         False the prefix's timestamps are left unwritten too: for a caller that copies them from
         a batch already on the device (RankGraphs.launch_full)."""
         n, spec = prefix.length, self.spec
-        kv, ts, block = psi_memory(spec.num_layers, n, spec.hidden, self.item_emb.weight.dtype, self.device)
+        kv, ts, block = psi_memory(
+            spec.num_layers, n, spec.hidden, self.item_emb.weight.dtype, self.device, self.psi_classes
+        )
         key = self.psi_key(prefix.user_id, prefix.prefix_version, prefix.fingerprint.digest)
         if not timestamps:
             return Psi(key, kv, ts, block)

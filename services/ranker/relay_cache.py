@@ -210,6 +210,7 @@ class RelayCache:
         keep_gate: KeepGate | None = None,
         host_pressed: Callable[[], bool] | None = None,
         arrived_ttl_s: float = 60.0,
+        psi_footprint: Callable[[int], int] | None = None,
     ) -> None:
         """`ranking_psi_min_tokens`: full rankings of prefixes at least this long keep their
         psi; `demote_under_pressure`, `demotion_reserve_bytes`, `demotion_gate`: when consumed
@@ -218,12 +219,17 @@ class RelayCache:
         does); `host_pressed`: while it says so, neither (services/ranker/loop_lag.py: the
         event loop is behind, and the relay sheds the work it may skip);
         `arrived_ttl_s`: how long a ranking call's arrival is remembered, to refuse the signal
-        of its request that comes after it."""
+        of its request that comes after it. `psi_footprint`: the HBM bytes a psi of that many
+        tokens takes where the ranker allocates psi in size classes (psi.PsiSizeClasses; default
+        `psi_bytes`): what the HBM budget counts. The cache's entries then hold class bytes, and
+        the tokens read back from them (a reload's saving, its size in host DRAM) are up to the
+        classes' ratio too many."""
         self.cache = cache
         self.engine = engine
         self.costs = costs
         self.host: HostTier | None = None  # attached once connected (RankerService.start)
         self._psi_bytes = psi_bytes
+        self._psi_footprint = psi_footprint if psi_footprint is not None else psi_bytes
         self._spawn = spawn
         self._join_margin_ms = join_margin_ms
         self._keep_demoted = keep_demoted
@@ -293,7 +299,7 @@ class RelayCache:
             held = await self.host.lookup(key) if self.host is not None and self.host.connected else None
             if held is None:
                 return Produce.REFUSED, "not_held"
-        admitted = self._admit(key, self._psi_bytes(prefix.length), lease)
+        admitted = self._admit(key, self._psi_footprint(prefix.length), lease)
         if admitted.outcome is Admission.REFUSED:
             return Produce.REFUSED, admitted.reason
         if admitted.outcome is Admission.ALREADY_RESIDENT:
@@ -506,14 +512,14 @@ class RelayCache:
             # The device had no room for the pass beside the psi held: psi is what gives way
             # (this process's allocator then serves the pass from the blocks freed), once; a
             # second refusal is the caller's RESOURCE_EXHAUSTED.
-            self._device_memory_short(self._psi_bytes(prefix.length), "ranking")
+            self._device_memory_short(self._psi_footprint(prefix.length), "ranking")
             result = await self.engine.rank_full(tokens, suffix, start_by, deadline=deadline)
         return Ranked(Served.FULL_RECOMPUTE, result, cache_ms, 0.0)
 
     def _if_out_of_memory(self, exc: BaseException, prefix_len: int, where: str) -> None:
         """A path that fell back on `exc`: where the device refused memory, as below."""
         if isinstance(exc, torch.OutOfMemoryError):
-            self._device_memory_short(self._psi_bytes(prefix_len), where)
+            self._device_memory_short(self._psi_footprint(prefix_len), where)
 
     def _device_memory_short(self, nbytes: int, where: str) -> None:
         """The device refused an allocation that the HBM budget allowed: the processes sharing
@@ -583,7 +589,9 @@ class RelayCache:
         if self.cache.lookup(key) is not None:
             return None  # held in some state (e.g. a psi of another length): admitting would re-lease it
         admitting_from = time.thread_time()
-        admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "ranking")
+        admitted = self._admit(
+            key, self._psi_footprint(prefix.length), Lease(request_id, deadline), "ranking"
+        )
         if admitted.outcome is not Admission.ADMITTED:
             return None
         production = _Production(asyncio.Event(), reload=False)
@@ -602,7 +610,7 @@ class RelayCache:
             if self._productions.get(key) is production:
                 del self._productions[key]
         if result.psi_out_of_memory:  # ranked; the device had no room for the psi it would keep
-            self._device_memory_short(self._psi_bytes(prefix.length), "ranking_psi")
+            self._device_memory_short(self._psi_footprint(prefix.length), "ranking_psi")
         if stored:
             self.psi_from_rankings += 1
             self._on_event("ranking_psi", "kept")
@@ -738,7 +746,7 @@ class RelayCache:
                      seen=self._decisions_logged[decision.reason])  # fmt: skip
         if not decision.reload:
             return None
-        admitted = self._admit(key, self._psi_bytes(prefix.length), Lease(request_id, deadline), "reload")
+        admitted = self._admit(key, self._psi_footprint(prefix.length), Lease(request_id, deadline), "reload")
         if admitted.outcome is Admission.REFUSED:
             self._on_event("host_lookup", "no_hbm_room")
             return None

@@ -65,7 +65,7 @@ from services.ranker.loop_lag import LoopLag
 from services.ranker.loop_time import LoopTimeCollector
 from services.ranker.loop_watch import LoopWatch
 from services.ranker.model import HSTURanker, PrefixChunk
-from services.ranker.psi import PsiKey
+from services.ranker.psi import PsiKey, PsiSizeClasses
 from services.ranker.relay_cache import Produce, Ranked, RelayCache, Served
 from services.ranker.sequences import Behaviors, RankingSuffix, UserPrefix
 from services.ranker.takeover import TakeoverPassCollector
@@ -269,6 +269,9 @@ class RankerService(pb_grpc.RankerServicer):
         else:
             self.model = HSTURanker.from_seed(spec, config.seed, self.accel.device)
         self.model.fuse_norms(config.layer_kernels is LayerKernels.FUSED)  # before any graph
+        # psi blocks in size classes (off: 0): the model's new psi, reloads, and the HBM budget.
+        self.psi_classes = PsiSizeClasses(config.psi_size_classes) if config.psi_size_classes else None
+        self.model.psi_classes = self.psi_classes
         self.spec = self.model.spec
         # psi keys grouped by (user, prefix version, model): tells a content mismatch from a miss.
         self.cache = HbmCache(int(config.hbm_budget_mb * 2**20), time.monotonic, group_of=_psi_name)
@@ -334,6 +337,7 @@ class RankerService(pb_grpc.RankerServicer):
             if config.ranking_psi_keep is Keep.EARNED
             else None,
             host_pressed=self.loop_lag.pressed if config.shed_lag_ms > 0 else None,
+            psi_footprint=self._psi_footprint if self.psi_classes is not None else None,
         )
         self.registry.register(
             CopyStagesCollector(
@@ -442,6 +446,7 @@ class RankerService(pb_grpc.RankerServicer):
                 copy_piece_bytes=self.config.copy_piece_bytes,
                 psi_format=self.config.host_psi_format.value,
                 spec=self.spec,
+                psi_classes=self.psi_classes,
             )
             await self.host.start()
             self.relay.host = self.host
@@ -678,6 +683,11 @@ class RankerService(pb_grpc.RankerServicer):
             log.warning("host_tier_smaller_than_hbm", arena_bytes=arena, hbm_budget_bytes=self.cache.budget_bytes,
                         effect="psi evicted from HBM is rarely still in DRAM: few reloads",
                         remedy="RELAYGR_RANKER_DEMOTION=earned (the default) or pressure")  # fmt: skip
+
+    def _psi_footprint(self, prefix_len: int) -> int:
+        """The HBM bytes of a psi of that many tokens, in its size class (--psi-size-classes)."""
+        nbytes = self.spec.psi_bytes(prefix_len)
+        return self.psi_classes.footprint(nbytes) if self.psi_classes is not None else nbytes
 
     def _relay_event(self, kind: str, label: str) -> None:
         """Counts what the relay cache reports (services/ranker/relay_cache.py)."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kernels.psi_fp8 import FP8, QuantizedKV, dequantize_kv, quantize_kv
-from services.ranker.psi import Psi, PsiKey, psi_memory
+from services.ranker.psi import Psi, PsiKey, PsiSizeClasses, psi_memory
 
 HOST_FORMATS = ("native", "fp8")
 FP8_GROUP_TOKENS = 16  # a scale per 16 tokens of one head: 1/1024 more bytes at 256 dims a head
@@ -125,9 +125,11 @@ def issue_from_host(
     device: torch.device,
     alloc_stream: torch.cuda.Stream | None = None,
     piece_bytes: int = 0,
+    classes: PsiSizeClasses | None = None,
 ) -> Psi:
     """A new psi on `device` filled from src (uint8, host). Validates the metadata first.
     `piece_bytes`: psi's bytes are copied in pieces of at most this many (0: one copy).
+    `classes`: its block allocated in size classes, as the ranker's other psi (psi_memory).
 
     `alloc_stream` (CUDA): the stream whose memory pool the block comes from, the compute
     stream's, where every other psi block lives. The copies run on the current stream (the copy
@@ -160,13 +162,13 @@ def issue_from_host(
     if alloc_stream is not None:
         copy_stream = torch.cuda.current_stream(device)
         with torch.cuda.stream(alloc_stream):
-            kv, ts, block = psi_memory(layers, plen, hidden, dtype, device)
+            kv, ts, block = psi_memory(layers, plen, hidden, dtype, device, classes)
         # Freed before the copy completes (it never is: the caller waits for it), the memory
         # would wait for the copy stream before reuse.
         for t in (block,) if block is not None else (kv, ts):
             t.record_stream(copy_stream)
     else:
-        kv, ts, block = psi_memory(layers, plen, hidden, dtype, device)
+        kv, ts, block = psi_memory(layers, plen, hidden, dtype, device, classes)
     if fmt == "fp8":  # into buffers of this stream, then dequantized into psi's K/V here too
         values = torch.empty(layers, 2, plen, hidden, dtype=FP8, device=device)
         scales = torch.empty(layers, 2, -(-plen // group), heads, dtype=torch.float32, device=device)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.psi_alloc import MIB, Op, churn, main, psi_bytes, size_class
+from bench.psi_alloc import Op, churn, main, psi_bytes
 
 
 def test_a_psi_block_is_every_layers_k_and_v_then_its_timestamps():
@@ -37,19 +37,6 @@ def test_the_keep_fraction_is_a_draw_of_its_seed():
     assert half == churn(requests, budget_bytes=10**9, keep_fraction=0.5, seed=3)
     assert 400 < half.allocs < 600
     assert churn(requests, budget_bytes=10**9, keep_fraction=1.0).allocs == 1000
-
-
-def test_size_classes_round_up_within_their_ratio_on_2_mib():
-    sizes = [3 * MIB, 100 * MIB + 1, 268_500_992, 537_001_984]
-    for nbytes in sizes:
-        got = size_class(nbytes, 1.125)
-        assert got >= nbytes
-        assert got % (2 * MIB) == 0
-        assert got <= nbytes * 1.125 + 2 * MIB
-    assert size_class(MIB, 1.125) == 2 * MIB  # below the floor: the floor
-    assert size_class(12345, 1.0) == 12345  # no classes: the size asked
-    # Sizes of one class share one block size: a freed block fits the next of its class.
-    assert size_class(200 * MIB, 1.125) == size_class(size_class(200 * MIB, 1.125) - MIB, 1.125)
 
 
 def test_the_cpu_replay_writes_every_variant_without_allocator_figures(tmp_path):

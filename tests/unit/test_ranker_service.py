@@ -231,6 +231,22 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_from_rankings == 1
 
 
+@pytest.mark.parametrize("ranker", [["--psi-size-classes", "1.125"]], indirect=True)
+async def test_psi_in_size_classes_counts_its_class_and_the_next_call_reads_it(ranker):
+    service, stub, _ = ranker
+    prefixes, suffixes = users(23, 1, prefix_len=600)
+    first = await stub.Rank(rank_request(prefixes[0], suffixes[0], "c1"), timeout=30)
+    assert first.served_by == pb.FULL_RECOMPUTE
+    stats = await stub.Stats(pb.StatsRequest(), timeout=5)
+    assert stats.psi_from_rankings == 1
+    exact = service.spec.psi_bytes(prefixes[0].length)
+    assert exact < 2**21
+    assert stats.hbm_resident_bytes == 2**21  # the smallest class, 2 MiB: what the budget counts
+    again = await stub.Rank(rank_request(prefixes[0], suffixes[0], "c2"), timeout=30)
+    assert again.served_by == pb.HBM_HIT
+    assert max_diff(again.scores, first.scores) <= TOL
+
+
 async def test_the_gates_figures_are_exported_and_nan_until_measured(ranker):
     service, _, _ = ranker
     metric = service.registry.get_sample_value
