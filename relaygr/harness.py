@@ -252,11 +252,6 @@ for _name in ("baseline", "relay", "relay-nospare", "relay-shed"):
 # bought nothing. Four interpreters a GPU move that bound, baseline and relay alike.
 for _name in ("baseline", "relay"):
     CONFIGS[f"{_name}-4p-mps"] = {**CONFIGS[_name], "rankers_per_device": 4, "mps": True}
-# The same with PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF) in the rankers: one
-# segment that grows and shrinks instead of many that fragment. On the mix (H200, k17b) psi
-# blocks of many sizes left two processes on one GPU reserving 67-69 GB each for 60.4-60.7 GB
-# allocated, and the allocator retried (freeing its cache, a device sync) with 20-29 ms stalls
-# of the event loop. Baseline and relay alike, so that each is compared with its own layout's.
 # The allocator's settings the ranker's configurations may run with (PYTORCH_CUDA_ALLOC_CONF), also
 # what bench.psi_alloc replays the relay's psi churn under.
 ALLOCATOR_CONFS = {
@@ -264,6 +259,11 @@ ALLOCATOR_CONFS = {
     "alloc-gc": "garbage_collection_threshold:0.9",
     "alloc-nosplit": "max_split_size_mb:64",
 }
+# The plain and two-process configurations with PyTorch's expandable segments in the rankers: one
+# segment that grows and shrinks instead of many that fragment. On the mix (H200, k17b) psi
+# blocks of many sizes left two processes on one GPU reserving 67-69 GB each for 60.4-60.7 GB
+# allocated, and the allocator retried (freeing its cache, a device sync) with 20-29 ms stalls
+# of the event loop. Baseline and relay alike, so that each is compared with its own layout's.
 for _name in ("baseline", "relay", "baseline-2p-mps", "relay-2p-mps"):
     CONFIGS[f"{_name}-expandable"] = {
         **CONFIGS[_name],

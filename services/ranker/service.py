@@ -337,7 +337,7 @@ class RankerService(pb_grpc.RankerServicer):
             if config.ranking_psi_keep is Keep.EARNED
             else None,
             host_pressed=self.loop_lag.pressed if config.shed_lag_ms > 0 else None,
-            psi_footprint=self._psi_footprint if self.psi_classes is not None else None,
+            psi_footprint=self._psi_footprint,
         )
         self.registry.register(
             CopyStagesCollector(
@@ -685,7 +685,7 @@ class RankerService(pb_grpc.RankerServicer):
                         remedy="RELAYGR_RANKER_DEMOTION=earned (the default) or pressure")  # fmt: skip
 
     def _psi_footprint(self, prefix_len: int) -> int:
-        """The HBM bytes of a psi of that many tokens, in its size class (--psi-size-classes)."""
+        """The HBM bytes of a psi of that many tokens: its size class's with --psi-size-classes."""
         nbytes = self.spec.psi_bytes(prefix_len)
         return self.psi_classes.footprint(nbytes) if self.psi_classes is not None else nbytes
 
