@@ -6,7 +6,7 @@
 # Figures: allocator retries, cudaMalloc/cudaFree calls, peak reserved vs allocated, the slowest
 # allocation. Results in $OUT (psi-alloc-<device>-TAG-*.json/.md). ~1-2 minutes.
 set -u
-tag=${1:?usage: bench/device/alloc.sh TAG}
+tag=${1:?usage: bench/device/alloc.sh TAG}; shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
