@@ -246,13 +246,13 @@ class Runner:
                                          "prefetch", "prefetches_issued", "prefetches_used", "prefetches_wasted",
                                          "prefetches_failed", "demotion_lag_p99_ms", "dram_evictions",
                                          "dram_used_bytes_max", "alloc_retries", "device_mallocs", "device_frees", "demotions_skipped", "demotions_never_reloaded", "device_loop_slow", "demotions_shed", "ranking_psi_shed", "device_memory_short",
-                                         "ranking_psi_declined", "takeover_passes_partial",
+                                         "ranking_psi_declined", "ranking_psi_probed", "takeover_passes_partial",
                                          "takeover_passes_full")},
             # The rankers' host CPU ms per request as they report it (None where none did).
             "ranker_host_ms_per_request": _finite_or_none(p.rankers.get("host_ms_per_request", math.nan)),
             # What the demotion and keep gates weighed at the point's end: returns per action and
             # the host ms an action is priced at (None while not yet measured: the gate is open).
-            **{k: _finite_or_none(p.rankers.get(k, math.nan)) for k in GATE_FIELDS},
+            **{k: _finite_or_none(p.rankers.get(k, math.nan)) for k in (*GATE_FIELDS, "keep_device_us_per_token")},
             **{k: v for k, v in p.rankers.items() if k.startswith("trigger_")},  # its decisions, and why
             # The host's CPUs over the point: busy, and stolen by the hypervisor (a VM's stalls).
             **{k: v for k, v in p.rankers.items() if k.startswith("host_cpu_")},

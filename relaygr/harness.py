@@ -558,6 +558,8 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         for field in GATE_FIELDS:
             gate, what = field.split("_gate_")
             totals[field] += samples.get(f'relaygr_ranker_gate_{what}{{gate="{gate}"}}', math.nan)
+        # And the device time a keep costs per prefix token, as the ranking batches tell it.
+        totals["keep_device_us_per_token"] += samples.get("relaygr_ranker_keep_device_us_per_token", math.nan)
         # Collector pauses (every thread of the ranker stops): total seconds, and pauses > 20 ms.
         for generation in ("0", "1", "2"):
             label = f'generation="{generation}"'
@@ -587,6 +589,7 @@ async def device_counters(stack: Stack) -> dict[str, float]:
         )
         # Full rankings the keep gate let go without keeping psi (services/ranker/keep_gate.py).
         totals["ranking_psi_declined"] += samples.get("relaygr_ranker_ranking_psi_declined_total", 0.0)
+        totals["ranking_psi_probed"] += samples.get("relaygr_ranker_ranking_psi_probed_total", 0.0)
         # What the relay shed while the event loop was behind (services/ranker/loop_lag.py).
         totals["ranking_psi_shed"] += samples.get("relaygr_ranker_ranking_psi_shed_total", 0.0)
         totals["demotions_shed"] += samples.get('relaygr_ranker_demotions_total{result="shed"}', 0.0)
@@ -1006,7 +1009,10 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         "host_ms_per_request": device["host_ms_per_request"] / max(1, len(stack.ranker_metrics_ports)),
         # What the demotion and keep gates weighed at the point's end (mean over rankers; NaN
         # where not yet measured): with `demotions_skipped`, whether a gate was open and why.
-        **{k: device[k] / max(1, len(stack.ranker_metrics_ports)) for k in GATE_FIELDS},
+        **{
+            k: device[k] / max(1, len(stack.ranker_metrics_ports))
+            for k in (*GATE_FIELDS, "keep_device_us_per_token")
+        },
         # Candidates for host DRAM the demotion gate left uncopied (services/ranker/demotion_gate.py).
         "demotions_skipped": device["demotions_skipped"] - device_before["demotions_skipped"],
         # The device loop's host sections past RELAYGR_RANKER_LOOP_SLOW_MS (their lines: device_loop_slow).
@@ -1016,6 +1022,8 @@ async def run_point(stack: Stack, workload_config: WorkloadConfig, slo_ms: float
         - device_before["demotions_never_reloaded"],
         # Full rankings that kept no psi because keeping it did not pay (services/ranker/keep_gate.py).
         "ranking_psi_declined": device["ranking_psi_declined"] - device_before["ranking_psi_declined"],
+        # ... and left unkept to measure a keep's device time (the probe, keep_gate.py).
+        "ranking_psi_probed": device["ranking_psi_probed"] - device_before["ranking_psi_probed"],
         # Keeps and copies to DRAM shed while the event loop was behind (services/ranker/loop_lag.py).
         **{k: device[k] - device_before[k] for k in ("ranking_psi_shed", "demotions_shed")},
         # Allocations the device refused that the psi budget allowed (services/ranker/relay_cache.py).

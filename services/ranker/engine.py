@@ -94,6 +94,7 @@ from services.ranker.graphs import (
     bucket_for,
     warm_full_keys,
 )
+from services.ranker.keep_gate import KeepDeviceCost
 from services.ranker.loop_time import LoopTime
 from services.ranker.model import HSTURanker, PrefixChunk
 from services.ranker.psi import Psi, PsiKey
@@ -484,6 +485,8 @@ class Engine:
         self._first_prior: CostPrior | None = None
         self.first_costs: CostFit | None = None
         self.rank_costs = CostFit(config.step_prior)
+        # Device time a full ranking spends on the psi it keeps (keep_gate.py; settling only).
+        self.keep_device = KeepDeviceCost()
         # Which pass completes a take-over of a started pre-inference (device thread only).
         self.takeover = TakeoverPass(config.takeover_pass)
         self.graphs: RankGraphs | None = None
@@ -783,6 +786,7 @@ class Engine:
             self._preinfer_samples.clear()
             self.step_costs = CostFit(self._step_prior)
             self.rank_costs = CostFit(self.config.step_prior)
+            self.keep_device = KeepDeviceCost()
             self.scheduler.costs = self.step_costs
             self.scheduler.rank_costs = self.rank_costs
             if self._first_prior is not None:
@@ -980,6 +984,16 @@ class Engine:
             return None
         copies = self.graphs.stats.keep_copy_cpu_s if self.graphs is not None else 0.0
         return (self._keep_alloc_cpu_s + copies) / kept * 1e3
+
+    def device_ms_per_keep(self, prefix_len: int) -> float | None:
+        """Device time a full ranking spends keeping psi of `prefix_len` tokens, in ms, as the
+        ranking batches measure it (keep_gate.KeepDeviceCost); None while they cannot tell."""
+        return self.keep_device.ms_per_keep(prefix_len)
+
+    @property
+    def keep_needs_plain(self) -> bool:
+        """Whether the keep cost's fit wants full rankings that keep nothing (keep_gate.py)."""
+        return self.keep_device.needs_plain
 
     def reload_saving_s(self, prefix_len: int, suffix_len: int) -> float | None:
         """The device time a call against psi saves over a full ranking of the same call, from
@@ -1357,6 +1371,13 @@ class Engine:
             full_tokens = sum(j.prefix.length + j.suffix.length for j in batch if j.prefix is not None)
             full_pairs = sum(j.prefix.length * (j.prefix.length + j.suffix.length) for j in batch if j.prefix is not None)  # fmt: skip
             self.takeover.observe(seconds, self.rank_costs.coefficients.seconds(full_tokens, full_pairs))
+        if kind is RankKind.FULL and self.rank_costs.measured >= _MIN_SAVING_BATCHES:
+            # Before the fit learns from it: the batch against what it predicts (keep_gate.py).
+            kept_tokens = sum(j.prefix.length for j, p in zip(batch, flight.kept, strict=True)
+                              if p is not None and j.prefix is not None)  # fmt: skip
+            self.keep_device.observe(
+                self.rank_costs.coefficients.seconds(tokens, pairs), seconds, kept_tokens
+            )
         self.rank_costs.observe(tokens, pairs, seconds)
         for j in batch:
             if j.key is not None:

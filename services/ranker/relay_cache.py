@@ -86,7 +86,7 @@ from services.ranker.cost_model import CostModel
 from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, NonFiniteScores, Overdue, PreinferExpired, RankResult
 from services.ranker.hbm_cache import Admission, AdmitResult, Claim, ClaimResult, HbmCache, Lease
-from services.ranker.keep_gate import KeepGate
+from services.ranker.keep_gate import KeepGate, probed
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.sequences import RankingSuffix, UserPrefix
 from services.ranker.task_cpu import CpuMeter, metered
@@ -242,6 +242,7 @@ class RelayCache:
         self.keep_gate = keep_gate
         self._host_pressed = host_pressed
         self.ranking_psi_declined = 0  # full rankings the keep gate ranked without keeping psi
+        self.ranking_psi_probed = 0  # left unkept so that a keep's device time stays measurable
         self.ranking_psi_shed = 0  # full rankings that kept no psi while the host was pressed
         self.demotions_shed = 0  # candidates not copied while the host was pressed
         self._keep_loop_cpu_s = 0.0  # the event loop's CPU keeping psi (admission, production, lease)
@@ -551,8 +552,15 @@ class RelayCache:
         gate = self.keep_gate
         if gate is None:
             return True
+        if self.engine.keep_needs_plain and probed(key.user_id, gate.sample_every):
+            # Left unkept so that a keep's device time stays measurable (keep_gate.py).
+            self.ranking_psi_probed += 1
+            self._on_event("ranking_psi", "probed")
+            return False
         saving_s = self.engine.reload_saving_s(prefix_len, suffix_len)
-        if gate.admits(key.user_id, None if saving_s is None else saving_s * 1e3, self.host_ms_per_keep()):
+        if gate.admits(
+            key.user_id, None if saving_s is None else saving_s * 1e3, self.cost_ms_per_keep(prefix_len)
+        ):
             return True
         self.ranking_psi_declined += 1
         self._on_event("ranking_psi", "declined")
@@ -561,6 +569,16 @@ class RelayCache:
     def _pressed(self) -> bool:
         """Whether the event loop is behind (loop_lag.py): the relay sheds optional work."""
         return self._host_pressed is not None and self._host_pressed()
+
+    def cost_ms_per_keep(self, prefix_len: int) -> float | None:
+        """What keeping psi of `prefix_len` tokens costs, as the keep gate weighs it: the host's
+        time (host_ms_per_keep) plus the device's, once the ranking batches tell it (the full
+        rankings' extra time, keep_gate.KeepDeviceCost); None before the host's was measured."""
+        host = self.host_ms_per_keep()
+        if host is None:
+            return None
+        device = self.engine.device_ms_per_keep(prefix_len)
+        return host + (device or 0.0)
 
     def host_ms_per_keep(self) -> float | None:
         """Host time one psi kept by a full ranking costs: the device loop's (allocation and

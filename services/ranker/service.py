@@ -175,6 +175,14 @@ class _Metrics:
                                             "full rankings long enough to keep psi that did not: reads of "
                                             "kept psi did not pay for keeping it (keep_gate.py)",
                                             registry=registry)  # fmt: skip
+        self.ranking_psi_probed = Counter("relaygr_ranker_ranking_psi_probed",
+                                          "full rankings long enough to keep psi left unkept while too few "
+                                          "plain ones ran to measure a keep's device time (keep_gate.py)",
+                                          registry=registry)  # fmt: skip
+        self.keep_device_us_per_token = Gauge("relaygr_ranker_keep_device_us_per_token",
+                                              "device us a full ranking spends per prefix token of psi it keeps, "
+                                              "fitted from the ranking batches (keep_gate.py; NaN while the fit "
+                                              "cannot tell)", registry=registry)  # fmt: skip
         self.ranking_psi_shed = Counter("relaygr_ranker_ranking_psi_shed",
                                         "full rankings long enough to keep psi that did not because the event "
                                         "loop was behind (loop_lag.py)", registry=registry)  # fmt: skip
@@ -376,6 +384,10 @@ class RankerService(pb_grpc.RankerServicer):
                 returns = functools.partial(getattr, gate, "returns_per_action")
                 self.metrics.gate_returns.labels(name).set_function(_or_nan(returns))
                 self.metrics.gate_cost_ms.labels(name).set_function(_or_nan(cost))
+        per_token = lambda: self.engine.keep_device.per_token_s  # noqa: E731 (replaced by forget_batches)
+        self.metrics.keep_device_us_per_token.set_function(
+            _or_nan(lambda: None if (s := per_token()) is None else s * 1e6)
+        )
         self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
         self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
         self.metrics.rank_inflight_work.set_function(lambda: self.admission.inflight_work_s * 1e3)
@@ -712,6 +724,8 @@ class RankerService(pb_grpc.RankerServicer):
             m.prefetches.labels(label).inc()
         elif kind == "ranking_psi" and label == "declined":
             m.ranking_psi_declined.inc()
+        elif kind == "ranking_psi" and label == "probed":
+            m.ranking_psi_probed.inc()
         elif kind == "ranking_psi" and label == "shed":
             m.ranking_psi_shed.inc()
         elif kind == "ranking_psi":

@@ -18,7 +18,7 @@ from services.ranker.demotion_gate import DemotionGate
 from services.ranker.engine import Engine, EngineConfig, NonFiniteScores, nonfinite_calls
 from services.ranker.hbm_cache import EntryState, HbmCache, Lease
 from services.ranker.host_tier import HostTier
-from services.ranker.keep_gate import KeepGate
+from services.ranker.keep_gate import PROBE_EVERY, KeepGate
 from services.ranker.model import HSTURanker
 from services.ranker.psi import Psi, PsiKey
 from services.ranker.relay_cache import Produce, RecentIds, RelayCache, Served
@@ -519,6 +519,38 @@ async def test_the_keep_gate_keeps_psi_only_for_a_sample_while_reads_do_not_pay(
     assert close(again.result.scores, want)
     assert gate.reuse is not None
     assert gate.reuse > 0.0
+
+
+async def test_the_keep_gate_weighs_a_keeps_device_time_and_probes_for_it(keeping, monkeypatch):
+    """The keep's cost is the host's time plus the device's, once the ranking batches tell the
+    device's (KeepDeviceCost); while too few full rankings keep nothing for that, the probe's
+    users (one in PROBE_EVERY, never a sampled one) rank without keeping psi, counted as probed,
+    with the same scores."""
+    r = keeping
+    gate = KeepGate(sample_every=2, min_kept=1)
+    r.rebuild(keep_gate=gate)
+    monkeypatch.setattr(r.engine, "host_ms_per_keep", lambda: 0.5)
+    assert r.engine.device_ms_per_keep(4096) is None  # nothing measured: the host's alone
+    assert r.relay.cost_ms_per_keep(4096) == pytest.approx(r.relay.host_ms_per_keep())
+    assert r.engine.keep_needs_plain
+    prefixes, suffixes = users(61, PROBE_EVERY, prefix_len=600)
+    for i, (p, s) in enumerate(zip(prefixes, suffixes, strict=True)):
+        prefix, suffix = rank_inputs(rank_request(p, s, f"q{i}"), RequestLimits())
+        key = r.model.psi_key(prefix.user_id, prefix.prefix_version, prefix.digest)
+        ranked = await r.rank(key, prefix, suffix)
+        assert close(ranked.result.scores, r.model.full([p], [s])[0])
+        assert (r.state(key) is None) == (prefix.user_id == PROBE_EVERY - 1)
+    assert r.relay.ranking_psi_probed == 1
+    assert ("ranking_psi", "probed") in r.events
+    # The batches measured a keep (fed here: the CPU's own are too noisy to assert on).
+    for i in range(64):
+        kept = 4096 * (i % 2)
+        r.engine.keep_device.observe(3e-3, 3e-3 + 66e-9 * kept, kept)
+    assert not r.engine.keep_needs_plain
+    assert r.engine.device_ms_per_keep(4096) == pytest.approx(0.27, rel=0.01)
+    host = r.relay.host_ms_per_keep()
+    assert host is not None
+    assert r.relay.cost_ms_per_keep(4096) == pytest.approx(host + 0.27, rel=0.01)
 
 
 async def test_while_the_host_is_pressed_the_relay_keeps_no_psi_and_copies_none(keeping):
