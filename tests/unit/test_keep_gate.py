@@ -118,9 +118,9 @@ def test_bad_measurements_are_ignored_and_bad_settings_refused():
         cost.observe(*bad)
     assert cost.per_token_s is None
     assert cost.needs_plain
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="memory and min_batches"):
         KeepDeviceCost(memory=0.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="memory and min_batches"):
         KeepDeviceCost(min_batches=0)
 
 
