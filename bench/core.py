@@ -302,7 +302,7 @@ def time_graph_passes(
     model: HSTURanker, prefixes: list[Any], suffixes: list[Any], sync: Any, reps: int, warm: int
 ) -> tuple[float, float, float]:
     """ms of a full ranking, of one that keeps its prefix's psi, and of a whole pre-inference of this batch replayed as CUDA graphs
-    (graph families full / preinfer, how the ranker serves them), captured first. Graphs sized
+    (graph families full / full_keep / preinfer, how the ranker serves them), captured first. Graphs sized
     for this batch alone, as the ranker's are for the shapes it serves (their staging copy
     grows with their capacity)."""
     from services.ranker.graphs import GraphLimits, RankGraphs
@@ -315,14 +315,20 @@ def time_graph_passes(
                          max_full_batch=len(prefixes))  # fmt: skip
     graphs = RankGraphs(model, limits, full_keeps_kv=True)
     chunks = [PrefixChunk(p, model.new_psi(p), 0, p.length) for p in prefixes]
-    # Both first (each remembers its bucket), then capture: one replay may not wait on the other.
-    full, built = graphs.full(prefixes, suffixes), graphs.preinfer(chunks)
-    if full is None or not built:
-        graphs.capture_pending(limit=4)
-    full, built = graphs.full(prefixes, suffixes), graphs.preinfer(chunks)
-    if full is None or not built:
+
+    def passes() -> tuple[Any, Any, bool]:
+        kept = graphs.full(prefixes, suffixes, [model.new_psi(p) for p in prefixes])
+        return graphs.full(prefixes, suffixes), kept, graphs.preinfer(chunks)
+
+    # All three first (each remembers its bucket: the plain and the keeping full families, the
+    # preinfer one), then capture: one replay may not wait on another.
+    full, kept, built = passes()
+    if full is None or kept is None or not built:
+        graphs.capture_pending(limit=6)
+    full, kept, built = passes()
+    if full is None or kept is None or not built:
         raise RuntimeError(
-            f"no full / preinfer CUDA graph for {len(prefixes)} x {prefixes[0].length}: {graphs.stats}"
+            f"no full / full_keep / preinfer CUDA graph for {len(prefixes)} x {prefixes[0].length}: {graphs.stats}"
         )
     full_ms = time_call(functools.partial(graphs.full, prefixes, suffixes), sync, reps, warm)
     # What a full ranking that keeps its prefix's psi costs (the relay's full recompute):

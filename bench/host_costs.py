@@ -192,7 +192,11 @@ def graph_ops(
                          max_prefix_tokens=args.prefix_len, max_full_tokens=tokens, max_full_batch=1)  # fmt: skip
     graphs = RankGraphs(model, limits, full_keeps_kv=True)
     for _attempt in range(2):  # the first call of each shape only asks for its capture
-        got = [graphs.launch_full(prefixes, suffixes), graphs.launch_rank(suffixes, psis, keys)]
+        got = [
+            graphs.launch_full(prefixes, suffixes),
+            graphs.launch_full(prefixes, suffixes, [model.new_psi(p) for p in prefixes]),  # full_keep
+            graphs.launch_rank(suffixes, psis, keys),
+        ]
         for pending in got:
             if pending is not None:
                 pending.wait()

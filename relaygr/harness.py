@@ -402,7 +402,7 @@ async def eps_against_full(router: Any, result: ReplayResult, materializer: Mate
 _DEVICE_SECONDS = 'relaygr_ranker_device_seconds_total{work="%s"}'
 
 
-GRAPH_FAMILIES = ("cached", "full", "preinfer")
+GRAPH_FAMILIES = ("cached", "full", "full_keep", "preinfer")
 
 
 COPY_WORKS = ("reload", "demote")

@@ -1721,7 +1721,7 @@ def signal_trip_ms(result: dict[str, Any], config: str) -> float:
 # The device loop's sections (services/ranker/loop_time.py) that run between one batch's launch
 # and the next's, on the host: settling the batch before, issuing copies, planning.
 _HOST_STEP_SECTIONS = ("settle", "copies", "plan")
-_RANK_FAMILIES = ("cached", "full")
+_RANK_FAMILIES = ("cached", "full", "full_keep")  # full_keep: from k30 on (graphs.py)
 
 
 def call_deadline_s(result: dict[str, Any], config: str, workload: str) -> float:

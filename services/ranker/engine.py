@@ -182,8 +182,8 @@ class EngineConfig:
     # Replay captured CUDA graphs for batches against psi (CUDA only).
     cuda_graphs: bool = True
     graph_limits: GraphLimits = field(default_factory=GraphLimits)
-    # Full rankings may leave their prefix's psi (rank_full(keep_psi=True)): their graphs then
-    # also write K/V (RankGraphs full_keeps_kv).
+    # Full rankings may leave their prefix's psi (rank_full(keep_psi=True)): those that do
+    # replay graphs that also write K/V (RankGraphs full_keeps_kv: the full_keep family).
     full_keeps_psi: bool = False
     # CUDA: pre-inference chunks that read psi replay graphs of their own family (RankGraphs).
     graph_psi_chunks: bool = True
@@ -761,7 +761,7 @@ class Engine:
         graphs = self.graphs
         if graphs is None:
             return 0
-        keys: list[BucketKey] = warm_full_keys(graphs.limits, graphs.chunks_reading_psi)
+        keys: list[BucketKey] = warm_full_keys(graphs.limits, graphs.chunks_reading_psi, graphs.full_keeps_kv)
         for n in tokens_per_user:
             for b in range(1, self.config.max_batch + 1):
                 key = bucket_for(b, b * n, n, graphs.limits)

@@ -1,8 +1,14 @@
 """CUDA graphs for the ranker's forward passes: one captured pass per shape bucket, replayed.
 
-Four families, each bucketed by (sequences, tokens, longest sequence):
+Five families, each bucketed by (sequences, tokens, longest sequence):
   * cached: ranking against psi (rank_cached's [eS_l, I] per user);
   * full: a full ranking ([U, S_l, eS_l, I] per user: the same pass against empty psi);
+  * full_keep (with `full_keeps_kv`): a full ranking that also writes every layer's K/V to the
+    static K/V buffer, copied into the psi blocks it keeps after the replay. Apart from the
+    full family so that a full ranking that keeps nothing does not pay for the K/V's writes:
+    16 more kernels and every layer's K and V copied, which made the relay's plain full
+    rankings of under 1000 tokens 0.17 ms (13%) slower on the device than the baseline's same
+    calls (k30c, H100, the length mix);
   * preinfer: a pre-inference step whose chunks each start at their prefix's first token (the
     pass over [U, S_l] tokens, every layer's K/V written to one static buffer, then copied into
     each user's psi block);
@@ -102,7 +108,9 @@ class GraphLimits:
 
 
 # Graph families (BucketKey.mode).
-CACHED, FULL, PREINFER, CHUNK = "cached", "full", "preinfer", "chunk"
+CACHED, FULL, FULL_KEEP, PREINFER, CHUNK = "cached", "full", "full_keep", "preinfer", "chunk"
+# The families of full rankings: the same buckets, the same limits.
+FULL_FAMILIES = (FULL, FULL_KEEP)
 # How a batch's inputs and scores cross between host and device (RankGraphs' batch_copies).
 BATCH_COPIES = tuple(b.value for b in BatchCopies)
 
@@ -146,16 +154,24 @@ def _full_ladder(max_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(s for s in sizes if s <= max_tokens))
 
 
-def warm_full_keys(limits: GraphLimits, chunks_reading_psi: bool = False) -> list[BucketKey]:
-    """The full and preinfer buckets (and the chunk family's, with `chunks_reading_psi`) of one
-    sequence at every size of their ladder (what the ranker captures at start-up, so that no
-    capture stalls the device thread mid-serving), at most max_full_graphs per family; and the
-    full family's buckets of several sequences up to `full_batch_tokens` (multi_full_keys)."""
+def warm_full_keys(
+    limits: GraphLimits, chunks_reading_psi: bool = False, full_keeps_kv: bool = False
+) -> list[BucketKey]:
+    """The full and preinfer buckets (and the chunk family's, with `chunks_reading_psi`; the
+    full_keep family's, with `full_keeps_kv`) of one sequence at every size of their ladder
+    (what the ranker captures at start-up, so that no capture stalls the device thread
+    mid-serving), at most max_full_graphs per family; and the full families' buckets of several
+    sequences up to `full_batch_tokens` (multi_full_keys)."""
     if limits.max_full_tokens <= 0:
         return []
     sizes = _full_ladder(limits.max_full_tokens)[: limits.max_full_graphs]
-    modes = (FULL, PREINFER, CHUNK) if chunks_reading_psi else (FULL, PREINFER)
-    return [BucketKey(1, t, t, mode) for mode in modes for t in sizes] + list(multi_full_keys(limits))
+    modes = (
+        [FULL, PREINFER] + ([CHUNK] if chunks_reading_psi else []) + ([FULL_KEEP] if full_keeps_kv else [])
+    )
+    multi = list(multi_full_keys(limits))
+    if full_keeps_kv:
+        multi += [BucketKey(k.batch, k.tokens, k.max_len, FULL_KEEP) for k in multi]
+    return [BucketKey(1, t, t, mode) for mode in modes for t in sizes] + multi
 
 
 @functools.lru_cache(maxsize=16)
@@ -191,7 +207,7 @@ def family_graph_cap(limits: GraphLimits, mode: str) -> int:
     others, the full family's also the several-sequence buckets captured at start-up."""
     if mode == CACHED:
         return limits.max_graphs
-    return limits.max_full_graphs + (len(multi_full_keys(limits)) if mode == FULL else 0)
+    return limits.max_full_graphs + (len(multi_full_keys(limits)) if mode in FULL_FAMILIES else 0)
 
 
 def token_ladder(max_tokens: int) -> list[int]:
@@ -337,7 +353,7 @@ class GraphStats:
     # "graph_limit", "capture_failed", "chunk_reads_psi" (a pre-inference chunk after a prefix's
     # first token).
     fallbacks: dict[str, int] = field(default_factory=dict)
-    # By family (CACHED, FULL, PREINFER): replays, and batches that ran eagerly.
+    # By family (CACHED, FULL, FULL_KEEP, PREINFER, CHUNK): replays, and batches that ran eagerly.
     replays_by_family: dict[str, int] = field(default_factory=dict)
     eager_by_family: dict[str, int] = field(default_factory=dict)
     # Host CPU seconds issuing the copies of full rankings' K/V into the psi they keep
@@ -348,7 +364,7 @@ class GraphStats:
         """{family: {"replays": n, "eager": n}} for every family (0 where none ran)."""
         return {
             f: {"replays": self.replays_by_family.get(f, 0), "eager": self.eager_by_family.get(f, 0)}
-            for f in (CACHED, FULL, PREINFER, CHUNK)
+            for f in (CACHED, FULL, FULL_KEEP, PREINFER, CHUNK)
         }
 
 
@@ -364,9 +380,9 @@ class RankGraphs:
         chunks_reading_psi: bool = False,
         batch_copies: str = BatchCopies.KERNEL.value,
     ) -> None:
-        """`full_keeps_kv`: full-ranking graphs also write every layer's K/V to the static K/V
-        buffer, so that a full ranking can leave its prefix's psi (full(..., psis)); about 2%
-        more device time per full ranking, paid only where rankings keep psi.
+        """`full_keeps_kv`: full rankings that keep psi replay graphs of the full_keep family, which
+        also write every layer's K/V to the static K/V buffer, so that a full ranking can leave
+        its prefix's psi (full(..., psis)); those that keep none replay the plain full family.
         `chunks_reading_psi`: pre-inference steps after a prefix's first chunk replay graphs of
         the chunk family too (module docstring) instead of running eagerly.
         `batch_copies`: how a batch's staged inputs reach the device and a replay's scores the
@@ -513,13 +529,13 @@ class RankGraphs:
         psi took 0.3 ms more of the device loop's launch than one that did not, k13b)."""
         keep = callable(psis) or (psis is not None and any(p is not None for p in psis))
         if keep and not self.full_keeps_kv:
-            self._fallback("kv_not_kept", FULL)
+            self._fallback("kv_not_kept", FULL_KEEP)
             return None
         if keep and not callable(psis):
             assert psis is not None
             self._check_kept(prefixes, psis)
         tokens = self.model.pack_full(prefixes, suffixes)
-        found = self._graph_for(FULL, tokens)
+        found = self._graph_for(FULL_KEEP if keep else FULL, tokens)
         if found is None:
             return None
         key, graph = found
@@ -589,7 +605,9 @@ class RankGraphs:
     def holds_full(self, lengths: Sequence[int]) -> bool:
         """Whether a batch of full rankings of these lengths (prefix plus suffix tokens each)
         would replay a graph captured already (the scheduler batches full rankings only into
-        such shapes). Called on the device thread, where captures happen."""
+        such shapes). Called on the device thread, where captures happen. The full family's
+        bucket: the full_keep family holds the same ones (warm_full_keys), a batch that keeps
+        psi where its graph is missing runs eagerly."""
         if not lengths:
             return False
         key = bucket_for(len(lengths), sum(lengths), max(lengths), self.limits, FULL)
@@ -815,7 +833,7 @@ class RankGraphs:
             assert self._kv_out is not None
             model.layers_writing(x, attend, self._kv_out)
             return None
-        if key.mode == FULL and self.full_keeps_kv:
+        if key.mode == FULL_KEEP:
             assert self._kv_out is not None
             x = model.layers_writing(x, attend, self._kv_out, last=True)
         else:
@@ -825,9 +843,7 @@ class RankGraphs:
 
     @torch.inference_mode()
     def _capture(self, key: BucketKey) -> _Graph:
-        if (
-            key.mode in (PREINFER, CHUNK) or (key.mode == FULL and self.full_keeps_kv)
-        ) and self._kv_out is None:
+        if key.mode in (PREINFER, CHUNK, FULL_KEEP) and self._kv_out is None:
             spec = self.model.spec
             self._kv_out = torch.empty(
                 spec.num_layers, 2, self.limits.max_full_tokens, spec.hidden,

@@ -13,7 +13,7 @@ import torch
 from kernels.device import accelerator
 from relaygr.synthetic import Shape, batch
 from services.ranker.engine import Engine, EngineConfig
-from services.ranker.graphs import FULL, GraphLimits
+from services.ranker.graphs import FULL_KEEP, GraphLimits
 from services.ranker.model import HSTURanker
 from shared.modelspec import preset
 from tests.waiting import eventually
@@ -198,8 +198,8 @@ async def test_a_take_over_of_a_preinference_not_started_replays_the_full_graph(
             await eventually(lambda: engine.producing(key), "the pre-inference is queued")  # noqa: B023
             call = asyncio.ensure_future(engine.relay(prefix, suffix, key, deadline=1e12))
             await eventually(lambda: engine.rank_queue_depth == 1, "the call is queued")
-            full_before = stats.replays_by_family.get(FULL, 0)
-            eager_before = stats.eager_by_family.get(FULL, 0)
+            full_before = stats.replays_by_family.get(FULL_KEEP, 0)
+            eager_before = stats.eager_by_family.get(FULL_KEEP, 0)
             release.set()
             await held
             served = await asyncio.wait_for(call, 60)
@@ -209,8 +209,9 @@ async def test_a_take_over_of_a_preinference_not_started_replays_the_full_graph(
             assert float((served.result.scores - w.cpu()).abs().max()) / scale < 3e-2
             kv_scale = max(float(ref.kv.float().abs().max()), 1e-3)
             assert float((psi.kv.float() - ref.kv.float()).abs().max()) <= 3e-2 * kv_scale
-            assert stats.replays_by_family.get(FULL, 0) == full_before + 1  # a replay, not eager
-            assert stats.eager_by_family.get(FULL, 0) == eager_before
+            # A replay of the keeping family (the take-over leaves psi), not eager.
+            assert stats.replays_by_family.get(FULL_KEEP, 0) == full_before + 1
+            assert stats.eager_by_family.get(FULL_KEEP, 0) == eager_before
             again = await engine.rank_cached(suffix, psi, psi.key)
             assert float((again.scores - w.cpu()).abs().max()) / scale < 3e-2
     finally:

@@ -159,7 +159,7 @@ def test_full_rankings_of_two_sequences_replay_graphs_captured_at_start_up(model
     limits = GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=2048, max_full_batch=2,
                          full_batch_tokens=1024)  # fmt: skip
     graphs = RankGraphs(model, limits, full_keeps_kv=True)
-    keys = warm_full_keys(limits)
+    keys = warm_full_keys(limits, full_keeps_kv=True)
     graphs.request(keys)
     graphs.capture_pending(limit=len(keys))
     assert not graphs.has_pending()
@@ -178,12 +178,15 @@ def test_full_rankings_of_two_sequences_replay_graphs_captured_at_start_up(model
         lengths = [p.length + s.length for p, s in zip(prefixes, suffixes, strict=True)]
         assert sum(lengths) <= limits.full_batch_tokens, lengths
         assert graphs.holds_full(lengths), lengths
-        replays = graphs.stats.replays_by_family.get("full", 0)
+        replays = graphs.stats.replays_by_family.get("full_keep", 0)
         psis: list = [model.new_psi(prefixes[0]), None]
         graphed = graphs.full(prefixes, suffixes, psis)
         assert graphed is not None
         assert not graphs.has_pending()
-        assert graphs.stats.replays_by_family["full"] == replays + 1
+        assert graphs.stats.replays_by_family["full_keep"] == replays + 1  # the keeping family
+        plain = graphs.stats.replays_by_family.get("full", 0)
+        assert max_rel(graphs.full(prefixes, suffixes), graphed) <= tol  # keeping nothing: plain
+        assert graphs.stats.replays_by_family["full"] == plain + 1
         torch.cuda.synchronize()
         alone = [model.full([p], [s])[0] for p, s in zip(prefixes, suffixes, strict=True)]
         assert max_rel(alone, graphed) <= tol, shapes
@@ -243,6 +246,9 @@ def test_a_full_graph_that_keeps_kv_leaves_the_psi_preinfer_builds(model):
             got = psi.kv.float()
             assert (got - want.kv.float()).abs().max() <= tol * max(float(want.kv.float().abs().max()), 1e-3)
             assert max_rel(model.rank_cached([s], [psi], [psi.key]), model.full([p], [s])) <= tol
+    # Batches that kept psi replayed the keeping family; the plain one was never asked for.
+    assert graphs.stats.replays_by_family["full_keep"] == len(cases)
+    assert graphs.stats.replays_by_family.get("full", 0) == 0
     # Plain full-ranking graphs keep no K/V: a batch that asks for psi is eager.
     plain = RankGraphs(
         model, GraphLimits(max_batch=2, max_tokens=256, max_full_tokens=4096, max_full_batch=2)
