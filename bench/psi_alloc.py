@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,11 +97,15 @@ def churn(
     budget_bytes: int,
     keep_fraction: float = 1.0,
     seed: int = 0,
+    footprint: Callable[[int], int] | None = None,
 ) -> Churn:
     """The psi allocations and frees of a relay that keeps psi from full rankings under an LRU
     byte budget. `requests`: (psi key, block bytes) in ranking order. A held key is a hit (and
     becomes the most recently used); any other keeps its block with probability keep_fraction,
-    first freeing the least recently used blocks until it fits."""
+    first freeing the least recently used blocks until it fits. `footprint`: the bytes the
+    budget counts for a block (size classes: its class's, as the ranker's cache admits them,
+    RelayCache psi_footprint); the ops keep the block's own bytes."""
+    counted = footprint if footprint is not None else (lambda n: n)
     draw = random.Random(seed)
     held: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()  # key -> (ident, nbytes)
     used = hits = allocs = evictions = too_large = 0
@@ -113,18 +117,19 @@ def churn(
             continue
         if draw.random() >= keep_fraction:
             continue
-        if nbytes > budget_bytes:
+        size = counted(nbytes)
+        if size > budget_bytes:
             too_large += 1
             continue
-        while used + nbytes > budget_bytes:
-            _, (ident, size) = held.popitem(last=False)
+        while used + size > budget_bytes:
+            _, (ident, evicted) = held.popitem(last=False)
             ops.append(Op("free", ident))
-            used -= size
+            used -= evicted
             evictions += 1
         ident = allocs
         allocs += 1
-        held[key] = (ident, nbytes)
-        used += nbytes
+        held[key] = (ident, size)
+        used += size
         ops.append(Op("alloc", ident, nbytes))
     return Churn(ops, hits, allocs, evictions, too_large)
 
@@ -203,11 +208,24 @@ def replay(
     return row
 
 
+def class_ratio(variant: str, args: argparse.Namespace) -> float:
+    """The variant's size classes' ratio (1.0: none)."""
+    return args.class_ratio if variant.partition("+")[2] == "classes" else 1.0
+
+
+def variant_plan(
+    variant: str, args: argparse.Namespace, requests: Sequence[tuple[tuple[int, int], int]]
+) -> Churn:
+    """The variant's churn: with size classes the budget counts class bytes (more evictions)."""
+    ratio = class_ratio(variant, args)
+    footprint = PsiSizeClasses(ratio).footprint if ratio > 1.0 else None
+    return churn(requests, int(args.budget_mb * MIB), args.keep_fraction, args.seed, footprint)
+
+
 def run_variant(variant: str, args: argparse.Namespace, ops: Sequence[Op]) -> dict[str, Any]:
-    name, _, classes = variant.partition("+")
-    ratio = args.class_ratio if classes == "classes" else 1.0
+    name = variant.partition("+")[0]
     budget, headroom = int(args.budget_mb * MIB), int(args.headroom_mb * MIB)
-    return replay(ops, args.device, ratio, headroom, budget) | {
+    return replay(ops, args.device, class_ratio(variant, args), headroom, budget) | {
         "variant": variant,
         "alloc_conf": ALLOC_CONFS[name],
     }
@@ -277,23 +295,26 @@ def parse(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _, args = parse(argv)
-    plan = churn(plan_requests(args), int(args.budget_mb * MIB), args.keep_fraction, args.seed)
+    requests = plan_requests(args)
     if args.only is not None:  # a child: one variant, its row as the last line
-        print(json.dumps(run_variant(args.only, args, plan.ops)))
+        print(json.dumps(run_variant(args.only, args, variant_plan(args.only, args, requests).ops)))
         return
-    counts = {"allocs": plan.allocs, "hits": plan.hits, "evictions": plan.evictions}
     rows = []
+    too_large = 0
     for variant in args.variants:
+        plan = variant_plan(variant, args, requests)
+        too_large = max(too_large, plan.too_large)
+        counts = {"allocs": plan.allocs, "hits": plan.hits, "evictions": plan.evictions}
         # CUDA: each in its own process (the allocator's settings are read once); CPU: here.
         row = _child(variant, argv) if args.device == "cuda" else run_variant(variant, args, plan.ops)
         rows.append(row | counts)
         print({k: row.get(k) for k in COLUMNS if k in row} | counts, flush=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "only")} | {
-        "too_large": plan.too_large
-    }
+    plan = variant_plan("default", args, requests)
+    config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "only")} | {"too_large": too_large}
     paths = write_result("psi-alloc", config, rows, COLUMNS, out_dir=args.out_dir, tag=args.tag,
                          header=f"psi's allocation churn (bench/psi_alloc.py): {plan.allocs} blocks kept, "
-                         f"{plan.evictions} evicted, {plan.hits} hits; budget {args.budget_mb:g} MiB, "
+                         f"{plan.evictions} evicted, {plan.hits} hits without size classes (with them: each "
+                         f"row's); budget {args.budget_mb:g} MiB, "
                          f"{args.headroom_mb:g} MiB free beside it; "
                          f"{'L' + str(args.prefix_len) if args.prefix_len else 'the length mix'}.\n\n")  # fmt: skip
     print("wrote", *paths)

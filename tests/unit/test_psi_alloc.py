@@ -39,6 +39,18 @@ def test_the_keep_fraction_is_a_draw_of_its_seed():
     assert churn(requests, budget_bytes=10**9, keep_fraction=1.0).allocs == 1000
 
 
+def test_with_size_classes_the_budget_counts_class_bytes_as_the_rankers_cache_does():
+    # Three 40-byte psi under a 100-byte budget: exact, two fit; counted as 50-byte classes, too.
+    requests = [((user, 1), 40) for user in range(3)]
+    exact = churn(requests, budget_bytes=100)
+    classes = churn(requests, budget_bytes=120, footprint=lambda n: 50)
+    assert (exact.allocs, exact.evictions) == (3, 1)
+    assert (classes.allocs, classes.evictions) == (3, 1)  # 3 x 50 > 120: one goes
+    assert [op.nbytes for op in classes.ops if op.kind == "alloc"] == [40, 40, 40]  # blocks' own bytes
+    assert churn(requests, budget_bytes=120).evictions == 0  # exact bytes would hold all three
+    assert churn([((1, 1), 40)], budget_bytes=45, footprint=lambda n: 50).too_large == 1
+
+
 def test_the_cpu_replay_writes_every_variant_without_allocator_figures(tmp_path):
     main(["--device", "cpu", "--duration-s", "3", "--rate", "100", "--budget-mb", "300",
           "--variants", "default", "expandable+classes", "--out-dir", str(tmp_path), "--tag", "t"])  # fmt: skip
@@ -53,6 +65,8 @@ def test_the_cpu_replay_writes_every_variant_without_allocator_figures(tmp_path)
         assert row["reserved_peak_gb"] is None
     assert rows[0]["class_waste"] == 0.0
     assert 0.0 < rows[1]["class_waste"] < 0.125
+    # Class bytes fill the budget sooner: at least as many evictions as exact bytes.
+    assert rows[1]["evictions"] >= rows[0]["evictions"]
 
 
 @pytest.mark.parametrize("flag", [["--keep-fraction", "0"], ["--class-ratio", "1"], ["--budget-mb", "-1"]])
