@@ -140,11 +140,13 @@ _STAGES = ("queue_ms", "launch_ms", "compute_ms", "cache_ms", "server_other_ms",
 
 
 def by_path(name: str, calls: Sequence[dict[str, Any]], slow_ms: float = 40.0) -> list[dict[str, Any]]:
-    """One row per (served_by, batch size) of the calls served OK (module docstring)."""
+    """One row per (served_by, batch size) of the calls served OK (module docstring); full
+    rankings that kept psi (records from k31 on: `psi_kept`) as `full_recompute+kept`."""
     ok = [c for c in calls if c.get("status") == "OK" and c.get("at_s") == c.get("at_s")]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = collections.defaultdict(list)
     for c in ok:
-        groups[(str(c.get("served_by", "")), int(c.get("batch", 0)))].append(c)
+        served = str(c.get("served_by", "")) + ("+kept" if c.get("psi_kept") else "")
+        groups[(served, int(c.get("batch", 0)))].append(c)
     slow_total = sum(1 for c in ok if c.get("latency_ms", 0.0) >= slow_ms)
     rows = []
     for (served, size), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):

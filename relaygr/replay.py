@@ -69,6 +69,7 @@ class RequestRecord:
     batch: int = 0  # calls in the batch that computed this one
     batch_tokens: int = 0  # tokens that batch computed
     batch_seq: int = 0  # that batch's number on its instance (0: not reported)
+    psi_kept: bool = False  # a full ranking that left its prefix's psi in the cache
     lag_ms: float = float("nan")  # Rank issued - scheduled time
     retrieval_lag_ms: float = float("nan")  # event handed to the producer - scheduled time
     publish_error: str = ""  # the event could not be published (type: message)
@@ -117,6 +118,7 @@ class RequestRecord:
             "batch": self.batch,
             "batch_tokens": self.batch_tokens,
             "batch_seq": self.batch_seq,
+            "psi_kept": self.psi_kept,
             **{
                 k: round(v, 1)
                 for k, v in (
@@ -401,7 +403,7 @@ async def replay(
                 t.cache_ms, t.queue_ms, t.compute_ms, t.total_ms,
             )  # fmt: skip
             rec.launch_ms, rec.batch, rec.batch_tokens = t.launch_ms, t.batch, t.batch_tokens
-            rec.batch_seq = t.batch_seq
+            rec.batch_seq, rec.psi_kept = t.batch_seq, t.psi_kept
             if score_sample_every > 0 and rec.index % score_sample_every == 0:
                 rec.scores = list(reply.scores)
             state.recent_ok_ms.append(rec.latency_ms)

@@ -882,6 +882,7 @@ class RankerService(pb_grpc.RankerServicer):
                 batch_tokens=result.batch_tokens,
                 launch_ms=result.launch_ms,
                 batch_seq=result.batch_seq,
+                psi_kept=ranked.served is Served.FULL_RECOMPUTE and result.psi is not None,
             ),
             model_version=self.model.model_version,
             instance_id=self.instance_id,

@@ -93,7 +93,7 @@ class PreInferReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PreInferReply.Outcome, str]] = ..., reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., fingerprint: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms", "prefix_reused", "batch", "batch_tokens", "launch_ms", "batch_seq")
+    __slots__ = ("cache_ms", "queue_ms", "compute_ms", "total_ms", "prefix_reused", "batch", "batch_tokens", "launch_ms", "batch_seq", "psi_kept")
     CACHE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class StageTimings(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PSI_KEPT_FIELD_NUMBER: _ClassVar[int]
     cache_ms: float
     queue_ms: float
     compute_ms: float
@@ -112,7 +113,8 @@ class StageTimings(_message.Message):
     batch_tokens: int
     launch_ms: float
     batch_seq: int
-    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefix_reused: _Optional[float] = ..., batch: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., launch_ms: _Optional[float] = ..., batch_seq: _Optional[int] = ...) -> None: ...
+    psi_kept: bool
+    def __init__(self, cache_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., prefix_reused: _Optional[float] = ..., batch: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., launch_ms: _Optional[float] = ..., batch_seq: _Optional[int] = ..., psi_kept: _Optional[bool] = ...) -> None: ...
 
 class PrefixRef(_message.Message):
     __slots__ = ("length", "fingerprint")

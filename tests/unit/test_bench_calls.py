@@ -96,6 +96,7 @@ def test_by_path_rows_say_which_path_and_stage_make_the_tail(tmp_path, capsys):
     records += [rec("dram_reload", 1, 45.0, cache_ms=30.0) for _ in range(3)] + [
         rec("full_recompute", 1, 60.0)
     ]
+    records += [rec("full_recompute", 1, 9.0) | {"psi_kept": True} for _ in range(2)]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     calls.main([str(path), "--by-path"])
@@ -110,6 +111,8 @@ def test_by_path_rows_say_which_path_and_stage_make_the_tail(tmp_path, capsys):
     # 4 calls at or over 40 ms: 3 reloads and the full ranking.
     assert reload["slow_share"] == 0.75
     assert rows[("full_recompute", 1)]["slow_share"] == 0.25
+    assert rows[("full_recompute", 1)]["calls"] == 1  # those that kept psi have a row of their own
+    assert rows[("full_recompute+kept", 1)]["calls"] == 2
     assert rows[("hbm_hit", 1)]["slow_share"] == 0.0
 
 

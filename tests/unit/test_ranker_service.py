@@ -212,6 +212,7 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
     first = await stub.Rank(req, timeout=30)
     assert first.served_by == pb.FULL_RECOMPUTE
     assert first.timings.prefix_reused == 0.0
+    assert first.timings.psi_kept  # the reply says so: per-call records tell keeping rankings apart
     stats = await stub.Stats(pb.StatsRequest(), timeout=5)
     assert stats.ranking_psi_min_tokens == 512
     assert stats.psi_from_rankings == 1
@@ -220,6 +221,7 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
     again = await stub.Rank(rank_request(prefixes[0], suffixes[0], "a2"), timeout=30)
     assert again.served_by == pb.HBM_HIT
     assert again.timings.prefix_reused == 1.0
+    assert not again.timings.psi_kept
     assert max_diff(again.scores, first.scores) <= TOL
     pre = await stub.PreInfer(preinfer_request(prefixes[0], "p1"), timeout=5)
     assert pre.outcome == pb.PreInferReply.ALREADY_RESIDENT  # nothing to pre-infer
@@ -228,6 +230,7 @@ async def test_a_full_ranking_keeps_psi_and_the_users_next_call_reads_it(ranker)
     for i in range(2):
         reply = await stub.Rank(rank_request(short[0], short_suffixes[0], f"s{i}"), timeout=30)
         assert reply.served_by == pb.FULL_RECOMPUTE
+        assert not reply.timings.psi_kept
     assert (await stub.Stats(pb.StatsRequest(), timeout=5)).psi_from_rankings == 1
 
 
