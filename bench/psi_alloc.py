@@ -300,16 +300,19 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_variant(args.only, args, variant_plan(args.only, args, requests).ops)))
         return
     rows = []
-    too_large = 0
+    plans: dict[float, Churn] = {}  # by class ratio: the variants without classes share one plan
     for variant in args.variants:
-        plan = variant_plan(variant, args, requests)
-        too_large = max(too_large, plan.too_large)
+        ratio = class_ratio(variant, args)
+        if ratio not in plans:
+            plans[ratio] = variant_plan(variant, args, requests)
+        plan = plans[ratio]
         counts = {"allocs": plan.allocs, "hits": plan.hits, "evictions": plan.evictions}
         # CUDA: each in its own process (the allocator's settings are read once); CPU: here.
         row = _child(variant, argv) if args.device == "cuda" else run_variant(variant, args, plan.ops)
         rows.append(row | counts)
         print({k: row.get(k) for k in COLUMNS if k in row} | counts, flush=True)
-    plan = variant_plan("default", args, requests)
+    plan = plans.get(1.0) or variant_plan("default", args, requests)
+    too_large = max(p.too_large for p in plans.values())
     config = {k: v for k, v in vars(args).items() if k not in ("out_dir", "only")} | {"too_large": too_large}
     paths = write_result("psi-alloc", config, rows, COLUMNS, out_dir=args.out_dir, tag=args.tag,
                          header=f"psi's allocation churn (bench/psi_alloc.py): {plan.allocs} blocks kept, "

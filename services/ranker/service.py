@@ -384,9 +384,9 @@ class RankerService(pb_grpc.RankerServicer):
                 returns = functools.partial(getattr, gate, "returns_per_action")
                 self.metrics.gate_returns.labels(name).set_function(_or_nan(returns))
                 self.metrics.gate_cost_ms.labels(name).set_function(_or_nan(cost))
-        per_token = lambda: self.engine.keep_device.per_token_s  # noqa: E731 (replaced by forget_batches)
+        # ms per 1000 kept tokens is us per token (read through the engine: forget_batches replaces the fit).
         self.metrics.keep_device_us_per_token.set_function(
-            _or_nan(lambda: None if (s := per_token()) is None else s * 1e6)
+            _or_nan(lambda: self.engine.device_ms_per_keep(1000))
         )
         self.metrics.rank_inflight.set_function(lambda: self.admission.inflight)
         self.metrics.rank_admission_limit.set_function(lambda: self.admission.limit)
